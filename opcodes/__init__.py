@@ -1,0 +1,21 @@
+"""The megatape instruction set: one opcode per module, registered in dataflow order.
+
+Importing this package registers every opcode; their numbers come from the order below and
+nowhere else (the tape, the VM and the generated interpreter all read :data:`REGISTRY`).
+"""
+from .base import (BY_OPCODE, HEADER, MAX_OPERANDS, MAX_WAITS, NO_COUNTER, REGISTRY, WORDS, Cost,
+                   Instruction, Layout, Region, Tiling, cdiv, next_pow2, register)
+from .config import PRESETS, ModelConfig
+
+# registration order = opcode numbers 1, 2, ...
+from .qkv import QKV
+from .attn_partial import AttnPartial
+from .attn_reduce import AttnReduce
+from .oproj import OProj
+from .gate_up import GateUp
+from .down import Down
+from .residual import Residual
+
+__all__ = ["BY_OPCODE", "HEADER", "MAX_OPERANDS", "MAX_WAITS", "NO_COUNTER", "REGISTRY", "WORDS", "Cost",
+           "Instruction", "Layout", "Region", "Tiling", "cdiv", "next_pow2", "register", "PRESETS",
+           "ModelConfig", "QKV", "AttnPartial", "AttnReduce", "OProj", "GateUp", "Down", "Residual"]

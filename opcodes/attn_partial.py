@@ -1,0 +1,137 @@
+"""ATTN_PARTIAL: flash-decoding partial attention of one KV head's query group over one split
+of the key sequence.
+
+The ``pos + 1`` keys are cut into ``NS`` equal splits at run time (the tape is the same at
+every position); split ``s`` covers keys ``[s*c, min((s+1)*c, pos+1))`` with ``c = cdiv(pos+1, NS)``.
+The G = n_q / n_kv query heads that share KV head ``g`` are processed together, so each K/V
+block is loaded once for all of them (GQA). Writes per query head the running max ``m``, the
+sum ``l`` (base 2) and the unnormalised ``acc = sum_t p_t v_t`` for the reduction.
+Bytes: ``2 * c * hd * 2`` of K and V from HBM.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .base import Cost, Instruction, Layout, Region, cdiv, register
+from .common import T_KC, T_VC, tab_offset
+
+
+@triton.jit
+def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr,
+                        NQ: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                        MAXS: tl.constexpr, QSCALE: tl.constexpr, NS: tl.constexpr,
+                        ATTN_BLOCK: tl.constexpr):
+    n = pos + 1
+    chunk = (n + NS - 1) // NS
+    start = s * chunk
+    stop = tl.minimum(start + chunk, n)
+    hq = tl.arange(0, GP)
+    hm = hq < G
+    dcol = tl.arange(0, HD)
+    qrow = g * G + hq
+    q = tl.load(q_ptr + layer * (NQ * HD) + qrow[:, None] * HD + dcol[None, :], mask=hm[:, None],
+                other=0.0, cache_modifier=".cg")
+    qs = (q * QSCALE).to(tl.bfloat16)                          # scores come out in base 2
+    kbase = kc_ptr + tab_offset(wtab_ptr, layer, T_KC) + g * (MAXS * HD)
+    vbase = vc_ptr + tab_offset(wtab_ptr, layer, T_VC) + g * (MAXS * HD)
+    m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, HD], dtype=tl.float32)
+    # each iteration streams 2 x ATTN_BLOCK x HD bf16 of K and V
+    for kb in range(start, stop, ATTN_BLOCK):
+        keys = kb + tl.arange(0, ATTN_BLOCK)
+        km = keys < stop
+        k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
+                    cache_modifier=".cg")
+        sc = tl.dot(qs, tl.trans(k))                           # [GP, ATTN_BLOCK] fp32
+        sc = tl.where(km[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        p = tl.exp2(sc - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
+                    cache_modifier=".cg")
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
+        m_i = m_new
+    prow = (layer * NQ + qrow) * NS + s
+    tl.store(part_o_ptr + prow[:, None] * HD + dcol[None, :], acc, mask=hm[:, None])
+    tl.store(part_ml_ptr + prow * 2, m_i, mask=hm)
+    tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=hm)
+
+
+@register
+@dataclass(frozen=True)
+class AttnPartial(Instruction):
+    layer: int
+    g: int        # KV head
+    s: int        # split of the key sequence
+
+    NAME = "attn_partial"
+    STAGE = 1
+    ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr",
+            "NQ", "HD", "G", "GP", "MAXS", "QSCALE", "NS", "ATTN_BLOCK")
+    device = attn_partial_device
+
+    def check_operands(self, lay: Layout) -> list[str]:
+        c = lay.cfg
+        bad = []
+        if not 0 <= self.layer < c.layers:
+            bad.append(f"layer {self.layer} not in [0, {c.layers})")
+        if not 0 <= self.g < c.n_kv:
+            bad.append(f"g {self.g} not in [0, {c.n_kv})")
+        if not 0 <= self.s < lay.tiling.attn_splits:
+            bad.append(f"s {self.s} not in [0, {lay.tiling.attn_splits})")
+        return bad
+
+    def reads(self, lay: Layout) -> list[Region]:
+        c = lay.cfg
+        q0 = self.layer * c.q_dim + self.g * c.group * c.hd
+        kv0 = self.layer * c.kv_dim + self.g * c.hd
+        # conservatively: every split may hold the key at pos (the split that does depends on pos)
+        return [Region("q", q0, q0 + c.group * c.hd), Region("kv_new_k", kv0, kv0 + c.hd),
+                Region("kv_new_v", kv0, kv0 + c.hd)]
+
+    def writes(self, lay: Layout) -> list[Region]:
+        c, ns = lay.cfg, lay.tiling.attn_splits
+        out = []
+        for h in range(self.g * c.group, (self.g + 1) * c.group):
+            row = (self.layer * c.n_q + h) * ns + self.s
+            out.append(Region("part_o", row * c.hd, (row + 1) * c.hd))
+            out.append(Region("part_ml", row * 2, row * 2 + 2))
+        return out
+
+    def cost(self, lay: Layout, n_keys: int | None = None) -> Cost:
+        c = lay.cfg
+        n_keys = lay.max_seq if n_keys is None else n_keys
+        per = cdiv(n_keys, lay.tiling.attn_splits)
+        return Cost(hbm_bytes=2 * 2 * per * c.hd, l2_bytes=4 * c.group * c.hd * 2,
+                    flops=4 * c.group * per * c.hd)
+
+    def run_torch(self, lay: Layout, st) -> None:
+        c, ns = lay.cfg, lay.tiling.attn_splits
+        n = st.pos + 1
+        chunk = cdiv(n, ns)
+        start, stop = self.s * chunk, min((self.s + 1) * chunk, n)
+        q = st.buf["q"].view(c.layers, c.n_q, c.hd)[self.layer, self.g * c.group:(self.g + 1) * c.group]
+        po = st.buf["part_o"].view(c.layers, c.n_q, ns, c.hd)
+        pml = st.buf["part_ml"].view(c.layers, c.n_q, ns, 2)
+        hs = slice(self.g * c.group, (self.g + 1) * c.group)
+        if start >= stop:
+            po[self.layer, hs, self.s] = 0.0
+            pml[self.layer, hs, self.s, 0] = float("-inf")
+            pml[self.layer, hs, self.s, 1] = 0.0
+            return
+        k = st.kv[self.layer][0][0, self.g, start:stop].float()
+        v = st.kv[self.layer][1][0, self.g, start:stop].float()
+        qs = q * (1.4426950408889634 / math.sqrt(c.hd))
+        sc = qs @ k.T                                            # [G, T] base-2 scores
+        m = sc.max(dim=1).values
+        p = torch.exp2(sc - m[:, None])
+        po[self.layer, hs, self.s] = p @ v
+        pml[self.layer, hs, self.s, 0] = m
+        pml[self.layer, hs, self.s, 1] = p.sum(dim=1)

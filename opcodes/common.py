@@ -1,0 +1,72 @@
+"""Kernel parameters shared by every opcode's device function, and small jit helpers.
+
+The interpreter kernel's signature is generated from these lists (``interp/codegen.py``); an
+opcode names the parameters it needs in its ``ARGS``.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Per-layer table of int64 element offsets, relative to the layer-0 tensor passed to the kernel,
+# one row per layer: the kernel reaches layer l's weights and KV cache without a repack.
+TAB_NAMES = ("in_norm", "post_norm", "q", "k", "v", "o", "gate", "up", "down", "kc", "vc")
+NTAB = tl.constexpr(len(TAB_NAMES))
+T_N1 = tl.constexpr(0)
+T_N2 = tl.constexpr(1)
+T_WQ = tl.constexpr(2)
+T_WK = tl.constexpr(3)
+T_WV = tl.constexpr(4)
+T_WO = tl.constexpr(5)
+T_WG = tl.constexpr(6)
+T_WU = tl.constexpr(7)
+T_WD = tl.constexpr(8)
+T_KC = tl.constexpr(9)
+T_VC = tl.constexpr(10)
+assert TAB_NAMES.index("vc") == T_VC.value and TAB_NAMES.index("in_norm") == T_N1.value
+
+#: pointer parameters, in kernel-signature order
+KERNEL_PTRS = (
+    "x_ptr", "out_ptr", "xout_ptr", "wtab_ptr",
+    "n1_ptr", "n2_ptr", "wq_ptr", "wk_ptr", "wv_ptr", "wo_ptr", "wg_ptr", "wu_ptr", "wd_ptr",
+    "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr",
+    "q_ptr", "part_o_ptr", "part_ml_ptr", "attn_ptr", "x1_ptr", "act_ptr", "dpart_ptr",
+)
+#: compile-time parameters (model shape and tiling), in kernel-signature order
+KERNEL_CONSTEXPRS = (
+    "NL", "D", "FFN", "NQ", "NKV", "HD", "G", "GP", "MAXS", "EPS", "QSCALE",
+    "QKV_ROWS", "O_ROWS", "GU_ROWS", "DOWN_ROWS", "DOWN_K", "NKC", "RED_ROWS",
+    "NS", "NSP", "ATTN_BLOCK", "BK",
+)
+#: scalar runtime parameters every device function may take
+KERNEL_SCALARS = ("pos",)
+
+
+def constexpr_values(lay) -> dict:
+    """The values of :data:`KERNEL_CONSTEXPRS` for a :class:`~opcodes.base.Layout`."""
+    import math
+    c, t = lay.cfg, lay.tiling
+    return dict(
+        NL=c.layers, D=c.d, FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd, G=c.group,
+        GP=max(16, triton.next_power_of_2(c.group)), MAXS=lay.max_seq, EPS=float(c.eps),
+        QSCALE=float(1.4426950408889634 / math.sqrt(c.hd)),
+        QKV_ROWS=t.qkv_rows, O_ROWS=t.o_rows, GU_ROWS=t.gu_rows, DOWN_ROWS=t.down_rows,
+        DOWN_K=t.down_k, NKC=lay.n_down_k, RED_ROWS=t.red_rows, NS=t.attn_splits,
+        NSP=triton.next_power_of_2(t.attn_splits), ATTN_BLOCK=t.attn_block, BK=t.bk,
+    )
+
+
+@triton.jit
+def tab_offset(wtab_ptr, layer, idx):
+    """Element offset of tensor ``idx`` of ``layer`` from the layer-0 tensor (16-byte aligned)."""
+    return tl.multiple_of(tl.load(wtab_ptr + layer * NTAB + idx), 8)
+
+
+@triton.jit
+def layer_input(x_ptr, xout_ptr, layer, D: tl.constexpr):
+    """The residual stream entering ``layer``: the caller's x, or the previous layer's output."""
+    if layer == 0:
+        src = x_ptr
+    else:
+        src = xout_ptr + (layer - 1) * D
+    return src

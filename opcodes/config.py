@@ -1,0 +1,148 @@
+"""Model configuration and tiling: the typed form of the spec's ``cfg`` dict.
+
+A :class:`ModelConfig` is the shape of the model (what the weights are); a :class:`Tiling`
+is how megatape cuts it into instructions (what the kernel runs). Both are validated on
+construction so that a bad value is reported where it was given, not deep inside the kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+WDTYPES = ("bf16",)
+
+
+def _check_pos_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"cfg[{name!r}] must be an int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"cfg[{name!r}] must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One Llama-family decoder stack. Field names follow the spec's ``cfg`` dict."""
+
+    layers: int
+    d: int
+    ffn: int
+    n_q: int
+    n_kv: int
+    hd: int
+    eps: float = 1e-5
+    theta: float = 500000.0
+    wdtype: str = "bf16"
+    vocab: int = 0          # 0: no embedding / LM head (the spec's single-layer task)
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self):
+        for k in ("layers", "d", "ffn", "n_q", "n_kv", "hd"):
+            _check_pos_int(k, getattr(self, k))
+        if isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab < 0:
+            raise ValueError(f"cfg['vocab'] must be an int >= 0, got {self.vocab!r}")
+        if self.n_q % self.n_kv:
+            raise ValueError(f"cfg['n_q'] = {self.n_q} must be a multiple of cfg['n_kv'] = {self.n_kv} (GQA)")
+        if self.hd % 2:
+            raise ValueError(f"cfg['hd'] = {self.hd} must be even (RoPE rotates pairs of dims)")
+        if self.hd & (self.hd - 1):
+            raise ValueError(f"cfg['hd'] = {self.hd} must be a power of two (the attention tile is hd wide)")
+        for k in ("eps", "theta"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"cfg[{k!r}] must be a positive number, got {v!r}")
+        if self.wdtype not in WDTYPES:
+            raise ValueError(f"cfg['wdtype'] must be one of {WDTYPES}, got {self.wdtype!r}")
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (the GQA ratio)."""
+        return self.n_q // self.n_kv
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_q * self.hd
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv * self.hd
+
+    def layer_weight_bytes(self) -> int:
+        """bf16 bytes of one layer's weights (norm vectors included)."""
+        d = self.d
+        mats = self.q_dim * d + 2 * self.kv_dim * d + d * self.q_dim + 3 * self.ffn * d
+        return 2 * (mats + 2 * d)
+
+    def kv_bytes(self, n_keys: int) -> int:
+        """bf16 bytes of K and V read by one layer's attention over ``n_keys`` keys (batch 1)."""
+        return 2 * 2 * self.n_kv * n_keys * self.hd
+
+    def bytes_per_step(self, pos: int) -> int:
+        """HBM bytes one decode step at ``pos`` must move: weights + KV read, once each."""
+        b = self.layers * (self.layer_weight_bytes() + self.kv_bytes(pos + 1))
+        if self.vocab:
+            b += 2 * self.vocab * self.d * 2 + 2 * self.d  # embed row is tiny; lm_head streams
+        return b
+
+    def spec_bytes_per_step(self, pf: int = 4096, ds: int = 32) -> int:
+        """The seed spec's ``bytes_per_step``: matrices (no norm vectors) + KV of pf+ds keys."""
+        d = self.d
+        wb = (self.q_dim * d + 2 * self.kv_dim * d + d * self.q_dim + 3 * self.ffn * d) * 2
+        return self.layers * (wb + 2 * self.n_kv * (pf + ds) * self.hd * 2)
+
+    # ---- conversions ---------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("name")
+        if not self.vocab:
+            d.pop("vocab")
+        return d
+
+    @classmethod
+    def from_dict(cls, cfg: dict, name: str = "custom") -> "ModelConfig":
+        if isinstance(cfg, ModelConfig):
+            return cfg
+        if not isinstance(cfg, dict):
+            raise TypeError(f"cfg must be a dict or ModelConfig, got {type(cfg).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)} - {"name"}
+        unknown = set(cfg) - known
+        if unknown:
+            raise ValueError(f"cfg has unknown keys {sorted(unknown)}; known keys are {sorted(known)}")
+        missing = {"layers", "d", "ffn", "n_q", "n_kv", "hd"} - set(cfg)
+        if missing:
+            raise ValueError(f"cfg is missing required keys {sorted(missing)}")
+        return cls(**cfg, name=name)
+
+    def with_layers(self, layers: int) -> "ModelConfig":
+        return dataclasses.replace(self, layers=layers, name=f"{self.name}x{layers}")
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelConfig":
+        try:
+            return PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
+
+
+def _p(name, **kw) -> ModelConfig:
+    return ModelConfig(name=name, **kw)
+
+
+#: Shapes of real models (weights are random in tests and benchmarks) and small test configs.
+PRESETS: dict[str, ModelConfig] = {
+    # the seed spec's layer: one 70B-class decoder layer
+    "llama70b-layer": _p("llama70b-layer", layers=1, d=8192, ffn=28672, n_q=64, n_kv=8, hd=128,
+                         eps=1e-5, theta=500000.0),
+    "llama70b-16": _p("llama70b-16", layers=16, d=8192, ffn=28672, n_q=64, n_kv=8, hd=128,
+                      eps=1e-5, theta=500000.0),
+    "llama3.1-8b": _p("llama3.1-8b", layers=32, d=4096, ffn=14336, n_q=32, n_kv=8, hd=128,
+                      eps=1e-5, theta=500000.0, vocab=128256),
+    "llama3.2-1b": _p("llama3.2-1b", layers=16, d=2048, ffn=8192, n_q=32, n_kv=8, hd=64,
+                      eps=1e-5, theta=500000.0, vocab=128256),
+    # small configs for CPU tests (Triton interpreter and the tape VM)
+    "tiny": _p("tiny", layers=1, d=64, ffn=128, n_q=4, n_kv=1, hd=16, theta=10000.0),        # GQA 4
+    "tiny-gqa8": _p("tiny-gqa8", layers=1, d=96, ffn=224, n_q=8, n_kv=1, hd=16, theta=10000.0),  # GQA 8, not pow2
+    "tiny-mha": _p("tiny-mha", layers=1, d=80, ffn=176, n_q=2, n_kv=2, hd=32, theta=10000.0),   # GQA 1, not pow2
+    "small-gqa4": _p("small-gqa4", layers=1, d=192, ffn=448, n_q=8, n_kv=2, hd=32),            # not pow2
+    "small-2layer": _p("small-2layer", layers=2, d=128, ffn=320, n_q=4, n_kv=2, hd=32),
+}

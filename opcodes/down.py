@@ -1,0 +1,97 @@
+"""DOWN: one (row tile, K chunk) of the down projection, written as a partial sum.
+
+    dpart[kc, r] = Wdown[r, K_kc] . act[K_kc]     K_kc = [kc*DOWN_K, (kc+1)*DOWN_K) of ffn
+
+A tile waits only for the gate/up tiles of its own K chunk. Partials are summed in a fixed
+order by RESIDUAL, so the result does not depend on the schedule (bitwise).
+Streams ``DOWN_ROWS * DOWN_K * 2`` bytes of Wdown.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from .base import Cost, Instruction, Layout, Region, register
+from .common import T_WD, tab_offset
+
+
+@triton.jit
+def down_device(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
+                D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
+                NKC: tl.constexpr, BK: tl.constexpr):
+    EVEN: tl.constexpr = (FFN % DOWN_K == 0) and (DOWN_K % BK == 0) and (D % DOWN_ROWS == 0)
+    rows = row0 + tl.arange(0, DOWN_ROWS)
+    rm = rows < D
+    w_ptr = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
+    a_ptr = act_ptr + layer * FFN
+    kbase = kc * DOWN_K
+    acc = tl.zeros([DOWN_ROWS, BK], dtype=tl.float32)
+    # each iteration streams DOWN_ROWS x BK bf16 of Wdown
+    for kk in range(0, DOWN_K, BK):
+        cols = kbase + kk + tl.arange(0, BK)
+        if EVEN:
+            a = tl.load(a_ptr + cols, cache_modifier=".cg")
+            w = tl.load(w_ptr + rows[:, None] * FFN + cols[None, :], eviction_policy="evict_first")
+        else:
+            cm = ((kk + tl.arange(0, BK)) < DOWN_K) & (cols < FFN)
+            a = tl.load(a_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg")
+            w = tl.load(w_ptr + rows[:, None] * FFN + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+    tl.store(dpart_ptr + (layer * NKC + kc) * D + rows, tl.sum(acc, axis=1), mask=rm)
+
+
+@register
+@dataclass(frozen=True)
+class Down(Instruction):
+    layer: int
+    row0: int
+    kc: int
+
+    NAME = "down"
+    STAGE = 5
+    ARGS = ("wtab_ptr", "wd_ptr", "act_ptr", "dpart_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "NKC", "BK")
+    device = down_device
+
+    def check_operands(self, lay: Layout) -> list[str]:
+        c, r = lay.cfg, lay.tiling.down_rows
+        bad = []
+        if not 0 <= self.layer < c.layers:
+            bad.append(f"layer {self.layer} not in [0, {c.layers})")
+        if not (0 <= self.row0 < c.d and self.row0 % r == 0):
+            bad.append(f"row0 {self.row0} not a multiple of {r} in [0, {c.d})")
+        if not 0 <= self.kc < lay.n_down_k:
+            bad.append(f"kc {self.kc} not in [0, {lay.n_down_k})")
+        return bad
+
+    def _rows(self, lay: Layout) -> tuple[int, int]:
+        return self.row0, min(self.row0 + lay.tiling.down_rows, lay.cfg.d)
+
+    def _ks(self, lay: Layout) -> tuple[int, int]:
+        k = lay.tiling.down_k
+        return self.kc * k, min((self.kc + 1) * k, lay.cfg.ffn)
+
+    def reads(self, lay: Layout) -> list[Region]:
+        k0, k1 = self._ks(lay)
+        base = self.layer * lay.cfg.ffn
+        return [Region("act", base + k0, base + k1)]
+
+    def writes(self, lay: Layout) -> list[Region]:
+        lo, hi = self._rows(lay)
+        base = (self.layer * lay.n_down_k + self.kc) * lay.cfg.d
+        return [Region("dpart", base + lo, base + hi)]
+
+    def cost(self, lay: Layout) -> Cost:
+        lo, hi = self._rows(lay)
+        k0, k1 = self._ks(lay)
+        return Cost(hbm_bytes=2 * (hi - lo) * (k1 - k0), l2_bytes=4 * (k1 - k0) + 4 * (hi - lo),
+                    flops=2 * (hi - lo) * (k1 - k0))
+
+    def run_torch(self, lay: Layout, st) -> None:
+        c = lay.cfg
+        lo, hi = self._rows(lay)
+        k0, k1 = self._ks(lay)
+        a = st.buf["act"].view(c.layers, c.ffn)[self.layer, k0:k1]
+        y = st.weights[self.layer]["down"][lo:hi, k0:k1].float() @ a
+        st.buf["dpart"].view(c.layers, lay.n_down_k, c.d)[self.layer, self.kc, lo:hi] = y

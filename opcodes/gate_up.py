@@ -1,0 +1,108 @@
+"""GATE_UP: one row tile of the SwiGLU input projections, with the post-attention RMSNorm.
+
+    h      = x1 * rsqrt(mean(x1^2) + eps) * post_norm
+    act[r] = silu(Wgate[r] . h) * (Wup[r] . h)       for the tile's GU_ROWS rows r
+
+The (1, ffn) activation is produced a block at a time; the down projection consumes each
+block as soon as the tiles of its K range are done. Streams ``2 * GU_ROWS * d * 2`` bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .base import Cost, Instruction, Layout, Region, register
+from .common import T_N2, T_WG, T_WU, tab_offset
+
+
+@triton.jit
+def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
+                   D: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
+                   BK: tl.constexpr):
+    EVEN: tl.constexpr = (D % BK == 0) and (FFN % GU_ROWS == 0)
+    rows = row0 + tl.arange(0, GU_ROWS)
+    rm = rows < FFN
+    g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
+    u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
+    nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
+    xin = x1_ptr + layer * D
+    accg = tl.zeros([GU_ROWS, BK], dtype=tl.float32)
+    accu = tl.zeros([GU_ROWS, BK], dtype=tl.float32)
+    ss = tl.zeros([BK], dtype=tl.float32)
+    # each iteration streams 2 x GU_ROWS x BK bf16 of Wgate and Wup
+    for k0 in range(0, D, BK):
+        cols = k0 + tl.arange(0, BK)
+        if EVEN:
+            xv = tl.load(xin + cols, cache_modifier=".cg")
+            nw = tl.load(nw_ptr + cols).to(tl.float32)
+            wg = tl.load(g_ptr + rows[:, None] * D + cols[None, :], eviction_policy="evict_first")
+            wu = tl.load(u_ptr + rows[:, None] * D + cols[None, :], eviction_policy="evict_first")
+        else:
+            cm = cols < D
+            m2 = rm[:, None] & cm[None, :]
+            xv = tl.load(xin + cols, mask=cm, other=0.0, cache_modifier=".cg")
+            nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+            wg = tl.load(g_ptr + rows[:, None] * D + cols[None, :], mask=m2, other=0.0)
+            wu = tl.load(u_ptr + rows[:, None] * D + cols[None, :], mask=m2, other=0.0)
+        ss += xv * xv
+        hv = (xv * nw)[None, :]
+        accg += wg.to(tl.float32) * hv
+        accu += wu.to(tl.float32) * hv
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
+    gv = tl.sum(accg, axis=1) * rstd
+    uv = tl.sum(accu, axis=1) * rstd
+    act = gv / (1.0 + tl.exp(-gv)) * uv
+    tl.store(act_ptr + layer * FFN + rows, act, mask=rm)
+
+
+@register
+@dataclass(frozen=True)
+class GateUp(Instruction):
+    layer: int
+    row0: int
+
+    NAME = "gate_up"
+    STAGE = 4
+    ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "FFN", "EPS", "GU_ROWS", "BK")
+    device = gate_up_device
+
+    def check_operands(self, lay: Layout) -> list[str]:
+        c, r = lay.cfg, lay.tiling.gu_rows
+        bad = []
+        if not 0 <= self.layer < c.layers:
+            bad.append(f"layer {self.layer} not in [0, {c.layers})")
+        if not (0 <= self.row0 < c.ffn and self.row0 % r == 0):
+            bad.append(f"row0 {self.row0} not a multiple of {r} in [0, {c.ffn})")
+        return bad
+
+    def _rows(self, lay: Layout) -> tuple[int, int]:
+        return self.row0, min(self.row0 + lay.tiling.gu_rows, lay.cfg.ffn)
+
+    def reads(self, lay: Layout) -> list[Region]:
+        d = lay.cfg.d
+        return [Region("x1", self.layer * d, (self.layer + 1) * d)]
+
+    def writes(self, lay: Layout) -> list[Region]:
+        lo, hi = self._rows(lay)
+        base = self.layer * lay.cfg.ffn
+        return [Region("act", base + lo, base + hi)]
+
+    def cost(self, lay: Layout) -> Cost:
+        d = lay.cfg.d
+        lo, hi = self._rows(lay)
+        return Cost(hbm_bytes=2 * 2 * (hi - lo) * d, l2_bytes=4 * d + 2 * d + 4 * (hi - lo),
+                    flops=4 * (hi - lo) * d)
+
+    def run_torch(self, lay: Layout, st) -> None:
+        c = lay.cfg
+        lo, hi = self._rows(lay)
+        x = st.buf["x1"].view(c.layers, c.d)[self.layer]
+        nw = st.weights[self.layer]["post_norm"].float()
+        rstd = torch.rsqrt((x * x).sum() / c.d + c.eps)
+        h = x * nw
+        g = (st.weights[self.layer]["gate"][lo:hi].float() @ h) * rstd
+        u = (st.weights[self.layer]["up"][lo:hi].float() @ h) * rstd
+        st.buf["act"].view(c.layers, c.ffn)[self.layer, lo:hi] = torch.nn.functional.silu(g) * u

@@ -1,0 +1,163 @@
+"""QKV: one tile of the fused Q/K/V projection, with RMSNorm, RoPE and the KV append fused in.
+
+    h      = x * rsqrt(mean(x^2) + eps) * in_norm           (fp32, the scale applied at the end)
+    y[r]   = W[r, :] . h          for the tile's rows r of Wq, Wk or Wv
+    q/k    = rope(y, pos)         rotate_half, fp32 cos/sin
+    q -> q scratch (fp32);  k, v -> kv_cache[layer][:, head, pos] (bf16, in place)
+
+A tile covers ``QKV_ROWS`` rows of one head: ``QKV_ROWS/2`` dims ``[j*H, (j+1)*H)`` of the first
+half of the head and the same dims of the second half, so each RoPE pair lives in one tile.
+The tile reads ``QKV_ROWS * d * 2`` bytes of weights; x and in_norm (2 x 2d bytes) come from L2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .base import Cost, Instruction, Layout, Region, register
+from .common import T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, layer_input, tab_offset
+
+SECTIONS = ("q", "k", "v")
+
+
+@triton.jit
+def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
+               kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
+               D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAXS: tl.constexpr,
+               EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr):
+    HALF: tl.constexpr = QKV_ROWS // 2
+    EVEN_K: tl.constexpr = D % BK == 0
+    dims = j * HALF + tl.arange(0, HALF)                       # [HALF] in [0, HD/2)
+    if sec == 0:
+        w_ptr = wq_ptr + tab_offset(wtab_ptr, layer, T_WQ)
+    elif sec == 1:
+        w_ptr = wk_ptr + tab_offset(wtab_ptr, layer, T_WK)
+    else:
+        w_ptr = wv_ptr + tab_offset(wtab_ptr, layer, T_WV)
+    xin = layer_input(x_ptr, xout_ptr, layer, D)
+    nw_ptr = n1_ptr + tab_offset(wtab_ptr, layer, T_N1)
+    rows1 = head * HD + dims
+    rows2 = rows1 + HD // 2
+    acc1 = tl.zeros([HALF, BK], dtype=tl.float32)
+    acc2 = tl.zeros([HALF, BK], dtype=tl.float32)
+    ss = tl.zeros([BK], dtype=tl.float32)
+    # each iteration streams QKV_ROWS x BK bf16 weights
+    for k0 in range(0, D, BK):
+        cols = k0 + tl.arange(0, BK)
+        if EVEN_K:
+            xv = tl.load(xin + cols, cache_modifier=".cg").to(tl.float32)
+            nw = tl.load(nw_ptr + cols).to(tl.float32)
+            w1 = tl.load(w_ptr + rows1[:, None] * D + cols[None, :], eviction_policy="evict_first")
+            w2 = tl.load(w_ptr + rows2[:, None] * D + cols[None, :], eviction_policy="evict_first")
+        else:
+            cm = cols < D
+            xv = tl.load(xin + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+            w1 = tl.load(w_ptr + rows1[:, None] * D + cols[None, :], mask=cm[None, :], other=0.0)
+            w2 = tl.load(w_ptr + rows2[:, None] * D + cols[None, :], mask=cm[None, :], other=0.0)
+        ss += xv * xv
+        hv = (xv * nw)[None, :]
+        acc1 += w1.to(tl.float32) * hv
+        acc2 += w2.to(tl.float32) * hv
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
+    y1 = tl.sum(acc1, axis=1) * rstd
+    y2 = tl.sum(acc2, axis=1) * rstd
+    rot = sec < 2
+    c = tl.load(cos_ptr + pos * (HD // 2) + dims)
+    s = tl.load(sin_ptr + pos * (HD // 2) + dims)
+    c = tl.where(rot, c, 1.0)
+    s = tl.where(rot, s, 0.0)
+    o1 = y1 * c - y2 * s
+    o2 = y2 * c + y1 * s
+    if sec == 0:
+        qb = q_ptr + layer * (NQ * HD) + head * HD
+        tl.store(qb + dims, o1)
+        tl.store(qb + HD // 2 + dims, o2)
+    else:
+        if sec == 1:
+            cb = kc_ptr + tab_offset(wtab_ptr, layer, T_KC)
+        else:
+            cb = vc_ptr + tab_offset(wtab_ptr, layer, T_VC)
+        cb = cb + head * (MAXS * HD) + pos * HD
+        tl.store(cb + dims, o1.to(tl.bfloat16))
+        tl.store(cb + HD // 2 + dims, o2.to(tl.bfloat16))
+
+
+@register
+@dataclass(frozen=True)
+class QKV(Instruction):
+    layer: int
+    sec: int      # 0: q, 1: k, 2: v
+    head: int     # query head (sec 0) or KV head (sec 1, 2)
+    j: int        # which QKV_ROWS/2-wide block of the half-head
+
+    NAME = "qkv"
+    STAGE = 0
+    ARGS = ("pos", "x_ptr", "xout_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr",
+            "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
+            "D", "NQ", "HD", "MAXS", "EPS", "QKV_ROWS", "BK")
+    device = qkv_device
+
+    def check_operands(self, lay: Layout) -> list[str]:
+        c = lay.cfg
+        bad = []
+        if not 0 <= self.layer < c.layers:
+            bad.append(f"layer {self.layer} not in [0, {c.layers})")
+        if self.sec not in (0, 1, 2):
+            bad.append(f"sec {self.sec} not in (0, 1, 2)")
+        nh = c.n_q if self.sec == 0 else c.n_kv
+        if not 0 <= self.head < nh:
+            bad.append(f"head {self.head} not in [0, {nh})")
+        if not 0 <= self.j < lay.n_qkv_tiles_per_head:
+            bad.append(f"j {self.j} not in [0, {lay.n_qkv_tiles_per_head})")
+        return bad
+
+    def _dims(self, lay: Layout) -> tuple[int, int]:
+        half = lay.tiling.qkv_rows // 2
+        return self.j * half, (self.j + 1) * half
+
+    def writes(self, lay: Layout) -> list[Region]:
+        c = lay.cfg
+        buf = ("q", "kv_new_k", "kv_new_v")[self.sec]
+        width = c.q_dim if self.sec == 0 else c.kv_dim
+        base = self.layer * width + self.head * c.hd
+        lo, hi = self._dims(lay)
+        return [Region(buf, base + lo, base + hi), Region(buf, base + c.hd // 2 + lo, base + c.hd // 2 + hi)]
+
+    def reads(self, lay: Layout) -> list[Region]:
+        if self.layer == 0:
+            return []
+        d = lay.cfg.d
+        return [Region("xout", (self.layer - 1) * d, self.layer * d)]
+
+    def cost(self, lay: Layout) -> Cost:
+        d, rows = lay.cfg.d, lay.tiling.qkv_rows
+        return Cost(hbm_bytes=2 * rows * d, l2_bytes=2 * 2 * d + 4 * rows, flops=2 * rows * d)
+
+    def run_torch(self, lay: Layout, st) -> None:
+        c = lay.cfg
+        x = st.layer_input(self.layer).float()
+        w = st.weights[self.layer][SECTIONS[self.sec]]
+        nw = st.weights[self.layer]["in_norm"].float()
+        lo, hi = self._dims(lay)
+        dims = torch.arange(lo, hi)
+        rows1 = self.head * c.hd + dims
+        rows2 = rows1 + c.hd // 2
+        h = x * nw
+        rstd = torch.rsqrt((x * x).sum() / c.d + c.eps)
+        y1 = (w[rows1].float() @ h) * rstd
+        y2 = (w[rows2].float() @ h) * rstd
+        if self.sec < 2:
+            cos, sin = st.cos[st.pos, lo:hi], st.sin[st.pos, lo:hi]
+            y1, y2 = y1 * cos - y2 * sin, y2 * cos + y1 * sin
+        if self.sec == 0:
+            q = st.buf["q"].view(c.layers, c.n_q, c.hd)
+            q[self.layer, self.head, lo:hi] = y1
+            q[self.layer, self.head, c.hd // 2 + lo: c.hd // 2 + hi] = y2
+        else:
+            cache = st.kv[self.layer][self.sec - 1]
+            cache[0, self.head, st.pos, lo:hi] = y1.to(torch.bfloat16)
+            cache[0, self.head, st.pos, c.hd // 2 + lo: c.hd // 2 + hi] = y2.to(torch.bfloat16)

@@ -1,0 +1,83 @@
+"""RESIDUAL: the second residual add, summing the down-projection partials in a fixed order.
+
+    out[r] = x1[r] + sum_{kc = 0..NKC-1} dpart[kc, r]      (bf16)
+
+The last layer writes the caller's fresh output tensor; other layers write ``xout[layer]``,
+which the next layer reads. Reads ``(NKC + 1) * RED_ROWS * 4`` bytes from L2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .base import Cost, Instruction, Layout, Region, register
+
+
+@triton.jit
+def residual_device(layer, row0, out_ptr, xout_ptr, x1_ptr, dpart_ptr,
+                    NL: tl.constexpr, D: tl.constexpr, NKC: tl.constexpr, RED_ROWS: tl.constexpr):
+    rows = row0 + tl.arange(0, RED_ROWS)
+    rm = rows < D
+    y = tl.load(x1_ptr + layer * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
+    for kc in range(NKC):
+        y += tl.load(dpart_ptr + (layer * NKC + kc) * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
+    if layer == NL - 1:
+        dst = out_ptr
+    else:
+        dst = xout_ptr + layer * D
+    tl.store(dst + rows, y.to(tl.bfloat16), mask=rm)
+
+
+@register
+@dataclass(frozen=True)
+class Residual(Instruction):
+    layer: int
+    row0: int
+
+    NAME = "residual"
+    STAGE = 6
+    ARGS = ("out_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "NL", "D", "NKC", "RED_ROWS")
+    device = residual_device
+
+    def check_operands(self, lay: Layout) -> list[str]:
+        c, r = lay.cfg, lay.tiling.red_rows
+        bad = []
+        if not 0 <= self.layer < c.layers:
+            bad.append(f"layer {self.layer} not in [0, {c.layers})")
+        if not (0 <= self.row0 < c.d and self.row0 % r == 0):
+            bad.append(f"row0 {self.row0} not a multiple of {r} in [0, {c.d})")
+        return bad
+
+    def _rows(self, lay: Layout) -> tuple[int, int]:
+        return self.row0, min(self.row0 + lay.tiling.red_rows, lay.cfg.d)
+
+    def reads(self, lay: Layout) -> list[Region]:
+        c = lay.cfg
+        lo, hi = self._rows(lay)
+        out = [Region("x1", self.layer * c.d + lo, self.layer * c.d + hi)]
+        for kc in range(lay.n_down_k):
+            base = (self.layer * lay.n_down_k + kc) * c.d
+            out.append(Region("dpart", base + lo, base + hi))
+        return out
+
+    def writes(self, lay: Layout) -> list[Region]:
+        lo, hi = self._rows(lay)
+        base = self.layer * lay.cfg.d
+        return [Region("xout", base + lo, base + hi)]
+
+    def cost(self, lay: Layout) -> Cost:
+        lo, hi = self._rows(lay)
+        return Cost(hbm_bytes=0, l2_bytes=4 * (lay.n_down_k + 1) * (hi - lo) + 2 * (hi - lo),
+                    flops=lay.n_down_k * (hi - lo))
+
+    def run_torch(self, lay: Layout, st) -> None:
+        c = lay.cfg
+        lo, hi = self._rows(lay)
+        y = st.buf["x1"].view(c.layers, c.d)[self.layer, lo:hi].clone()
+        dp = st.buf["dpart"].view(c.layers, lay.n_down_k, c.d)
+        for kc in range(lay.n_down_k):
+            y += dp[self.layer, kc, lo:hi]
+        st.buf["xout"].view(c.layers, c.d)[self.layer, lo:hi] = y.to(torch.bfloat16)

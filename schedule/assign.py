@@ -1,0 +1,214 @@
+"""SM assignment: a cost model, list scheduling on the critical path, and round-robin.
+
+Both policies produce per-SM queues that are sub-sequences of one global topological order, so
+no interleaving of the SMs can deadlock: the earliest unfinished instruction in that order always
+has its producers done and is at the head of its queue.
+"""
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass, field
+
+from .program import Program
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted time of one instruction on one SM (seconds).
+
+    ``t = overhead + hbm_bytes / (hbm_bw / num_sms) + l2_bytes / l2_bw_sm``. Defaults are the
+    H200's measured stream-copy bandwidth (ANCHORS.md) and a per-instruction overhead that
+    :func:`calibrate` can refit from a measured run.
+    """
+
+    hbm_bw: float = 4.18e12         # bytes/s over the whole chip
+    l2_bw_sm: float = 100e9         # bytes/s of L2 reads per SM
+    overhead: float = 0.6e-6        # s per instruction (fetch, wait, epilogue, signal)
+    efficiency: dict = field(default_factory=dict)   # opcode name -> fraction of hbm_bw achieved
+
+    def time(self, prog: Program, i: int, num_sms: int) -> float:
+        ins = prog.instrs[i]
+        c = ins.cost(prog.lay)
+        eff = self.efficiency.get(ins.NAME, 1.0)
+        return self.overhead + c.hbm_bytes / (eff * self.hbm_bw / num_sms) + c.l2_bytes / self.l2_bw_sm
+
+    def lower_bound(self, prog: Program) -> float:
+        """Bytes / bandwidth: no schedule on this chip can beat it."""
+        return sum(ins.cost(prog.lay).hbm_bytes for ins in prog.instrs) / self.hbm_bw
+
+
+@dataclass
+class Schedule:
+    prog: Program
+    num_sms: int
+    queues: list[list[int]]          # per SM: program indices in execution order
+    policy: str
+    start: list[float] | None = None  # predicted start/finish per program index
+    finish: list[float] | None = None
+
+    @property
+    def makespan(self) -> float:
+        return max(self.finish) if self.finish else float("nan")
+
+    def sm_of(self) -> list[int]:
+        out = [0] * len(self.prog)
+        for s, q in enumerate(self.queues):
+            for i in q:
+                out[i] = s
+        return out
+
+    def busy(self, model: CostModel) -> list[float]:
+        return [sum(model.time(self.prog, i, self.num_sms) for i in q) for q in self.queues]
+
+
+def simulate(sched: Schedule, model: CostModel) -> Schedule:
+    """Predicted start/finish of every instruction under ``model``: each SM runs its queue in order,
+    an instruction starts when its SM is free and all producers of its counters have finished."""
+    prog, n = sched.prog, len(sched.prog)
+    producers = prog.producers()
+    order = _queue_consistent_order(sched)
+    start, finish = [0.0] * n, [0.0] * n
+    sm_free = [0.0] * sched.num_sms
+    sm = sched.sm_of()
+    cdone = [0.0] * len(prog.counters)
+    left = [len(p) for p in producers]
+    for i in order:
+        ready = max((cdone[c] for c in prog.waits[i]), default=0.0)
+        for c in prog.waits[i]:
+            if left[c]:
+                raise RuntimeError(f"simulate: instruction {i} scheduled before the producers of counter {c}")
+        s = max(sm_free[sm[i]], ready)
+        f = s + model.time(prog, i, sched.num_sms)
+        start[i], finish[i] = s, f
+        sm_free[sm[i]] = f
+        c = prog.signal[i]
+        if c >= 0:
+            cdone[c] = max(cdone[c], f)
+            left[c] -= 1
+    sched.start, sched.finish = start, finish
+    return sched
+
+
+def _queue_consistent_order(sched: Schedule) -> list[int]:
+    """A topological order of (dataflow + queue order); raises if the queues can deadlock."""
+    prog = sched.prog
+    producers = prog.producers()
+    left = [len(p) for p in producers]
+    heads = [0] * sched.num_sms
+    out: list[int] = []
+    progress = True
+    while progress:
+        progress = False
+        for s, q in enumerate(sched.queues):
+            while heads[s] < len(q):
+                i = q[heads[s]]
+                if any(left[c] for c in prog.waits[i]):
+                    break
+                out.append(i)
+                heads[s] += 1
+                progress = True
+                c = prog.signal[i]
+                if c >= 0:
+                    left[c] -= 1
+    if len(out) != len(prog):
+        stuck = [(s, q[heads[s]]) for s, q in enumerate(sched.queues) if heads[s] < len(q)]
+        raise RuntimeError(f"schedule deadlocks: {len(stuck)} SMs stuck, e.g. sm {stuck[0][0]} "
+                           f"at {prog.instrs[stuck[0][1]]}")
+    return out
+
+
+def bottom_levels(prog: Program, model: CostModel, num_sms: int) -> list[float]:
+    """Longest path (predicted time) from each instruction to the end of the program."""
+    n = len(prog)
+    cons = prog.consumers()
+    bl = [0.0] * n
+    cbl = [0.0] * len(prog.counters)          # bottom level of a counter = max over its consumers
+    for i in range(n - 1, -1, -1):           # prog order is topological
+        c = prog.signal[i]
+        bl[i] = model.time(prog, i, num_sms) + (cbl[c] if c >= 0 else 0.0)
+        for w in prog.waits[i]:
+            cbl[w] = max(cbl[w], bl[i])
+    del cons
+    return bl
+
+
+def list_schedule(prog: Program, num_sms: int, model: CostModel | None = None) -> Schedule:
+    """Critical-path list scheduling: repeatedly take the released instruction with the longest
+    bottom level and put it on the SM that frees up first."""
+    _check_sms(num_sms)
+    model = model or CostModel()
+    n = len(prog)
+    bl = bottom_levels(prog, model, num_sms)
+    producers = prog.producers()
+    consumers = prog.consumers()
+    left_c = [len(p) for p in producers]
+    cdone = [0.0] * len(prog.counters)
+    left_i = [len(ws) for ws in prog.waits]
+    ready_t = [0.0] * n
+    released = [(-bl[i], i) for i in range(n) if left_i[i] == 0]
+    heapq.heapify(released)
+    sms = [(0.0, s) for s in range(num_sms)]
+    queues: list[list[int]] = [[] for _ in range(num_sms)]
+    start, finish = [0.0] * n, [0.0] * n
+    while released:
+        _, i = heapq.heappop(released)
+        free, s = heapq.heappop(sms)
+        st = max(free, ready_t[i])
+        f = st + model.time(prog, i, num_sms)
+        start[i], finish[i] = st, f
+        queues[s].append(i)
+        heapq.heappush(sms, (f, s))
+        c = prog.signal[i]
+        if c >= 0:
+            cdone[c] = max(cdone[c], f)
+            left_c[c] -= 1
+            if left_c[c] == 0:
+                for j in consumers[c]:
+                    left_i[j] -= 1
+                    ready_t[j] = max(ready_t[j], cdone[c])
+                    if left_i[j] == 0:
+                        heapq.heappush(released, (-bl[j], j))
+    if sum(map(len, queues)) != n:
+        raise RuntimeError("list_schedule: some instructions were never released (a counter has no producers?)")
+    return Schedule(prog, num_sms, queues, "cost", start, finish)
+
+
+def round_robin(prog: Program, num_sms: int) -> Schedule:
+    """Instruction i of the program order goes to SM i mod num_sms (the baseline)."""
+    _check_sms(num_sms)
+    queues: list[list[int]] = [[] for _ in range(num_sms)]
+    for i in range(len(prog)):
+        queues[i % num_sms].append(i)
+    return Schedule(prog, num_sms, queues, "round-robin")
+
+
+def random_schedule(prog: Program, num_sms: int, seed: int) -> Schedule:
+    """A random valid schedule: a random topological order (random choice among released
+    instructions), each instruction on a random SM. For race tests."""
+    _check_sms(num_sms)
+    rng = random.Random(seed)
+    consumers = prog.consumers()
+    left_c = [len(p) for p in prog.producers()]
+    left_i = [len(ws) for ws in prog.waits]
+    released = [i for i in range(len(prog)) if left_i[i] == 0]
+    queues: list[list[int]] = [[] for _ in range(num_sms)]
+    while released:
+        k = rng.randrange(len(released))
+        released[k], released[-1] = released[-1], released[k]
+        i = released.pop()
+        queues[rng.randrange(num_sms)].append(i)
+        c = prog.signal[i]
+        if c >= 0:
+            left_c[c] -= 1
+            if left_c[c] == 0:
+                for j in consumers[c]:
+                    left_i[j] -= 1
+                    if left_i[j] == 0:
+                        released.append(j)
+    return Schedule(prog, num_sms, queues, f"random({seed})")
+
+
+def _check_sms(num_sms) -> None:
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms <= 0:
+        raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")

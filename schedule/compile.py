@@ -1,0 +1,48 @@
+"""One call from a config to a verified tape: lower -> schedule -> encode -> verify."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from opcodes import Layout, ModelConfig, Tiling
+
+from .assign import CostModel, Schedule, list_schedule, random_schedule, round_robin, simulate
+from .program import Program, lower
+from .tape import Tape, encode
+from .verify import Report, verify
+
+POLICIES = ("cost", "round-robin")
+
+
+@dataclass
+class Compiled:
+    prog: Program
+    sched: Schedule
+    tape: Tape
+    report: Report
+    model: CostModel
+    seconds: float
+
+
+def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, tiling: Tiling | None = None,
+                  policy: str = "cost", model: CostModel | None = None, seed: int = 0,
+                  sequential: bool = False) -> Compiled:
+    """Compile ``cfg`` for ``num_sms`` SMs. ``policy``: 'cost' (list scheduling), 'round-robin'
+    or 'random' (a random valid schedule drawn with ``seed``)."""
+    t0 = time.perf_counter()
+    if max_seq is None:
+        max_seq = 4224 if cfg.d >= 1024 else 256
+    lay = Layout(cfg, tiling or Tiling.for_config(cfg), max_seq)
+    prog = lower(lay)
+    model = model or CostModel()
+    if policy == "cost":
+        sched = list_schedule(prog, num_sms, model)
+    elif policy == "round-robin":
+        sched = simulate(round_robin(prog, num_sms), model)
+    elif policy == "random":
+        sched = simulate(random_schedule(prog, num_sms, seed), model)
+    else:
+        raise ValueError(f"policy must be one of {POLICIES + ('random',)}, got {policy!r}")
+    tape = encode(sched)
+    report = verify(tape, prog, sequential=sequential)
+    return Compiled(prog, sched, tape, report, model, time.perf_counter() - t0)

@@ -1,0 +1,115 @@
+"""Lowering: a model config -> the tile instructions of every layer and the counters between them.
+
+A :class:`Program` is the dataflow, before any SM assignment: instructions in one topological
+order, the counters each waits on and the counter each signals. A counter completes when all of
+its producers have signalled; the per-call wait target is therefore the number of producers.
+
+Dependencies per layer ``l`` (one counter per arrow group):
+
+    QKV(l, q/k/v heads of group g) --qkv[l,g]--> ATTN_PARTIAL(l, g, *) --part[l,g]--> ATTN_REDUCE(l, g)
+    ATTN_REDUCE(l, *) --attn[l]--> OPROJ(l, *) --x1[l]--> GATE_UP(l, *)
+    GATE_UP(l, rows in K chunk kc) --act[l,kc]--> DOWN(l, *, kc)
+    DOWN(l, rows in block rb, *) --dpart[l,rb]--> RESIDUAL(l, rb) --out[l]--> QKV(l+1, *)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from opcodes import (QKV, AttnPartial, AttnReduce, Down, GateUp, Instruction, Layout, ModelConfig, OProj,
+                     Residual, Tiling, cdiv)
+from opcodes.base import NO_COUNTER
+
+
+@dataclass
+class Program:
+    lay: Layout
+    instrs: list[Instruction] = field(default_factory=list)
+    waits: list[tuple[int, ...]] = field(default_factory=list)
+    signal: list[int] = field(default_factory=list)
+    counters: list[str] = field(default_factory=list)
+
+    def add(self, ins: Instruction, waits=(), signal: int = NO_COUNTER) -> int:
+        self.instrs.append(ins)
+        self.waits.append(tuple(waits))
+        self.signal.append(signal)
+        return len(self.instrs) - 1
+
+    def counter(self, name: str) -> int:
+        self.counters.append(name)
+        return len(self.counters) - 1
+
+    def __len__(self) -> int:
+        return len(self.instrs)
+
+    def producers(self) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in self.counters]
+        for i, c in enumerate(self.signal):
+            if c != NO_COUNTER:
+                out[c].append(i)
+        return out
+
+    def targets(self) -> list[int]:
+        return [len(p) for p in self.producers()]
+
+    def consumers(self) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in self.counters]
+        for i, ws in enumerate(self.waits):
+            for c in ws:
+                out[c].append(i)
+        return out
+
+
+def check_layout(lay: Layout) -> None:
+    t = lay.tiling
+    if t.down_k % t.gu_rows and t.down_k < lay.cfg.ffn:
+        raise ValueError(f"Tiling.down_k = {t.down_k} must be a multiple of gu_rows = {t.gu_rows} "
+                         "(a gate/up tile signals the counter of one K chunk)")
+    if t.red_rows % t.down_rows and t.red_rows < lay.cfg.d:
+        raise ValueError(f"Tiling.red_rows = {t.red_rows} must be a multiple of down_rows = {t.down_rows} "
+                         "(a down tile signals the counter of one residual block)")
+
+
+def lower(lay: Layout) -> Program:
+    """All layers of ``lay.cfg``, in a topological order (layer by layer, stage by stage)."""
+    check_layout(lay)
+    c, t = lay.cfg, lay.tiling
+    p = Program(lay)
+    prev_out = NO_COUNTER
+    n_rb = cdiv(c.d, t.red_rows)
+    for l in range(c.layers):
+        cq = [p.counter(f"qkv[{l},{g}]") for g in range(c.n_kv)]
+        cp = [p.counter(f"part[{l},{g}]") for g in range(c.n_kv)]
+        ca = p.counter(f"attn[{l}]")
+        cx = p.counter(f"x1[{l}]")
+        cact = [p.counter(f"act[{l},{kc}]") for kc in range(lay.n_down_k)]
+        cd = [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
+        cout = p.counter(f"out[{l}]") if l + 1 < c.layers else NO_COUNTER
+        w_in = (prev_out,) if prev_out != NO_COUNTER else ()
+        # QKV tiles, grouped by KV head so that a group's attention can start early
+        for g in range(c.n_kv):
+            for h in range(g * c.group, (g + 1) * c.group):
+                for j in range(lay.n_qkv_tiles_per_head):
+                    p.add(QKV(l, 0, h, j), w_in, cq[g])
+            for sec in (1, 2):
+                for j in range(lay.n_qkv_tiles_per_head):
+                    p.add(QKV(l, sec, g, j), w_in, cq[g])
+        for g in range(c.n_kv):
+            for s in range(t.attn_splits):
+                p.add(AttnPartial(l, g, s), (cq[g],), cp[g])
+        for g in range(c.n_kv):
+            p.add(AttnReduce(l, g), (cp[g],), ca)
+        for r in range(0, c.d, t.o_rows):
+            p.add(OProj(l, r), (ca,), cx)
+        for r in range(0, c.ffn, t.gu_rows):
+            p.add(GateUp(l, r), (cx,), cact[r // t.down_k])
+        for kc in range(lay.n_down_k):
+            for r in range(0, c.d, t.down_rows):
+                p.add(Down(l, r, kc), (cact[kc],), cd[r // t.red_rows])
+        for rb in range(n_rb):
+            p.add(Residual(l, rb * t.red_rows), (cd[rb],), cout)
+        prev_out = cout
+    return p
+
+
+def make_layout(cfg: ModelConfig, max_seq: int, tiling: Tiling | None = None) -> Layout:
+    return Layout(cfg, tiling or Tiling.for_config(cfg), max_seq)

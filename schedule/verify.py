@@ -1,0 +1,253 @@
+"""The tape verifier: proves, before anything runs, that a tape is complete, satisfiable,
+deadlock-free and race-free, and names the culprit when it is not.
+
+Checks, in order:
+  1. structure: offsets, opcodes, operand ranges, counter indices and targets;
+  2. completeness: every instruction of the program appears exactly once (when given one);
+  3. counters: every wait's per-call target equals the number of producers of that counter;
+  4. outputs: every element of every scratch buffer is written exactly once per call;
+  5. dependencies: every read is covered by writes of instructions it (transitively) waits for;
+  6. liveness: no interleaving of the SMs can deadlock (queue order + counters are acyclic);
+  7. optionally, sequential execution (the Triton interpreter runs programs one by one).
+"""
+from __future__ import annotations
+
+import bisect
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from opcodes import BY_OPCODE, HEADER, MAX_WAITS, NO_COUNTER, Region
+
+from .program import Program
+from .tape import Decoded, Tape
+
+
+class TapeError(ValueError):
+    """A tape failed verification. ``problems`` holds every message; str() shows the first few."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+        super().__init__(f"tape verification failed ({len(problems)} problem(s)):\n  " +
+                         "\n  ".join(problems[:8]) + more)
+
+
+@dataclass
+class Report:
+    n_instructions: int
+    n_counters: int
+    n_sms: int
+    n_regions_checked: int
+
+    def __str__(self) -> str:
+        return (f"verified: {self.n_instructions} instructions on {self.n_sms} SMs, {self.n_counters} counters, "
+                f"{self.n_regions_checked} read regions proven covered")
+
+
+def _name(tape: Tape, d: Decoded) -> str:
+    return f"instruction {d.slot} ({d.ins.NAME}, sm {d.sm})"
+
+
+def _cname(tape: Tape, c: int) -> str:
+    return f"counter {c} ({tape.counters[c]})" if 0 <= c < tape.n_counters else f"counter {c}"
+
+
+def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) -> Report:
+    """Raise :class:`TapeError` naming every problem found, or return a :class:`Report`."""
+    lay = tape.lay
+    problems: list[str] = []
+    n = len(tape)
+    # -- 1. structure -------------------------------------------------------------------
+    off = [int(v) for v in tape.offsets.tolist()]
+    if len(off) != tape.num_sms + 1 or off[0] != 0 or off[-1] != n or any(a > b for a, b in zip(off, off[1:])):
+        raise TapeError([f"offsets {off[:6]}... do not split {n} instructions into {tape.num_sms} queues"])
+    decoded: list[Decoded] = []
+    for s in range(tape.num_sms):
+        for k in range(off[s], off[s + 1]):
+            w = tape.words[k].tolist()
+            cls = BY_OPCODE.get(w[0])
+            if cls is None:
+                problems.append(f"instruction {k} (sm {s}): unknown opcode {w[0]}")
+                continue
+            ins = cls.decode(w[HEADER:])
+            waits = tuple((w[1 + 2 * j], w[2 + 2 * j]) for j in range(MAX_WAITS) if w[1 + 2 * j] != NO_COUNTER)
+            d = Decoded(k, s, ins, waits, w[5])
+            for msg in ins.check_operands(lay):
+                problems.append(f"{_name(tape, d)}: operand out of range: {msg}")
+            for c, t in waits:
+                if not 0 <= c < tape.n_counters:
+                    problems.append(f"{_name(tape, d)}: waits on {_cname(tape, c)}, but the tape has "
+                                    f"{tape.n_counters} counters")
+                if t <= 0:
+                    problems.append(f"{_name(tape, d)}: waits on {_cname(tape, c)} for {t} (targets must be >= 1)")
+            if d.signal != NO_COUNTER and not 0 <= d.signal < tape.n_counters:
+                problems.append(f"{_name(tape, d)}: signals {_cname(tape, d.signal)}, but the tape has "
+                                f"{tape.n_counters} counters")
+            decoded.append(d)
+    if problems:
+        raise TapeError(problems)
+    # -- 2. completeness ----------------------------------------------------------------
+    if prog is not None:
+        want = Counter(prog.instrs)
+        have = Counter(d.ins for d in decoded)
+        for ins, k in (want - have).items():
+            problems.append(f"{ins} is missing from the tape ({k} of {want[ins]} absent)")
+        for ins, k in (have - want).items():
+            where = [d for d in decoded if d.ins == ins]
+            problems.append(f"{_name(tape, where[-1])}: {ins} appears {have[ins]} times, "
+                            f"the program has it {want.get(ins, 0)} times")
+    # -- 3. counters --------------------------------------------------------------------
+    producers: dict[int, list[Decoded]] = defaultdict(list)
+    for d in decoded:
+        if d.signal != NO_COUNTER:
+            producers[d.signal].append(d)
+    for d in decoded:
+        for c, t in d.waits:
+            have = len(producers.get(c, []))
+            if have != t:
+                problems.append(f"{_name(tape, d)}: waits on {_cname(tape, c)} for {t}, "
+                                f"but it has {have} producer(s)")
+    # -- 4. outputs written exactly once ------------------------------------------------
+    writes: dict[str, list[tuple[int, int, Decoded]]] = defaultdict(list)
+    for d in decoded:
+        for r in d.ins.writes(lay):
+            writes[r.buf].append((r.lo, r.hi, d))
+    bufs = lay.buffers()
+    for b in writes:
+        if b not in bufs:
+            problems.append(f"{_name(tape, writes[b][0][2])}: writes unknown buffer {b!r}")
+    for b in bufs:
+        ws = sorted(writes.get(b, []), key=lambda t: (t[0], t[1]))
+        pos = 0
+        for lo, hi, d in ws:
+            if lo < pos:
+                problems.append(f"{_name(tape, d)}: writes {b}[{lo}:{hi}], overlapping an earlier write "
+                                f"(every element must be written exactly once per call)")
+            elif lo > pos:
+                problems.append(f"{b}[{pos}:{lo}] is never written (the instruction writing it is missing?)")
+            pos = max(pos, hi)
+        numel = lay.buffer_numel(b)
+        if pos < numel:
+            problems.append(f"{b}[{pos}:{numel}] is never written (the instruction writing it is missing?)")
+    if problems:
+        raise TapeError(problems)
+    # -- 5. reads covered by (transitive) producers -------------------------------------
+    anc = _counter_closure(tape, decoded, producers)
+    starts = {b: [w[0] for w in sorted(ws, key=lambda t: t[0])] for b, ws in writes.items()}
+    sorted_w = {b: sorted(ws, key=lambda t: t[0]) for b, ws in writes.items()}
+    memo: dict[Region, tuple[frozenset, list]] = {}
+    n_regions = 0
+    for d in decoded:
+        waited = 0
+        for c, _ in d.waits:
+            waited |= anc.get(c, 0)
+        for r in d.ins.reads(lay):
+            n_regions += 1
+            if r not in memo:
+                memo[r] = _writers_of(r, sorted_w.get(r.buf, []), starts.get(r.buf, []))
+            sigs, uncovered = memo[r]
+            if uncovered:
+                problems.append(f"{_name(tape, d)}: reads {r.buf}[{uncovered[0][0]}:{uncovered[0][1]}] "
+                                f"which no instruction writes")
+            for c, w in sigs:
+                if c == NO_COUNTER or not (waited >> c) & 1:
+                    why = "signals no counter" if c == NO_COUNTER else f"signals {_cname(tape, c)}"
+                    problems.append(f"{_name(tape, d)}: reads {r.buf}[{r.lo}:{r.hi}] written by "
+                                    f"{_name(tape, w)}, which it does not wait for ({why})")
+                    break
+    # -- 6. liveness --------------------------------------------------------------------
+    problems += _deadlocks(tape, decoded, producers, sequential=False)
+    if sequential and not problems:
+        problems += _deadlocks(tape, decoded, producers, sequential=True)
+    if problems:
+        raise TapeError(problems)
+    return Report(n, tape.n_counters, tape.num_sms, n_regions)
+
+
+def _writers_of(r: Region, ws, starts) -> tuple[list, list]:
+    """(distinct (signal counter, a writer) pairs of the writes overlapping r, uncovered ranges)."""
+    k = max(0, bisect.bisect_right(starts, r.lo) - 1)
+    sigs: dict[int, Decoded] = {}
+    pos, uncovered = r.lo, []
+    while k < len(ws) and ws[k][0] < r.hi:
+        lo, hi, d = ws[k]
+        if hi > r.lo:
+            if lo > pos:
+                uncovered.append((pos, lo))
+            sigs.setdefault(d.signal, d)
+            pos = max(pos, hi)
+        k += 1
+    if pos < r.hi:
+        uncovered.append((pos, r.hi))
+    return list(sigs.items()), uncovered
+
+
+def _counter_closure(tape: Tape, decoded, producers) -> dict[int, int]:
+    """For each counter, the bitset of counters that must have completed when it completes."""
+    memo: dict[int, int] = {}
+    on_stack: set[int] = set()
+
+    def closure(c: int) -> int:
+        stack = [(c, False)]
+        while stack:
+            x, done = stack.pop()
+            if done:
+                bits = 1 << x
+                for p in producers.get(x, []):
+                    for w, _ in p.waits:
+                        bits |= memo.get(w, 0)
+                memo[x] = bits
+                on_stack.discard(x)
+                continue
+            if x in memo or x in on_stack:
+                continue
+            on_stack.add(x)
+            stack.append((x, True))
+            for p in producers.get(x, []):
+                for w, _ in p.waits:
+                    if w not in memo and w not in on_stack:
+                        stack.append((w, False))
+        return memo[c]
+
+    for c in range(tape.n_counters):
+        closure(c)
+    return memo
+
+
+def _deadlocks(tape: Tape, decoded, producers, sequential: bool) -> list[str]:
+    """Greedy execution with monotone counters: it gets stuck iff some interleaving deadlocks
+    (or, with ``sequential``, iff running SM 0 to the end, then SM 1, ... gets stuck)."""
+    by_sm: dict[int, list[Decoded]] = defaultdict(list)
+    for d in decoded:
+        by_sm[d.sm].append(d)
+    done = Counter()
+    heads = {s: 0 for s in by_sm}
+    progress = True
+    while progress:
+        progress = False
+        for s in sorted(by_sm):
+            q = by_sm[s]
+            while heads[s] < len(q):
+                d = q[heads[s]]
+                if any(done[c] < t for c, t in d.waits):
+                    break
+                heads[s] += 1
+                progress = True
+                if d.signal != NO_COUNTER:
+                    done[d.signal] += 1
+            if sequential and heads[s] < len(q):
+                d = q[heads[s]]
+                c, t = next((c, t) for c, t in d.waits if done[c] < t)
+                return [f"{_name(tape, d)}: under sequential execution (Triton interpreter) waits on "
+                        f"{_cname(tape, c)} for {t} but only {done[c]} producers ran before it"]
+    out = []
+    for s in sorted(by_sm):
+        q = by_sm[s]
+        if heads[s] < len(q):
+            d = q[heads[s]]
+            c, t = next((c, t) for c, t in d.waits if done[c] < t)
+            blocked = [p for p in producers.get(c, []) if heads[p.sm] <= by_sm[p.sm].index(p)]
+            why = f"; e.g. producer {_name(tape, blocked[0])} is queued behind it" if blocked else ""
+            out.append(f"deadlock: {_name(tape, d)} waits on {_cname(tape, c)} for {t}, "
+                       f"only {done[c]} producers can ever finish{why}")
+    return out

@@ -1,0 +1,80 @@
+"""The tape VM: runs a tape on the CPU in torch, simulating the SMs and their counters.
+
+Each step picks, at random, one SM whose next instruction's waits are satisfied and runs that
+instruction's torch semantics (``Instruction.run_torch``). Scratch buffers start as NaN, so an
+instruction that reads something nobody wrote yet poisons the result instead of passing.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from opcodes import Layout
+from opcodes.reference import rope_tables
+
+from .tape import Tape, decode
+
+
+class DeadlockError(RuntimeError):
+    pass
+
+
+class VMState:
+    """Buffers of one call: the caller's weights, cache and x, plus the scratch buffers."""
+
+    def __init__(self, lay: Layout, weights: dict, kv_cache: list, x: torch.Tensor, pos: int):
+        self.lay = lay
+        self.weights = weights["layers"]
+        self.kv = kv_cache
+        self.x = x.reshape(-1)
+        self.pos = pos
+        self.cos, self.sin = rope_tables(lay.cfg, lay.max_seq)
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        self.buf = {name: torch.full((lay.buffer_numel(name),), float("nan"), dtype=dt[t])
+                    for name, (shape, t) in lay.buffers().items()}
+
+    def layer_input(self, layer: int) -> torch.Tensor:
+        if layer == 0:
+            return self.x
+        d = self.lay.cfg.d
+        return self.buf["xout"][(layer - 1) * d: layer * d]
+
+    def output(self) -> torch.Tensor:
+        d, L = self.lay.cfg.d, self.lay.cfg.layers
+        return self.buf["xout"][(L - 1) * d:].reshape(1, d).clone()
+
+
+def run_tape(tape: Tape, weights: dict, kv_cache: list, x: torch.Tensor, pos: int,
+             seed: int | None = 0) -> torch.Tensor:
+    """Run one call of ``tape``; KV rows at ``pos`` are written into ``kv_cache`` in place.
+    ``seed`` picks the interleaving (None: SM 0 to the end, then SM 1, ...)."""
+    if not 0 <= pos < tape.lay.max_seq:
+        raise ValueError(f"pos must be in [0, {tape.lay.max_seq}), got {pos}")
+    st = VMState(tape.lay, weights, kv_cache, x, pos)
+    queues: dict[int, list] = {}
+    for d in decode(tape):
+        queues.setdefault(d.sm, []).append(d)
+    heads = {s: 0 for s in queues}
+    counters = [0] * tape.n_counters
+    rng = random.Random(seed) if seed is not None else None
+    remaining = len(tape)
+    while remaining:
+        ready = [s for s, q in queues.items()
+                 if heads[s] < len(q) and all(counters[c] >= t for c, t in q[heads[s]].waits)]
+        if not ready:
+            stuck = [q[heads[s]] for s, q in queues.items() if heads[s] < len(q)]
+            raise DeadlockError("VM deadlock: " + "; ".join(
+                f"{tape.describe(d.slot)} waits on {[(tape.counters[c], counters[c], t) for c, t in d.waits]}"
+                for d in stuck[:4]))
+        if rng is None:
+            s = min(ready)
+        else:
+            s = rng.choice(ready)
+        d = queues[s][heads[s]]
+        d.ins.run_torch(tape.lay, st)
+        if d.signal >= 0:
+            counters[d.signal] += 1
+        heads[s] += 1
+        remaining -= 1
+    return st.output()

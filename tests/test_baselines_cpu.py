@@ -1,0 +1,115 @@
+"""CPU smoke test of bench/baselines.py with the "tiny" preset.
+
+The compiled baseline is compiled with inductor on CPU (``mode="default"``: CUDA graphs do not
+exist on CPU) unless MEGATAPE_BASELINES_BACKEND names another backend (e.g. ``eager``) for a
+faster run.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import baselines as B  # noqa: E402
+from opcodes.config import PRESETS  # noqa: E402
+from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err  # noqa: E402
+
+CFG = PRESETS["tiny"]
+MAX_SEQ, PREFILL = 64, 40
+BACKEND = os.environ.get("MEGATAPE_BASELINES_BACKEND", "inductor")
+
+
+def _clone_cache(cache):
+    return [(k.clone(), v.clone()) for k, v in cache]
+
+
+def _x(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, CFG.d, generator=g).to(torch.bfloat16)
+
+
+def test_eager_step_matches_model_ref():
+    w = make_weights(CFG)
+    cache = make_kv_cache(CFG, MAX_SEQ, PREFILL)
+    ref_cache = _clone_cache(cache)
+    step = B.eager_step(w, cache, CFG)
+    for i, pos in enumerate(range(PREFILL, PREFILL + 3)):
+        x = _x(100 + i)
+        out = step(x, pos)
+        ref = model_ref(w, ref_cache, CFG, x, pos)
+        assert torch.equal(out, ref)
+    for (k, v), (rk, rv) in zip(cache, ref_cache):
+        assert torch.equal(k, rk) and torch.equal(v, rv)
+
+
+def test_compiled_step_matches_reference_and_writes_cache_in_place(monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)  # pos must not recompile
+    w = make_weights(CFG)
+    cache = make_kv_cache(CFG, MAX_SEQ, PREFILL)
+    ref_cache = _clone_cache(cache)
+    step = B.compiled_step(w, cache, CFG, MAX_SEQ, mode="default", backend=BACKEND)
+    # the module's cache buffers are the caller's tensors
+    assert step.module.layers[0].k_cache is cache[0][0]
+    assert step.module.layers[0].v_cache is cache[0][1]
+    for i, pos in enumerate(range(PREFILL, PREFILL + 3)):
+        x = _x(200 + i)
+        before = _clone_cache(cache)
+        out = step(x, pos)
+        ref = model_ref(w, ref_cache, CFG, x, pos)
+        assert out.shape == ref.shape == (1, CFG.d)
+        err = rel_err(out, ref)
+        assert err < 1.5e-2, f"pos {pos}: rel err {err}"
+        for (k, v), (k0, v0), (rk, rv) in zip(cache, before, ref_cache):
+            for t, t0, rt in ((k, k0, rk), (v, v0, rv)):
+                # only slot pos changed ...
+                other = torch.ones(MAX_SEQ, dtype=torch.bool)
+                other[pos] = False
+                assert torch.equal(t[:, :, other], t0[:, :, other])
+                assert not torch.equal(t[:, :, pos], t0[:, :, pos])
+                # ... and it holds what the reference wrote there (bf16 K after RoPE, V)
+                assert rel_err(t[:, :, pos], rt[:, :, pos]) < 1.5e-2
+        # the returned tensor is a copy, not the compiled graph's output buffer
+        assert out.data_ptr() != step(x, pos).data_ptr()
+
+
+def test_cublas_gemv_graph_runs():
+    w = make_weights(CFG)
+    f = B.cublas_gemv_graph(w, CFG)
+    out = f(None, 0)
+    assert out.shape == (CFG.d,) and torch.isfinite(out.float()).all()
+    f2 = B.cublas_gemv_graph(w, CFG, use_mv=False)
+    assert torch.allclose(f2().float(), out.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_time_step_and_count_kernels_and_bandwidth():
+    w = make_weights(CFG)
+    cache = make_kv_cache(CFG, MAX_SEQ, PREFILL)
+    step = B.eager_step(w, cache, CFG)
+    args = [(_x(300 + i), PREFILL + i) for i in range(4)]
+    r = B.time_step(step, args, warmup=1)
+    assert r["us_event"] > 0 and r["us_wall"] > 0
+    assert len(r["all_event"]) == 4 and all(t > 0 for t in r["all_event"])
+    if not torch.cuda.is_available():
+        assert B.count_kernels(step, args[0]) == (0, 1.0)
+    bw = B.stream_copy_bandwidth("cpu", nbytes=1 << 20, iters=3)
+    assert bw > 0
+
+
+def test_bench_table():
+    rows = [dict(name="floor", us_event=413.0, tokens_s=2420.0, x_floor=1.0),
+            dict(name="eager torch", us_event=1080.4, us_wall=1100.2, tokens_s=926.0, x_floor=2.61,
+                 kernels=54, dominant=0.2512)]
+    t = B.bench_table(rows)
+    lines = t.splitlines()
+    assert len(lines) == 4
+    assert len({len(l) for l in lines}) == 1          # aligned
+    assert "eager torch" in lines[3] and "54" in lines[3] and "0.251" in lines[3]
+    assert " - " in lines[2]
