@@ -18,14 +18,14 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, cdiv, register
-from .common import T_KC, T_VC, tab_offset
+from .common import T_KC, T_VC, mma, tab_offset
 
 
 @triton.jit
 def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr,
                         NQ: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                         MAXS: tl.constexpr, QSCALE: tl.constexpr, NS: tl.constexpr,
-                        ATTN_BLOCK: tl.constexpr):
+                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr):
     n = pos + 1
     chunk = (n + NS - 1) // NS
     start = s * chunk
@@ -48,7 +48,7 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
         km = keys < stop
         k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
                     cache_modifier=".cg")
-        sc = tl.dot(qs, tl.trans(k))                           # [GP, ATTN_BLOCK] fp32
+        sc = mma(qs, tl.trans(k), INTERP)                           # [GP, ATTN_BLOCK] fp32
         sc = tl.where(km[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         p = tl.exp2(sc - m_new[:, None])
@@ -56,7 +56,7 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
                     cache_modifier=".cg")
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
+        acc = acc * alpha[:, None] + mma(p.to(tl.bfloat16), v, INTERP)
         m_i = m_new
     prow = (layer * NQ + qrow) * NS + s
     tl.store(part_o_ptr + prow[:, None] * HD + dcol[None, :], acc, mask=hm[:, None])
@@ -74,7 +74,7 @@ class AttnPartial(Instruction):
     NAME = "attn_partial"
     STAGE = 1
     ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr",
-            "NQ", "HD", "G", "GP", "MAXS", "QSCALE", "NS", "ATTN_BLOCK")
+            "NQ", "HD", "G", "GP", "MAXS", "QSCALE", "NS", "ATTN_BLOCK", "INTERP")
     device = attn_partial_device
 
     def check_operands(self, lay: Layout) -> list[str]:

@@ -36,14 +36,15 @@ KERNEL_PTRS = (
 KERNEL_CONSTEXPRS = (
     "NL", "D", "FFN", "NQ", "NKV", "HD", "G", "GP", "MAXS", "EPS", "QSCALE",
     "QKV_ROWS", "O_ROWS", "GU_ROWS", "DOWN_ROWS", "DOWN_K", "NKC", "RED_ROWS",
-    "NS", "NSP", "ATTN_BLOCK", "BK",
+    "NS", "NSP", "ATTN_BLOCK", "BK", "INTERP",
 )
 #: scalar runtime parameters every device function may take
 KERNEL_SCALARS = ("pos",)
 
 
-def constexpr_values(lay) -> dict:
-    """The values of :data:`KERNEL_CONSTEXPRS` for a :class:`~opcodes.base.Layout`."""
+def constexpr_values(lay, interp: bool = False) -> dict:
+    """The values of :data:`KERNEL_CONSTEXPRS` for a :class:`~opcodes.base.Layout`; ``interp``:
+    running under the Triton interpreter (see :func:`mma`)."""
     import math
     c, t = lay.cfg, lay.tiling
     return dict(
@@ -53,6 +54,7 @@ def constexpr_values(lay) -> dict:
         QKV_ROWS=t.qkv_rows, O_ROWS=t.o_rows, GU_ROWS=t.gu_rows, DOWN_ROWS=t.down_rows,
         DOWN_K=t.down_k, NKC=lay.n_down_k, RED_ROWS=t.red_rows, NS=t.attn_splits,
         NSP=triton.next_power_of_2(t.attn_splits), ATTN_BLOCK=t.attn_block, BK=t.bk,
+        INTERP=interp,
     )
 
 
@@ -70,3 +72,17 @@ def layer_input(x_ptr, xout_ptr, layer, D: tl.constexpr):
     else:
         src = xout_ptr + (layer - 1) * D
     return src
+
+
+@triton.jit
+def mma(a, b, INTERP: tl.constexpr):
+    """``tl.dot(a, b)`` with fp32 accumulation of bf16 operands.
+
+    NOTE: the Triton 3.6 interpreter computes bf16 ``tl.dot`` wrongly (it reads the bf16 bits as
+    integers: errors of 1e10 on unit inputs), so under the interpreter the operands go up to fp32.
+    """
+    if INTERP:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        r = tl.dot(a, b)
+    return r

@@ -1,0 +1,338 @@
+"""Host runtime of the interpreter kernel: the spec's ``build_layer / layer_step / teardown``.
+
+``build_layer`` (untimed) validates the inputs, builds the per-layer offset table (the kernel
+reads the caller's weights and KV cache where they are: no repack), the RoPE tables and the
+scratch buffers, compiles and verifies the tape for this device and compiles the kernel.
+``layer_step`` is exactly one launch of one persistent kernel with one program per SM.
+
+Counters are never reset between calls: call ``e`` (1, 2, ...) waits for ``target * e``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from opcodes import BY_OPCODE, Layout, ModelConfig, Tiling
+from opcodes.common import TAB_NAMES, constexpr_values
+from opcodes.reference import layer_shapes, rope_tables
+from schedule import CostModel, Tape, compile_model, verify
+
+from .codegen import PROF_WORDS, STATUS_WORDS, load_kernel
+
+DEFAULT_SPIN_LIMIT = 1 << 20
+
+
+class MegakernelError(RuntimeError):
+    """The kernel gave up waiting (a broken tape or a missing producer); ``stuck`` lists the
+    SMs that stopped with (sm, slot, instruction, counter, target, seen)."""
+
+    def __init__(self, msg: str, stuck: list):
+        super().__init__(msg)
+        self.stuck = stuck
+
+
+def interpreter_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _err(cls, arg: str, expected: str, got) -> Exception:
+    return cls(f"{arg}: expected {expected}, got {got}")
+
+
+def _desc(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{tuple(t.shape)} {t.dtype} on {t.device}" + ("" if t.is_contiguous() else " (non-contiguous)")
+    return f"{type(t).__name__} {t!r}"[:120]
+
+
+def _check_tensor(arg: str, t, shape, dtype, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise _err(TypeError, arg, f"a torch.Tensor of shape {shape}", _desc(t))
+    if t.dtype != dtype:
+        raise _err(TypeError, arg, f"dtype {dtype}", _desc(t))
+    if tuple(t.shape) != tuple(shape):
+        raise _err(ValueError, arg, f"shape {tuple(shape)}", _desc(t))
+    if t.device != device:
+        raise _err(ValueError, arg, f"a tensor on {device} (the device of weights['layers'][0]['q'])", _desc(t))
+    if not t.is_contiguous():
+        raise _err(ValueError, arg, "a contiguous tensor", _desc(t))
+    if t.data_ptr() % 16:
+        raise _err(ValueError, arg, "a 16-byte aligned tensor (the kernel loads 16 bytes at a time)",
+                   f"data_ptr % 16 = {t.data_ptr() % 16}")
+
+
+def validate_inputs(weights, kv_cache, cfg, max_seq_len):
+    """Check everything ``build_layer`` is handed; return (ModelConfig, device)."""
+    if isinstance(cfg, ModelConfig):
+        mc = cfg
+    elif isinstance(cfg, dict):
+        try:
+            mc = ModelConfig.from_dict(cfg)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"cfg: {e}") from None
+    else:
+        raise _err(TypeError, "cfg", "a dict (the spec's cfg) or a ModelConfig", _desc(cfg))
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
+        raise _err(TypeError, "max_seq_len", "a python int", _desc(max_seq_len))
+    if max_seq_len <= 0:
+        raise _err(ValueError, "max_seq_len", "a positive int", max_seq_len)
+    if not isinstance(weights, dict) or "layers" not in weights:
+        raise _err(TypeError, "weights", "a dict with key 'layers'", _desc(weights))
+    layers = weights["layers"]
+    if not isinstance(layers, (list, tuple)):
+        raise _err(TypeError, "weights['layers']", "a list of per-layer dicts", _desc(layers))
+    if len(layers) != mc.layers:
+        raise _err(ValueError, "weights['layers']", f"{mc.layers} layer dicts (cfg['layers'])", len(layers))
+    if not isinstance(kv_cache, (list, tuple)):
+        raise _err(TypeError, "kv_cache", "a list of (k, v) pairs", _desc(kv_cache))
+    if len(kv_cache) != mc.layers:
+        raise _err(ValueError, "kv_cache", f"{mc.layers} (k, v) pairs (cfg['layers'])", f"{len(kv_cache)} pairs")
+    first = layers[0].get("q") if isinstance(layers[0], dict) else None
+    if not isinstance(first, torch.Tensor):
+        raise _err(TypeError, "weights['layers'][0]['q']", "a torch.Tensor", _desc(first))
+    device = first.device
+    shapes = layer_shapes(mc)
+    for l, lw in enumerate(layers):
+        if not isinstance(lw, dict):
+            raise _err(TypeError, f"weights['layers'][{l}]", "a dict", _desc(lw))
+        missing = [k for k in shapes if k not in lw]
+        if missing:
+            raise _err(ValueError, f"weights['layers'][{l}]", f"keys {list(shapes)}", f"missing {missing}")
+        for k, shape in shapes.items():
+            _check_tensor(f"weights['layers'][{l}][{k!r}]", lw[k], shape, torch.bfloat16, device)
+    kv_shape = (1, mc.n_kv, max_seq_len, mc.hd)
+    for l, pair in enumerate(kv_cache):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise _err(TypeError, f"kv_cache[{l}]", "a (k, v) pair", _desc(pair))
+        for j, name in enumerate("kv"):
+            t = pair[j]
+            if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[0] != 1:
+                raise _err(ValueError, f"kv_cache[{l}][{j}] ({name})", "batch 1 (megatape decodes batch 1)", _desc(t))
+            _check_tensor(f"kv_cache[{l}][{j}] ({name})", t, kv_shape, torch.bfloat16, device)
+    ptrs = {}
+    for l in range(mc.layers):
+        for j in range(2):
+            p = kv_cache[l][j].data_ptr()
+            if p in ptrs:
+                raise ValueError(f"kv_cache[{l}][{j}]: the same storage as kv_cache{ptrs[p]} "
+                                 "(each layer's K and V must be separate tensors)")
+            ptrs[p] = [l, j]
+    if device.type == "cpu" and not interpreter_mode():
+        raise ValueError("weights are on the CPU: set TRITON_INTERPRET=1 before triton is imported to run the "
+                         "kernel through the Triton interpreter, or move the tensors to a GPU")
+    if device.type == "cuda" and interpreter_mode():
+        raise ValueError("TRITON_INTERPRET=1 is set but the tensors are on the GPU: unset it to run on the GPU")
+    return mc, device
+
+
+@dataclass
+class LayerHandle:
+    """What ``build_layer`` returns: everything a step needs, prepared once."""
+
+    cfg: ModelConfig
+    lay: Layout
+    tape: Tape
+    device: torch.device
+    num_sms: int
+    kernel: object
+    args: list                       # kernel arguments after the per-call ones
+    constexprs: dict
+    launch_opts: dict
+    counters: torch.Tensor
+    status: torch.Tensor
+    status_host: bool
+    prof: torch.Tensor
+    tape_dev: torch.Tensor
+    qoff_dev: torch.Tensor
+    spin_limit: int
+    sync_check: bool
+    max_target: int
+    weights: dict = field(repr=False, default=None)
+    kv_cache: list = field(repr=False, default=None)
+    epoch: int = 0
+    closed: bool = False
+    scratch: dict = field(default_factory=dict, repr=False)
+    keep: list = field(default_factory=list, repr=False)
+
+    def check(self, sync: bool = True) -> None:
+        """Raise :class:`MegakernelError` if the last launch stopped on a wait (syncs first)."""
+        if sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        st = self.status.cpu() if not self.status_host else self.status
+        codes = st[:, 0]
+        if int(codes.abs().sum()) == 0:
+            return
+        stuck = []
+        for row in st[codes != 0].tolist():
+            _, sm, slot, op, ctr, tgt, seen, ep = row
+            stuck.append((sm, slot, self.tape.describe(slot), self.tape.counters[ctr] if 0 <= ctr < len(self.tape.counters) else ctr, tgt, seen))
+        # reset so that the next launch starts clean
+        self.status.zero_()
+        self.counters.zero_()
+        self.epoch = 0
+        lines = [f"  {desc}: waited on counter {c} for {t} (call {t // max(1, 1)}), saw {s}"
+                 for (_, _, desc, c, t, s) in stuck[:8]]
+        raise MegakernelError(
+            f"megakernel stopped: {len(stuck)} SM(s) gave up waiting after {self.spin_limit} polls "
+            f"(a producer never signalled):\n" + "\n".join(lines) +
+            ("\n  ..." if len(stuck) > 8 else "") +
+            "\nCounters were reset; the next launch starts clean. Outputs of this call are invalid; "
+            "KV position writes of this call may be incomplete.", stuck)
+
+
+def _device_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1       # the Triton interpreter runs programs one after another
+
+
+def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = None, tiling: Tiling | None = None,
+                policy: str = "cost", tape: Tape | None = None, verify_tape: bool = True,
+                spin_limit: int = DEFAULT_SPIN_LIMIT, sync_check: bool | None = None,
+                cost_model: CostModel | None = None, profile: bool = False, seed: int = 0):
+    """Prepare one decoder layer (or ``cfg['layers']`` layers) for ``layer_step``. Untimed.
+
+    weights  : {"layers": [ {in_norm, post_norm, q, k, v, o, gate, up, down} ]} bf16, row-major
+    kv_cache : [(k, v)] per layer, each (1, n_kv, max_seq_len, hd) bf16, updated in place
+    cfg      : the spec's cfg dict (layers, d, ffn, n_q, n_kv, hd, eps, theta, wdtype)
+    Options: ``num_sms`` (default: all SMs of the device), ``tiling``, ``policy`` ('cost',
+    'round-robin', 'random'), ``tape`` (a precompiled tape; ``verify_tape=False`` skips the verifier,
+    for tests of broken tapes), ``spin_limit`` (polls before a wait gives up), ``sync_check``
+    (check the kernel's status after every step; default on the CPU), ``profile``.
+    """
+    mc, device = validate_inputs(weights, kv_cache, cfg, max_seq_len)
+    if isinstance(spin_limit, bool) or not isinstance(spin_limit, int) or spin_limit <= 0:
+        raise _err(ValueError, "spin_limit", "a positive int", spin_limit)
+    dev_sms = _device_sms(device)
+    if num_sms is None:
+        num_sms = dev_sms
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 1 <= num_sms <= dev_sms:
+        raise _err(ValueError, "num_sms", f"an int in [1, {dev_sms}] (SMs that can be co-resident on {device})", num_sms)
+    if tape is None:
+        comp = compile_model(mc, num_sms, max_seq=max_seq_len, tiling=tiling, policy=policy, model=cost_model,
+                             seed=seed, sequential=(device.type == "cpu"))
+        tape = comp.tape
+    else:
+        if tape.lay.cfg.to_dict() != mc.to_dict() or tape.lay.max_seq != max_seq_len:
+            raise ValueError("tape: compiled for a different cfg or max_seq_len than the one given")
+        if tape.num_sms > dev_sms:
+            raise _err(ValueError, "tape", f"at most {dev_sms} SM queues", tape.num_sms)
+        if verify_tape:
+            verify(tape, sequential=(device.type == "cpu"))
+    lay = tape.lay
+    num_sms = tape.num_sms
+    layers = weights["layers"]
+    # per-layer element offsets of each tensor relative to layer 0's (see opcodes/common.py)
+    tensors = {n: [lw[n] for lw in layers] for n in ("in_norm", "post_norm", "q", "k", "v", "o", "gate", "up", "down")}
+    tensors["kc"] = [p[0] for p in kv_cache]
+    tensors["vc"] = [p[1] for p in kv_cache]
+    tab = torch.zeros(mc.layers, len(TAB_NAMES), dtype=torch.int64)
+    for j, name in enumerate(TAB_NAMES):
+        base = tensors[name][0].data_ptr()
+        for l, t in enumerate(tensors[name]):
+            delta = t.data_ptr() - base
+            if delta % 16:
+                raise ValueError(f"{name} of layer {l}: not 16-byte aligned relative to layer 0")
+            tab[l, j] = delta // t.element_size()
+    cos, sin = rope_tables(mc, max_seq_len, device=device)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    scratch = {name: torch.empty(lay.buffer_numel(name), dtype=dt[t], device=device)
+               for name, (shape, t) in lay.buffers().items() if not name.startswith("kv_new")}
+    counters = torch.zeros(max(1, tape.n_counters), dtype=torch.int32, device=device)
+    status_host = False
+    if device.type == "cuda":
+        try:   # pinned host memory: the host can see a failed wait without a device sync
+            status = torch.zeros(num_sms, STATUS_WORDS, dtype=torch.int32, pin_memory=True)
+            status_host = True
+        except RuntimeError:
+            status = torch.zeros(num_sms, STATUS_WORDS, dtype=torch.int32, device=device)
+    else:
+        status = torch.zeros(num_sms, STATUS_WORDS, dtype=torch.int32, device=device)
+    prof = torch.zeros(max(1, len(tape)) * PROF_WORDS if profile else 1, dtype=torch.int64, device=device)
+    L0 = layers[0]
+    args = [scratch["xout"], tab.to(device),
+            L0["in_norm"], L0["post_norm"], L0["q"], L0["k"], L0["v"], L0["o"], L0["gate"], L0["up"], L0["down"],
+            kv_cache[0][0], kv_cache[0][1], cos, sin,
+            scratch["q"], scratch["part_o"], scratch["part_ml"], scratch["attn"], scratch["x1"], scratch["act"],
+            scratch["dpart"]]
+    cx = constexpr_values(lay, interp=(device.type == "cpu"))
+    cx["PROFILE"] = bool(profile and device.type == "cuda")
+    opts = {"num_warps": lay.tiling.num_warps, "num_stages": 1}
+    if device.type == "cuda":
+        opts["launch_cooperative_grid"] = True
+    targets = [int(t) for t in tape.words[:, 2].tolist() + tape.words[:, 4].tolist()] if len(tape) else [1]
+    h = LayerHandle(cfg=mc, lay=lay, tape=tape, device=device, num_sms=num_sms, kernel=load_kernel(), args=args,
+                    constexprs=cx, launch_opts=opts, counters=counters, status=status, status_host=status_host,
+                    prof=prof, tape_dev=tape.words.reshape(-1).contiguous().to(device),
+                    qoff_dev=tape.offsets.to(device), spin_limit=spin_limit,
+                    sync_check=(device.type == "cpu") if sync_check is None else bool(sync_check),
+                    max_target=max(1, max(targets)), weights=weights, kv_cache=kv_cache, scratch=scratch)
+    return h
+
+
+def _check_step_args(h: LayerHandle, x, pos) -> None:
+    if h.closed:
+        raise ValueError("handle: teardown() was already called on it")
+    if isinstance(pos, bool) or not isinstance(pos, int):
+        if isinstance(pos, torch.Tensor) and pos.numel() == 1 and not pos.dtype.is_floating_point:
+            pos = int(pos)
+        else:
+            raise _err(TypeError, "pos", "a python int", _desc(pos))
+    if not 0 <= pos < h.lay.max_seq:
+        raise _err(ValueError, "pos", f"an int in [0, max_seq_len={h.lay.max_seq})", pos)
+    if not isinstance(x, torch.Tensor):
+        raise _err(TypeError, "x", f"a (1, {h.cfg.d}) bfloat16 tensor", _desc(x))
+    if x.dtype != torch.bfloat16 or x.numel() != h.cfg.d or x.device != h.device or (x.dim() == 2 and x.shape[0] != 1):
+        raise _err(ValueError, "x", f"a (1, {h.cfg.d}) bfloat16 tensor on {h.device}", _desc(x))
+    if not x.is_contiguous():
+        raise _err(ValueError, "x", "a contiguous tensor", _desc(x))
+
+
+def launch(h: LayerHandle, x: torch.Tensor, pos: int, out: torch.Tensor) -> None:
+    """One launch of the interpreter kernel (no checks)."""
+    h.epoch += 1
+    if h.epoch * h.max_target >= 2**31 - 1:      # counters would overflow int32: start over
+        h.counters.zero_()
+        h.epoch = 1
+    h.kernel[(h.num_sms,)](h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.epoch, h.spin_limit, pos,
+                           x, out, *h.args, **h.constexprs, **h.launch_opts)
+
+
+def layer_step(h: LayerHandle, x: torch.Tensor, pos: int) -> torch.Tensor:
+    """Run the layer(s) on one hidden state; append this position's K/V into the cache.
+
+    x   : (1, d) bf16, the incoming residual stream (read, never written)
+    pos : int, the absolute position being written
+    returns a fresh (1, d) bf16 tensor: the residual stream after the layer(s)
+    """
+    _check_step_args(h, x, pos)
+    if h.status_host:
+        h.check(sync=False)     # a failure of an earlier launch that has finished since
+    out = torch.empty(1, h.cfg.d, dtype=torch.bfloat16, device=h.device)
+    launch(h, x, int(pos), out)
+    if h.sync_check:
+        h.check(sync=True)
+    return out
+
+
+def teardown(h: LayerHandle) -> None:
+    """Release the handle's device buffers (idempotent)."""
+    if h.closed:
+        return
+    if h.device.type == "cuda":
+        torch.cuda.synchronize(h.device)
+    h.closed = True
+    h.args = []
+    h.scratch = {}
+    h.weights = None
+    h.kv_cache = None
+
+
+def profile_records(h: LayerHandle):
+    """Per tape slot: (wait start, exec start, end, sm) in ns, from the last profiled launch."""
+    if not h.constexprs.get("PROFILE"):
+        raise ValueError("handle: build_layer(..., profile=True) on a GPU is needed for profile records")
+    torch.cuda.synchronize(h.device)
+    return h.prof.view(-1, PROF_WORDS).cpu()
