@@ -15,10 +15,11 @@ import sys
 
 import opcodes
 from opcodes import HEADER, REGISTRY, WORDS
-from opcodes.common import KERNEL_CONSTEXPRS, KERNEL_PTRS, KERNEL_SCALARS
+from opcodes.common import KERNEL_CONSTEXPRS, KERNEL_PTR_TYPES, KERNEL_PTRS, KERNEL_SCALARS, PER_CALL_PTRS, TABLE_PTRS
 
 #: runtime parameters of the kernel before the model's buffers
-FIXED_PARAMS = ("tape_ptr", "qoff_ptr", "cnt_ptr", "status_ptr", "prof_ptr", "epoch", "spin_limit")
+FIXED_PARAMS = ("tape_ptr", "qoff_ptr", "cnt_ptr", "status_ptr", "prof_ptr", "ptab_ptr", "epoch", "spin_limit")
+_TL_TYPES = {"bf16": "tl.bfloat16", "fp32": "tl.float32", "i64": "tl.int64", "i32": "tl.int32"}
 #: compile-time switches of the kernel itself
 SWITCHES = ("PROFILE",)
 STATUS_WORDS = 8     # per SM: [code, sm, slot, opcode, counter, target, seen, epoch]
@@ -60,11 +61,17 @@ def kernel_source() -> str:
     w("    return t")
     w("")
     w("")
-    w("@triton.jit")
-    params = list(FIXED_PARAMS) + list(KERNEL_SCALARS) + list(KERNEL_PTRS) + \
+    # NOTE: no value specialisation of the per-call scalars: the compiled kernel is launched directly
+    # (runtime.launch), so it must be valid for every epoch, spin limit and position.
+    w('@triton.jit(do_not_specialize=["epoch", "spin_limit", "pos"])')
+    params = list(FIXED_PARAMS) + list(KERNEL_SCALARS) + list(PER_CALL_PTRS) + \
         [f"{c}: tl.constexpr" for c in KERNEL_CONSTEXPRS] + [f"{s}: tl.constexpr" for s in SWITCHES]
     w("def megakernel(" + ", ".join(params) + "):")
     w("    sm = tl.program_id(0)")
+    w("    # build-time buffers: addresses from the table (16-byte aligned, checked by the host)")
+    for k, name in enumerate(TABLE_PTRS):
+        ty = _TL_TYPES[KERNEL_PTR_TYPES[name]]
+        w(f"    {name} = tl.multiple_of(tl.load(ptab_ptr + {k}).to(tl.pointer_type({ty})), 16)")
     w("    i = tl.load(qoff_ptr + sm)")
     w("    stop = tl.load(qoff_ptr + sm + 1)")
     w("    failed = sm * 0")

@@ -13,13 +13,14 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from triton import knobs as _knobs
 
 from opcodes import BY_OPCODE, Layout, ModelConfig, Tiling
-from opcodes.common import TAB_NAMES, constexpr_values
+from opcodes.common import KERNEL_CONSTEXPRS, TABLE_PTRS, TAB_NAMES, constexpr_values
 from opcodes.reference import layer_shapes, rope_tables
 from schedule import CostModel, Tape, compile_model, verify
 
-from .codegen import PROF_WORDS, STATUS_WORDS, load_kernel
+from .codegen import PROF_WORDS, STATUS_WORDS, SWITCHES, load_kernel
 
 DEFAULT_SPIN_LIMIT = 1 << 20
 
@@ -155,25 +156,32 @@ class LayerHandle:
     closed: bool = False
     scratch: dict = field(default_factory=dict, repr=False)
     keep: list = field(default_factory=list, repr=False)
+    compiled: object = field(default=None, repr=False)
+    fast_launch: bool = True
+    ptab: torch.Tensor = None
+    buffers: dict = field(default_factory=dict, repr=False)
+    predicted_makespan_s: float | None = None
+    cx_values: list = field(default_factory=list, repr=False)
+    resources: dict = field(default_factory=dict)
 
     def check(self, sync: bool = True) -> None:
         """Raise :class:`MegakernelError` if the last launch stopped on a wait (syncs first)."""
         if sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         st = self.status.cpu() if not self.status_host else self.status
-        codes = st[:, 0]
-        if int(codes.abs().sum()) == 0:
+        if not st[:, 0].numpy().any():
             return
         stuck = []
-        for row in st[codes != 0].tolist():
+        for row in st[st[:, 0] != 0].tolist():
             _, sm, slot, op, ctr, tgt, seen, ep = row
-            stuck.append((sm, slot, self.tape.describe(slot), self.tape.counters[ctr] if 0 <= ctr < len(self.tape.counters) else ctr, tgt, seen))
+            cname = self.tape.counters[ctr] if 0 <= ctr < len(self.tape.counters) else str(ctr)
+            stuck.append((sm, slot, self.tape.describe(slot), f"{ctr} ({cname})", tgt, seen, ep))
         # reset so that the next launch starts clean
         self.status.zero_()
         self.counters.zero_()
         self.epoch = 0
-        lines = [f"  {desc}: waited on counter {c} for {t} (call {t // max(1, 1)}), saw {s}"
-                 for (_, _, desc, c, t, s) in stuck[:8]]
+        lines = [f"  {desc}: waited on counter {c} for {t} (call {ep}: {t // max(1, ep)} producers per call), "
+                 f"saw {s}" for (_, _, desc, c, t, s, ep) in stuck[:8]]
         raise MegakernelError(
             f"megakernel stopped: {len(stuck)} SM(s) gave up waiting after {self.spin_limit} polls "
             f"(a producer never signalled):\n" + "\n".join(lines) +
@@ -191,7 +199,8 @@ def _device_sms(device: torch.device) -> int:
 def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = None, tiling: Tiling | None = None,
                 policy: str = "cost", tape: Tape | None = None, verify_tape: bool = True,
                 spin_limit: int = DEFAULT_SPIN_LIMIT, sync_check: bool | None = None,
-                cost_model: CostModel | None = None, profile: bool = False, seed: int = 0):
+                cost_model: CostModel | None = None, profile: bool = False, seed: int = 0,
+                cooperative: bool = True):
     """Prepare one decoder layer (or ``cfg['layers']`` layers) for ``layer_step``. Untimed.
 
     weights  : {"layers": [ {in_norm, post_norm, q, k, v, o, gate, up, down} ]} bf16, row-major
@@ -200,7 +209,9 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     Options: ``num_sms`` (default: all SMs of the device), ``tiling``, ``policy`` ('cost',
     'round-robin', 'random'), ``tape`` (a precompiled tape; ``verify_tape=False`` skips the verifier,
     for tests of broken tapes), ``spin_limit`` (polls before a wait gives up), ``sync_check``
-    (check the kernel's status after every step; default on the CPU), ``profile``.
+    (check the kernel's status after every step; default on the CPU), ``profile``, ``cooperative``
+    (launch as a cooperative grid, which the driver refuses unless every program is co-resident;
+    without it, residency rests on the grid being one 1-CTA-per-SM program per SM).
     """
     mc, device = validate_inputs(weights, kv_cache, cfg, max_seq_len)
     if isinstance(spin_limit, bool) or not isinstance(spin_limit, int) or spin_limit <= 0:
@@ -214,7 +225,9 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
         comp = compile_model(mc, num_sms, max_seq=max_seq_len, tiling=tiling, policy=policy, model=cost_model,
                              seed=seed, sequential=(device.type == "cpu"))
         tape = comp.tape
+        predicted = comp.sched.makespan
     else:
+        predicted = None
         if tape.lay.cfg.to_dict() != mc.to_dict() or tape.lay.max_seq != max_seq_len:
             raise ValueError("tape: compiled for a different cfg or max_seq_len than the one given")
         if tape.num_sms > dev_sms:
@@ -252,23 +265,43 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
         status = torch.zeros(num_sms, STATUS_WORDS, dtype=torch.int32, device=device)
     prof = torch.zeros(max(1, len(tape)) * PROF_WORDS if profile else 1, dtype=torch.int64, device=device)
     L0 = layers[0]
-    args = [scratch["xout"], tab.to(device),
-            L0["in_norm"], L0["post_norm"], L0["q"], L0["k"], L0["v"], L0["o"], L0["gate"], L0["up"], L0["down"],
-            kv_cache[0][0], kv_cache[0][1], cos, sin,
-            scratch["q"], scratch["part_o"], scratch["part_ml"], scratch["attn"], scratch["x1"], scratch["act"],
-            scratch["dpart"]]
+    bufs = {"xout_ptr": scratch["xout"], "wtab_ptr": tab.to(device),
+            "n1_ptr": L0["in_norm"], "n2_ptr": L0["post_norm"], "wq_ptr": L0["q"], "wk_ptr": L0["k"],
+            "wv_ptr": L0["v"], "wo_ptr": L0["o"], "wg_ptr": L0["gate"], "wu_ptr": L0["up"], "wd_ptr": L0["down"],
+            "kc_ptr": kv_cache[0][0], "vc_ptr": kv_cache[0][1], "cos_ptr": cos, "sin_ptr": sin,
+            "q_ptr": scratch["q"], "part_o_ptr": scratch["part_o"], "part_ml_ptr": scratch["part_ml"],
+            "attn_ptr": scratch["attn"], "x1_ptr": scratch["x1"], "act_ptr": scratch["act"],
+            "dpart_ptr": scratch["dpart"]}
+    for name, t in bufs.items():
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name}: buffer not 16-byte aligned")
+    ptab = torch.tensor([bufs[n].data_ptr() for n in TABLE_PTRS], dtype=torch.int64, device=device)
+    args = [ptab]
     cx = constexpr_values(lay, interp=(device.type == "cpu"))
     cx["PROFILE"] = bool(profile and device.type == "cuda")
     opts = {"num_warps": lay.tiling.num_warps, "num_stages": 1}
     if device.type == "cuda":
-        opts["launch_cooperative_grid"] = True
+        opts["launch_cooperative_grid"] = bool(cooperative)
     targets = [int(t) for t in tape.words[:, 2].tolist() + tape.words[:, 4].tolist()] if len(tape) else [1]
     h = LayerHandle(cfg=mc, lay=lay, tape=tape, device=device, num_sms=num_sms, kernel=load_kernel(), args=args,
+                    ptab=ptab, buffers=bufs,
                     constexprs=cx, launch_opts=opts, counters=counters, status=status, status_host=status_host,
                     prof=prof, tape_dev=tape.words.reshape(-1).contiguous().to(device),
                     qoff_dev=tape.offsets.to(device), spin_limit=spin_limit,
                     sync_check=(device.type == "cpu") if sync_check is None else bool(sync_check),
-                    max_target=max(1, max(targets)), weights=weights, kv_cache=kv_cache, scratch=scratch)
+                    max_target=max(1, max(targets)), predicted_makespan_s=predicted, weights=weights, kv_cache=kv_cache, scratch=scratch)
+    if device.type == "cuda":
+        # compile now (build is untimed); keep the compiled kernel for its resource report
+        x0 = torch.zeros(1, mc.d, dtype=torch.bfloat16, device=device)
+        h.compiled = h.kernel.warmup(h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.ptab, 1, spin_limit, 0,
+                                     x0, x0, grid=(num_sms,), **cx, **opts)
+        h.cx_values = [cx[k] for k in KERNEL_CONSTEXPRS] + [cx[k] for k in SWITCHES]
+        try:
+            h.compiled._init_handles()
+            h.resources = {"n_regs": h.compiled.n_regs, "n_spills": h.compiled.n_spills,
+                           "shared": h.compiled.metadata.shared}
+        except Exception as e:      # resource report is informative only
+            h.resources = {"error": repr(e)}
     return h
 
 
@@ -288,6 +321,8 @@ def _check_step_args(h: LayerHandle, x, pos) -> None:
         raise _err(ValueError, "x", f"a (1, {h.cfg.d}) bfloat16 tensor on {h.device}", _desc(x))
     if not x.is_contiguous():
         raise _err(ValueError, "x", "a contiguous tensor", _desc(x))
+    if x.data_ptr() % 16:
+        raise _err(ValueError, "x", "a 16-byte aligned tensor", f"data_ptr % 16 = {x.data_ptr() % 16}")
 
 
 def launch(h: LayerHandle, x: torch.Tensor, pos: int, out: torch.Tensor) -> None:
@@ -296,8 +331,17 @@ def launch(h: LayerHandle, x: torch.Tensor, pos: int, out: torch.Tensor) -> None
     if h.epoch * h.max_target >= 2**31 - 1:      # counters would overflow int32: start over
         h.counters.zero_()
         h.epoch = 1
-    h.kernel[(h.num_sms,)](h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.epoch, h.spin_limit, pos,
-                           x, out, *h.args, **h.constexprs, **h.launch_opts)
+    ck = h.compiled
+    if ck is not None and h.fast_launch:
+        # NOTE: the compiled kernel's launcher directly: Triton's JIT dispatch re-derives the
+        # specialisation key from ~55 arguments on every call (tens of microseconds).
+        ck.run(h.num_sms, 1, 1, torch.cuda.current_stream(h.device).cuda_stream, ck.function, ck.packed_metadata,
+               None, _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook,
+               h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.ptab, h.epoch, h.spin_limit, pos, x, out,
+               *h.cx_values)
+    else:
+        h.kernel[(h.num_sms,)](h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.ptab, h.epoch,
+                               h.spin_limit, pos, x, out, **h.constexprs, **h.launch_opts)
 
 
 def layer_step(h: LayerHandle, x: torch.Tensor, pos: int) -> torch.Tensor:
@@ -325,6 +369,7 @@ def teardown(h: LayerHandle) -> None:
         torch.cuda.synchronize(h.device)
     h.closed = True
     h.args = []
+    h.buffers = {}
     h.scratch = {}
     h.weights = None
     h.kv_cache = None

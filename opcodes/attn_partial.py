@@ -48,14 +48,14 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
         km = keys < stop
         k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
                     cache_modifier=".cg")
+        v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
+                    cache_modifier=".cg")                      # issued with K: one round trip a block
         sc = mma(qs, tl.trans(k), INTERP)                           # [GP, ATTN_BLOCK] fp32
         sc = tl.where(km[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         p = tl.exp2(sc - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
-                    cache_modifier=".cg")
         acc = acc * alpha[:, None] + mma(p.to(tl.bfloat16), v, INTERP)
         m_i = m_new
     prow = (layer * NQ + qrow) * NS + s

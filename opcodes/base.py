@@ -48,12 +48,13 @@ class Tiling:
     o_rows: int = 32        # output rows per O-projection tile
     gu_rows: int = 16       # rows of gate AND of up per gate/up tile
     down_rows: int = 32     # output rows per down-projection tile
-    down_k: int = 4096      # ffn columns (K range) per down-projection tile
+    down_k: int = 7168      # ffn columns (K range) per down-projection tile
     red_rows: int = 1024    # rows per final residual reduction
     attn_splits: int = 16   # splits of the key sequence per KV head
     attn_block: int = 64    # keys per attention inner block
-    bk: int = 1024          # columns streamed per inner-loop iteration of a GEMV tile
-    num_warps: int = 16
+    bk: int = 512           # columns streamed per inner-loop iteration of a GEMV tile
+    num_warps: int = 8
+    stages: int = 4         # software-pipelining depth of the GEMV streaming loops (1: off)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -25,18 +25,27 @@ T_KC = tl.constexpr(9)
 T_VC = tl.constexpr(10)
 assert TAB_NAMES.index("vc") == T_VC.value and TAB_NAMES.index("in_norm") == T_N1.value
 
-#: pointer parameters, in kernel-signature order
-KERNEL_PTRS = (
-    "x_ptr", "out_ptr", "xout_ptr", "wtab_ptr",
-    "n1_ptr", "n2_ptr", "wq_ptr", "wk_ptr", "wv_ptr", "wo_ptr", "wg_ptr", "wu_ptr", "wd_ptr",
-    "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr",
-    "q_ptr", "part_o_ptr", "part_ml_ptr", "attn_ptr", "x1_ptr", "act_ptr", "dpart_ptr",
-)
+#: pointers the device functions take, with their element types. ``x_ptr`` and ``out_ptr`` change
+#: every call and are kernel parameters; the others are fixed at build time and reach the kernel
+#: through one table of addresses (fewer launch arguments: each pointer argument costs the launcher
+#: a driver call, ~1-2 us).
+KERNEL_PTR_TYPES = {
+    "x_ptr": "bf16", "out_ptr": "bf16", "xout_ptr": "bf16", "wtab_ptr": "i64",
+    "n1_ptr": "bf16", "n2_ptr": "bf16", "wq_ptr": "bf16", "wk_ptr": "bf16", "wv_ptr": "bf16", "wo_ptr": "bf16",
+    "wg_ptr": "bf16", "wu_ptr": "bf16", "wd_ptr": "bf16", "kc_ptr": "bf16", "vc_ptr": "bf16",
+    "cos_ptr": "fp32", "sin_ptr": "fp32",
+    "q_ptr": "fp32", "part_o_ptr": "fp32", "part_ml_ptr": "fp32", "attn_ptr": "fp32", "x1_ptr": "fp32",
+    "act_ptr": "fp32", "dpart_ptr": "fp32",
+}
+KERNEL_PTRS = tuple(KERNEL_PTR_TYPES)
+PER_CALL_PTRS = ("x_ptr", "out_ptr")
+#: the build-time pointers, in the order of the address table
+TABLE_PTRS = tuple(p for p in KERNEL_PTRS if p not in PER_CALL_PTRS)
 #: compile-time parameters (model shape and tiling), in kernel-signature order
 KERNEL_CONSTEXPRS = (
     "NL", "D", "FFN", "NQ", "NKV", "HD", "G", "GP", "MAXS", "EPS", "QSCALE",
     "QKV_ROWS", "O_ROWS", "GU_ROWS", "DOWN_ROWS", "DOWN_K", "NKC", "RED_ROWS",
-    "NS", "NSP", "ATTN_BLOCK", "BK", "INTERP",
+    "NS", "NSP", "ATTN_BLOCK", "BK", "STAGES", "INTERP",
 )
 #: scalar runtime parameters every device function may take
 KERNEL_SCALARS = ("pos",)
@@ -53,7 +62,7 @@ def constexpr_values(lay, interp: bool = False) -> dict:
         QSCALE=float(1.4426950408889634 / math.sqrt(c.hd)),
         QKV_ROWS=t.qkv_rows, O_ROWS=t.o_rows, GU_ROWS=t.gu_rows, DOWN_ROWS=t.down_rows,
         DOWN_K=t.down_k, NKC=lay.n_down_k, RED_ROWS=t.red_rows, NS=t.attn_splits,
-        NSP=triton.next_power_of_2(t.attn_splits), ATTN_BLOCK=t.attn_block, BK=t.bk,
+        NSP=triton.next_power_of_2(t.attn_splits), ATTN_BLOCK=t.attn_block, BK=t.bk, STAGES=t.stages,
         INTERP=interp,
     )
 

@@ -20,7 +20,7 @@ from .common import T_WD, tab_offset
 @triton.jit
 def down_device(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
                 D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
-                NKC: tl.constexpr, BK: tl.constexpr):
+                NKC: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     EVEN: tl.constexpr = (FFN % DOWN_K == 0) and (DOWN_K % BK == 0) and (D % DOWN_ROWS == 0)
     rows = row0 + tl.arange(0, DOWN_ROWS)
     rm = rows < D
@@ -29,7 +29,7 @@ def down_device(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
     kbase = kc * DOWN_K
     acc = tl.zeros([DOWN_ROWS, BK], dtype=tl.float32)
     # each iteration streams DOWN_ROWS x BK bf16 of Wdown
-    for kk in range(0, DOWN_K, BK):
+    for kk in tl.range(0, DOWN_K, BK, num_stages=STAGES):
         cols = kbase + kk + tl.arange(0, BK)
         if EVEN:
             a = tl.load(a_ptr + cols, cache_modifier=".cg")
@@ -51,7 +51,7 @@ class Down(Instruction):
 
     NAME = "down"
     STAGE = 5
-    ARGS = ("wtab_ptr", "wd_ptr", "act_ptr", "dpart_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "NKC", "BK")
+    ARGS = ("wtab_ptr", "wd_ptr", "act_ptr", "dpart_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "NKC", "BK", "STAGES")
     device = down_device
 
     def check_operands(self, lay: Layout) -> list[str]:

@@ -21,7 +21,7 @@ from .common import T_N2, T_WG, T_WU, tab_offset
 @triton.jit
 def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
                    D: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-                   BK: tl.constexpr):
+                   BK: tl.constexpr, STAGES: tl.constexpr):
     EVEN: tl.constexpr = (D % BK == 0) and (FFN % GU_ROWS == 0)
     rows = row0 + tl.arange(0, GU_ROWS)
     rm = rows < FFN
@@ -33,7 +33,7 @@ def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_pt
     accu = tl.zeros([GU_ROWS, BK], dtype=tl.float32)
     ss = tl.zeros([BK], dtype=tl.float32)
     # each iteration streams 2 x GU_ROWS x BK bf16 of Wgate and Wup
-    for k0 in range(0, D, BK):
+    for k0 in tl.range(0, D, BK, num_stages=STAGES):
         cols = k0 + tl.arange(0, BK)
         if EVEN:
             xv = tl.load(xin + cols, cache_modifier=".cg")
@@ -66,7 +66,7 @@ class GateUp(Instruction):
 
     NAME = "gate_up"
     STAGE = 4
-    ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "FFN", "EPS", "GU_ROWS", "BK")
+    ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "FFN", "EPS", "GU_ROWS", "BK", "STAGES")
     device = gate_up_device
 
     def check_operands(self, lay: Layout) -> list[str]:

@@ -18,7 +18,7 @@ from .common import T_WO, layer_input, tab_offset
 @triton.jit
 def oproj_device(layer, row0, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_ptr,
                  D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, O_ROWS: tl.constexpr,
-                 BK: tl.constexpr):
+                 BK: tl.constexpr, STAGES: tl.constexpr):
     QD: tl.constexpr = NQ * HD
     EVEN: tl.constexpr = (QD % BK == 0) and (D % O_ROWS == 0)
     rows = row0 + tl.arange(0, O_ROWS)
@@ -27,7 +27,7 @@ def oproj_device(layer, row0, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_pt
     a_ptr = attn_ptr + layer * QD
     acc = tl.zeros([O_ROWS, BK], dtype=tl.float32)
     # each iteration streams O_ROWS x BK bf16 of Wo
-    for k0 in range(0, QD, BK):
+    for k0 in tl.range(0, QD, BK, num_stages=STAGES):
         cols = k0 + tl.arange(0, BK)
         if EVEN:
             a = tl.load(a_ptr + cols, cache_modifier=".cg")
@@ -51,7 +51,7 @@ class OProj(Instruction):
 
     NAME = "oproj"
     STAGE = 3
-    ARGS = ("x_ptr", "xout_ptr", "wtab_ptr", "wo_ptr", "attn_ptr", "x1_ptr", "D", "NQ", "HD", "O_ROWS", "BK")
+    ARGS = ("x_ptr", "xout_ptr", "wtab_ptr", "wo_ptr", "attn_ptr", "x1_ptr", "D", "NQ", "HD", "O_ROWS", "BK", "STAGES")
     device = oproj_device
 
     def check_operands(self, lay: Layout) -> list[str]:

@@ -27,7 +27,7 @@ SECTIONS = ("q", "k", "v")
 def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
                kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
                D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAXS: tl.constexpr,
-               EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr):
+               EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     HALF: tl.constexpr = QKV_ROWS // 2
     EVEN_K: tl.constexpr = D % BK == 0
     dims = j * HALF + tl.arange(0, HALF)                       # [HALF] in [0, HD/2)
@@ -45,7 +45,7 @@ def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_p
     acc2 = tl.zeros([HALF, BK], dtype=tl.float32)
     ss = tl.zeros([BK], dtype=tl.float32)
     # each iteration streams QKV_ROWS x BK bf16 weights
-    for k0 in range(0, D, BK):
+    for k0 in tl.range(0, D, BK, num_stages=STAGES):
         cols = k0 + tl.arange(0, BK)
         if EVEN_K:
             xv = tl.load(xin + cols, cache_modifier=".cg").to(tl.float32)
@@ -98,7 +98,7 @@ class QKV(Instruction):
     STAGE = 0
     ARGS = ("pos", "x_ptr", "xout_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr",
             "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
-            "D", "NQ", "HD", "MAXS", "EPS", "QKV_ROWS", "BK")
+            "D", "NQ", "HD", "MAXS", "EPS", "QKV_ROWS", "BK", "STAGES")
     device = qkv_device
 
     def check_operands(self, lay: Layout) -> list[str]:

@@ -24,16 +24,18 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def make_weights(cfg: ModelConfig, seed: int = 0, device="cpu") -> dict:
     """Random bf16 weights with the spec's layout, scaled so activations stay O(1)."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)      # generated where it will live (fast on a GPU)
     layers = []
     for _ in range(cfg.layers):
         lw = {}
         for name, shape in layer_shapes(cfg).items():
             if len(shape) == 1:
-                t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+                t = 1.0 + 0.1 * torch.randn(shape, generator=g, device=device)
             else:
-                t = torch.randn(shape, generator=g) / math.sqrt(shape[1])
-            lw[name] = t.to(torch.bfloat16).to(device)
+                t = torch.randn(shape, generator=g, device=device).mul_(1.0 / math.sqrt(shape[1]))
+            lw[name] = t.to(torch.bfloat16)
+            del t
         layers.append(lw)
     return {"layers": layers}
 
@@ -41,14 +43,16 @@ def make_weights(cfg: ModelConfig, seed: int = 0, device="cpu") -> dict:
 def make_kv_cache(cfg: ModelConfig, max_seq_len: int, prefill: int, seed: int = 1, device="cpu", batch: int = 1):
     """A list of ``cfg.layers`` (k, v) pairs, each (B, n_kv, max_seq_len, hd) bf16, prefilled with
     random values in ``[0, prefill)`` and zero beyond."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
     cache = []
     for _ in range(cfg.layers):
         pair = []
         for _ in range(2):
-            t = torch.zeros(batch, cfg.n_kv, max_seq_len, cfg.hd, dtype=torch.bfloat16)
-            t[:, :, :prefill] = torch.randn(batch, cfg.n_kv, prefill, cfg.hd, generator=g).to(torch.bfloat16)
-            pair.append(t.to(device))
+            t = torch.zeros(batch, cfg.n_kv, max_seq_len, cfg.hd, dtype=torch.bfloat16, device=device)
+            t[:, :, :prefill] = torch.randn(batch, cfg.n_kv, prefill, cfg.hd, generator=g,
+                                            device=device).to(torch.bfloat16)
+            pair.append(t)
         cache.append(tuple(pair))
     return cache
 

@@ -6,7 +6,7 @@ its producers have signalled; the per-call wait target is therefore the number o
 
 Dependencies per layer ``l`` (one counter per arrow group):
 
-    QKV(l, q/k/v heads of group g) --qkv[l,g]--> ATTN_PARTIAL(l, g, *) --part[l,g]--> ATTN_REDUCE(l, g)
+    QKV(l, q/k/v heads of group g) --qkv[l,g]--> ATTN_PARTIAL(l, g, *) --part[l,g]--> ATTN_REDUCE(l, heads of g)
     ATTN_REDUCE(l, *) --attn[l]--> OPROJ(l, *) --x1[l]--> GATE_UP(l, *)
     GATE_UP(l, rows in K chunk kc) --act[l,kc]--> DOWN(l, *, kc)
     DOWN(l, rows in block rb, *) --dpart[l,rb]--> RESIDUAL(l, rb) --out[l]--> QKV(l+1, *)
@@ -96,8 +96,8 @@ def lower(lay: Layout) -> Program:
         for g in range(c.n_kv):
             for s in range(t.attn_splits):
                 p.add(AttnPartial(l, g, s), (cq[g],), cp[g])
-        for g in range(c.n_kv):
-            p.add(AttnReduce(l, g), (cp[g],), ca)
+        for h in range(c.n_q):
+            p.add(AttnReduce(l, h), (cp[h // c.group],), ca)
         for r in range(0, c.d, t.o_rows):
             p.add(OProj(l, r), (ca,), cx)
         for r in range(0, c.ffn, t.gu_rows):

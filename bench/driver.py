@@ -1,0 +1,346 @@
+"""``megatape bench``: build, check and time everything in one process on the GPU.
+
+Follows the spec's protocol: KV cache prefilled with ``prefill`` positions; ``steps`` decode steps at
+pos = prefill .. prefill+steps-1, a fresh x each step; every step compared with the eager reference
+running on its own copy of the cache; the cache compared after the run (written rows close to the
+reference's, every other row bitwise untouched); kernels per step counted with torch.profiler; the
+floor is bytes per step over the stream-copy bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+from opcodes import PRESETS, ModelConfig, Tiling
+from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err
+
+TOL = 1.5e-2
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _events_median(fn, args_list, warmup: int = 3):
+    """Median CUDA-event microseconds of fn(*args) over args_list, and median wall-clock
+    microseconds with a host sync after each call."""
+    for a in args_list[:warmup]:
+        fn(*a)
+    torch.cuda.synchronize()
+    ev = []
+    for a in args_list:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn(*a)
+        e.record()
+        ev.append((s, e))
+    torch.cuda.synchronize()
+    us_event = [s.elapsed_time(e) * 1e3 for s, e in ev]
+    wall = []
+    for a in args_list:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(*a)
+        torch.cuda.synchronize()
+        wall.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(us_event), statistics.median(wall), us_event
+
+
+def count_kernels(fn, args) -> tuple[int, float, list]:
+    """(kernels launched by one call, dominant kernel's share of GPU time, names)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn(*args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    kern = []
+    for e in prof.events():
+        dt = getattr(e, "device_type", None)
+        if dt is None or "CUDA" not in str(dt):
+            continue
+        name = e.name
+        low = name.lower()
+        if "memcpy" in low or "memset" in low:
+            continue
+        dur = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0) or 0
+        kern.append((name, float(dur)))
+    total = sum(d for _, d in kern) or 1.0
+    dom = max((d for _, d in kern), default=0.0) / total
+    return len(kern), dom, [n for n, _ in kern]
+
+
+def stream_copy_bw(nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Bytes/s of a large device-to-device copy, read + write counted (median)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) * 1e-3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(ts)
+
+
+def setup(cfg: ModelConfig, prefill: int, steps: int, max_seq: int, seed: int):
+    """Weights, a prefilled cache, an untouched copy of it and the per-step inputs, on the GPU."""
+    dev = torch.device("cuda")
+    weights = make_weights(cfg, seed=seed, device=dev)
+    kv = make_kv_cache(cfg, max_seq, prefill, seed=seed + 1, device=dev)
+    kv_before = [tuple(t.clone() for t in p) for p in kv]
+    g = torch.Generator(device=dev).manual_seed(seed + 2)
+    xs = [torch.randn(1, cfg.d, generator=g, device=dev).to(torch.bfloat16) for _ in range(steps)]
+    return weights, kv, kv_before, xs
+
+
+def check_megatape(cfg: ModelConfig, h, weights, kv, kv_before, xs, prefill: int, report: dict) -> None:
+    """The spec's correctness protocol for one handle (the cache is reset to ``kv_before`` first)."""
+    from interp import layer_step
+    for p, b in zip(kv, kv_before):
+        p[0].copy_(b[0])
+        p[1].copy_(b[1])
+    kv_ref = [tuple(t.clone() for t in p) for p in kv_before]
+    steps = len(xs)
+    errs = []
+    for i in range(steps):
+        pos = prefill + i
+        out = layer_step(h, xs[i], pos)
+        ref = model_ref(weights, kv_ref, cfg, xs[i], pos)
+        errs.append(rel_err(out, ref))
+    h.check()
+    report["rel_err_max"] = max(errs)
+    report["rel_err_all"] = errs
+    untouched, row_err = True, 0.0
+    rows = slice(prefill, prefill + steps)
+    for l in range(cfg.layers):
+        for j in range(2):
+            a, b, r = kv[l][j], kv_before[l][j], kv_ref[l][j]
+            mask = torch.ones(a.shape[2], dtype=torch.bool, device=a.device)
+            mask[rows] = False
+            untouched &= bool(torch.equal(a[:, :, mask], b[:, :, mask]))
+            row_err = max(row_err, rel_err(a[:, :, rows], r[:, :, rows]))
+    report["kv_untouched_bitwise"] = untouched
+    report["kv_rows_rel_err"] = row_err
+    report["correct"] = bool(max(errs) <= TOL and untouched and row_err <= TOL)
+    log(f"check: max rel err {max(errs):.2e} over {steps} steps; KV rows rel err {row_err:.2e}; "
+        f"other rows untouched: {untouched}")
+
+
+BUILD_KEYS = {"coop": "cooperative"}
+
+
+def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:
+    """'bk=512,stages=3,coop=0' -> (Tiling with overrides, build_layer keyword arguments)."""
+    over, build = {}, {}
+    for kv in filter(None, spec.replace(" ", "").split(",")):
+        k, _, v = kv.partition("=")
+        if not v:
+            raise ValueError(f"--tiling/--variants: expected name=value, got {kv!r}")
+        if k in BUILD_KEYS:
+            build[BUILD_KEYS[k]] = bool(int(v))
+        else:
+            over[k] = int(v)
+    return Tiling.for_config(cfg, **over), build
+
+
+def parse_tiling(cfg: ModelConfig, spec: str) -> Tiling:
+    return parse_variant(cfg, spec)[0]
+
+
+def host_breakdown(h, x, pos, n: int = 20) -> dict:
+    """Median host microseconds of the pieces of layer_step (argument checks, output allocation,
+    the launch itself)."""
+    from interp.runtime import _check_step_args, launch
+    parts = {"checks": lambda: _check_step_args(h, x, pos),
+             "status": lambda: h.check(sync=False),
+             "alloc": lambda: torch.empty(1, h.cfg.d, dtype=torch.bfloat16, device=h.device),
+             "launch": lambda: launch(h, x, pos, torch.empty(1, h.cfg.d, dtype=torch.bfloat16, device=h.device))}
+    out = {}
+    for k, f in parts.items():
+        ts = []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            f()
+            ts.append((time.perf_counter() - t0) * 1e6)
+        out[k] = statistics.median(ts)
+    torch.cuda.synchronize()
+    return out
+
+
+def host_us(fn, args_list) -> float:
+    """Median host-side microseconds of one call (launch cost as the caller's thread sees it)."""
+    ts = []
+    for a in args_list:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(*a)
+        ts.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(ts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="megatape bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama70b-layer", help=f"one of {', '.join(PRESETS)}")
+    ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--max-seq", type=int, default=4224)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--baselines", default="eager,compile,cublas",
+                    help="comma list of eager, compile, cublas (empty: megatape only)")
+    ap.add_argument("--tiling", default="", help="Tiling overrides of the main row, e.g. gu_rows=16,bk=1024")
+    ap.add_argument("--variants", default="", help="extra tilings to check and time, ';'-separated")
+    ap.add_argument("--profile", action="store_true", help="also run the profiling kernel and summarise it")
+    ap.add_argument("--policy", default="cost")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--tag", default="")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("megatape bench needs a CUDA GPU (none visible)", file=sys.stderr)
+        return 2
+    cfg = ModelConfig.from_name(a.preset)
+    if a.layers:
+        cfg = cfg.with_layers(a.layers)
+    tiling = parse_tiling(cfg, a.tiling)
+    card = torch.cuda.get_device_name()
+    log(f"{card}; torch {torch.__version__}; preset {cfg.name}; tiling {tiling}")
+    rep: dict = {"card": card, "date": datetime.date.today().isoformat(), "preset": cfg.name,
+                 "cfg": cfg.to_dict(), "tiling": tiling.__dict__, "torch": torch.__version__}
+    bw = stream_copy_bw()
+    bytes_step = cfg.spec_bytes_per_step(a.prefill, a.steps)
+    floor_us = bytes_step / bw * 1e6
+    rep.update(stream_copy_Bps=bw, bytes_per_step=bytes_step, floor_us=floor_us)
+    log(f"stream copy {bw / 1e12:.3f} TB/s; {bytes_step} bytes/step; floor {floor_us:.1f} us")
+    rows = [dict(name="floor (bytes / stream-copy BW)", us_event=floor_us, us_wall=None, kernels=None, dominant=None)]
+
+    from interp import build_layer, layer_step, teardown
+    from interp.profile import format_summary, summarize
+    weights, kv, kv_before, xs = setup(cfg, a.prefill, a.steps, a.max_seq, a.seed)
+    variants = [("megatape", parse_variant(cfg, a.tiling))] + [
+        (f"megatape [{v.strip()}]", parse_variant(cfg, v)) for v in a.variants.split(";") if v.strip()]
+    rep["variants"] = {}
+    for vname, (vt, bkw) in variants:
+        vrep: dict = {"tiling": vt.__dict__}
+        rep["variants"][vname] = vrep
+        try:
+            t0 = time.perf_counter()
+            h = build_layer(weights, kv, cfg.to_dict(), a.max_seq, tiling=vt, policy=a.policy, **bkw)
+            vrep.update(build_s=time.perf_counter() - t0, instructions=len(h.tape), num_sms=h.num_sms,
+                        resources=h.resources)
+            log(f"{vname}: built {len(h.tape)} instructions on {h.num_sms} SMs in {vrep['build_s']:.1f}s; "
+                f"{h.resources}")
+            check_megatape(cfg, h, weights, kv, kv_before, xs, a.prefill, vrep)
+            step_args = [(h, xs[i], a.prefill + i) for i in range(a.steps)]
+            ev, wall, allev = _events_median(layer_step, step_args)
+            h.check()
+            nk, dom, names = count_kernels(layer_step, step_args[0])
+            vrep.update(us_event=ev, us_wall=wall, all_event=allev, kernels=nk, dominant=dom,
+                        host_us=host_us(layer_step, step_args[:8]))
+            pred = h.predicted_makespan_s * 1e6 if getattr(h, "predicted_makespan_s", None) else None
+            vrep["predicted_us"] = pred
+            rows.append(dict(name=vname + ("" if vrep["correct"] else " (WRONG)"), us_event=ev, us_wall=wall,
+                             kernels=nk, dominant=dom, predicted=pred))
+            vrep["host_breakdown"] = host_breakdown(h, xs[0], a.prefill)
+            h.check()
+            log(f"{vname}: {ev:.1f} us/step (events), {wall:.1f} us wall, host {vrep['host_us']:.1f} us/call "
+                f"{ {k: round(v, 1) for k, v in vrep['host_breakdown'].items()} }, "
+                f"{nk} kernel(s), dominant {dom:.3f}")
+            teardown(h)
+            if a.profile and vname == "megatape":
+                hp = build_layer(weights, kv, cfg.to_dict(), a.max_seq, tiling=vt, policy=a.policy, profile=True)
+                for i in range(4):
+                    layer_step(hp, xs[i], a.prefill + a.steps - 1)
+                hp.check()
+                from interp.runtime import profile_records
+                summ = summarize(hp.tape, profile_records(hp), pos=a.prefill + a.steps - 1)
+                recs = summ.pop("records")
+                vrep["profile"] = summ
+                txt = format_summary(summ)
+                print(txt, flush=True)
+                pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
+                (pathlib.Path(a.out) / "profile.md").write_text(txt + "\n")
+                (pathlib.Path(a.out) / "profile_records.json").write_text(json.dumps(recs))
+                # profiling off vs on, same run
+                ev_p, _, _ = _events_median(layer_step, [(hp, xs[i], a.prefill + i) for i in range(a.steps)])
+                vrep["us_event_profiled"] = ev_p
+                log(f"profiling on: {ev_p:.1f} us/step vs {ev:.1f} off")
+                teardown(hp)
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            log(f"{vname} failed: {type(e).__name__}: {e}")
+            rows.append(dict(name=f"{vname} (failed)", us_event=None, us_wall=None, kernels=None, dominant=None))
+    main_rep = rep["variants"]["megatape"]
+    for k in ("rel_err_max", "correct", "kv_untouched_bitwise", "kv_rows_rel_err"):
+        rep[k] = main_rep.get(k)
+
+    for b in filter(None, a.baselines.split(",")):
+        try:
+            import bench.baselines as B
+            if b == "eager":
+                fn = B.eager_step(weights, kv, cfg)
+            elif b == "compile":
+                fn = B.compiled_step(weights, kv, cfg, a.max_seq, mode="reduce-overhead")
+            elif b == "cublas":
+                fn = B.cublas_gemv_graph(weights, cfg)
+            else:
+                raise ValueError(f"unknown baseline {b!r}")
+            args = [(xs[i], a.prefill + i) for i in range(a.steps)]
+            ev_b, wall_b, _ = _events_median(fn, args)
+            nk_b, dom_b, _ = count_kernels(fn, args[0])
+            rows.append(dict(name=b, us_event=ev_b, us_wall=wall_b, kernels=nk_b, dominant=dom_b))
+            log(f"{b}: {ev_b:.1f} us/step, {wall_b:.1f} wall, {nk_b} kernels")
+        except Exception as e:       # a baseline failing must not hide megatape's numbers
+            log(f"baseline {b} failed: {type(e).__name__}: {e}")
+            rows.append(dict(name=f"{b} (failed)", us_event=None, us_wall=None, kernels=None, dominant=None))
+    for r in rows:
+        if r["us_event"]:
+            r["tokens_s"] = 1e6 / r["us_event"]
+            r["x_floor"] = r["us_event"] / floor_us
+    rep["rows"] = rows
+    md = table(rows, rep)
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{rep['date']}-{cfg.name}{('-' + a.tag) if a.tag else ''}"
+    (out / f"{stem}.json").write_text(json.dumps(rep, indent=1, default=str))
+    (out / f"{stem}.md").write_text(md)
+    print(md)
+    return 0 if rep["correct"] else 1
+
+
+def table(rows, rep) -> str:
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+    err = rep.get("rel_err_max")
+    lines = [f"{rep['card']}, {rep['date']}, {rep['preset']}: stream copy {rep['stream_copy_Bps'] / 1e12:.3f} TB/s, "
+             f"{rep['bytes_per_step']} bytes/step; megatape max rel err "
+             f"{'-' if err is None else format(err, '.2e')} ({'PASS' if rep.get('correct') else 'FAIL'})", "",
+             "| what | us/step (events) | us/step (wall, synced) | tokens/s | x floor | kernels/step | dominant | predicted us |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {f(r['us_event'], '.1f')} | {f(r.get('us_wall'), '.1f')} | "
+                     f"{f(r.get('tokens_s'), '.0f')} | {f(r.get('x_floor'), '.3f')} | {f(r.get('kernels'), 'd')} | "
+                     f"{f(r.get('dominant'), '.3f')} | {f(r.get('predicted'), '.1f')} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""The ``megatape`` command line.
+
+    megatape compile --preset NAME --sms N [--layers N] [--max-seq N] [--policy cost|round-robin]
+                     [--listing] [-o tape.json]
+    megatape run     [--sms N] [-o tape.json] [--no-gpu]
+    megatape bench   ...      (bench/driver.py, needs a CUDA GPU)
+    megatape viz     ...      (schedule/viz.py)
+
+``compile`` lowers a preset to tile instructions, schedules them on N SMs with the cost model
+(list scheduling) and with round-robin, encodes and verifies both tapes, and prints what the
+tapes hold and how far each predicted makespan is from the bandwidth lower bound. ``run`` is the
+README's main job: the 70B layer's tape and schedule summary on the CPU, a tape-VM check against
+the torch reference on a tiny config, and, when a CUDA device is visible, the GPU benchmark.
+
+Argument errors print one line naming the argument and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+POLICIES = ("cost", "round-robin")
+MAIN_PRESET = "llama70b-layer"
+DEFAULT_SMS = 132            # an H200's SM count: the default when no GPU is visible
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an argument error is one line (no usage block) and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            return version("megatape")
+        except PackageNotFoundError:
+            return "(not installed)"
+    except ImportError:       # pragma: no cover
+        return "(unknown)"
+
+
+class _Progress:
+    """'[  1.2s] message' lines on stderr, timed from construction."""
+
+    def __init__(self, stream=None):
+        self.t0 = time.perf_counter()
+        self.stream = stream
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{self.elapsed():6.1f}s] {msg}", file=self.stream or sys.stderr, flush=True)
+
+
+# ---- compile ----------------------------------------------------------------------------------
+def _check_output_path(prog: str, path: str | None) -> str | None:
+    """An error line if ``-o path`` cannot be written (checked before the work starts)."""
+    if path is None:
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"{prog}: error: argument -o/--output: directory {parent!r} does not exist"
+    if os.path.isdir(path):
+        return f"{prog}: error: argument -o/--output: {path!r} is a directory"
+    return None
+
+
+def compile_both(cfg, num_sms: int, max_seq: int | None, progress: _Progress) -> dict:
+    """Compile ``cfg`` under both policies (each verified); returns {policy: Compiled}."""
+    from schedule import compile_model
+    out = {}
+    for pol in POLICIES:
+        progress(f"{pol}: lower -> schedule -> encode -> verify ...")
+        c = compile_model(cfg, num_sms, max_seq=max_seq, policy=pol)
+        progress(f"{pol}: {len(c.tape)} instructions on {num_sms} SMs verified "
+                 f"(compile_model took {c.seconds:.2f} s)")
+        out[pol] = c
+    return out
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def summary_lines(comps: dict, selected: str) -> list[str]:
+    """The schedule summary of ``compile_both``'s result, as lines."""
+    from opcodes import REGISTRY
+    from schedule import CostModel
+
+    sel = comps[selected]
+    prog, lay = sel.prog, sel.prog.lay
+    cfg, t = lay.cfg, lay.tiling
+    model = CostModel()
+    lines = []
+    shape = " ".join(f"{k}={v}" for k, v in cfg.to_dict().items())
+    lines.append(f"model   {cfg.name}: {shape}")
+    lines.append(f"layout  max_seq {lay.max_seq}; tiling " +
+                 " ".join(f"{k}={v}" for k, v in t.__dict__.items()))
+    lines.append(f"target  {sel.tape.num_sms} SMs; cost model: HBM {model.hbm_bw / 1e12:.2f} TB/s, "
+                 f"L2 {model.l2_bw_sm / 1e9:.0f} GB/s per SM, {model.overhead * 1e6:.2f} us per instruction")
+    # instructions per opcode
+    lines.append("")
+    lines.append("instructions per opcode:")
+    lines.append(f"  {'opcode':<14}{'#':>3}  {'count':>8}  {'HBM bytes':>12}  {'share':>6}")
+    counts = {name: 0 for name in REGISTRY}
+    hbm = {name: 0 for name in REGISTRY}
+    for ins in prog.instrs:
+        counts[ins.NAME] += 1
+        hbm[ins.NAME] += ins.cost(lay).hbm_bytes
+    total_hbm = sum(hbm.values()) or 1
+    for name, cls in REGISTRY.items():
+        lines.append(f"  {name:<14}{cls.OPCODE:>3}  {counts[name]:>8}  {_fmt_bytes(hbm[name]):>12}  "
+                     f"{100 * hbm[name] / total_hbm:5.1f}%")
+    lines.append(f"  {'total':<14}{'':>3}  {len(prog):>8}  {_fmt_bytes(total_hbm):>12}")
+    # counters
+    kinds: dict[str, int] = {}
+    for name in prog.counters:
+        k = name.split("[")[0]
+        kinds[k] = kinds.get(k, 0) + 1
+    targets = prog.targets()
+    n_waits = sum(len(w) for w in prog.waits)
+    lines.append("")
+    lines.append(f"counters used: {len(prog.counters)} (" +
+                 ", ".join(f"{k} x{v}" for k, v in kinds.items()) + ")")
+    if targets:
+        lines.append(f"  per-call wait targets (producers per counter): min {min(targets)}, "
+                     f"max {max(targets)}; {n_waits} waits in all, none reset between calls")
+    # verifier
+    lines.append("")
+    lines.append("verifier:")
+    for pol, c in comps.items():
+        lines.append(f"  {pol:<12} {c.report}")
+    # per-SM busy time
+    lines.append("")
+    lines.append("per-SM predicted busy time (us) and instructions per SM, min / median / max over SMs:")
+    for pol, c in comps.items():
+        busy = [b * 1e6 for b in c.sched.busy(model)]
+        n_per = [len(q) for q in c.sched.queues]
+        util = sum(busy) / (len(busy) * c.sched.makespan * 1e6) if c.sched.makespan > 0 else float("nan")
+        lines.append(f"  {pol:<12} busy {min(busy):8.1f} / {statistics.median(busy):8.1f} / {max(busy):8.1f}   "
+                     f"instructions {min(n_per)} / {statistics.median(n_per):g} / {max(n_per)}   "
+                     f"mean utilisation {100 * util:.1f}%")
+    # makespan vs lower bound
+    lb = model.lower_bound(prog)
+    lines.append("")
+    lines.append(f"predicted makespan vs the bandwidth lower bound ({total_hbm:,} HBM bytes / "
+                 f"{model.hbm_bw / 1e12:.2f} TB/s = {lb * 1e6:.1f} us):")
+    for pol, c in comps.items():
+        mark = "  <- tape" if pol == selected else ""
+        lines.append(f"  {pol:<12} makespan {c.sched.makespan * 1e6:9.1f} us   lower bound {lb * 1e6:9.1f} us   "
+                     f"ratio {c.sched.makespan / lb:6.3f}{mark}")
+    return lines
+
+
+def cmd_compile(a, prog: str = "megatape compile") -> int:
+    from opcodes import ModelConfig
+    from schedule import TapeError
+
+    err = _check_output_path(prog, a.output)
+    if err:
+        print(err, file=sys.stderr)
+        return 2
+    progress = _Progress()
+    cfg = ModelConfig.from_name(a.preset)
+    if a.layers:
+        cfg = cfg.with_layers(a.layers)
+    progress(f"{prog}: {cfg.name}, {cfg.layers} layer(s), {a.sms} SMs")
+    try:
+        comps = compile_both(cfg, a.sms, a.max_seq, progress)
+    except TapeError as e:
+        print(f"{prog}: the verifier rejected the tape (a compiler bug):\n{e}", file=sys.stderr)
+        return 1
+    except ValueError as e:          # shape/tiling problems of this preset and arguments
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    sel = comps[a.policy]
+    print("\n".join(summary_lines(comps, a.policy)))
+    if a.listing:
+        progress("listing ...")
+        print()
+        print(sel.tape.listing())
+    if a.output:
+        from schedule import CostModel
+        model = CostModel()
+        tape = sel.tape
+        tape.meta.update({
+            "compiler": f"megatape {_version()}", "preset": a.preset, "cfg_name": cfg.name,
+            "num_sms": a.sms, "max_seq": tape.lay.max_seq, "policy": a.policy,
+            "predicted_makespan_us": sel.sched.makespan * 1e6,
+            "lower_bound_us": model.lower_bound(sel.prog) * 1e6,
+            "cost_model": {"hbm_bw": model.hbm_bw, "l2_bw_sm": model.l2_bw_sm, "overhead": model.overhead},
+        })
+        tape.save(a.output)
+        progress(f"wrote {a.output} ({os.path.getsize(a.output):,} bytes)")
+    print(f"\ntime taken: {progress.elapsed():.2f} s (both schedules compiled and verified)")
+    return 0
+
+
+# ---- run: the README's main job ---------------------------------------------------------------
+def vm_check(preset: str = "tiny", num_sms: int = 3, seeds=(0, 1, 2), max_seq: int = 64, prefill: int = 37):
+    """Run the ``cost`` tape of ``preset`` in the tape VM under several interleavings; return the
+    largest relative error against the torch reference."""
+    import torch
+
+    from opcodes import ModelConfig
+    from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err
+    from schedule import compile_model
+    from schedule.vm import run_tape
+
+    cfg = ModelConfig.from_name(preset)
+    tape = compile_model(cfg, num_sms, max_seq=max_seq).tape
+    w = make_weights(cfg, seed=0)
+    x = torch.randn(1, cfg.d, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    worst = 0.0
+    for seed in seeds:
+        kv = make_kv_cache(cfg, max_seq, prefill, seed=1)
+        kv_ref = make_kv_cache(cfg, max_seq, prefill, seed=1)
+        out = run_tape(tape, w, kv, x, prefill, seed=seed)
+        ref = model_ref(w, kv_ref, cfg, x, prefill)
+        worst = max(worst, rel_err(out, ref))
+    return worst
+
+
+def _gpu_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def cmd_run(a) -> int:
+    cuda = not a.no_gpu and _gpu_available()
+    sms = a.sms
+    if sms is None:
+        if cuda:
+            import torch
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+        else:
+            sms = DEFAULT_SMS
+    ns = argparse.Namespace(preset=MAIN_PRESET, sms=sms, layers=None, max_seq=None, policy="cost",
+                            listing=False, output=a.output)
+    rc = cmd_compile(ns, prog="megatape run")
+    if rc:
+        return rc
+    tol = 1.5e-2
+    t0 = time.perf_counter()
+    err = vm_check()
+    ok = err <= tol
+    print(f"tape VM check (tiny preset, 3 SMs, 3 random interleavings, pos 37): max rel err {err:.2e} "
+          f"vs the torch reference (tolerance {tol:g}): {'PASS' if ok else 'FAIL'} "
+          f"({time.perf_counter() - t0:.1f} s)")
+    if not ok:
+        return 1
+    if not cuda:
+        why = "--no-gpu given" if a.no_gpu else "no CUDA device visible"
+        print(f"GPU benchmark not run ({why}); on a GPU machine: megatape bench --preset {MAIN_PRESET}")
+        return 0
+    from bench.driver import main as bench_main
+    print(f"\nGPU benchmark: megatape bench --preset {MAIN_PRESET} --baselines ''", flush=True)
+    return int(bench_main(["--preset", MAIN_PRESET, "--baselines", ""]) or 0)
+
+
+# ---- forwarding subcommands -------------------------------------------------------------------
+def cmd_bench(argv: list[str]) -> int:
+    from bench.driver import main as bench_main
+    return int(bench_main(argv) or 0)
+
+
+def cmd_viz(argv: list[str]) -> int:
+    try:
+        from schedule.viz import main as viz_main
+    except ModuleNotFoundError as e:
+        if e.name == "schedule.viz":
+            print("megatape viz: schedule/viz.py is not part of this checkout", file=sys.stderr)
+        elif e.name == "matplotlib" or (e.name or "").startswith("matplotlib."):
+            print("megatape viz: needs matplotlib (pip install 'megatape[plots]')", file=sys.stderr)
+        else:
+            raise
+        return 2
+    return int(viz_main(argv) or 0)
+
+
+FORWARDED = {"bench": cmd_bench, "viz": cmd_viz}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from opcodes import PRESETS
+
+    ap = _Parser(prog="megatape", description="megatape: compile, verify and run instruction tapes "
+                 "for a persistent Triton decode megakernel.")
+    ap.add_argument("--version", action="version", version=f"megatape {_version()}")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
+    c = sub.add_parser("compile", help="compile a preset to a verified tape and print its schedule summary",
+                       description="Compile a preset to a verified instruction tape for N SMs; print "
+                       "instructions per opcode, counters, the verifier's report, per-SM busy time and the "
+                       "predicted makespan beside the bandwidth lower bound, for the cost-model schedule "
+                       "and for round-robin.")
+    c.add_argument("--preset", required=True, choices=list(PRESETS), metavar="NAME",
+                   help=f"model preset, one of: {', '.join(PRESETS)}")
+    c.add_argument("--sms", required=True, type=_positive_int, metavar="N", help="number of SMs (queues)")
+    c.add_argument("--layers", type=_positive_int, metavar="N", help="override the preset's layer count")
+    c.add_argument("--max-seq", type=_positive_int, metavar="N",
+                   help="KV cache length the tape is compiled for (default: 4224 for d >= 1024, else 256)")
+    c.add_argument("--policy", choices=POLICIES, default="cost",
+                   help="schedule written by --listing / -o (both are always compiled and compared)")
+    c.add_argument("--listing", action="store_true", help="print the human-readable tape")
+    c.add_argument("-o", "--output", metavar="PATH", help="write the tape with its metadata as JSON")
+    r = sub.add_parser("run", help=f"the main job: compile {MAIN_PRESET} and summarise it on the CPU, check "
+                       "the tape VM, and benchmark on the GPU when one is visible")
+    r.add_argument("--sms", type=_positive_int, metavar="N",
+                   help=f"SMs to compile for (default: the GPU's, or {DEFAULT_SMS} without one)")
+    r.add_argument("-o", "--output", metavar="PATH", help="write the tape with its metadata as JSON")
+    r.add_argument("--no-gpu", action="store_true", help="do not run the GPU benchmark even if a GPU is visible")
+    sub.add_parser("bench", add_help=False, help="GPU benchmark (bench/driver.py); 'megatape bench --help'")
+    sub.add_parser("viz", add_help=False, help="plots of a schedule (schedule/viz.py); 'megatape viz --help'")
+    return ap
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in FORWARDED:
+        return FORWARDED[argv[0]](argv[1:])
+    ap = build_parser()
+    try:
+        a = ap.parse_args(argv)
+    except SystemExit as e:          # --help, --version, argument errors: return the status
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if a.cmd == "compile":
+        return cmd_compile(a)
+    if a.cmd == "run":
+        return cmd_run(a)
+    ap.print_help(sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

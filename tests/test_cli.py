@@ -1,0 +1,238 @@
+"""The ``megatape`` command line (interp/cli.py)."""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+import types
+from collections import Counter
+
+import pytest
+
+from interp import cli
+from interp.cli import main
+from opcodes import REGISTRY, ModelConfig
+from schedule import CostModel, Tape, compile_model, verify
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_main(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def tiny3():
+    cfg = ModelConfig.from_name("tiny")
+    return {p: compile_model(cfg, 3, policy=p) for p in ("cost", "round-robin")}
+
+
+def test_compile_listing_and_lower_bound(capsys, tiny3):
+    rc, out, err = run_main(capsys, "compile", "--preset", "tiny", "--sms", "3", "--listing")
+    assert rc == 0, err
+    cost, rr = tiny3["cost"], tiny3["round-robin"]
+    # the listing of the cost-model tape, verbatim
+    assert cost.tape.listing() in out
+    assert f"# tape: {len(cost.tape)} instructions, 3 SMs, {cost.tape.n_counters} counters" in out
+    # instructions per opcode
+    counts = Counter(ins.NAME for ins in cost.prog.instrs)
+    for name, cls in REGISTRY.items():
+        assert re.search(rf"^\s+{name}\s+{cls.OPCODE}\s+{counts[name]}\s", out, re.M), name
+    assert re.search(rf"^\s+total\s+{len(cost.prog)}\s", out, re.M)
+    # counters and the verifier
+    assert f"counters used: {len(cost.prog.counters)} (" in out
+    assert out.count(str(cost.report)) == 2          # both schedules verified (same shape of report)
+    # the makespan beside the lower bound, for both policies
+    lb = CostModel().lower_bound(cost.prog)
+    for pol, c in (("cost", cost), ("round-robin", rr)):
+        m = re.search(rf"^\s+{pol}\s+makespan\s+([\d.]+) us\s+lower bound\s+([\d.]+) us\s+ratio\s+([\d.]+)", out, re.M)
+        assert m, f"no makespan line for {pol}"
+        assert float(m.group(1)) == pytest.approx(c.sched.makespan * 1e6, abs=0.051)
+        assert float(m.group(2)) == pytest.approx(lb * 1e6, abs=0.051)
+        assert float(m.group(3)) == pytest.approx(c.sched.makespan / lb, abs=5.1e-4)
+    # per-SM busy time: min / median / max, not one line per SM
+    busy = [b * 1e6 for b in cost.sched.busy(CostModel())]
+    m = re.search(r"^\s+cost\s+busy\s+([\d.]+) /\s+([\d.]+) /\s+([\d.]+)", out, re.M)
+    assert m and float(m.group(1)) == pytest.approx(min(busy), abs=0.051)
+    assert float(m.group(3)) == pytest.approx(max(busy), abs=0.051)
+    assert "time taken:" in out
+    # progress lines go to stderr
+    assert "cost:" in err and "round-robin:" in err
+
+
+def test_compile_without_listing_is_short(capsys):
+    rc, out, _ = run_main(capsys, "compile", "--preset", "small-gqa4", "--sms", "132")
+    assert rc == 0
+    assert "# tape:" not in out
+    assert len(out.splitlines()) < 60          # a summary, not a line per SM
+
+
+def test_compile_writes_tape(capsys, tmp_path, tiny3):
+    path = tmp_path / "tape.json"
+    rc, out, err = run_main(capsys, "compile", "--preset", "tiny", "--sms", "3", "-o", str(path))
+    assert rc == 0, err
+    loaded = Tape.load(path)
+    want = tiny3["cost"].tape
+    assert loaded.lay == want.lay and loaded.num_sms == 3
+    assert loaded.words.equal(want.words) and loaded.offsets.equal(want.offsets)
+    assert loaded.counters == want.counters and loaded.prog_index == want.prog_index
+    verify(loaded, tiny3["cost"].prog)
+    meta = loaded.meta
+    assert meta["policy"] == "cost" and meta["preset"] == "tiny" and meta["num_sms"] == 3
+    assert meta["predicted_makespan_us"] == pytest.approx(tiny3["cost"].sched.makespan * 1e6)
+    assert meta["lower_bound_us"] == pytest.approx(CostModel().lower_bound(tiny3["cost"].prog) * 1e6)
+
+
+def test_compile_round_robin_policy_writes_round_robin(capsys, tmp_path, tiny3):
+    path = tmp_path / "rr.json"
+    rc, _, _ = run_main(capsys, "compile", "--preset", "tiny", "--sms", "3", "--policy", "round-robin",
+                        "-o", str(path))
+    assert rc == 0
+    loaded = Tape.load(path)
+    assert loaded.meta["policy"] == "round-robin"
+    assert loaded.words.equal(tiny3["round-robin"].tape.words)
+
+
+def test_compile_layers_and_max_seq(capsys, tmp_path):
+    path = tmp_path / "t.json"
+    rc, out, _ = run_main(capsys, "compile", "--preset", "small-gqa4", "--sms", "4", "--layers", "3",
+                          "--max-seq", "96", "-o", str(path))
+    assert rc == 0
+    t = Tape.load(path)
+    assert t.lay.cfg.layers == 3 and t.lay.max_seq == 96 and t.num_sms == 4
+    assert "max_seq 96" in out
+
+
+BAD_ARGS = [
+    (["compile", "--preset", "nope", "--sms", "3"], "--preset"),
+    (["compile", "--preset", "tiny", "--sms", "0"], "--sms"),
+    (["compile", "--preset", "tiny", "--sms", "-4"], "--sms"),
+    (["compile", "--preset", "tiny", "--sms", "many"], "--sms"),
+    (["compile", "--preset", "tiny"], "--sms"),
+    (["compile", "--sms", "3"], "--preset"),
+    (["compile", "--preset", "tiny", "--sms", "3", "--layers", "0"], "--layers"),
+    (["compile", "--preset", "tiny", "--sms", "3", "--max-seq", "0"], "--max-seq"),
+    (["compile", "--preset", "tiny", "--sms", "3", "--policy", "fastest"], "--policy"),
+    (["compile", "--preset", "tiny", "--sms", "3", "-o", "/nonexistent-dir/x/t.json"], "-o"),
+    (["run", "--sms", "0"], "--sms"),
+    (["frobnicate"], "frobnicate"),
+]
+
+
+@pytest.mark.parametrize("argv,arg", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_bad_arguments_exit_2_with_one_line(capsys, argv, arg):
+    rc, out, err = run_main(capsys, *argv)
+    assert rc == 2
+    assert "Traceback" not in err and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert arg in lines[0] and "error" in lines[0]
+
+
+def test_bad_arguments_through_the_console_entry_point():
+    """As a process: exit status 2, one line on stderr, no traceback."""
+    p = subprocess.run([sys.executable, "-m", "interp.cli", "compile", "--preset", "llama-9000", "--sms", "3"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1 and "--preset" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_no_command_prints_help(capsys):
+    rc, out, err = run_main(capsys)
+    assert rc == 2 and "compile" in err and "bench" in err and "viz" in err
+
+
+def test_help_exits_0(capsys):
+    rc, out, _ = run_main(capsys, "compile", "--help")
+    assert rc == 0 and "--preset" in out and "llama70b-layer" in out
+
+
+# ---- the acceptance timings, as processes (imports included) ----------------------------------
+@pytest.mark.parametrize("layers,limit", [(None, 5.0), (16, 30.0)])
+def test_compile_70b_wall_time(layers, limit):
+    argv = [sys.executable, "-m", "interp.cli", "compile", "--preset", "llama70b-layer", "--sms", "132"]
+    if layers:
+        argv += ["--layers", str(layers)]
+    t0 = time.perf_counter()
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    wall = time.perf_counter() - t0
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("verified:") == 2
+    assert re.search(r"^\s+cost\s+makespan .* ratio", p.stdout, re.M)
+    assert re.search(r"^\s+round-robin\s+makespan .* ratio", p.stdout, re.M)
+    assert wall < limit, f"megatape compile {' '.join(argv[4:])} took {wall:.1f} s (limit {limit} s)"
+
+
+# ---- forwarding and the main job ---------------------------------------------------------------
+def test_bench_forwards_argv(monkeypatch):
+    import bench.driver
+    seen = []
+    monkeypatch.setattr(bench.driver, "main", lambda argv=None: seen.append(argv) or 7)
+    assert main(["bench", "--preset", "tiny", "--baselines", ""]) == 7
+    assert seen == [["--preset", "tiny", "--baselines", ""]]
+
+
+def test_viz_forwards_argv(monkeypatch):
+    seen = []
+    fake = types.ModuleType("schedule.viz")
+    fake.main = lambda argv=None: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "schedule.viz", fake)
+    import schedule
+    monkeypatch.setattr(schedule, "viz", fake, raising=False)
+    assert main(["viz", "--preset", "tiny", "--sms", "3"]) == 0
+    assert seen == [["--preset", "tiny", "--sms", "3"]]
+
+
+def test_viz_missing_module_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "schedule.viz", None)      # import raises ModuleNotFoundError
+    rc, out, err = run_main(capsys, "viz", "--help")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "viz" in err
+
+
+def test_run_on_cpu(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "_gpu_available", lambda: False)
+    path = tmp_path / "main.json"
+    rc, out, err = run_main(capsys, "run", "-o", str(path))
+    assert rc == 0, err
+    assert "model   llama70b-layer" in out and "132 SMs" in out
+    assert re.search(r"^\s+cost\s+makespan .* ratio", out, re.M)
+    m = re.search(r"tape VM check .* max rel err ([\d.e+-]+) .*: PASS", out)
+    assert m and float(m.group(1)) <= 1.5e-2
+    assert "GPU benchmark not run" in out
+    assert Tape.load(path).num_sms == 132
+
+
+def test_run_with_gpu_runs_the_benchmark(capsys, monkeypatch):
+    import bench.driver
+    seen = []
+    monkeypatch.setattr(cli, "_gpu_available", lambda: True)
+    monkeypatch.setattr(bench.driver, "main", lambda argv=None: seen.append(argv) or 0)
+    rc, out, err = run_main(capsys, "run", "--sms", "16")
+    assert rc == 0, err
+    assert seen == [["--preset", "llama70b-layer", "--baselines", ""]]
+    assert "16 SMs" in out
+
+
+def test_pyproject_console_script_points_at_main():
+    tomllib = pytest.importorskip("tomllib")          # Python >= 3.11
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["project"]["scripts"]["megatape"] == "interp.cli:main"
+    assert meta["project"]["name"] == "megatape"
+    assert set(meta["tool"]["setuptools"]["packages"]) == {"interp", "schedule", "opcodes", "bench"}
+    for pkg in meta["tool"]["setuptools"]["packages"]:
+        assert (ROOT / pkg / "__init__.py").is_file(), pkg
+
+
+def test_conftest_sets_triton_interpret_before_triton_is_imported():
+    code = ("import os, sys; os.environ.pop('TRITON_INTERPRET', None); import conftest; "
+            "print('triton' in sys.modules, conftest.HAS_CUDA, os.environ.get('TRITON_INTERPRET'))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    imported, has_cuda, value = p.stdout.split()
+    assert imported == "False"
+    assert value == ("None" if has_cuda == "True" else "1")

@@ -1,0 +1,179 @@
+"""The spec's contract of ``build_layer / layer_step / teardown``, through the Triton interpreter.
+
+Issue 3 (CI part) and issue 7 part 5: the real persistent kernel (every opcode's real device
+function) runs on CPU tensors with ``TRITON_INTERPRET=1``. For each small config, over
+``STEPS`` decode steps starting at a prefill length that is not a multiple of any tile size:
+
+* every step's output is within ``TOL`` relative error of ``opcodes.reference.model_ref``
+  running on its own copy of the cache;
+* after every step only cache row ``pos`` differs from before the step (bitwise);
+* after the run the written rows match the reference's and every other row is bitwise
+  untouched; ``weights`` and ``x`` are bitwise unmodified;
+* the returned tensor is a fresh ``(1, d)`` bf16/fp32 tensor (a later call does not overwrite an
+  earlier output), and repeating a step (same ``x``, same ``pos``) is bitwise repeatable;
+* ``teardown`` works (twice) and a step after it raises ValueError without touching the cache.
+
+The interpreter is slow (~0.5 s per step for ``tiny``, ~2 s for ``small-*``): STEPS is 8.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"      # must precede the first import of triton
+
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import opcodes  # noqa: E402
+from interp import build_layer, layer_step, teardown  # noqa: E402
+from opcodes import Tiling  # noqa: E402
+from opcodes.config import PRESETS  # noqa: E402
+from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err, rope_tables  # noqa: E402
+
+if any(type(c.device).__name__ != "InterpretedFunction" for c in opcodes.REGISTRY.values()):
+    pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: the opcodes' device functions are not "
+                "interpreted. Run pytest with TRITON_INTERPRET=1 in the environment.", pytrace=False)
+
+TOL = 1.5e-2
+STEPS = 8
+
+# (preset, prefill, max_seq_len, tiling overrides). No prefill is a multiple of any tile size
+# (16, 32, 64, ...); 29 -> 36 crosses 32 keys and 43 -> 50 crosses 48 (the attention split size
+# cdiv(pos + 1, attn_splits) changes mid-run); 72 is a max_seq_len that is not a power of two.
+CASES = [
+    pytest.param("tiny", 37, 64, None, id="tiny-gqa4"),
+    pytest.param("tiny-gqa8", 29, 72, None, id="tiny-gqa8-ffn224"),
+    pytest.param("small-gqa4", 43, 64, None, id="small-gqa4-ffn448"),
+    pytest.param("small-2layer", 37, 64, None, id="small-2layer"),
+    # few wide attention splits of small blocks: several (and partial) key blocks per split
+    pytest.param("tiny", 37, 64, dict(attn_splits=2, attn_block=16), id="tiny-splits2-block16"),
+]
+
+
+def _clone_cache(cache):
+    return [(k.clone(), v.clone()) for k, v in cache]
+
+
+def _clone_weights(w):
+    return {"layers": [{n: t.clone() for n, t in lw.items()} for lw in w["layers"]]}
+
+
+def _x(cfg, seed):
+    g = torch.Generator().manual_seed(1000 + seed)
+    return torch.randn(1, cfg.d, generator=g).to(torch.bfloat16)
+
+
+_INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(_INT_OF[t.dtype])
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bits (unlike torch.equal, -0.0 != 0.0 and NaN == NaN)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+
+
+def _changed_rows(a: torch.Tensor, b: torch.Tensor) -> list[int]:
+    """Sequence positions (dim 2) where two (1, n_kv, S, hd) caches differ bitwise."""
+    diff = (_bits(a) != _bits(b)).any(dim=3).any(dim=1).any(dim=0)
+    return torch.nonzero(diff).flatten().tolist()
+
+
+@pytest.mark.parametrize("name,prefill,max_seq,tiling", CASES)
+def test_contract(name, prefill, max_seq, tiling):
+    cfg = PRESETS[name]
+    assert prefill + STEPS <= max_seq
+    weights = make_weights(cfg, seed=11)
+    cache = make_kv_cache(cfg, max_seq, prefill, seed=12)
+    weights0 = _clone_weights(weights)
+    cache0 = _clone_cache(cache)
+    ref_cache = _clone_cache(cache)
+    cfg_dict = cfg.to_dict()
+    cfg_dict0 = dict(cfg_dict)
+    cos_sin = rope_tables(cfg, max_seq)
+
+    kw = {} if tiling is None else {"tiling": Tiling.for_config(cfg, **tiling)}
+    h = build_layer(weights, cache, cfg_dict, max_seq, **kw)
+    assert cfg_dict == cfg_dict0, "build_layer modified cfg"
+
+    outs, out_copies, errs = [], [], []
+    x = pos = None
+    for step in range(STEPS):
+        pos = prefill + step
+        x = _x(cfg, step)
+        x0 = x.clone()
+        before = _clone_cache(cache)
+        out = layer_step(h, x, pos)
+        ref = model_ref(weights0, ref_cache, cfg, x0, pos, cos_sin)
+
+        assert isinstance(out, torch.Tensor)
+        assert tuple(out.shape) == (1, cfg.d), f"step {step}: shape {tuple(out.shape)}"
+        assert out.dtype in (torch.bfloat16, torch.float32), f"step {step}: dtype {out.dtype}"
+        assert out.device == x.device
+        assert torch.isfinite(out.float()).all(), f"step {step} (pos {pos}): non-finite output"
+        err = rel_err(out, ref)
+        errs.append(err)
+        assert err <= TOL, f"step {step} (pos {pos}): rel err {err:.3e} > {TOL} (all so far: {errs})"
+        assert bitwise_equal(x, x0), f"step {step}: layer_step modified x"
+        # fresh: not x, not any earlier output; earlier outputs are not overwritten by this call
+        sp = out.untyped_storage().data_ptr()
+        assert sp != x.untyped_storage().data_ptr()
+        for j, (o, oc) in enumerate(zip(outs, out_copies)):
+            assert sp != o.untyped_storage().data_ptr(), f"step {step} returned the storage of step {j}'s output"
+            assert bitwise_equal(o, oc), f"step {step} overwrote the output returned by step {j}"
+        outs.append(out)
+        out_copies.append(out.clone())
+        # issue 7 part 5: only row pos of each K and V changed in this step
+        for l in range(cfg.layers):
+            for j in range(2):
+                rows = _changed_rows(cache[l][j], before[l][j])
+                assert set(rows) <= {pos}, f"step {step} (pos {pos}) changed kv_cache[{l}][{j}] rows {rows}"
+
+    # repeatability: the same x at the same pos again -> bitwise the same output, same cache
+    before = _clone_cache(cache)
+    again = layer_step(h, x, pos)
+    assert bitwise_equal(again, out_copies[-1]), \
+        f"repeat of pos {pos}: max |diff| {(again.float() - out_copies[-1].float()).abs().max().item()}"
+    for l in range(cfg.layers):
+        for j in range(2):
+            assert bitwise_equal(cache[l][j], before[l][j]), f"repeat of pos {pos} changed kv_cache[{l}][{j}]"
+
+    # the cache after the run: written rows match the reference's, all other rows untouched
+    lo, hi = prefill, prefill + STEPS
+    for l in range(cfg.layers):
+        for j, kvname in enumerate("kv"):
+            got, ref, orig = cache[l][j], ref_cache[l][j], cache0[l][j]
+            rows = _changed_rows(got, orig)
+            assert set(rows) <= set(range(lo, hi)), f"kv_cache[{l}][{j}] ({kvname}): rows {rows} changed"
+            assert bitwise_equal(got[:, :, :lo], orig[:, :, :lo])
+            assert bitwise_equal(got[:, :, hi:], orig[:, :, hi:])
+            for p in range(lo, hi):
+                e = rel_err(got[:, :, p], ref[:, :, p])
+                assert e <= TOL, f"kv_cache[{l}][{j}] ({kvname}) row {p}: rel err {e:.3e} vs the reference"
+
+    # weights untouched (bitwise)
+    for l, (lw, lw0) in enumerate(zip(weights["layers"], weights0["layers"])):
+        assert set(lw) == set(lw0)
+        for n in lw0:
+            assert bitwise_equal(lw[n], lw0[n]), f"weights['layers'][{l}][{n!r}] was modified"
+    assert cfg_dict == cfg_dict0, "layer_step modified cfg"
+
+    # teardown: idempotent; a step after it raises ValueError before touching anything
+    teardown(h)
+    teardown(h)
+    before = _clone_cache(cache)
+    with pytest.raises(ValueError, match="teardown"):
+        layer_step(h, _x(cfg, 0), prefill)
+    for l in range(cfg.layers):
+        for j in range(2):
+            assert bitwise_equal(cache[l][j], before[l][j])
+    print(f"{name} prefill={prefill} max_seq={max_seq} tiling={tiling}: max rel err {max(errs):.3e}")

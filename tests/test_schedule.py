@@ -1,0 +1,331 @@
+"""Lowering, SM assignment, the cost model's predictions and the tape encoding (all CPU).
+
+Expected values are derived here from the model config and tiling, independently of
+``schedule/program.py``; none is copied from a run.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from functools import lru_cache
+
+import networkx as nx
+import pytest
+import torch
+
+from opcodes import (BY_OPCODE, HEADER, NO_COUNTER, PRESETS, REGISTRY, WORDS, Layout, ModelConfig, Tiling,
+                     cdiv)
+from schedule import (CostModel, Schedule, Tape, compile_model, decode, encode, list_schedule, lower,
+                      random_schedule, round_robin, simulate, verify)
+
+L70 = "llama70b-layer"
+
+
+def layout(name: str, max_seq: int = 64, **tiling) -> Layout:
+    cfg = ModelConfig.from_name(name)
+    return Layout(cfg, Tiling.for_config(cfg, **tiling), max_seq)
+
+
+def expected_counts(lay: Layout) -> dict[str, int]:
+    """Instructions per opcode, from the shapes: what each opcode's tile covers."""
+    c, t = lay.cfg, lay.tiling
+    per_layer = {
+        "qkv": (c.n_q + 2 * c.n_kv) * (c.hd // t.qkv_rows),   # q heads, k heads, v heads x row tiles
+        "attn_partial": c.n_kv * t.attn_splits,                # one per (KV head, key split)
+        "oproj": cdiv(c.d, t.o_rows),
+        "gate_up": cdiv(c.ffn, t.gu_rows),
+        "down": cdiv(c.d, t.down_rows) * cdiv(c.ffn, t.down_k),
+        "residual": cdiv(c.d, t.red_rows),
+    }
+    # the attention merge is per query head or per KV group depending on the opcode's operands
+    per_layer["attn_reduce"] = c.n_q if "h" in REGISTRY["attn_reduce"].operand_names() else c.n_kv
+    return {k: v * c.layers for k, v in per_layer.items()}
+
+
+# configs for lowering: the 70B layer, a multi-layer model, non-power-of-two d/ffn with several
+# K chunks and residual blocks (tiling overrides), and a 16-layer real shape
+LOWER_CASES = [
+    (L70, {}),
+    ("small-2layer", {}),
+    ("tiny-gqa8", dict(down_k=64, red_rows=32, down_rows=32)),
+    ("small-gqa4", dict(gu_rows=16, down_k=128, red_rows=64)),
+    ("llama3.2-1b", {}),
+]
+
+
+@pytest.mark.parametrize("name,tiling", LOWER_CASES, ids=[c[0] for c in LOWER_CASES])
+def test_lowering_instruction_counts(name, tiling):
+    lay = layout(name, max_seq=256, **tiling)
+    prog = lower(lay)
+    got = Counter(ins.NAME for ins in prog.instrs)
+    want = expected_counts(lay)
+    assert set(want) == set(REGISTRY), "test's opcode list is out of date with the registry"
+    assert dict(got) == want
+    assert len(prog) == sum(want.values())
+    # every instruction is distinct (a tile is lowered once)
+    assert len(set(prog.instrs)) == len(prog)
+    # every operand is in range and fits the tape
+    for ins in prog.instrs:
+        assert ins.check_operands(lay) == [], ins
+
+
+def test_lowering_70b_layer_tiles_cover_the_weights():
+    """The HBM bytes of the 70B layer's instructions are exactly its weight matrices (read once)
+    plus K and V of max_seq keys: no tile is missing or read twice."""
+    lay = layout(L70, max_seq=4224)
+    prog = lower(lay)
+    c = lay.cfg
+    matrices = 2 * (c.q_dim * c.d + 2 * c.kv_dim * c.d + c.d * c.q_dim + 3 * c.ffn * c.d)
+    assert lay.max_seq % lay.tiling.attn_splits == 0
+    want = matrices + c.kv_bytes(lay.max_seq)
+    assert sum(ins.cost(lay).hbm_bytes for ins in prog.instrs) == want
+    assert CostModel().lower_bound(prog) == pytest.approx(want / CostModel().hbm_bw, rel=1e-12)
+
+
+GRANULAR_CASES = [
+    ("small-2layer", dict(down_k=64, red_rows=64)),
+    ("tiny-gqa8", dict(down_k=64, red_rows=32, down_rows=32)),
+    ("small-gqa4", dict(gu_rows=16, down_k=128, red_rows=64)),
+]
+
+
+@pytest.mark.parametrize("name,tiling", GRANULAR_CASES, ids=[c[0] for c in GRANULAR_CASES])
+def test_dependencies_are_tile_granular(name, tiling):
+    """A down tile waits only for the gate/up tiles of its own K chunk, a residual block only for
+    the down tiles of its rows, an attention partial only for its KV group's QKV tiles."""
+    lay = layout(name, **tiling)
+    prog = lower(lay)
+    c, t = lay.cfg, lay.tiling
+    producers = prog.producers()
+    targets = prog.targets()
+    for i, ins in enumerate(prog.instrs):
+        for cnt in prog.waits[i]:
+            assert targets[cnt] == len(producers[cnt]) > 0
+        if ins.NAME == "down":
+            (cnt,) = prog.waits[i]
+            rows = {p.row0 for p in (prog.instrs[j] for j in producers[cnt])}
+            k0, k1 = ins.kc * t.down_k, min((ins.kc + 1) * t.down_k, c.ffn)
+            assert all(prog.instrs[j].NAME == "gate_up" and prog.instrs[j].layer == ins.layer
+                       for j in producers[cnt])
+            assert rows == set(range(k0, k1, t.gu_rows)), f"{ins} waits on gate/up rows {sorted(rows)}"
+        elif ins.NAME == "residual":
+            (cnt,) = prog.waits[i]
+            prods = [prog.instrs[j] for j in producers[cnt]]
+            r1 = min(ins.row0 + t.red_rows, c.d)
+            assert {(p.row0, p.kc) for p in prods} == {
+                (r, kc) for r in range(ins.row0, r1, t.down_rows) for kc in range(cdiv(c.ffn, t.down_k))}
+        elif ins.NAME == "attn_partial":
+            (cnt,) = prog.waits[i]
+            prods = [prog.instrs[j] for j in producers[cnt]]
+            heads = {(p.sec, p.head) for p in prods}
+            want = {(0, h) for h in range(ins.g * c.group, (ins.g + 1) * c.group)} | {(1, ins.g), (2, ins.g)}
+            assert heads == want
+    # K chunks and residual blocks really are several here
+    assert cdiv(c.ffn, t.down_k) > 1 and cdiv(c.d, t.red_rows) > 1
+
+
+# ---- queues: sub-sequences of one topological order -----------------------------------------
+def queue_graph(sched: Schedule) -> nx.DiGraph:
+    """Dataflow (producer -> counter -> consumer) plus queue order (each SM's consecutive
+    instructions). Acyclic iff every queue is a sub-sequence of one topological order of the
+    dataflow, i.e. iff no interleaving of the SMs can deadlock."""
+    prog = sched.prog
+    g = nx.DiGraph()
+    g.add_nodes_from(range(len(prog)))
+    for i in range(len(prog)):
+        if prog.signal[i] != NO_COUNTER:
+            g.add_edge(i, ("c", prog.signal[i]))
+        for cnt in prog.waits[i]:
+            g.add_edge(("c", cnt), i)
+    for q in sched.queues:
+        nx.add_path(g, q)
+    return g
+
+
+def check_queues(sched: Schedule) -> None:
+    flat = [i for q in sched.queues for i in q]
+    assert sorted(flat) == list(range(len(sched.prog))), "every instruction exactly once"
+    assert len(sched.queues) == sched.num_sms
+    assert nx.is_directed_acyclic_graph(queue_graph(sched))
+
+
+POLICY_FNS = {
+    "cost": lambda prog, n: list_schedule(prog, n),
+    "round-robin": lambda prog, n: round_robin(prog, n),
+    "random": lambda prog, n: random_schedule(prog, n, seed=7),
+}
+
+
+@pytest.mark.parametrize("policy", list(POLICY_FNS))
+@pytest.mark.parametrize("name,sms", [("tiny", 1), ("tiny-gqa8", 3), ("small-2layer", 8), ("small-gqa4", 132),
+                                      (L70, 132)])
+def test_queues_are_subsequences_of_one_topological_order(policy, name, sms):
+    lay = layout(name, max_seq=4224 if name == L70 else 64)
+    prog = lower(lay)
+    sched = POLICY_FNS[policy](prog, sms)
+    check_queues(sched)
+    tape = encode(sched)
+    rep = verify(tape, prog)
+    assert rep.n_instructions == len(prog) and rep.n_sms == sms
+
+
+def test_queue_check_can_fail():
+    """The checker above rejects a queue with a consumer ahead of its producer."""
+    prog = lower(layout("tiny"))
+    sched = round_robin(prog, 1)
+    q = sched.queues[0]
+    cons = next(i for i in q if prog.waits[i])
+    prod = prog.producers()[prog.waits[cons][0]][0]
+    q.remove(cons)
+    q.insert(q.index(prod), cons)
+    with pytest.raises(AssertionError):
+        check_queues(sched)
+
+
+def test_simulate_reproduces_list_schedule_prediction():
+    """Re-simulating the list schedule's queues gives the start/finish times it predicted."""
+    prog = lower(layout("small-2layer", max_seq=256))
+    model = CostModel()
+    sched = list_schedule(prog, 8, model)
+    again = simulate(Schedule(prog, 8, [list(q) for q in sched.queues], "copy"), model)
+    assert again.finish == pytest.approx(sched.finish, rel=1e-12, abs=1e-15)
+    assert again.makespan == pytest.approx(sched.makespan, rel=1e-12)
+    # and no instruction starts before its producers finish
+    producers = prog.producers()
+    for i in range(len(prog)):
+        for cnt in prog.waits[i]:
+            assert sched.start[i] >= max(sched.finish[j] for j in producers[cnt]) - 1e-15
+
+
+# ---- the 70B layer on 132 SMs --------------------------------------------------------------
+@lru_cache(maxsize=None)
+def compiled_70b(policy: str):
+    t0 = time.perf_counter()
+    c = compile_model(ModelConfig.from_name(L70), 132, policy=policy)
+    return c, time.perf_counter() - t0
+
+
+def test_compile_70b_layer_under_5s():
+    c, wall = compiled_70b("cost")
+    assert len(c.tape) == len(c.prog) and c.report.n_sms == 132
+    assert wall < 5.0, f"compile_model(llama70b-layer, 132) took {wall:.2f} s"
+
+
+def test_compile_70b_16_layers_under_30s():
+    t0 = time.perf_counter()
+    c = compile_model(ModelConfig.from_name(L70).with_layers(16), 132)
+    wall = time.perf_counter() - t0
+    one, _ = compiled_70b("cost")
+    assert len(c.tape) == 16 * len(one.tape)
+    assert c.report.n_instructions == len(c.tape)
+    assert wall < 30.0, f"compile_model(llama70b-layer x16, 132) took {wall:.2f} s"
+
+
+def test_cost_model_beats_round_robin_70b():
+    cost, _ = compiled_70b("cost")
+    rr, _ = compiled_70b("round-robin")
+    lb = CostModel().lower_bound(cost.prog)
+    assert lb == CostModel().lower_bound(rr.prog)
+    assert lb <= cost.sched.makespan
+    assert cost.sched.makespan <= rr.sched.makespan, (
+        f"cost {cost.sched.makespan * 1e6:.1f} us > round-robin {rr.sched.makespan * 1e6:.1f} us")
+
+
+def test_no_schedule_beats_the_lower_bound():
+    """Lower bound = bytes / bandwidth: also below every SM's share of the work on average."""
+    cost, _ = compiled_70b("cost")
+    model = CostModel()
+    busy = cost.sched.busy(model)
+    lb = model.lower_bound(cost.prog)
+    assert sum(busy) / len(busy) >= lb
+    assert max(cost.sched.finish) == cost.sched.makespan >= max(busy)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 2 target not met yet: when this test was written the cost-model schedule of the 70B layer "
+    "on 132 SMs was predicted at ~453-460 us against a 413.5 us lower bound (+10-11%); even a perfect "
+    "balance is ~+7% under the cost model (0.6 us x ~4300 instructions / 132 SMs = ~20 us of overhead "
+    "plus the L2 time)"))
+def test_cost_schedule_within_5_percent_of_lower_bound_70b():
+    cost, _ = compiled_70b("cost")
+    lb = CostModel().lower_bound(cost.prog)
+    ratio = cost.sched.makespan / lb
+    assert ratio <= 1.05, (f"predicted makespan {cost.sched.makespan * 1e6:.1f} us is {100 * (ratio - 1):.1f}% "
+                           f"over the lower bound {lb * 1e6:.1f} us")
+
+
+# ---- tape encoding ----------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["cost", "round-robin", "random"])
+def test_tape_encode_decode_roundtrip(policy):
+    lay = layout("small-2layer", down_k=64, red_rows=64)
+    prog = lower(lay)
+    sched = POLICY_FNS[policy](prog, 5)
+    tape = encode(sched)
+    targets = prog.targets()
+    assert tape.words.dtype == torch.int32 and tuple(tape.words.shape) == (len(prog), WORDS)
+    assert tape.offsets.dtype == torch.int32
+    assert tape.offsets.tolist() == [0] + list(torch.tensor([len(q) for q in sched.queues]).cumsum(0).tolist())
+    dec = decode(tape)
+    assert [d.slot for d in dec] == list(range(len(prog)))
+    k = 0
+    for s, q in enumerate(sched.queues):
+        for i in q:
+            d = dec[k]
+            assert d.sm == s
+            assert d.ins == prog.instrs[i] and type(d.ins) is BY_OPCODE[int(tape.words[k, 0])]
+            assert d.waits == tuple((cnt, targets[cnt]) for cnt in prog.waits[i])
+            assert d.signal == prog.signal[i]
+            assert tape.prog_index[k] == i
+            # unused operand words are zero
+            n_ops = len(d.ins.operand_names())
+            assert tape.words[k, HEADER + n_ops:].eq(0).all()
+            k += 1
+    # re-encoding the decoded queues gives the same words
+    queues = [[tape.prog_index[j] for j in tape.sm_range(s)] for s in range(tape.num_sms)]
+    again = encode(Schedule(prog, tape.num_sms, queues, policy))
+    assert torch.equal(again.words, tape.words) and torch.equal(again.offsets, tape.offsets)
+
+
+def assert_tapes_equal(a: Tape, b: Tape) -> None:
+    assert a.lay == b.lay and a.lay.cfg.name == b.lay.cfg.name
+    assert a.num_sms == b.num_sms
+    assert a.words.dtype == b.words.dtype == torch.int32
+    assert torch.equal(a.words, b.words)
+    assert torch.equal(a.offsets, b.offsets)
+    assert a.counters == b.counters
+    assert a.prog_index == b.prog_index
+    assert a.meta == b.meta
+
+
+def test_tape_json_roundtrip_exact(tmp_path):
+    lay = layout("small-gqa4", gu_rows=16, down_k=128, red_rows=64)
+    prog = lower(lay)
+    tape = encode(list_schedule(prog, 7))
+    tape.meta["note"] = "round trip"
+    back = Tape.from_json(json.loads(json.dumps(tape.to_json())))
+    assert_tapes_equal(tape, back)
+    verify(back, prog)
+    path = tmp_path / "tape.json"
+    tape.save(path)
+    loaded = Tape.load(path)
+    assert_tapes_equal(tape, loaded)
+    assert decode(loaded) == decode(tape)
+
+
+def test_tape_json_rejects_foreign_files():
+    tape = encode(round_robin(lower(layout("tiny")), 2))
+    obj = tape.to_json()
+    with pytest.raises(ValueError, match="not a megatape tape"):
+        Tape.from_json({**obj, "format": "something-else"})
+    ops = dict(obj["opcodes"])
+    a, b = list(ops)[:2]
+    ops[a], ops[b] = ops[b], ops[a]
+    with pytest.raises(ValueError, match="opcodes"):
+        Tape.from_json({**obj, "opcodes": ops})
+
+
+def test_presets_are_valid_and_cover_gqa_ratios():
+    groups = {cfg.group for cfg in PRESETS.values()}
+    assert {1, 4, 8} <= groups
+    assert any(cfg.d & (cfg.d - 1) and cfg.ffn & (cfg.ffn - 1) for cfg in PRESETS.values())
