@@ -142,7 +142,7 @@ def check_megatape(cfg: ModelConfig, h, weights, kv, kv_before, xs, prefill: int
         f"other rows untouched: {untouched}")
 
 
-BUILD_KEYS = {"coop": "cooperative"}
+BUILD_KEYS = {"coop": "cooperative", "prefetch": "prefetch", "fast": "fast_launch"}
 
 
 def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:

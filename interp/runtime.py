@@ -23,6 +23,7 @@ from schedule import CostModel, Tape, compile_model, verify
 from .codegen import PROF_WORDS, STATUS_WORDS, SWITCHES, load_kernel
 
 DEFAULT_SPIN_LIMIT = 1 << 20
+INTERPRETER_SPIN_LIMIT = 2
 
 
 class MegakernelError(RuntimeError):
@@ -112,14 +113,28 @@ def validate_inputs(weights, kv_cache, cfg, max_seq_len):
             if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[0] != 1:
                 raise _err(ValueError, f"kv_cache[{l}][{j}] ({name})", "batch 1 (megatape decodes batch 1)", _desc(t))
             _check_tensor(f"kv_cache[{l}][{j}] ({name})", t, kv_shape, torch.bfloat16, device)
-    ptrs = {}
-    for l in range(mc.layers):
-        for j in range(2):
-            p = kv_cache[l][j].data_ptr()
-            if p in ptrs:
-                raise ValueError(f"kv_cache[{l}][{j}]: the same storage as kv_cache{ptrs[p]} "
-                                 "(each layer's K and V must be separate tensors)")
-            ptrs[p] = [l, j]
+    # the cache is written in place: no K/V tensor may share memory with any other tensor handed in
+    spans = []
+    for l, lw in enumerate(layers):
+        for k in shapes:
+            t = lw[k]
+            spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), f"weights['layers'][{l}][{k!r}]", False))
+    for l, pair in enumerate(kv_cache):
+        for j, name in enumerate("kv"):
+            t = pair[j]
+            spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), f"kv_cache[{l}][{j}] ({name})", True))
+    spans.sort()
+    for (a0, a1, an, aw), (b0, b1, bn, bw) in zip(spans, spans[1:]):
+        if b0 < a1 and (aw or bw):
+            raise ValueError(f"{bn if bw else an}: shares memory with {an if bw else bn} (bytes "
+                             f"[{b0:#x}, {min(a1, b1):#x}) overlap); the KV cache is written in place, so each K "
+                             "and V tensor must have memory of its own")
+    running_end = 0
+    for a0, a1, an, aw in spans:         # catch overlaps that are not between neighbours, too
+        if a0 < running_end and aw:
+            raise ValueError(f"{an}: shares memory with another tensor handed in; the KV cache is written in "
+                             "place, so each K and V tensor must have memory of its own")
+        running_end = max(running_end, a1)
     if device.type == "cpu" and not interpreter_mode():
         raise ValueError("weights are on the CPU: set TRITON_INTERPRET=1 before triton is imported to run the "
                          "kernel through the Triton interpreter, or move the tensors to a GPU")
@@ -158,6 +173,9 @@ class LayerHandle:
     keep: list = field(default_factory=list, repr=False)
     compiled: object = field(default=None, repr=False)
     fast_launch: bool = True
+    last_pos: int = -1
+    launcher: object = field(default=None, repr=False)
+    status_np: object = field(default=None, repr=False)
     ptab: torch.Tensor = None
     buffers: dict = field(default_factory=dict, repr=False)
     predicted_makespan_s: float | None = None
@@ -168,14 +186,20 @@ class LayerHandle:
         """Raise :class:`MegakernelError` if the last launch stopped on a wait (syncs first)."""
         if sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        st = self.status.cpu() if not self.status_host else self.status
-        if not st[:, 0].numpy().any():
-            return
+        if self.status_np is not None:
+            if not self.status_np[:, 0].any():
+                return
+            st = self.status
+        else:
+            st = self.status.cpu()
+            if not st[:, 0].numpy().any():
+                return
         stuck = []
         for row in st[st[:, 0] != 0].tolist():
             _, sm, slot, op, ctr, tgt, seen, ep = row
             cname = self.tape.counters[ctr] if 0 <= ctr < len(self.tape.counters) else str(ctr)
             stuck.append((sm, slot, self.tape.describe(slot), f"{ctr} ({cname})", tgt, seen, ep))
+        written = self._kv_written(stuck[0][6] if stuck else self.epoch)
         # reset so that the next launch starts clean
         self.status.zero_()
         self.counters.zero_()
@@ -186,8 +210,27 @@ class LayerHandle:
             f"megakernel stopped: {len(stuck)} SM(s) gave up waiting after {self.spin_limit} polls "
             f"(a producer never signalled):\n" + "\n".join(lines) +
             ("\n  ..." if len(stuck) > 8 else "") +
-            "\nCounters were reset; the next launch starts clean. Outputs of this call are invalid; "
-            "KV position writes of this call may be incomplete.", stuck)
+            f"\nKV cache position {self.last_pos}: {written}.\n"
+            "Counters were reset; the next launch starts clean. The output of this call is invalid.", stuck)
+
+    def _kv_written(self, epoch: int) -> str:
+        """Whether this call's K/V row at ``pos`` was written, from the qkv counters."""
+        cnt = self.counters.cpu().tolist()
+        targets: dict[int, int] = {}
+        for c in self.tape.words[:, 5].tolist():
+            if c >= 0:
+                targets[c] = targets.get(c, 0) + 1
+        done, partial = [], []
+        for c, name in enumerate(self.tape.counters):
+            if name.startswith("qkv["):
+                need = targets.get(c, 0) * epoch
+                (done if cnt[c] >= need else partial).append(name)
+        if not partial:
+            return "was written (every K/V tile of this call finished)"
+        if not done:
+            return "was not completely written (no KV group finished; some rows may be partly written)"
+        return (f"was written for {len(done)} KV group(s) and NOT completely for {len(partial)} "
+                f"({', '.join(partial[:4])}{', ...' if len(partial) > 4 else ''})")
 
 
 def _device_sms(device: torch.device) -> int:
@@ -198,9 +241,9 @@ def _device_sms(device: torch.device) -> int:
 
 def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = None, tiling: Tiling | None = None,
                 policy: str = "cost", tape: Tape | None = None, verify_tape: bool = True,
-                spin_limit: int = DEFAULT_SPIN_LIMIT, sync_check: bool | None = None,
+                spin_limit: int | None = None, sync_check: bool | None = None,
                 cost_model: CostModel | None = None, profile: bool = False, seed: int = 0,
-                cooperative: bool = True):
+                cooperative: bool = True, fast_launch: bool = True, prefetch: bool = True):
     """Prepare one decoder layer (or ``cfg['layers']`` layers) for ``layer_step``. Untimed.
 
     weights  : {"layers": [ {in_norm, post_norm, q, k, v, o, gate, up, down} ]} bf16, row-major
@@ -214,6 +257,10 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     without it, residency rests on the grid being one 1-CTA-per-SM program per SM).
     """
     mc, device = validate_inputs(weights, kv_cache, cfg, max_seq_len)
+    if spin_limit is None:
+        # NOTE: the Triton interpreter runs programs one after another, so a counter cannot move
+        # while a program waits on it: one poll decides. On a GPU, 2^20 polls are 0.2-1 s.
+        spin_limit = INTERPRETER_SPIN_LIMIT if device.type == "cpu" else DEFAULT_SPIN_LIMIT
     if isinstance(spin_limit, bool) or not isinstance(spin_limit, int) or spin_limit <= 0:
         raise _err(ValueError, "spin_limit", "a positive int", spin_limit)
     dev_sms = _device_sms(device)
@@ -279,6 +326,7 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     args = [ptab]
     cx = constexpr_values(lay, interp=(device.type == "cpu"))
     cx["PROFILE"] = bool(profile and device.type == "cuda")
+    cx["PREFETCH"] = bool(prefetch and device.type == "cuda")
     opts = {"num_warps": lay.tiling.num_warps, "num_stages": 1}
     if device.type == "cuda":
         opts["launch_cooperative_grid"] = bool(cooperative)
@@ -302,6 +350,18 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
                            "shared": h.compiled.metadata.shared}
         except Exception as e:      # resource report is informative only
             h.resources = {"error": repr(e)}
+        if fast_launch:
+            from .fastlaunch import FastLauncher
+            try:
+                h.launcher = FastLauncher(
+                    h.compiled, num_sms,
+                    fixed=dict(tape_ptr=h.tape_dev, qoff_ptr=h.qoff_dev, cnt_ptr=h.counters, status_ptr=h.status,
+                               prof_ptr=h.prof, ptab_ptr=h.ptab, spin_limit=spin_limit),
+                    dynamic=("epoch", "pos", "x_ptr", "out_ptr"), cooperative=bool(cooperative))
+            except (OSError, NotImplementedError, ValueError, AttributeError) as e:
+                h.resources["fast_launch"] = f"off: {e!r}"
+    if status_host:
+        h.status_np = status.numpy()
     return h
 
 
@@ -317,7 +377,7 @@ def _check_step_args(h: LayerHandle, x, pos) -> None:
         raise _err(ValueError, "pos", f"an int in [0, max_seq_len={h.lay.max_seq})", pos)
     if not isinstance(x, torch.Tensor):
         raise _err(TypeError, "x", f"a (1, {h.cfg.d}) bfloat16 tensor", _desc(x))
-    if x.dtype != torch.bfloat16 or x.numel() != h.cfg.d or x.device != h.device or (x.dim() == 2 and x.shape[0] != 1):
+    if x.dtype != torch.bfloat16 or tuple(x.shape) != (1, h.cfg.d) or x.device != h.device:
         raise _err(ValueError, "x", f"a (1, {h.cfg.d}) bfloat16 tensor on {h.device}", _desc(x))
     if not x.is_contiguous():
         raise _err(ValueError, "x", "a contiguous tensor", _desc(x))
@@ -331,6 +391,10 @@ def launch(h: LayerHandle, x: torch.Tensor, pos: int, out: torch.Tensor) -> None
     if h.epoch * h.max_target >= 2**31 - 1:      # counters would overflow int32: start over
         h.counters.zero_()
         h.epoch = 1
+    if h.launcher is not None:
+        h.launcher(torch._C._cuda_getCurrentRawStream(h.device.index), epoch=h.epoch, pos=pos,
+                   x_ptr=x.data_ptr(), out_ptr=out.data_ptr())
+        return
     ck = h.compiled
     if ck is not None and h.fast_launch:
         # NOTE: the compiled kernel's launcher directly: Triton's JIT dispatch re-derives the
@@ -355,6 +419,7 @@ def layer_step(h: LayerHandle, x: torch.Tensor, pos: int) -> torch.Tensor:
     if h.status_host:
         h.check(sync=False)     # a failure of an earlier launch that has finished since
     out = torch.empty(1, h.cfg.d, dtype=torch.bfloat16, device=h.device)
+    h.last_pos = int(pos)
     launch(h, x, int(pos), out)
     if h.sync_check:
         h.check(sync=True)

@@ -18,14 +18,14 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, cdiv, register
-from .common import T_KC, T_VC, mma, tab_offset
+from .common import T_KC, T_VC, mma, prefetch_l2, tab_offset
 
 
 @triton.jit
 def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr,
                         NQ: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                         MAXS: tl.constexpr, QSCALE: tl.constexpr, NS: tl.constexpr,
-                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr):
+                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
     n = pos + 1
     chunk = (n + NS - 1) // NS
     start = s * chunk
@@ -43,7 +43,7 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
     l_i = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, HD], dtype=tl.float32)
     # each iteration streams 2 x ATTN_BLOCK x HD bf16 of K and V
-    for kb in range(start, stop, ATTN_BLOCK):
+    for kb in tl.range(start, stop, ATTN_BLOCK, num_stages=ATTN_STAGES):
         keys = kb + tl.arange(0, ATTN_BLOCK)
         km = keys < stop
         k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
@@ -64,6 +64,23 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
     tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=hm)
 
 
+@triton.jit
+def attn_partial_prefetch(layer, g, s, n, pos, wtab_ptr, kc_ptr, vc_ptr, HD: tl.constexpr, MAXS: tl.constexpr,
+                          NS: tl.constexpr, ATTN_BLOCK: tl.constexpr):
+    # block n of this split's keys: K and V rows (HD bf16 = HD/64 lines each)
+    L: tl.constexpr = HD // 16
+    npos = pos + 1
+    chunk = (npos + NS - 1) // NS
+    start = s * chunk
+    stop = tl.minimum(start + chunk, npos)
+    keys = start + n * ATTN_BLOCK + tl.arange(0, ATTN_BLOCK)
+    cols = tl.arange(0, L) * 16
+    m = (keys < stop)[:, None] & (cols < HD)[None, :]
+    off = g * (MAXS * HD) + keys[:, None] * HD + cols[None, :]
+    prefetch_l2(kc_ptr + tab_offset(wtab_ptr, layer, T_KC) + off, m)
+    prefetch_l2(vc_ptr + tab_offset(wtab_ptr, layer, T_VC) + off, m)
+
+
 @register
 @dataclass(frozen=True)
 class AttnPartial(Instruction):
@@ -74,8 +91,10 @@ class AttnPartial(Instruction):
     NAME = "attn_partial"
     STAGE = 1
     ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr",
-            "NQ", "HD", "G", "GP", "MAXS", "QSCALE", "NS", "ATTN_BLOCK", "INTERP")
+            "NQ", "HD", "G", "GP", "MAXS", "QSCALE", "NS", "ATTN_BLOCK", "INTERP", "ATTN_STAGES")
     device = attn_partial_device
+    prefetch = attn_partial_prefetch
+    PREFETCH_ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "HD", "MAXS", "NS", "ATTN_BLOCK")
 
     def check_operands(self, lay: Layout) -> list[str]:
         c = lay.cfg

@@ -45,7 +45,7 @@ TABLE_PTRS = tuple(p for p in KERNEL_PTRS if p not in PER_CALL_PTRS)
 KERNEL_CONSTEXPRS = (
     "NL", "D", "FFN", "NQ", "NKV", "HD", "G", "GP", "MAXS", "EPS", "QSCALE",
     "QKV_ROWS", "O_ROWS", "GU_ROWS", "DOWN_ROWS", "DOWN_K", "NKC", "RED_ROWS",
-    "NS", "NSP", "ATTN_BLOCK", "BK", "STAGES", "INTERP",
+    "NS", "NSP", "ATTN_BLOCK", "ATTN_STAGES", "BK", "STAGES", "INTERP",
 )
 #: scalar runtime parameters every device function may take
 KERNEL_SCALARS = ("pos",)
@@ -62,7 +62,7 @@ def constexpr_values(lay, interp: bool = False) -> dict:
         QSCALE=float(1.4426950408889634 / math.sqrt(c.hd)),
         QKV_ROWS=t.qkv_rows, O_ROWS=t.o_rows, GU_ROWS=t.gu_rows, DOWN_ROWS=t.down_rows,
         DOWN_K=t.down_k, NKC=lay.n_down_k, RED_ROWS=t.red_rows, NS=t.attn_splits,
-        NSP=triton.next_power_of_2(t.attn_splits), ATTN_BLOCK=t.attn_block, BK=t.bk, STAGES=t.stages,
+        NSP=triton.next_power_of_2(t.attn_splits), ATTN_BLOCK=t.attn_block, ATTN_STAGES=t.attn_stages, BK=t.bk, STAGES=t.stages,
         INTERP=interp,
     )
 
@@ -95,3 +95,26 @@ def mma(a, b, INTERP: tl.constexpr):
     else:
         r = tl.dot(a, b)
     return r
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """Ask L2 to fetch the 128-byte lines at ``ptrs`` (fire and forget; GPU only).
+
+    Used while an instruction spins on a counter: the bytes it will stream next move from HBM to
+    L2 during time that would otherwise be idle, and the tile then runs from L2.
+    """
+    tl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+        constraints="=r,l,r", args=[ptrs.to(tl.int64), mask.to(tl.int32)], dtype=tl.int32,
+        is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_rows(w_ptr, rows, row_mask, K: tl.constexpr, k0, KLEN, BK: tl.constexpr):
+    """Prefetch columns ``[k0, k0 + BK)`` (clipped to ``KLEN``) of ``rows`` of a row-major bf16
+    matrix with ``K`` columns, one request per 32-byte sector."""
+    LINES: tl.constexpr = BK // 16
+    cols = k0 + tl.arange(0, LINES) * 16
+    m = row_mask[:, None] & (cols < k0 + KLEN)[None, :] & (cols < K)[None, :]
+    prefetch_l2(w_ptr + rows[:, None] * K + cols[None, :], m)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, register
-from .common import T_WD, tab_offset
+from .common import T_WD, prefetch_rows, tab_offset
 
 
 @triton.jit
@@ -42,6 +42,14 @@ def down_device(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
     tl.store(dpart_ptr + (layer * NKC + kc) * D + rows, tl.sum(acc, axis=1), mask=rm)
 
 
+@triton.jit
+def down_prefetch(layer, row0, kc, n, wtab_ptr, wd_ptr, D: tl.constexpr, FFN: tl.constexpr,
+                  DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr, BK: tl.constexpr):
+    rows = row0 + tl.arange(0, DOWN_ROWS)
+    w_ptr = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
+    prefetch_rows(w_ptr, rows, rows < D, FFN, kc * DOWN_K + n * BK, DOWN_K - n * BK, BK)
+
+
 @register
 @dataclass(frozen=True)
 class Down(Instruction):
@@ -53,6 +61,8 @@ class Down(Instruction):
     STAGE = 5
     ARGS = ("wtab_ptr", "wd_ptr", "act_ptr", "dpart_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "NKC", "BK", "STAGES")
     device = down_device
+    prefetch = down_prefetch
+    PREFETCH_ARGS = ("wtab_ptr", "wd_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "BK")
 
     def check_operands(self, lay: Layout) -> list[str]:
         c, r = lay.cfg, lay.tiling.down_rows

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, register
-from .common import T_N2, T_WG, T_WU, tab_offset
+from .common import T_N2, T_WG, T_WU, prefetch_rows, tab_offset
 
 
 @triton.jit
@@ -58,6 +58,15 @@ def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_pt
     tl.store(act_ptr + layer * FFN + rows, act, mask=rm)
 
 
+@triton.jit
+def gate_up_prefetch(layer, row0, n, wtab_ptr, wg_ptr, wu_ptr, D: tl.constexpr, FFN: tl.constexpr,
+                     GU_ROWS: tl.constexpr, BK: tl.constexpr):
+    rows = row0 + tl.arange(0, GU_ROWS)
+    rm = rows < FFN
+    prefetch_rows(wg_ptr + tab_offset(wtab_ptr, layer, T_WG), rows, rm, D, n * BK, BK, BK)
+    prefetch_rows(wu_ptr + tab_offset(wtab_ptr, layer, T_WU), rows, rm, D, n * BK, BK, BK)
+
+
 @register
 @dataclass(frozen=True)
 class GateUp(Instruction):
@@ -68,6 +77,8 @@ class GateUp(Instruction):
     STAGE = 4
     ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "FFN", "EPS", "GU_ROWS", "BK", "STAGES")
     device = gate_up_device
+    prefetch = gate_up_prefetch
+    PREFETCH_ARGS = ("wtab_ptr", "wg_ptr", "wu_ptr", "D", "FFN", "GU_ROWS", "BK")
 
     def check_operands(self, lay: Layout) -> list[str]:
         c, r = lay.cfg, lay.tiling.gu_rows

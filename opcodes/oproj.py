@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, cdiv, register
-from .common import T_WO, layer_input, tab_offset
+from .common import T_WO, layer_input, prefetch_rows, tab_offset
 
 
 @triton.jit
@@ -43,6 +43,14 @@ def oproj_device(layer, row0, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_pt
     tl.store(x1_ptr + layer * D + rows, xr + y, mask=rm)
 
 
+@triton.jit
+def oproj_prefetch(layer, row0, n, wtab_ptr, wo_ptr, D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr,
+                   O_ROWS: tl.constexpr, BK: tl.constexpr):
+    rows = row0 + tl.arange(0, O_ROWS)
+    w_ptr = wo_ptr + tab_offset(wtab_ptr, layer, T_WO)
+    prefetch_rows(w_ptr, rows, rows < D, NQ * HD, n * BK, BK, BK)
+
+
 @register
 @dataclass(frozen=True)
 class OProj(Instruction):
@@ -53,6 +61,8 @@ class OProj(Instruction):
     STAGE = 3
     ARGS = ("x_ptr", "xout_ptr", "wtab_ptr", "wo_ptr", "attn_ptr", "x1_ptr", "D", "NQ", "HD", "O_ROWS", "BK", "STAGES")
     device = oproj_device
+    prefetch = oproj_prefetch
+    PREFETCH_ARGS = ("wtab_ptr", "wo_ptr", "D", "NQ", "HD", "O_ROWS", "BK")
 
     def check_operands(self, lay: Layout) -> list[str]:
         c, r = lay.cfg, lay.tiling.o_rows

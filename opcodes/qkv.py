@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, register
-from .common import T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, layer_input, tab_offset
+from .common import T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, layer_input, prefetch_rows, tab_offset
 
 SECTIONS = ("q", "k", "v")
 
@@ -86,6 +86,22 @@ def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_p
         tl.store(cb + HD // 2 + dims, o2.to(tl.bfloat16))
 
 
+@triton.jit
+def qkv_prefetch(layer, sec, head, j, n, wtab_ptr, wq_ptr, wk_ptr, wv_ptr, D: tl.constexpr, HD: tl.constexpr,
+                 QKV_ROWS: tl.constexpr, BK: tl.constexpr):
+    HALF: tl.constexpr = QKV_ROWS // 2
+    if sec == 0:
+        w_ptr = wq_ptr + tab_offset(wtab_ptr, layer, T_WQ)
+    elif sec == 1:
+        w_ptr = wk_ptr + tab_offset(wtab_ptr, layer, T_WK)
+    else:
+        w_ptr = wv_ptr + tab_offset(wtab_ptr, layer, T_WV)
+    rows = head * HD + j * HALF + tl.arange(0, HALF)
+    rm = rows >= 0
+    prefetch_rows(w_ptr, rows, rm, D, n * BK, BK, BK)
+    prefetch_rows(w_ptr, rows + HD // 2, rm, D, n * BK, BK, BK)
+
+
 @register
 @dataclass(frozen=True)
 class QKV(Instruction):
@@ -100,6 +116,8 @@ class QKV(Instruction):
             "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
             "D", "NQ", "HD", "MAXS", "EPS", "QKV_ROWS", "BK", "STAGES")
     device = qkv_device
+    prefetch = qkv_prefetch
+    PREFETCH_ARGS = ("wtab_ptr", "wq_ptr", "wk_ptr", "wv_ptr", "D", "HD", "QKV_ROWS", "BK")
 
     def check_operands(self, lay: Layout) -> list[str]:
         c = lay.cfg

@@ -2,10 +2,10 @@
 
 Writes into ``--out``:
 
-``dag.png`` / ``dag.svg``  the DAG, aggregated so that a 70B layer (4304 tiles) reads at a glance:
-    one box per (layer, opcode, counter the tiles signal) with its tile count, one diamond per
+``dag.png`` / ``dag.svg``  the DAG, aggregated so that a 70B layer (thousands of tiles) reads at
+    a glance: one box per (layer, opcode, counter the tiles signal) with its tile count, one grey box per
     counter with its target, columns by stage, colours by opcode. Many layers aggregate further
-    to one box per (layer, opcode) and one diamond per (layer, counter family).
+    to one box per (layer, opcode) and one per (layer, counter family).
 ``dag_zoom_*.png`` / ``.svg``  with ``--stage`` / ``--layer`` / ``--sm``: the selected tiles one
     by one (at most ``--max-nodes``; the title says when the selection was thinned), with the
     counters they touch; ``--sm`` also draws the SM's queue order.
@@ -340,8 +340,10 @@ def layered_layout(G: nx.DiGraph, row_gap: float = 1.0, max_rows: int = 24) -> d
 def _with_layer_inputs(G: nx.DiGraph) -> nx.DiGraph:
     """For drawing: an edge from a counter of layer l to a tile of layer l+1 would cross the whole
     picture, so the counter is drawn a second time at the head of layer l+1's band (column -1)
-    and the edge starts there. Nodes left without edges by this are dropped."""
-    cross = [(u, v) for u, v in G.edges if G.nodes[u]["layer"] != G.nodes[v]["layer"]]
+    and the edge starts there. Nodes left without edges by this are dropped. SM queue edges
+    (``--sm``) keep their long way: they show the SM moving on to the next layer."""
+    cross = [(u, v) for u, v, k in G.edges(data="kind")
+             if G.nodes[u]["layer"] != G.nodes[v]["layer"] and k != "queue"]
     if not cross:
         return G
     D = G.copy()
@@ -356,6 +358,32 @@ def _with_layer_inputs(G: nx.DiGraph) -> nx.DiGraph:
     return D
 
 
+def _box_margins(fig, ax, pos, texts, edges, gap_pt: float = 1.5) -> tuple[list, list]:
+    """Per edge, the distance (points) from each end's node centre to the border of its label box
+    along the edge, so that arrows start and end at the boxes whatever their size."""
+    fig.canvas.draw()
+    half = {}
+    for n, t in texts.items():
+        bb = t.get_bbox_patch().get_window_extent()
+        half[n] = (bb.width / 2, bb.height / 2)
+    to_pt = 72.0 / fig.dpi
+    disp = {n: ax.transData.transform(p) for n, p in pos.items()}
+
+    def exit_dist(n, dx, dy):
+        hw, hh = half.get(n, (0.0, 0.0))
+        t = min(hw / abs(dx) if dx else math.inf, hh / abs(dy) if dy else math.inf)
+        return 0.0 if math.isinf(t) else t * to_pt + gap_pt
+
+    src, dst = [], []
+    for u, v in edges:
+        dx, dy = disp[v] - disp[u]
+        norm = math.hypot(dx, dy) or 1.0
+        dx, dy = dx / norm, dy / norm
+        src.append(exit_dist(u, dx, dy))
+        dst.append(exit_dist(v, dx, dy))
+    return src, dst
+
+
 def draw_dag(G: nx.DiGraph, title: str, paths: list, font_size: float | None = None) -> None:
     """Draw a layered graph (``aggregate_dag`` or ``zoom_dag``) to each of ``paths``."""
     colors = opcode_colors()
@@ -366,32 +394,26 @@ def draw_dag(G: nx.DiGraph, title: str, paths: list, font_size: float | None = N
     ncols = max(xs) - min(xs) + 1
     nrows = max(ys) - min(ys) + 1
     fs = font_size or (9 if nrows <= 40 else 7)
-    texts = [str(t) for t in nx.get_node_attributes(G, "label").values()]
-    lines = max(t.count("\n") + 1 for t in texts)
-    chars = max(len(part) for t in texts for part in t.split("\n"))
+    strs = [str(t) for t in nx.get_node_attributes(G, "label").values()]
+    lines = max(t.count("\n") + 1 for t in strs)
+    chars = max(len(part) for t in strs for part in t.split("\n"))
     col_in = max(1.15 * fs / 9, chars * fs * 0.6 / 72 + 0.45)      # inches per column step
     w = min(48.0, max(8.0, col_in * ncols + 1.5))
-    h = min(80.0, max(4.5, (0.17 * lines + 0.16) * nrows * fs / 9 + 2.2))
+    h = min(80.0, max(3.2, (0.17 * lines + 0.16) * nrows * fs / 9 + 2.2))
     fig, ax = plt.subplots(figsize=(w, h))
     groups = [n for n, d in G.nodes(data=True) if d["kind"] != "counter"]
     ctrs = [n for n, d in G.nodes(data=True) if d["kind"] == "counter"]
-    ekind = nx.get_edge_attributes(G, "kind")
-    dep = [e for e in G.edges if ekind.get(e) != "queue"]
-    queue = [e for e in G.edges if ekind.get(e) == "queue"]
-    # edges under the boxes; margins keep the arrowheads outside the label boxes
-    nx.draw_networkx_edges(G, pos, edgelist=dep, ax=ax, edge_color="#555555", width=0.6, alpha=0.6,
-                           arrows=True, arrowsize=7, node_size=0, min_source_margin=22, min_target_margin=24)
-    if queue:
-        nx.draw_networkx_edges(G, pos, edgelist=queue, ax=ax, edge_color="#c00000", width=1.0, style="dashed",
-                               arrows=True, arrowsize=8, node_size=0, min_source_margin=22,
-                               min_target_margin=24, connectionstyle="arc3,rad=0.15")
+    # nodes are their labels, drawn as coloured boxes
     labels = nx.get_node_attributes(G, "label")
+    texts = {}
     for op in sorted({G.nodes[n]["opcode"] for n in groups}, key=_stage_of):
         ns = [n for n in groups if G.nodes[n]["opcode"] == op]
-        nx.draw_networkx_labels(G, pos, labels={n: labels[n] for n in ns}, ax=ax, font_size=fs,
-                                bbox=dict(boxstyle="round,pad=0.3", fc=colors[op], ec="black", lw=0.5, alpha=0.95))
-    nx.draw_networkx_labels(G, pos, labels={n: labels[n] for n in ctrs}, ax=ax, font_size=fs * 0.9,
-                            bbox=dict(boxstyle="sawtooth,pad=0.3", fc=COUNTER_COLOR, ec="#777777", lw=0.4))
+        texts.update(nx.draw_networkx_labels(
+            G, pos, labels={n: labels[n] for n in ns}, ax=ax, font_size=fs,
+            bbox=dict(boxstyle="round,pad=0.3", fc=colors[op], ec="black", lw=0.5, alpha=0.95)))
+    texts.update(nx.draw_networkx_labels(G, pos, labels={n: labels[n] for n in ctrs}, ax=ax, font_size=fs * 0.9,
+                                         bbox=dict(boxstyle="sawtooth,pad=0.3", fc=COUNTER_COLOR, ec="#777777",
+                                                   lw=0.4)))
     # column headers: the stage of each tile column
     top = max(ys) + 0.9
     col_xs = defaultdict(list)
@@ -411,6 +433,9 @@ def draw_dag(G: nx.DiGraph, title: str, paths: list, font_size: float | None = N
             ax.text(min(xs) - 0.75, sum(yl) / len(yl), f"layer {L}", ha="right", va="center", fontsize=fs + 1)
     ax.set_xlim(min(xs) - (1.6 if len(layers) > 1 else 0.8), max(xs) + 0.8)
     ax.set_ylim(min(ys) - 0.8, top + 0.9)
+    ekind = nx.get_edge_attributes(G, "kind")
+    dep = [e for e in G.edges if ekind.get(e) != "queue"]
+    queue = [e for e in G.edges if ekind.get(e) == "queue"]
     handles = [Patch(fc=colors[op], ec="black", lw=0.5, label=op) for op in colors
                if any(G.nodes[n]["opcode"] == op for n in groups)]
     handles.append(Patch(fc=COUNTER_COLOR, ec="#777777", lw=0.4, label="counter (≥ target)"))
@@ -421,12 +446,23 @@ def draw_dag(G: nx.DiGraph, title: str, paths: list, font_size: float | None = N
     ax.set_title(title, fontsize=fs + 4)
     ax.axis("off")
     fig.tight_layout()
+    # edges go under the boxes and stop at their borders: measure the boxes as laid out
+    src_m, dst_m = _box_margins(fig, ax, pos, texts, dep)
+    nx.draw_networkx_edges(G, pos, edgelist=dep, ax=ax, edge_color="#555555", width=0.6, alpha=0.6,
+                           arrows=True, arrowsize=7, node_size=0, min_source_margin=src_m,
+                           min_target_margin=dst_m, hide_ticks=False)
+    if queue:
+        src_m, dst_m = _box_margins(fig, ax, pos, texts, queue)
+        nx.draw_networkx_edges(G, pos, edgelist=queue, ax=ax, edge_color="#c00000", width=1.0, style="dashed",
+                               arrows=True, arrowsize=8, node_size=0, min_source_margin=src_m,
+                               min_target_margin=dst_m, connectionstyle="arc3,rad=0.15", hide_ticks=False)
     for p in paths:
         fig.savefig(p, dpi=110)
     plt.close(fig)
 
 
-def gantt(records, prog: Program, num_sms: int, path, title: str, critical=None, lower_bound: float | None = None) -> None:
+def gantt(records, prog: Program, num_sms: int, path, title: str, critical=None,
+          lower_bound: float | None = None) -> None:
     """Per-SM Gantt chart of a timeline (``schedule.trace`` records, seconds), time in µs."""
     colors = opcode_colors()
     recs = [T.Record(*r) for r in records]
@@ -467,7 +503,8 @@ def gantt(records, prog: Program, num_sms: int, path, title: str, critical=None,
         handles.append(Patch(fc="none", ec="black", label="critical path"))
     if lower_bound:
         ax.axvline(lower_bound * 1e6, color="black", ls=":", lw=1.2)
-        handles.append(Line2D([], [], color="black", ls=":", label=f"bytes/bandwidth bound {lower_bound * 1e6:.0f} µs"))
+        handles.append(Line2D([], [], color="black", ls=":",
+                              label=f"bytes/bandwidth bound {lower_bound * 1e6:.3g} µs"))
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=9, frameon=False)
     ax.set_title(title, fontsize=11)
     fig.savefig(path, dpi=110)
@@ -588,15 +625,25 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    t_start = time.perf_counter()
     a = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return run(a)
+    except ValueError as e:     # bad preset, stage, SM, layer count...: a message, not a traceback
+        print(f"megatape viz: {e}", file=sys.stderr)
+        return 2
+
+
+def run(a: argparse.Namespace) -> int:
+    """``main`` after argument parsing."""
+    t_start = time.perf_counter()
     from .compile import compile_model
 
     cfg = ModelConfig.from_name(a.preset)
     if a.layers is not None:
         cfg = cfg.with_layers(a.layers)
+    if a.max_nodes <= 0:
+        raise ValueError(f"--max-nodes must be positive, got {a.max_nodes}")
     out = pathlib.Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     comp = compile_model(cfg, a.sms, max_seq=a.max_seq, policy=a.policy)
     prog, sched = comp.prog, comp.sched
     written: list[pathlib.Path] = []
@@ -608,21 +655,29 @@ def main(argv=None) -> int:
     def tick(name, t):
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
 
+    # the zoom first: a selection that matches nothing fails before any file is written
+    zoom = None
+    if a.stage is not None or a.layer is not None or a.sm is not None:
+        t = time.perf_counter()
+        zoom = zoom_dag(prog, sched, a.stage, a.layer, a.sm, a.max_nodes)
+        tick("zoom picture", t)
+    out.mkdir(parents=True, exist_ok=True)
+
     # aggregate DAG picture
     t = time.perf_counter()
     agg = aggregate_dag(prog, a.aggregate)
     by = agg.graph["by"]
     what = ("one box per (layer, opcode, counter signalled)" if by == "signal"
-            else "one box per (layer, opcode), one diamond per (layer, counter family)")
+            else "one box per (layer, opcode), one grey box per (layer, counter family)")
     paths = [out / f"dag{e}" for e in exts]
     draw_dag(agg, f"tile DAG of {head}\n{what}; ×N: tiles in the box, ≥T: counter target", paths)
     written += paths
     tick("dag picture", t)
 
     # zoom
-    if a.stage is not None or a.layer is not None or a.sm is not None:
+    if zoom is not None:
         t = time.perf_counter()
-        zg, note = zoom_dag(prog, sched, a.stage, a.layer, a.sm, a.max_nodes)
+        zg, note = zoom
         parts = [f"stage-{a.stage}" if a.stage is not None else "", f"layer-{a.layer}" if a.layer is not None else "",
                  f"sm-{a.sm}" if a.sm is not None else ""]
         stem = "dag_zoom_" + "_".join(p for p in parts if p)

@@ -236,3 +236,43 @@ def test_conftest_sets_triton_interpret_before_triton_is_imported():
     imported, has_cuda, value = p.stdout.split()
     assert imported == "False"
     assert value == ("None" if has_cuda == "True" else "1")
+
+
+# ---- the README stays true ---------------------------------------------------------------------
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_opens_with_the_two_commands():
+    head = README.splitlines()[:12]
+    a = head[head.index("# (a) set up and run the main job") + 1]
+    b = head[head.index("# (b) set up and run the tests") + 1]
+    install = "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 triton==3.6.0 'numpy<2.4' -e '.[test]'"
+    assert a == f"{install} && .venv/bin/megatape run"
+    assert b == f"{install} && .venv/bin/python -m pytest -q"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "# (b) set up and run the tests" in ci and os.access(ROOT / ".ci" / "run", os.X_OK)
+
+
+def test_readme_opcode_table_matches_the_registry():
+    rows = re.findall(r"^\| (\d+) \| `([a-z_]+)` \| `([a-z0-9_, ]+)` \| .+ \|$", README, re.M)
+    assert [(int(n), name) for n, name, _ in rows] == [(cls.OPCODE, name) for name, cls in REGISTRY.items()]
+    for _, name, ops in rows:
+        assert tuple(o.strip() for o in ops.split(",")) == REGISTRY[name].operand_names(), name
+
+
+def test_readme_tape_format_matches_the_word_layout():
+    from opcodes import HEADER, MAX_OPERANDS, WORDS
+    assert f"[opcode, wait_a, target_a, wait_b, target_b, signal, operand0 .. operand{MAX_OPERANDS - 1}]" in README
+    assert HEADER == 6 and f"{WORDS} int32 words" in README
+
+
+def test_readme_python_examples_run():
+    """The quick start's Python blocks, run as written (the Triton interpreter on the CPU)."""
+    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
+    assert len(blocks) == 2
+    code = "\n".join(blocks)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    err = float(re.search(r"rel err vs reference: ([\d.e+-]+)", p.stdout).group(1))
+    assert err <= 1.5e-2
