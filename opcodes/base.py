@@ -52,7 +52,7 @@ class Tiling:
     red_rows: int = 1024    # rows per final residual reduction
     attn_splits: int = 16   # splits of the key sequence per KV head
     attn_block: int = 64    # keys per attention inner block
-    attn_stages: int = 2    # software-pipelining depth of the attention key loop
+    attn_stages: int = 1    # software-pipelining depth of the attention key loop
     bk: int = 512           # columns streamed per inner-loop iteration of a GEMV tile
     num_warps: int = 8
     stages: int = 4         # software-pipelining depth of the GEMV streaming loops (1: off)

@@ -247,7 +247,8 @@ def _deadlocks(tape: Tape, decoded, producers, sequential: bool) -> list[str]:
             d = q[heads[s]]
             c, t = next((c, t) for c, t in d.waits if done[c] < t)
             blocked = [p for p in producers.get(c, []) if heads[p.sm] <= by_sm[p.sm].index(p)]
-            why = f"; e.g. producer {_name(tape, blocked[0])} is queued behind it" if blocked else ""
+            why = (f"; e.g. producer {_name(tape, blocked[0])} never gets to run (it is queued behind a "
+                   f"blocked instruction of sm {blocked[0].sm})") if blocked else ""
             out.append(f"deadlock: {_name(tape, d)} waits on {_cname(tape, c)} for {t}, "
                        f"only {done[c]} producers can ever finish{why}")
     return out

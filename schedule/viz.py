@@ -234,7 +234,7 @@ def zoom_dag(prog: Program, sched=None, stage: str | None = None, layer: int | N
     if total > max_nodes:
         step = total / max_nodes
         sel = [sel[int(k * step)] for k in range(max_nodes)]
-        note += f" (showing {len(sel)}: every {step:.1f}th, capped at --max-nodes {max_nodes})"
+        note += f" (showing {len(sel)} spread evenly over them: --max-nodes {max_nodes})"
     targets = prog.targets()
     G = nx.DiGraph(name=note)
     start = sched.start if sched is not None and sched.start is not None else None
@@ -448,7 +448,9 @@ def draw_dag(G: nx.DiGraph, title: str, paths: list, font_size: float | None = N
     fig.tight_layout()
     # edges go under the boxes and stop at their borders: measure the boxes as laid out
     src_m, dst_m = _box_margins(fig, ax, pos, texts, dep)
-    nx.draw_networkx_edges(G, pos, edgelist=dep, ax=ax, edge_color="#555555", width=0.6, alpha=0.6,
+    busy = len(dep) > 150       # many edges: lighter, so that the boxes stay in front
+    nx.draw_networkx_edges(G, pos, edgelist=dep, ax=ax, edge_color="#555555", width=0.5 if busy else 0.6,
+                           alpha=0.35 if busy else 0.6,
                            arrows=True, arrowsize=7, node_size=0, min_source_margin=src_m,
                            min_target_margin=dst_m, hide_ticks=False)
     if queue:
