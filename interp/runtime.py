@@ -243,7 +243,8 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
                 policy: str = "cost", tape: Tape | None = None, verify_tape: bool = True,
                 spin_limit: int | None = None, sync_check: bool | None = None,
                 cost_model: CostModel | None = None, profile: bool = False, seed: int = 0,
-                cooperative: bool = True, fast_launch: bool = True, prefetch: bool = False):
+                cooperative: bool = True, fast_launch: bool = True, prefetch: bool = False,
+                lowering=None, extra_buffers: dict | None = None):
     """Prepare one decoder layer (or ``cfg['layers']`` layers) for ``layer_step``. Untimed.
 
     weights  : {"layers": [ {in_norm, post_norm, q, k, v, o, gate, up, down} ]} bf16, row-major
@@ -255,6 +256,9 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     (check the kernel's status after every step; default on the CPU), ``profile``, ``cooperative``
     (launch as a cooperative grid, which the driver refuses unless every program is co-resident;
     without it, residency rests on the grid being one 1-CTA-per-SM program per SM).
+    Extension points (used by whole-model decoders): ``lowering`` (Layout -> Program, see
+    ``schedule.program.lower``) and ``extra_buffers`` (kernel pointer name -> tensor, for names in
+    ``opcodes.common.KERNEL_PTR_TYPES`` that the layer itself does not use).
     """
     mc, device = validate_inputs(weights, kv_cache, cfg, max_seq_len)
     if spin_limit is None:
@@ -270,7 +274,7 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
         raise _err(ValueError, "num_sms", f"an int in [1, {dev_sms}] (SMs that can be co-resident on {device})", num_sms)
     if tape is None:
         comp = compile_model(mc, num_sms, max_seq=max_seq_len, tiling=tiling, policy=policy, model=cost_model,
-                             seed=seed, sequential=(device.type == "cpu"))
+                             seed=seed, sequential=(device.type == "cpu"), lowering=lowering)
         tape = comp.tape
         predicted = comp.sched.makespan
     else:
@@ -319,6 +323,14 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
             "q_ptr": scratch["q"], "part_o_ptr": scratch["part_o"], "part_ml_ptr": scratch["part_ml"],
             "attn_ptr": scratch["attn"], "x1_ptr": scratch["x1"], "act_ptr": scratch["act"],
             "dpart_ptr": scratch["dpart"]}
+    for name, t in (extra_buffers or {}).items():
+        if name not in TABLE_PTRS or name in bufs:
+            raise ValueError(f"extra_buffers: {name!r} is not a free kernel pointer name "
+                             f"(free names: {[n for n in TABLE_PTRS if n not in bufs]})")
+        bufs[name] = t
+    for name in TABLE_PTRS:
+        if name not in bufs:        # a pointer only other programs use: point it at a valid buffer
+            bufs[name] = scratch["xout"]
     for name, t in bufs.items():
         if t.data_ptr() % 16:
             raise ValueError(f"{name}: buffer not 16-byte aligned")

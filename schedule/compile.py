@@ -26,14 +26,15 @@ class Compiled:
 
 def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, tiling: Tiling | None = None,
                   policy: str = "cost", model: CostModel | None = None, seed: int = 0,
-                  sequential: bool = False) -> Compiled:
+                  sequential: bool = False, lowering=None) -> Compiled:
     """Compile ``cfg`` for ``num_sms`` SMs. ``policy``: 'cost' (list scheduling), 'round-robin'
-    or 'random' (a random valid schedule drawn with ``seed``)."""
+    or 'random' (a random valid schedule drawn with ``seed``). ``lowering``: a function Layout ->
+    Program to use instead of :func:`lower` (e.g. a whole decoder around the layers)."""
     t0 = time.perf_counter()
     if max_seq is None:
         max_seq = 4224 if cfg.d >= 1024 else 256
     lay = Layout(cfg, tiling or Tiling.for_config(cfg), max_seq)
-    prog = lower(lay)
+    prog = (lowering or lower)(lay)
     model = model or CostModel()
     if policy == "cost":
         sched = list_schedule(prog, num_sms, model)

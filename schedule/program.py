@@ -69,12 +69,19 @@ def check_layout(lay: Layout) -> None:
                          "(a down tile signals the counter of one residual block)")
 
 
-def lower(lay: Layout) -> Program:
-    """All layers of ``lay.cfg``, in a topological order (layer by layer, stage by stage)."""
+def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUNTER,
+          signal_last: bool = False) -> Program:
+    """All layers of ``lay.cfg``, in a topological order (layer by layer, stage by stage).
+
+    Extension points for programs that wrap the layers (e.g. a whole decoder): ``prog`` to append
+    to, ``input_counter`` that layer 0's QKV tiles wait on (whoever writes layer 0's input x),
+    ``signal_last`` to give the last layer's RESIDUAL tiles a counter too (``out[L-1]``), for
+    instructions that consume the final residual stream.
+    """
     check_layout(lay)
     c, t = lay.cfg, lay.tiling
-    p = Program(lay)
-    prev_out = NO_COUNTER
+    p = prog if prog is not None else Program(lay)
+    prev_out = input_counter
     n_rb = cdiv(c.d, t.red_rows)
     for l in range(c.layers):
         cq = [p.counter(f"qkv[{l},{g}]") for g in range(c.n_kv)]
@@ -83,7 +90,7 @@ def lower(lay: Layout) -> Program:
         cx = p.counter(f"x1[{l}]")
         cact = [p.counter(f"act[{l},{kc}]") for kc in range(lay.n_down_k)]
         cd = [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
-        cout = p.counter(f"out[{l}]") if l + 1 < c.layers else NO_COUNTER
+        cout = p.counter(f"out[{l}]") if (l + 1 < c.layers or signal_last) else NO_COUNTER
         w_in = (prev_out,) if prev_out != NO_COUNTER else ()
         # QKV tiles, grouped by KV head so that a group's attention can start early
         for g in range(c.n_kv):

@@ -268,7 +268,7 @@ def test_deadlock_consumer_before_producer_same_sm():
     msgs = problems(tape, PROG)
     hit = [m for m in msgs if m.startswith(f"deadlock: {name(tape, slot)} waits on counter ")]
     assert hit, msgs
-    assert f"sm {s}" in hit[0] and "queued behind it" in hit[0]
+    assert f"sm {s}" in hit[0] and "never gets to run" in hit[0]
     assert any(f"counter {cc} ({tape.counters[cc]})" in hit[0] for cc in PROG.waits[i])
     del c
 
