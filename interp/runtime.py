@@ -323,6 +323,8 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
             "q_ptr": scratch["q"], "part_o_ptr": scratch["part_o"], "part_ml_ptr": scratch["part_ml"],
             "attn_ptr": scratch["attn"], "x1_ptr": scratch["x1"], "act_ptr": scratch["act"],
             "dpart_ptr": scratch["dpart"]}
+    for name, t in scratch.items():       # every scratch buffer of the layout reaches the kernel by name
+        bufs[f"{name}_ptr"] = t
     for name, t in (extra_buffers or {}).items():
         if name not in TABLE_PTRS or name in bufs:
             raise ValueError(f"extra_buffers: {name!r} is not a free kernel pointer name "
@@ -331,6 +333,9 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     for name in TABLE_PTRS:
         if name not in bufs:        # a pointer only other programs use: point it at a valid buffer
             bufs[name] = scratch["xout"]
+    missing = [n for n in scratch if f"{n}_ptr" not in TABLE_PTRS]
+    if missing:
+        raise RuntimeError(f"scratch buffers {missing} have no kernel pointer in opcodes.common.KERNEL_PTR_TYPES")
     for name, t in bufs.items():
         if t.data_ptr() % 16:
             raise ValueError(f"{name}: buffer not 16-byte aligned")

@@ -15,7 +15,8 @@ from .oproj import OProj
 from .gate_up import GateUp
 from .down import Down
 from .residual import Residual
+from .o_reduce import OReduce
 
 __all__ = ["BY_OPCODE", "HEADER", "MAX_OPERANDS", "MAX_WAITS", "NO_COUNTER", "REGISTRY", "WORDS", "Cost",
            "Instruction", "Layout", "Region", "Tiling", "cdiv", "next_pow2", "register", "PRESETS",
-           "ModelConfig", "QKV", "AttnPartial", "AttnReduce", "OProj", "GateUp", "Down", "Residual"]
+           "ModelConfig", "QKV", "AttnPartial", "AttnReduce", "OProj", "GateUp", "Down", "Residual", "OReduce"]

@@ -46,6 +46,7 @@ class Tiling:
 
     qkv_rows: int = 32      # output rows per QKV tile: qkv_rows/2 from each RoPE half of one head
     o_rows: int = 32        # output rows per O-projection tile
+    o_k: int = 0            # n_q*hd columns per O-projection tile (0: all, no split)
     gu_rows: int = 16       # rows of gate AND of up per gate/up tile
     down_rows: int = 32     # output rows per down-projection tile
     down_k: int = 7168      # ffn columns (K range) per down-projection tile
@@ -60,12 +61,16 @@ class Tiling:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "o_k" and isinstance(v, int) and not isinstance(v, bool) and v == 0:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Tiling.{f.name} must be a positive int, got {v!r}")
         for k in ("qkv_rows", "o_rows", "gu_rows", "down_rows", "red_rows", "attn_block", "bk", "num_warps"):
             v = getattr(self, k)
             if v & (v - 1):
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
+        if self.o_k < 0:
+            raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
         if self.qkv_rows < 2:
             raise ValueError("Tiling.qkv_rows must be >= 2 (RoPE pairs)")
         if self.attn_block < 16:
@@ -106,6 +111,9 @@ class Layout:
         t, c = self.tiling, self.cfg
         if c.hd % t.qkv_rows:
             raise ValueError(f"Tiling.qkv_rows = {t.qkv_rows} must divide hd = {c.hd}")
+        if t.o_k and t.o_k < c.q_dim and t.o_k % c.hd:
+            raise ValueError(f"Tiling.o_k = {t.o_k} must be a multiple of hd = {c.hd} (a K chunk waits "
+                             "for whole attention heads)")
 
     # ---- derived counts -----------------------------------------------------------
     @property
@@ -115,6 +123,16 @@ class Layout:
     @property
     def n_down_k(self) -> int:
         return cdiv(self.cfg.ffn, self.tiling.down_k)
+
+    @property
+    def o_k(self) -> int:
+        """Columns of n_q*hd per O-projection tile."""
+        k = self.tiling.o_k
+        return self.cfg.q_dim if (k == 0 or k >= self.cfg.q_dim) else k
+
+    @property
+    def n_o_k(self) -> int:
+        return cdiv(self.cfg.q_dim, self.o_k)
 
     def buffers(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Scratch buffers the kernel writes, by name: (shape, dtype). ``xout`` and ``kv_new_*``
@@ -129,6 +147,7 @@ class Layout:
             "part_ml": ((L, c.n_q, t.attn_splits, 2), "fp32"),
             "attn": ((L, c.q_dim), "fp32"),
             "x1": ((L, c.d), "fp32"),
+            **({"opart": ((L, self.n_o_k, c.d), "fp32")} if self.n_o_k > 1 else {}),
             "act": ((L, c.ffn), "fp32"),
             "dpart": ((L, self.n_down_k, c.d), "fp32"),
             "xout": ((L, c.d), "bf16"),

@@ -35,7 +35,7 @@ KERNEL_PTR_TYPES = {
     "wg_ptr": "bf16", "wu_ptr": "bf16", "wd_ptr": "bf16", "kc_ptr": "bf16", "vc_ptr": "bf16",
     "cos_ptr": "fp32", "sin_ptr": "fp32",
     "q_ptr": "fp32", "part_o_ptr": "fp32", "part_ml_ptr": "fp32", "attn_ptr": "fp32", "x1_ptr": "fp32",
-    "act_ptr": "fp32", "dpart_ptr": "fp32",
+    "act_ptr": "fp32", "dpart_ptr": "fp32", "opart_ptr": "fp32",
 }
 KERNEL_PTRS = tuple(KERNEL_PTR_TYPES)
 PER_CALL_PTRS = ("x_ptr", "out_ptr")
@@ -44,7 +44,7 @@ TABLE_PTRS = tuple(p for p in KERNEL_PTRS if p not in PER_CALL_PTRS)
 #: compile-time parameters (model shape and tiling), in kernel-signature order
 KERNEL_CONSTEXPRS = (
     "NL", "D", "FFN", "NQ", "NKV", "HD", "G", "GP", "MAXS", "EPS", "QSCALE",
-    "QKV_ROWS", "O_ROWS", "GU_ROWS", "DOWN_ROWS", "DOWN_K", "NKC", "RED_ROWS",
+    "QKV_ROWS", "O_ROWS", "O_K", "NOC", "GU_ROWS", "DOWN_ROWS", "DOWN_K", "NKC", "RED_ROWS",
     "NS", "NSP", "ATTN_BLOCK", "ATTN_STAGES", "BK", "STAGES", "INTERP",
 )
 #: scalar runtime parameters every device function may take
@@ -60,7 +60,7 @@ def constexpr_values(lay, interp: bool = False) -> dict:
         NL=c.layers, D=c.d, FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd, G=c.group,
         GP=max(16, triton.next_power_of_2(c.group)), MAXS=lay.max_seq, EPS=float(c.eps),
         QSCALE=float(1.4426950408889634 / math.sqrt(c.hd)),
-        QKV_ROWS=t.qkv_rows, O_ROWS=t.o_rows, GU_ROWS=t.gu_rows, DOWN_ROWS=t.down_rows,
+        QKV_ROWS=t.qkv_rows, O_ROWS=t.o_rows, O_K=lay.o_k, NOC=lay.n_o_k, GU_ROWS=t.gu_rows, DOWN_ROWS=t.down_rows,
         DOWN_K=t.down_k, NKC=lay.n_down_k, RED_ROWS=t.red_rows, NS=t.attn_splits,
         NSP=triton.next_power_of_2(t.attn_splits), ATTN_BLOCK=t.attn_block, ATTN_STAGES=t.attn_stages, BK=t.bk, STAGES=t.stages,
         INTERP=interp,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from opcodes import (QKV, AttnPartial, AttnReduce, Down, GateUp, Instruction, Layout, ModelConfig, OProj,
-                     Residual, Tiling, cdiv)
+                     OReduce, Residual, Tiling, cdiv)
 from opcodes.base import NO_COUNTER
 
 
@@ -64,6 +64,9 @@ def check_layout(lay: Layout) -> None:
     if t.down_k % t.gu_rows and t.down_k < lay.cfg.ffn:
         raise ValueError(f"Tiling.down_k = {t.down_k} must be a multiple of gu_rows = {t.gu_rows} "
                          "(a gate/up tile signals the counter of one K chunk)")
+    if lay.n_o_k > 1 and t.red_rows % t.o_rows and t.red_rows < lay.cfg.d:
+        raise ValueError(f"Tiling.red_rows = {t.red_rows} must be a multiple of o_rows = {t.o_rows} "
+                         "(a split O tile signals the counter of one O_REDUCE block)")
     if t.red_rows % t.down_rows and t.red_rows < lay.cfg.d:
         raise ValueError(f"Tiling.red_rows = {t.red_rows} must be a multiple of down_rows = {t.down_rows} "
                          "(a down tile signals the counter of one residual block)")
@@ -86,7 +89,8 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
     for l in range(c.layers):
         cq = [p.counter(f"qkv[{l},{g}]") for g in range(c.n_kv)]
         cp = [p.counter(f"part[{l},{g}]") for g in range(c.n_kv)]
-        ca = p.counter(f"attn[{l}]")
+        n_oc = lay.n_o_k
+        ca = [p.counter(f"attn[{l},{oc}]" if n_oc > 1 else f"attn[{l}]") for oc in range(n_oc)]
         cx = p.counter(f"x1[{l}]")
         cact = [p.counter(f"act[{l},{kc}]") for kc in range(lay.n_down_k)]
         cd = [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
@@ -104,9 +108,17 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
             for s in range(t.attn_splits):
                 p.add(AttnPartial(l, g, s), (cq[g],), cp[g])
         for h in range(c.n_q):
-            p.add(AttnReduce(l, h), (cp[h // c.group],), ca)
-        for r in range(0, c.d, t.o_rows):
-            p.add(OProj(l, r), (ca,), cx)
+            p.add(AttnReduce(l, h), (cp[h // c.group],), ca[(h * c.hd) // lay.o_k])
+        if n_oc == 1:
+            for r in range(0, c.d, t.o_rows):
+                p.add(OProj(l, r, 0), (ca[0],), cx)
+        else:
+            co = [p.counter(f"opart[{l},{rb}]") for rb in range(n_rb)]
+            for oc in range(n_oc):
+                for r in range(0, c.d, t.o_rows):
+                    p.add(OProj(l, r, oc), (ca[oc],), co[r // t.red_rows])
+            for rb in range(n_rb):
+                p.add(OReduce(l, rb * t.red_rows), (co[rb],), cx)
         for r in range(0, c.ffn, t.gu_rows):
             p.add(GateUp(l, r), (cx,), cact[r // t.down_k])
         for kc in range(lay.n_down_k):

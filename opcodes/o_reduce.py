@@ -1,0 +1,82 @@
+"""O_REDUCE: the first residual add over a split O projection, summing its K chunks in order.
+
+    x1[r] = x[r] + sum_{oc = 0..NOC-1} opart[oc, r]
+
+Only used when the O projection is split along K (``Tiling.o_k < n_q*hd``). Reads
+``(NOC + 1) * RED_ROWS * 4`` bytes from L2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .base import Cost, Instruction, Layout, Region, register
+from .common import layer_input
+
+
+@triton.jit
+def o_reduce_device(layer, row0, x_ptr, xout_ptr, opart_ptr, x1_ptr,
+                    D: tl.constexpr, NOC: tl.constexpr, RED_ROWS: tl.constexpr):
+    rows = row0 + tl.arange(0, RED_ROWS)
+    rm = rows < D
+    xin = layer_input(x_ptr, xout_ptr, layer, D)
+    y = tl.load(xin + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
+    for oc in range(NOC):
+        y += tl.load(opart_ptr + (layer * NOC + oc) * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
+    tl.store(x1_ptr + layer * D + rows, y, mask=rm)
+
+
+@register
+@dataclass(frozen=True)
+class OReduce(Instruction):
+    layer: int
+    row0: int
+
+    NAME = "o_reduce"
+    STAGE = 3
+    ARGS = ("x_ptr", "xout_ptr", "opart_ptr", "x1_ptr", "D", "NOC", "RED_ROWS")
+    device = o_reduce_device
+
+    def check_operands(self, lay: Layout) -> list[str]:
+        c, r = lay.cfg, lay.tiling.red_rows
+        bad = []
+        if not 0 <= self.layer < c.layers:
+            bad.append(f"layer {self.layer} not in [0, {c.layers})")
+        if not (0 <= self.row0 < c.d and self.row0 % r == 0):
+            bad.append(f"row0 {self.row0} not a multiple of {r} in [0, {c.d})")
+        return bad
+
+    def _rows(self, lay: Layout) -> tuple[int, int]:
+        return self.row0, min(self.row0 + lay.tiling.red_rows, lay.cfg.d)
+
+    def reads(self, lay: Layout) -> list[Region]:
+        c = lay.cfg
+        lo, hi = self._rows(lay)
+        out = []
+        for oc in range(lay.n_o_k):
+            base = (self.layer * lay.n_o_k + oc) * c.d
+            out.append(Region("opart", base + lo, base + hi))
+        if self.layer > 0:
+            out.append(Region("xout", (self.layer - 1) * c.d + lo, (self.layer - 1) * c.d + hi))
+        return out
+
+    def writes(self, lay: Layout) -> list[Region]:
+        lo, hi = self._rows(lay)
+        base = self.layer * lay.cfg.d
+        return [Region("x1", base + lo, base + hi)]
+
+    def cost(self, lay: Layout) -> Cost:
+        lo, hi = self._rows(lay)
+        return Cost(hbm_bytes=0, l2_bytes=4 * (lay.n_o_k + 2) * (hi - lo), flops=lay.n_o_k * (hi - lo))
+
+    def run_torch(self, lay: Layout, st) -> None:
+        c = lay.cfg
+        lo, hi = self._rows(lay)
+        y = st.layer_input(self.layer)[lo:hi].float().clone()
+        op = st.buf["opart"].view(c.layers, lay.n_o_k, c.d)
+        for oc in range(lay.n_o_k):
+            y += op[self.layer, oc, lo:hi]
+        st.buf["x1"].view(c.layers, c.d)[self.layer, lo:hi] = y
