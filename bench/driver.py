@@ -142,7 +142,7 @@ def check_megatape(cfg: ModelConfig, h, weights, kv, kv_before, xs, prefill: int
         f"other rows untouched: {untouched}")
 
 
-BUILD_KEYS = {"coop": "cooperative", "prefetch": "prefetch", "fast": "fast_launch"}
+BUILD_KEYS = {"coop": "cooperative", "prefetch": "prefetch", "fast": "fast_launch", "h200model": "cost_model"}
 
 
 def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:
@@ -152,7 +152,11 @@ def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:
         k, _, v = kv.partition("=")
         if not v:
             raise ValueError(f"--tiling/--variants: expected name=value, got {kv!r}")
-        if k in BUILD_KEYS:
+        if k == "h200model":
+            from schedule import CostModel
+            if int(v):
+                build["cost_model"] = CostModel.h200()
+        elif k in BUILD_KEYS:
             build[BUILD_KEYS[k]] = bool(int(v))
         else:
             over[k] = int(v)
@@ -278,6 +282,14 @@ def main(argv=None) -> int:
                 pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
                 (pathlib.Path(a.out) / "profile.md").write_text(txt + "\n")
                 (pathlib.Path(a.out) / "profile_records.json").write_text(json.dumps(recs))
+                try:
+                    from schedule.compile import compile_model
+                    from schedule.measured import write_views
+                    comp = compile_model(cfg, hp.num_sms, max_seq=a.max_seq, tiling=vt, policy=a.policy)
+                    write_views(recs, comp.prog, comp.sched, a.out, hp.num_sms)
+                    print((pathlib.Path(a.out) / "measured_vs_plan.md").read_text(), flush=True)
+                except Exception as e:      # the views are extra; never lose the numbers over them
+                    log(f"measured views failed: {type(e).__name__}: {e}")
                 # profiling off vs on, same run
                 ev_p, _, _ = _events_median(layer_step, [(hp, xs[i], a.prefill + i) for i in range(a.steps)])
                 vrep["us_event_profiled"] = ev_p

@@ -17,7 +17,7 @@ from schedule.tape import decode_slot
 
 # several K chunks and residual blocks, two KV heads, 2 layers
 CFG = ModelConfig.from_name("small-2layer")
-LAY = Layout(CFG, Tiling.for_config(CFG, down_k=64, red_rows=64), 64)
+LAY = Layout(CFG, Tiling.for_config(CFG, down_k=64, red_rows=64, o_k=64), 64)  # o_k split: every opcode appears
 PROG = lower(LAY)
 
 
