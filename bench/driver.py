@@ -20,7 +20,7 @@ import time
 import torch
 
 from opcodes import PRESETS, ModelConfig, Tiling
-from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err
+from opcodes.reference import make_kv_cache, make_weights, model_ref, model_ref_fp32, rel_err
 
 TOL = 1.5e-2
 
@@ -109,21 +109,33 @@ def setup(cfg: ModelConfig, prefill: int, steps: int, max_seq: int, seed: int):
     return weights, kv, kv_before, xs
 
 
-def check_megatape(cfg: ModelConfig, h, weights, kv, kv_before, xs, prefill: int, report: dict) -> None:
+def check_megatape(cfg: ModelConfig, h, weights, kv, kv_before, xs, prefill: int, report: dict,
+                   fp32_ref: bool = False) -> None:
     """The spec's correctness protocol for one handle (the cache is reset to ``kv_before`` first)."""
     from interp import layer_step
     for p, b in zip(kv, kv_before):
         p[0].copy_(b[0])
         p[1].copy_(b[1])
     kv_ref = [tuple(t.clone() for t in p) for p in kv_before]
+    kv32 = [tuple(t.float() for t in p) for p in kv_before] if fp32_ref else None
     steps = len(xs)
-    errs = []
+    errs, errs32, ref32 = [], [], []
     for i in range(steps):
         pos = prefill + i
         out = layer_step(h, xs[i], pos)
         ref = model_ref(weights, kv_ref, cfg, xs[i], pos)
         errs.append(rel_err(out, ref))
+        if fp32_ref:
+            r32 = model_ref_fp32(weights, kv32, cfg, xs[i], pos)
+            errs32.append(rel_err(out, r32))
+            ref32.append(rel_err(ref, r32))
     h.check()
+    if fp32_ref:
+        report["rel_err_vs_fp32_max"] = max(errs32)
+        report["bf16_ref_vs_fp32_max"] = max(ref32)
+        log(f"vs an all-fp32 reference: megatape max rel err {max(errs32):.2e}, the bf16 reference itself "
+            f"{max(ref32):.2e}")
+        del kv32
     report["rel_err_max"] = max(errs)
     report["rel_err_all"] = errs
     untouched, row_err = True, 0.0
@@ -214,6 +226,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="", help="extra tilings to check and time, ';'-separated")
     ap.add_argument("--profile", action="store_true", help="also run the profiling kernel and summarise it")
     ap.add_argument("--policy", default="cost")
+    ap.add_argument("--fp32-ref", action="store_true",
+                    help="also compare with an all-fp32 reference (always on for more than one layer)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--tag", default="")
     a = ap.parse_args(argv)
@@ -251,7 +265,8 @@ def main(argv=None) -> int:
                         resources=h.resources)
             log(f"{vname}: built {len(h.tape)} instructions on {h.num_sms} SMs in {vrep['build_s']:.1f}s; "
                 f"{h.resources}")
-            check_megatape(cfg, h, weights, kv, kv_before, xs, a.prefill, vrep)
+            check_megatape(cfg, h, weights, kv, kv_before, xs, a.prefill, vrep,
+                           fp32_ref=(a.fp32_ref or cfg.layers > 1) and vname == "megatape")
             step_args = [(h, xs[i], a.prefill + i) for i in range(a.steps)]
             ev, wall, allev = _events_median(layer_step, step_args)
             h.check()

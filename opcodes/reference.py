@@ -120,3 +120,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in fp32 (the spec's metric)."""
     o, r = out.float(), ref.float()
     return (torch.linalg.vector_norm(o - r) / torch.linalg.vector_norm(r).clamp_min(1e-30)).item()
+
+
+def model_ref_fp32(weights: dict, kv_cache32: list, cfg: ModelConfig, x: torch.Tensor, pos: int, cos_sin=None):
+    """The same computation with every tensor in fp32 (weights upcast one layer at a time): the
+    yardstick for how far a bf16 implementation, the reference included, is from exact arithmetic.
+    ``kv_cache32`` is an fp32 copy of the cache, updated in place."""
+    x = x.float()
+    for lw, kv in zip(weights["layers"], kv_cache32):
+        x = layer_ref({k: v.float() for k, v in lw.items()}, kv, cfg, x, pos, cos_sin)
+    return x
