@@ -182,7 +182,13 @@ def test_counter_index_out_of_range(field, value):
 
 
 # ---- operands, opcodes -------------------------------------------------------------------------
-OPERANDS = [(op, f) for op, cls in REGISTRY.items() for f in cls.operand_names()]
+# every opcode of the layer program (the decoder's opcodes get their own tests in test_decoder.py)
+_IN_PROG = {ins.NAME for ins in PROG.instrs}
+OPERANDS = [(op, f) for op, cls in REGISTRY.items() if op in _IN_PROG for f in cls.operand_names()]
+
+
+def test_operand_cases_cover_every_layer_opcode():
+    assert {"qkv", "attn_partial", "attn_reduce", "oproj", "o_reduce", "gate_up", "down", "residual"} <= _IN_PROG
 
 
 @pytest.mark.parametrize("opname,field", OPERANDS, ids=[f"{o}.{f}" for o, f in OPERANDS])
