@@ -222,7 +222,7 @@ class LayerHandle:
                 targets[c] = targets.get(c, 0) + 1
         done, partial = [], []
         for c, name in enumerate(self.tape.counters):
-            if name.startswith("qkv["):
+            if name.startswith("kv["):
                 need = targets.get(c, 0) * epoch
                 (done if cnt[c] >= need else partial).append(name)
         if not partial:

@@ -73,6 +73,8 @@ class Tiling:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
         if self.qkv_rows < 2:
             raise ValueError("Tiling.qkv_rows must be >= 2 (RoPE pairs)")
+        if self.attn_splits < 2:
+            raise ValueError("Tiling.attn_splits must be >= 2 (the last split is the key at pos)")
         if self.attn_block < 16:
             raise ValueError("Tiling.attn_block must be >= 16 (tl.dot)")
 

@@ -6,7 +6,9 @@ its producers have signalled; the per-call wait target is therefore the number o
 
 Dependencies per layer ``l`` (one counter per arrow group):
 
-    QKV(l, q/k/v heads of group g) --qkv[l,g]--> ATTN_PARTIAL(l, g, *) --part[l,g]--> ATTN_REDUCE(l, heads of g)
+    QKV(l, q heads of group g) --q[l,g]--> ATTN_PARTIAL(l, g, *)                  (the cache prefix)
+    QKV(l, k/v head g) --kv[l,g]--> ATTN_PARTIAL(l, g, NS-1) (+ q[l,g])      (the key at pos)
+    ATTN_PARTIAL(l, g, *) --part[l,g]--> ATTN_REDUCE(l, heads of g)
     ATTN_REDUCE(l, *) --attn[l]--> OPROJ(l, *) --x1[l]--> GATE_UP(l, *)
     GATE_UP(l, rows in K chunk kc) --act[l,kc]--> DOWN(l, *, kc)
     DOWN(l, rows in block rb, *) --dpart[l,rb]--> RESIDUAL(l, rb) --out[l]--> QKV(l+1, *)
@@ -87,7 +89,8 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
     prev_out = input_counter
     n_rb = cdiv(c.d, t.red_rows)
     for l in range(c.layers):
-        cq = [p.counter(f"qkv[{l},{g}]") for g in range(c.n_kv)]
+        cq = [p.counter(f"q[{l},{g}]") for g in range(c.n_kv)]
+        ckv = [p.counter(f"kv[{l},{g}]") for g in range(c.n_kv)]
         cp = [p.counter(f"part[{l},{g}]") for g in range(c.n_kv)]
         n_oc = lay.n_o_k
         ca = [p.counter(f"attn[{l},{oc}]" if n_oc > 1 else f"attn[{l}]") for oc in range(n_oc)]
@@ -96,17 +99,19 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
         cd = [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
         cout = p.counter(f"out[{l}]") if (l + 1 < c.layers or signal_last) else NO_COUNTER
         w_in = (prev_out,) if prev_out != NO_COUNTER else ()
-        # QKV tiles, grouped by KV head so that a group's attention can start early
+        # Q tiles first, grouped by KV head: a group's prefix attention starts when its Q is done
         for g in range(c.n_kv):
             for h in range(g * c.group, (g + 1) * c.group):
                 for j in range(lay.n_qkv_tiles_per_head):
                     p.add(QKV(l, 0, h, j), w_in, cq[g])
+        for g in range(c.n_kv):
             for sec in (1, 2):
                 for j in range(lay.n_qkv_tiles_per_head):
-                    p.add(QKV(l, sec, g, j), w_in, cq[g])
+                    p.add(QKV(l, sec, g, j), w_in, ckv[g])
         for g in range(c.n_kv):
             for s in range(t.attn_splits):
-                p.add(AttnPartial(l, g, s), (cq[g],), cp[g])
+                last = s == t.attn_splits - 1
+                p.add(AttnPartial(l, g, s), (cq[g], ckv[g]) if last else (cq[g],), cp[g])
         for h in range(c.n_q):
             p.add(AttnReduce(l, h), (cp[h // c.group],), ca[(h * c.hd) // lay.o_k])
         if n_oc == 1:
