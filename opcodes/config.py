@@ -81,7 +81,7 @@ class ModelConfig:
         """HBM bytes one decode step at ``pos`` must move: weights + KV read, once each."""
         b = self.layers * (self.layer_weight_bytes() + self.kv_bytes(pos + 1))
         if self.vocab:
-            b += 2 * self.vocab * self.d * 2 + 2 * self.d  # embed row is tiny; lm_head streams
+            b += self.vocab * self.d * 2 + 2 * self.d * 2   # lm_head streams; one embed row; final norm
         return b
 
     def spec_bytes_per_step(self, pf: int = 4096, ds: int = 32) -> int:
