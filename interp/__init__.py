@@ -1,7 +1,14 @@
 """The persistent interpreter kernel and its host runtime.
 
     from interp import build_layer, layer_step, teardown
+    from interp import build_model, model_step                  # N layers, one launch per step
+    from interp import build_decoder, decode_step, generate     # whole model: token -> logits / next token
+    from interp import load_hf_llama                            # a Hugging Face Llama checkpoint directory
 """
-from .runtime import MegakernelError, build_layer, layer_step, teardown
+from .runtime import MegakernelError, build_layer, layer_step
+from .decoder import DecoderHandle, build_decoder, decode_step, generate
+from .hf import load_hf_llama
+from .model import build_model, model_step, teardown
 
-__all__ = ["MegakernelError", "build_layer", "layer_step", "teardown"]
+__all__ = ["MegakernelError", "build_layer", "layer_step", "teardown", "build_model", "model_step",
+           "DecoderHandle", "build_decoder", "decode_step", "generate", "load_hf_llama"]

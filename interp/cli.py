@@ -298,7 +298,12 @@ def cmd_viz(argv: list[str]) -> int:
     return int(viz_main(argv) or 0)
 
 
-FORWARDED = {"bench": cmd_bench, "viz": cmd_viz}
+def cmd_bench_decoder(argv) -> int:
+    from bench.decoder_bench import main as dec_main
+    return dec_main(argv)
+
+
+FORWARDED = {"bench": cmd_bench, "viz": cmd_viz, "bench-decoder": cmd_bench_decoder}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -331,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-gpu", action="store_true", help="do not run the GPU benchmark even if a GPU is visible")
     sub.add_parser("bench", add_help=False, help="GPU benchmark (bench/driver.py); 'megatape bench --help'")
     sub.add_parser("viz", add_help=False, help="plots of a schedule (schedule/viz.py); 'megatape viz --help'")
+    sub.add_parser("bench-decoder", add_help=False,
+                   help="whole-model GPU benchmark (bench/decoder_bench.py); 'megatape bench-decoder --help'")
     return ap
 
 

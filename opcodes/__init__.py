@@ -16,7 +16,12 @@ from .gate_up import GateUp
 from .down import Down
 from .residual import Residual
 from .o_reduce import OReduce
+from .embed import Embed
+from .lm_head import LMHead
+from .argmax import Argmax
+from .decoder import DecoderLayout
 
 __all__ = ["BY_OPCODE", "HEADER", "MAX_OPERANDS", "MAX_WAITS", "NO_COUNTER", "REGISTRY", "WORDS", "Cost",
            "Instruction", "Layout", "Region", "Tiling", "cdiv", "next_pow2", "register", "PRESETS",
-           "ModelConfig", "QKV", "AttnPartial", "AttnReduce", "OProj", "GateUp", "Down", "Residual", "OReduce"]
+           "ModelConfig", "QKV", "AttnPartial", "AttnReduce", "OProj", "GateUp", "Down", "Residual", "OReduce",
+           "Embed", "LMHead", "Argmax", "DecoderLayout"]

@@ -36,6 +36,10 @@ KERNEL_PTR_TYPES = {
     "cos_ptr": "fp32", "sin_ptr": "fp32",
     "q_ptr": "fp32", "part_o_ptr": "fp32", "part_ml_ptr": "fp32", "attn_ptr": "fp32", "x1_ptr": "fp32",
     "act_ptr": "fp32", "dpart_ptr": "fp32", "opart_ptr": "fp32",
+    # whole-model decoder (opcodes/embed.py, lm_head.py, argmax.py; scratch in opcodes/decoder.py).
+    # x0_ptr is the decoder's x0 scratch row, which reaches EMBED and layer 0 as the per-call x_ptr
+    "tok_ptr": "i32", "toks_ptr": "i32", "embed_ptr": "bf16", "fnorm_ptr": "bf16", "lmh_ptr": "bf16",
+    "x0_ptr": "bf16", "logits_ptr": "fp32", "amax_ptr": "fp32",
 }
 KERNEL_PTRS = tuple(KERNEL_PTR_TYPES)
 PER_CALL_PTRS = ("x_ptr", "out_ptr")
@@ -46,6 +50,7 @@ KERNEL_CONSTEXPRS = (
     "NL", "D", "FFN", "NQ", "NKV", "HD", "G", "GP", "MAXS", "EPS", "QSCALE",
     "QKV_ROWS", "O_ROWS", "O_K", "NOC", "GU_ROWS", "DOWN_ROWS", "DOWN_K", "NKC", "RED_ROWS",
     "NS", "NSP", "ATTN_BLOCK", "ATTN_STAGES", "BK", "STAGES", "INTERP",
+    "VOCAB", "LM_ROWS", "EMB_COLS", "AM_BLOCK",
 )
 #: scalar runtime parameters every device function may take
 KERNEL_SCALARS = ("pos",)
@@ -64,6 +69,9 @@ def constexpr_values(lay, interp: bool = False) -> dict:
         DOWN_K=t.down_k, NKC=lay.n_down_k, RED_ROWS=t.red_rows, NS=t.attn_splits,
         NSP=triton.next_power_of_2(t.attn_splits), ATTN_BLOCK=t.attn_block, ATTN_STAGES=t.attn_stages, BK=t.bk, STAGES=t.stages,
         INTERP=interp,
+        # whole-model decoder (opcodes.decoder.DecoderLayout); placeholders for layer-only layouts
+        VOCAB=max(1, c.vocab), LM_ROWS=getattr(lay, "lm_rows", 16), EMB_COLS=getattr(lay, "emb_cols", 16),
+        AM_BLOCK=getattr(lay, "am_block", 16),
     )
 
 
@@ -118,3 +126,4 @@ def prefetch_rows(w_ptr, rows, row_mask, K: tl.constexpr, k0, KLEN, BK: tl.const
     cols = k0 + tl.arange(0, LINES) * 16
     m = row_mask[:, None] & (cols < k0 + KLEN)[None, :] & (cols < K)[None, :]
     prefetch_l2(w_ptr + rows[:, None] * K + cols[None, :], m)
+

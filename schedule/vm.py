@@ -25,6 +25,7 @@ class VMState:
 
     def __init__(self, lay: Layout, weights: dict, kv_cache: list, x: torch.Tensor, pos: int):
         self.lay = lay
+        self.model = weights          # the whole dict: a decoder's embed / final_norm / lm_head
         self.weights = weights["layers"]
         self.kv = kv_cache
         self.x = x.reshape(-1)
@@ -36,7 +37,8 @@ class VMState:
 
     def layer_input(self, layer: int) -> torch.Tensor:
         if layer == 0:
-            return self.x
+            # a decoder's layer 0 reads the row its EMBED tiles gathered (the kernel's x_ptr there)
+            return self.buf["x0"] if "x0" in self.buf else self.x
         d = self.lay.cfg.d
         return self.buf["xout"][(layer - 1) * d: layer * d]
 
@@ -46,9 +48,13 @@ class VMState:
 
 
 def run_tape(tape: Tape, weights: dict, kv_cache: list, x: torch.Tensor, pos: int,
-             seed: int | None = 0) -> torch.Tensor:
+             seed: int | None = 0, return_state: bool = False):
     """Run one call of ``tape``; KV rows at ``pos`` are written into ``kv_cache`` in place.
-    ``seed`` picks the interleaving (None: SM 0 to the end, then SM 1, ...)."""
+    ``seed`` picks the interleaving (None: SM 0 to the end, then SM 1, ...).
+
+    Whole-model decoder tapes (``schedule.decoder_program``): ``weights`` is the whole-model dict,
+    ``x`` the (1,) int token; ``return_state=True`` returns the :class:`VMState` instead of the
+    output (``buf["logits"]``, ``next_token``; see ``schedule.decoder_program.run_decoder_vm``)."""
     if not 0 <= pos < tape.lay.max_seq:
         raise ValueError(f"pos must be in [0, {tape.lay.max_seq}), got {pos}")
     st = VMState(tape.lay, weights, kv_cache, x, pos)
@@ -77,4 +83,4 @@ def run_tape(tape: Tape, weights: dict, kv_cache: list, x: torch.Tensor, pos: in
             counters[d.signal] += 1
         heads[s] += 1
         remaining -= 1
-    return st.output()
+    return st if return_state else st.output()

@@ -1,0 +1,251 @@
+"""Whole-model decode: one launch of the interpreter kernel per token, embedding to next token.
+
+    h = build_decoder(weights, kv_cache, cfg, max_seq_len)
+    logits = decode_step(h, tokens, pos)              # tokens: (1,) int on the device -> (1, vocab) fp32
+    new = generate(h, prompt_tokens, n_new)           # greedy; the host only launches
+    teardown(h)
+
+``weights = {"embed": (vocab, d), "layers": [...], "final_norm": (d,), "lm_head": (vocab, d)}``
+(bf16; ``lm_head`` may be the same tensor as ``embed``: tied embeddings), ``kv_cache`` and the
+layers as for ``build_layer``, ``cfg`` the spec's cfg with ``vocab``.
+
+The tape is ``schedule.decoder_program.lower_decoder``: EMBED tiles gather the token's row into
+the layer-0 input, the layers run as in ``build_layer``, LM_HEAD tiles apply the final RMSNorm
+and the LM head (fp32 logits and a (max, argmax) partial per tile) and ARGMAX writes the greedy
+next token into a device int32 buffer, which the next launch's EMBED reads: greedy generation is
+a loop of launches with no host round trip (the token never leaves the device).
+``decode_step`` copies the caller's token into that buffer on the device first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from opcodes import DecoderLayout, ModelConfig
+from opcodes.decoder import decoder_shapes
+from schedule.decoder_program import decoder_lowering
+
+from . import runtime
+from .runtime import LayerHandle, _check_tensor, _desc, _err
+
+
+@dataclass
+class DecoderHandle:
+    """What ``build_decoder`` returns. ``layer`` is the kernel's :class:`LayerHandle` (tape,
+    counters, scratch); the rest are the decoder's device buffers."""
+
+    layer: LayerHandle
+    cfg: ModelConfig
+    lay: DecoderLayout
+    device: torch.device
+    tok: torch.Tensor            # (1,) int32: the token the next launch embeds (ARGMAX writes it)
+    toks: torch.Tensor           # (max_seq,) int32: toks[pos] = the greedy token predicted at pos
+    x0: torch.Tensor             # (1, d) bf16: the embedded token, the layer-0 input (x_ptr)
+    hidden: torch.Tensor         # (1, d) bf16: the last layer's output (out_ptr)
+    logits: torch.Tensor         # (1, vocab) fp32: the last launch's logits
+    weights: dict = field(repr=False, default=None)
+    closed: bool = False
+
+    @property
+    def tape(self):
+        return self.layer.tape
+
+    @property
+    def max_seq(self) -> int:
+        return self.lay.max_seq
+
+
+def _model_cfg(cfg) -> ModelConfig:
+    if isinstance(cfg, ModelConfig):
+        mc = cfg
+    elif isinstance(cfg, dict):
+        try:
+            mc = ModelConfig.from_dict(cfg)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"cfg: {e}") from None
+    else:
+        raise _err(TypeError, "cfg", "a dict (the spec's cfg) or a ModelConfig", _desc(cfg))
+    if not mc.vocab:
+        raise ValueError("cfg['vocab']: expected the vocabulary size (> 0) for a whole-model decoder, got "
+                         f"{mc.vocab} (build_layer / build_model run the layers alone)")
+    return mc
+
+
+def _check_decoder_weights(weights, kv_cache, mc: ModelConfig, device: torch.device) -> None:
+    """The whole-model tensors (``build_layer``'s checks cover the layers and the cache)."""
+    missing = [k for k in ("embed", "final_norm", "lm_head") if k not in weights]
+    if missing:
+        raise _err(ValueError, "weights", "keys 'embed', 'layers', 'final_norm', 'lm_head'", f"missing {missing}")
+    for k, shape in decoder_shapes(mc).items():
+        _check_tensor(f"weights[{k!r}]", weights[k], shape, torch.bfloat16, device)
+    # the KV cache is written in place: it must not share memory with the read-only tensors
+    for k in decoder_shapes(mc):
+        t = weights[k]
+        a0, a1 = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        for l, pair in enumerate(kv_cache):
+            for j, name in enumerate("kv"):
+                c = pair[j]
+                b0, b1 = c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()
+                if a0 < b1 and b0 < a1:
+                    raise ValueError(f"kv_cache[{l}][{j}] ({name}): shares memory with weights[{k!r}]; the KV "
+                                     "cache is written in place, so each K and V tensor needs memory of its own")
+
+
+def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_cols: int = 0, **options):
+    """Prepare a whole Llama-family model for ``decode_step`` / ``generate``. Untimed.
+
+    weights  : {"embed": (vocab, d), "layers": [per-layer dicts as for build_layer], "final_norm": (d,),
+               "lm_head": (vocab, d)}, bf16, row-major; ``lm_head`` may be ``embed`` itself (tied)
+    kv_cache : [(k, v)] per layer, each (1, n_kv, max_seq_len, hd) bf16, updated in place
+    cfg      : the spec's cfg dict (or a ModelConfig) with ``vocab``
+    ``lm_rows`` / ``emb_cols``: vocabulary rows per LM_HEAD tile and d columns per EMBED tile (0: the
+    defaults of ``opcodes.decoder.DecoderLayout``). Other options go to ``build_layer`` (``num_sms``,
+    ``tiling``, ``policy``, ``tape`` (a tape compiled with ``lower_decoder``), ``spin_limit``,
+    ``sync_check``, ``profile``, ...).
+    """
+    for k in ("lowering", "extra_buffers"):
+        if k in options:
+            raise TypeError(f"build_decoder: {k}= is set by the decoder itself")
+    mc = _model_cfg(cfg)
+    _, device = runtime.validate_inputs(weights, kv_cache, mc, max_seq_len)
+    _check_decoder_weights(weights, kv_cache, mc, device)
+    tok = torch.zeros(1, dtype=torch.int32, device=device)
+    toks = torch.zeros(max_seq_len, dtype=torch.int32, device=device)
+    extra = {"tok_ptr": tok, "toks_ptr": toks, "embed_ptr": weights["embed"], "fnorm_ptr": weights["final_norm"],
+             "lmh_ptr": weights["lm_head"]}
+    h = runtime.build_layer(weights, kv_cache, mc, max_seq_len, lowering=decoder_lowering(lm_rows, emb_cols),
+                            extra_buffers=extra, **options)
+    lay = h.tape.lay
+    if not isinstance(lay, DecoderLayout):
+        runtime.teardown(h)
+        raise ValueError("tape: not a whole-model decoder tape (compile it with "
+                         "lowering=schedule.decoder_program.lower_decoder)")
+    hidden = torch.empty(1, mc.d, dtype=torch.bfloat16, device=device)
+    return DecoderHandle(layer=h, cfg=mc, lay=lay, device=device, tok=tok, toks=toks,
+                         x0=h.scratch["x0"].view(1, mc.d), hidden=hidden,
+                         logits=h.scratch["logits"].view(1, mc.vocab), weights=weights)
+
+
+def _check_handle(dh) -> None:
+    if not isinstance(dh, DecoderHandle):
+        raise _err(TypeError, "handle", "a DecoderHandle from build_decoder", _desc(dh))
+    if dh.closed:
+        raise ValueError("handle: teardown() was already called on it")
+
+
+def _check_pos(dh: DecoderHandle, pos, what: str = "pos") -> int:
+    if isinstance(pos, torch.Tensor) and pos.numel() == 1 and not pos.dtype.is_floating_point \
+            and pos.dtype != torch.bool:
+        pos = int(pos)
+    if isinstance(pos, bool) or not isinstance(pos, int):
+        raise _err(TypeError, what, "a python int", _desc(pos))
+    if not 0 <= pos < dh.max_seq:
+        raise _err(ValueError, what, f"an int in [0, max_seq_len={dh.max_seq})", pos)
+    return pos
+
+
+def _check_token_range(what: str, t: torch.Tensor, vocab: int) -> None:
+    """Tokens the host can see without a device sync are range-checked (the kernel clamps)."""
+    if t.device.type == "cpu" and t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= vocab:
+            raise _err(ValueError, what, f"token ids in [0, vocab={vocab})", f"ids in [{lo}, {hi}]")
+
+
+def _launch(dh: DecoderHandle, pos: int) -> None:
+    h = dh.layer
+    if h.status_host:
+        h.check(sync=False)      # a failure of an earlier launch that has finished since
+    h.last_pos = pos
+    runtime.launch(h, dh.x0, pos, dh.hidden)
+    if h.sync_check:
+        h.check(sync=True)
+
+
+def decode_step(handle: DecoderHandle, tokens, pos) -> torch.Tensor:
+    """One whole-model decode step: embed ``tokens``, run every layer at ``pos`` (appending K/V
+    into the cache), the final norm and the LM head. One launch.
+
+    tokens : (1,) integer tensor on the handle's device (a python int is accepted too)
+    pos    : int, the absolute position being written
+    returns a fresh (1, vocab) fp32 tensor of logits. The greedy next token is also left on the
+    device (``handle.tok``), where a following ``generate`` or launch would read it.
+    """
+    _check_handle(handle)
+    pos = _check_pos(handle, pos)
+    if isinstance(tokens, int) and not isinstance(tokens, bool):
+        tokens = torch.tensor([tokens], dtype=torch.int32)
+        _check_token_range("tokens", tokens, handle.cfg.vocab)
+        tokens = tokens.to(handle.device)
+    if not isinstance(tokens, torch.Tensor):
+        raise _err(TypeError, "tokens", "a (1,) integer tensor", _desc(tokens))
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise _err(TypeError, "tokens", "an integer dtype", _desc(tokens))
+    if tuple(tokens.shape) != (1,):
+        raise _err(ValueError, "tokens", "shape (1,) (megatape decodes batch 1)", _desc(tokens))
+    if tokens.device != handle.device:
+        raise _err(ValueError, "tokens", f"a tensor on {handle.device}", _desc(tokens))
+    _check_token_range("tokens", tokens, handle.cfg.vocab)
+    handle.tok.copy_(tokens)
+    _launch(handle, pos)
+    return handle.logits.clone()
+
+
+def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 0, return_logits: bool = False):
+    """Greedy generation: consume ``prompt_tokens`` at positions ``start_pos, start_pos + 1, ...``
+    (one decode step each), then generate ``n_new`` tokens. One launch per position; after the
+    prompt the host only launches: each launch's ARGMAX leaves the next token on the device, where
+    the next launch's EMBED reads it.
+
+    prompt_tokens : 1-D integer tensor (any device: copied to the device once) or list of ints, >= 1 token
+    returns the (n_new,) int64 generated tokens on the device (and, with ``return_logits``, the
+    (n_new, vocab) fp32 logits that chose them: a device-side copy after each launch).
+    Positions used: ``start_pos .. start_pos + len(prompt) + n_new - 2`` (all < max_seq_len).
+    """
+    _check_handle(handle)
+    if isinstance(prompt_tokens, (list, tuple)):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_tokens):
+            raise _err(TypeError, "prompt_tokens", "a list of python ints or a 1-D integer tensor", _desc(prompt_tokens))
+        prompt_tokens = torch.tensor(list(prompt_tokens), dtype=torch.int32)
+    if not isinstance(prompt_tokens, torch.Tensor):
+        raise _err(TypeError, "prompt_tokens", "a 1-D integer tensor or a list of ints", _desc(prompt_tokens))
+    if prompt_tokens.dtype.is_floating_point or prompt_tokens.dtype.is_complex or prompt_tokens.dtype == torch.bool:
+        raise _err(TypeError, "prompt_tokens", "an integer dtype", _desc(prompt_tokens))
+    if prompt_tokens.dim() != 1 or prompt_tokens.numel() == 0:
+        raise _err(ValueError, "prompt_tokens", "a non-empty 1-D tensor (batch 1)", _desc(prompt_tokens))
+    if isinstance(n_new, bool) or not isinstance(n_new, int) or n_new < 0:
+        raise _err(ValueError if isinstance(n_new, int) and not isinstance(n_new, bool) else TypeError,
+                   "n_new", "an int >= 0", _desc(n_new))
+    start_pos = _check_pos(handle, start_pos, "start_pos")
+    P = int(prompt_tokens.numel())
+    last = start_pos + P - 1 + max(0, n_new - 1)
+    if last >= handle.max_seq:
+        raise _err(ValueError, "prompt_tokens / n_new", f"positions up to max_seq_len - 1 = {handle.max_seq - 1} "
+                   f"(start_pos {start_pos} + {P} prompt tokens + {n_new} new - 1)", f"position {last}")
+    _check_token_range("prompt_tokens", prompt_tokens, handle.cfg.vocab)
+    prompt = prompt_tokens.to(device=handle.device, dtype=torch.int32, non_blocking=True)
+    hist = torch.empty(n_new, handle.cfg.vocab, dtype=torch.float32, device=handle.device) if return_logits else None
+    for i in range(P):
+        handle.tok.copy_(prompt[i:i + 1])          # a device-side copy: no host round trip
+        _launch(handle, start_pos + i)
+    for j in range(n_new):
+        if j:
+            _launch(handle, start_pos + P - 1 + j)  # EMBED reads the token the last ARGMAX wrote
+        if hist is not None:
+            hist[j].copy_(handle.logits[0])
+    first = start_pos + P - 1
+    out = handle.toks[first:first + n_new].to(torch.int64)
+    return (out, hist) if return_logits else out
+
+
+def teardown_decoder(handle: DecoderHandle) -> None:
+    """Release the decoder's device buffers (idempotent)."""
+    if not isinstance(handle, DecoderHandle):
+        raise _err(TypeError, "handle", "a DecoderHandle from build_decoder", _desc(handle))
+    if handle.closed:
+        return
+    runtime.teardown(handle.layer)
+    handle.closed = True
+    handle.weights = None
+    handle.tok = handle.toks = handle.x0 = handle.hidden = handle.logits = None

@@ -1,0 +1,232 @@
+"""Hugging Face interop: load a Llama checkpoint directory into megatape's weights and cfg.
+
+    from interp import load_hf_llama, build_decoder
+    weights, cfg = load_hf_llama("path/to/checkpoint")      # config.json + *.safetensors
+    h = build_decoder(weights, kv_cache, cfg, max_seq_len)
+
+The directory is the layout ``save_pretrained`` writes: ``config.json`` plus either one
+``model.safetensors``, or shards listed by ``model.safetensors.index.json`` (or, without an
+index, every ``*.safetensors`` file in it). Tensors are read with the ``safetensors`` library
+(transformers is not needed) and converted to contiguous bf16. Names map as
+
+    model.embed_tokens.weight                        -> weights["embed"]
+    model.layers.N.input_layernorm.weight            -> weights["layers"][N]["in_norm"]
+    model.layers.N.post_attention_layernorm.weight   -> ...["post_norm"]
+    model.layers.N.self_attn.{q,k,v,o}_proj.weight   -> ...["q"], ["k"], ["v"], ["o"]
+    model.layers.N.mlp.{gate,up,down}_proj.weight    -> ...["gate"], ["up"], ["down"]
+    model.norm.weight                                -> weights["final_norm"]
+    lm_head.weight                                   -> weights["lm_head"] (the embed tensor itself when
+                                                        config.json has tie_word_embeddings)
+
+HF's q/k projections are already in the rotate_half order that megatape's RoPE uses, so no
+permutation is needed. Errors name the file and the key: FileNotFoundError for a missing
+directory, config.json or shard; ValueError for a missing tensor, a shape that disagrees with
+config.json, or a config megatape does not run (a different architecture, biases, an activation
+other than SiLU, RoPE scaling, shapes the kernel does not support).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import torch
+
+from opcodes import ModelConfig
+from opcodes.reference import layer_shapes
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+#: megatape's per-layer key -> the HF tensor name after ``model.layers.N.``
+LAYER_NAMES = {
+    "in_norm": "input_layernorm.weight",
+    "post_norm": "post_attention_layernorm.weight",
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight",
+    "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight",
+}
+EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+def _rope_params(conf: dict) -> tuple[float, str | None, dict | None]:
+    """(theta, scaling type or None, the scaling dict) from a transformers v4 (``rope_theta`` +
+    ``rope_scaling``) or v5 (``rope_parameters``) config."""
+    rp = conf.get("rope_parameters")
+    if isinstance(rp, dict) and rp:
+        theta = rp.get("rope_theta", conf.get("rope_theta", 10000.0))
+        kind = rp.get("rope_type", rp.get("type"))
+        scaling = rp
+    else:
+        theta = conf.get("rope_theta", 10000.0)
+        scaling = conf.get("rope_scaling")
+        kind = None if scaling is None else (scaling.get("rope_type", scaling.get("type"))
+                                             if isinstance(scaling, dict) else scaling)
+    if kind in (None, "default"):
+        return float(theta), None, None
+    return float(theta), str(kind), scaling
+
+
+def config_from_hf(conf: dict, where: str = CONFIG) -> dict:
+    """megatape's cfg dict from a Hugging Face Llama ``config.json`` (already parsed).
+    ``where`` names the file in error messages."""
+    mt = conf.get("model_type")
+    if mt is not None and mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{where}: model_type {mt!r} is not supported (megatape loads {SUPPORTED_MODEL_TYPES})")
+    if mt is None and not any("Llama" in a for a in conf.get("architectures") or []):
+        raise ValueError(f"{where}: no model_type and no Llama architecture: not a Llama checkpoint")
+    for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if k not in conf:
+            raise ValueError(f"{where}: missing key {k!r}")
+        v = conf[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{where}: {k!r} must be a positive int, got {v!r}")
+    d, n_q = conf["hidden_size"], conf["num_attention_heads"]
+    n_kv = conf.get("num_key_value_heads") or n_q
+    act = conf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{where}: hidden_act {act!r} is not supported (megatape's MLP is SwiGLU with SiLU)")
+    for k in ("attention_bias", "mlp_bias"):
+        if conf.get(k):
+            raise ValueError(f"{where}: {k} = true is not supported (megatape's projections have no bias)")
+    hd = conf.get("head_dim")
+    if hd is None:
+        if d % n_q:
+            raise ValueError(f"{where}: hidden_size {d} is not a multiple of num_attention_heads {n_q} and there "
+                             "is no head_dim")
+        hd = d // n_q
+    theta, kind, scaling = _rope_params(conf)
+    if kind is not None:
+        hint = (" (Llama 3.1 / 3.2 checkpoints: megatape's RoPE tables, opcodes.reference.rope_tables, use the "
+                "plain inv_freq = theta^(-2i/hd) and do not implement the llama3 frequency rescaling yet)"
+                if kind == "llama3" else "")
+        raise ValueError(f"{where}: RoPE scaling type {kind!r} is not supported{hint}; only unscaled RoPE "
+                         f"(rope_scaling null or rope_type 'default') is. Got {scaling!r}")
+    cfg = {"layers": conf["num_hidden_layers"], "d": d, "ffn": conf["intermediate_size"], "n_q": n_q,
+           "n_kv": n_kv, "hd": hd, "eps": float(conf.get("rms_norm_eps", 1e-6)), "theta": theta,
+           "vocab": conf["vocab_size"]}
+    try:
+        ModelConfig.from_dict(cfg)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: a shape megatape does not support: {e}") from None
+    return cfg
+
+
+def _tensor_files(root: pathlib.Path) -> tuple[dict[str, pathlib.Path] | None, list[pathlib.Path], str]:
+    """(tensor name -> file from the index, or None; the files to search; a description)."""
+    index = root / INDEX
+    if index.is_file():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index (no weight_map): {e!r}") from None
+        return {k: root / v for k, v in wm.items()}, sorted({root / v for v in wm.values()}), str(index)
+    single = root / SINGLE
+    if single.is_file():
+        return None, [single], str(single)
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{root}: no {SINGLE}, {INDEX} or *.safetensors file (the checkpoint's weights)")
+    return None, files, ", ".join(str(f) for f in files)
+
+
+class _Reader:
+    """Reads named tensors from safetensors files, each file opened once."""
+
+    def __init__(self, root: pathlib.Path):
+        from safetensors import safe_open
+        self._open = safe_open
+        self.index, self.files, self.where = _tensor_files(root)
+        self.handles: dict[pathlib.Path, object] = {}
+        self.keys: dict[str, pathlib.Path] | None = None
+
+    def _handle(self, f: pathlib.Path, key: str):
+        if f not in self.handles:
+            if not f.is_file():
+                raise FileNotFoundError(f"{f}: missing shard ({INDEX} maps tensor {key!r} to it)")
+            try:
+                self.handles[f] = self._open(str(f), framework="pt", device="cpu")
+            except Exception as e:      # safetensors raises its own error types for a corrupt header
+                raise ValueError(f"{f}: not a readable safetensors file: {e}") from None
+        return self.handles[f]
+
+    def locate(self, key: str) -> pathlib.Path | None:
+        if self.index is not None:
+            return self.index.get(key)
+        if self.keys is None:
+            self.keys = {}
+            for f in self.files:
+                for k in self._handle(f, "*").keys():
+                    self.keys.setdefault(k, f)
+        return self.keys.get(key)
+
+    def has(self, key: str) -> bool:
+        return self.locate(key) is not None
+
+    def get(self, key: str, shape: tuple[int, ...], device) -> torch.Tensor:
+        f = self.locate(key)
+        if f is None:
+            raise ValueError(f"tensor {key!r} not found in {self.where}")
+        h = self._handle(f, key)
+        if key not in h.keys():
+            raise ValueError(f"{f}: tensor {key!r} is missing ({INDEX} maps it to this file)")
+        got = tuple(h.get_slice(key).get_shape())
+        if got != tuple(shape):
+            raise ValueError(f"{f}: tensor {key!r} has shape {got}, config.json implies {tuple(shape)}")
+        t = h.get_tensor(key)
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"{f}: tensor {key!r} has dtype {t.dtype}, expected a floating-point dtype")
+        # always a fresh allocation: a tensor read from a bf16 file may alias the file's memory map at an
+        # offset that is not 16-byte aligned (the kernel loads 16 bytes at a time)
+        out = torch.empty(got, dtype=torch.bfloat16, device=device)
+        out.copy_(t)
+        return out
+
+
+def load_hf_llama(path, device="cpu") -> tuple[dict, dict]:
+    """Read a Hugging Face Llama checkpoint directory; return ``(weights, cfg)`` for
+    ``build_decoder`` (``weights["layers"]`` and ``cfg`` also suit ``build_model``).
+
+    path   : the directory (``config.json`` + ``*.safetensors``, sharded or not)
+    device : where the bf16 tensors go
+    cfg is the spec's cfg dict plus ``vocab`` (layers, d, ffn, n_q, n_kv, hd, eps, theta, vocab).
+    With ``tie_word_embeddings`` (config.json) ``weights["lm_head"] is weights["embed"]``.
+    """
+    root = pathlib.Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: not a checkpoint directory (no such directory)")
+    cpath = root / CONFIG
+    if not cpath.is_file():
+        raise FileNotFoundError(f"{cpath}: missing (a Hugging Face checkpoint directory has config.json beside "
+                                "its *.safetensors)")
+    try:
+        conf = json.loads(cpath.read_text())
+    except ValueError as e:
+        raise ValueError(f"{cpath}: not valid JSON: {e}") from None
+    if not isinstance(conf, dict):
+        raise ValueError(f"{cpath}: expected a JSON object")
+    cfg = config_from_hf(conf, str(cpath))
+    mc = ModelConfig.from_dict(cfg)
+    device = torch.device(device)
+    rd = _Reader(root)
+    shapes = layer_shapes(mc)
+    embed = rd.get(EMBED, (mc.vocab, mc.d), device)
+    layers = []
+    for n in range(mc.layers):
+        layers.append({k: rd.get(f"model.layers.{n}.{hf}", shapes[k], device) for k, hf in LAYER_NAMES.items()})
+    final_norm = rd.get(FINAL_NORM, (mc.d,), device)
+    tied = bool(conf.get("tie_word_embeddings", False))
+    if tied:
+        lm_head = embed
+    else:
+        if not rd.has(LM_HEAD):
+            raise ValueError(f"tensor {LM_HEAD!r} not found in {rd.where} (config.json has tie_word_embeddings "
+                             "false, so the LM head is a tensor of its own)")
+        lm_head = rd.get(LM_HEAD, (mc.vocab, mc.d), device)
+    weights = {"embed": embed, "layers": layers, "final_norm": final_norm, "lm_head": lm_head}
+    return weights, cfg

@@ -1,0 +1,108 @@
+"""The whole-model decoder's layout: the layers' :class:`~opcodes.base.Layout` plus the vocabulary.
+
+A decoder program (``schedule/decoder_program.py``) wraps the layers' tiles with
+
+    EMBED(col0)  -> x0 (the layer-0 input)      -> layers ... -> out[L-1]
+    LM_HEAD(row0) (final RMSNorm + rows of lm_head) -> logits, one (max, argmax) partial per tile
+    ARGMAX(nparts) -> the next token (device int32 buffer read by the next call's EMBED)
+
+:class:`DecoderLayout` adds their scratch buffers to :meth:`Layout.buffers` (for the verifier,
+the runtime and the VM) and their tile sizes. It is only used for decoder programs: a layer-only
+program of a config that has a vocabulary keeps the plain :class:`Layout`.
+
+Also here: :func:`decoder_shapes` and :func:`decoder_ref`, the eager torch reference of one
+whole-model decode step (embedding, the layers of ``opcodes.reference.model_ref``, final RMSNorm,
+LM head, greedy argmax).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Layout, cdiv, next_pow2
+from .config import ModelConfig
+from .reference import model_ref, rmsnorm
+
+#: extra weights of a whole model beyond ``weights["layers"]``
+DECODER_KEYS = ("embed", "final_norm", "lm_head")
+
+
+def _pow2(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v & (v - 1):
+        raise ValueError(f"DecoderLayout.{name} must be a positive power of two, got {v!r}")
+
+
+@dataclass(frozen=True)
+class DecoderLayout(Layout):
+    """A :class:`Layout` for programs that embed the token and end in logits and the next token.
+
+    ``lm_rows``  vocabulary rows per LM_HEAD tile (0: ``min(32, next_pow2(vocab))``)
+    ``emb_cols`` columns of d per EMBED tile (0: ``min(1024, next_pow2(d))``)
+    """
+
+    lm_rows: int = 0
+    emb_cols: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        c = self.cfg
+        if not c.vocab:
+            raise ValueError("a decoder needs cfg['vocab'] > 0 (the embedding and LM head rows)")
+        if self.lm_rows == 0:
+            object.__setattr__(self, "lm_rows", min(32, next_pow2(c.vocab)))
+        if self.emb_cols == 0:
+            object.__setattr__(self, "emb_cols", min(1024, next_pow2(c.d)))
+        _pow2("lm_rows", self.lm_rows)
+        _pow2("emb_cols", self.emb_cols)
+
+    @classmethod
+    def of(cls, lay: Layout, **tiles) -> "DecoderLayout":
+        """The decoder layout of a layer layout (same config, tiling and cache length)."""
+        if isinstance(lay, DecoderLayout) and not tiles:
+            return lay
+        return cls(lay.cfg, lay.tiling, lay.max_seq, **tiles)
+
+    # ---- derived counts ---------------------------------------------------------------
+    @property
+    def n_lm_tiles(self) -> int:
+        return cdiv(self.cfg.vocab, self.lm_rows)
+
+    @property
+    def n_emb_tiles(self) -> int:
+        return cdiv(self.cfg.d, self.emb_cols)
+
+    @property
+    def am_block(self) -> int:
+        """Partials ARGMAX reduces per iteration."""
+        return min(1024, max(16, next_pow2(self.n_lm_tiles)))
+
+    def buffers(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The layers' buffers plus ``x0`` (the embedded token: the layer-0 input, which the kernel
+        reaches as the per-call ``x_ptr``), ``logits`` (fp32, what ``decode_step`` returns) and
+        ``amax`` (per LM_HEAD tile: [max logit, its index as fp32 (exact below 2^24)])."""
+        b = dict(super().buffers())
+        b["x0"] = ((1, self.cfg.d), "bf16")
+        b["logits"] = ((self.cfg.vocab,), "fp32")
+        b["amax"] = ((self.n_lm_tiles, 2), "fp32")
+        return b
+
+
+def decoder_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of the whole-model tensors beyond the layers."""
+    return {"embed": (cfg.vocab, cfg.d), "final_norm": (cfg.d,), "lm_head": (cfg.vocab, cfg.d)}
+
+
+def decoder_ref(weights: dict, kv_cache: list, cfg: ModelConfig, token: int, pos: int, cos_sin=None):
+    """One whole-model decode step in eager torch (bf16 weights and activations, like
+    ``model_ref``): returns fp32 logits (1, vocab); writes K/V at ``pos`` into ``kv_cache``."""
+    tok = int(token)
+    x = weights["embed"][tok].reshape(1, -1)
+    h = model_ref(weights, kv_cache, cfg, x, pos, cos_sin)
+    h = rmsnorm(h, weights["final_norm"], cfg.eps)
+    return (h.float() @ weights["lm_head"].float().T)
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """The greedy next token of (1, vocab) logits: the max, ties to the lowest index."""
+    return int(torch.argmax(logits.reshape(-1)).item())

@@ -1,0 +1,65 @@
+"""EMBED: gather one column block of the token's embedding row into the layer-0 input.
+
+    x[c] = embed[tok, c]        for c in [col0, col0 + EMB_COLS)   (bf16 copy)
+
+``tok`` is read from a device int32 buffer (``tok_ptr``): the host writes it for a step it drives
+(``decode_step``), the previous call's ARGMAX writes it during greedy generation, so the host
+never has to see the token. ``x`` is the call's ``x_ptr`` (the decoder passes its ``x0`` scratch
+row every call), which layer 0's tiles read once every EMBED tile has signalled.
+A token outside ``[0, vocab)`` is clamped into it (the host checks tokens it is handed).
+Streams ``EMB_COLS * 2`` bytes of the embedding table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from .base import Cost, Instruction, Layout, Region, register
+
+
+@triton.jit
+def embed_device(col0, x_ptr, tok_ptr, embed_ptr, D: tl.constexpr, VOCAB: tl.constexpr, EMB_COLS: tl.constexpr):
+    tok = tl.load(tok_ptr, cache_modifier=".cg")
+    tok = tl.minimum(tl.maximum(tok, 0), VOCAB - 1).to(tl.int64)
+    cols = col0 + tl.arange(0, EMB_COLS)
+    cm = cols < D
+    row = tl.load(embed_ptr + tok * D + cols, mask=cm, other=0.0)
+    tl.store(x_ptr + cols, row, mask=cm)
+
+
+@register
+@dataclass(frozen=True)
+class Embed(Instruction):
+    col0: int
+
+    NAME = "embed"
+    STAGE = 0
+    ARGS = ("x_ptr", "tok_ptr", "embed_ptr", "D", "VOCAB", "EMB_COLS")
+    device = embed_device
+
+    def check_operands(self, lay: Layout) -> list[str]:
+        w = getattr(lay, "emb_cols", None)
+        if w is None:
+            return ["embed needs a DecoderLayout (opcodes.decoder)"]
+        if not (0 <= self.col0 < lay.cfg.d and self.col0 % w == 0):
+            return [f"col0 {self.col0} not a multiple of {w} in [0, {lay.cfg.d})"]
+        return []
+
+    def _cols(self, lay: Layout) -> tuple[int, int]:
+        return self.col0, min(self.col0 + lay.emb_cols, lay.cfg.d)
+
+    def writes(self, lay: Layout) -> list[Region]:
+        lo, hi = self._cols(lay)
+        return [Region("x0", lo, hi)]
+
+    def cost(self, lay: Layout) -> Cost:
+        lo, hi = self._cols(lay)
+        return Cost(hbm_bytes=2 * (hi - lo), l2_bytes=2 * (hi - lo) + 4, flops=0)
+
+    def run_torch(self, lay: Layout, st) -> None:
+        # the VM runs a decoder call with x = the (1,) token and weights = the whole-model dict
+        tok = min(max(int(st.x.reshape(-1)[0]), 0), lay.cfg.vocab - 1)
+        lo, hi = self._cols(lay)
+        st.buf["x0"][lo:hi] = st.model["embed"][tok, lo:hi]

@@ -1,0 +1,116 @@
+"""LM_HEAD: one row tile of the logits, with the final RMSNorm fused in (like GATE_UP's).
+
+    h         = x * rsqrt(mean(x^2) + eps) * final_norm      x: the last layer's output (bf16)
+    logits[r] = lm_head[r, :] . h            for the tile's LM_ROWS vocabulary rows r (fp32)
+    amax[t]   = (max of the tile's logits, lowest row index attaining it)
+
+The per-tile (max, argmax) partial lets ARGMAX reduce ``vocab / LM_ROWS`` pairs instead of the
+whole vocabulary. ``x`` is the last layer's RESIDUAL output (the call's ``out_ptr``); the tiles
+wait on the last layer's ``out`` counter (``lower(..., signal_last=True)``).
+Streams ``LM_ROWS * d * 2`` bytes of ``lm_head`` (which may be the embedding table: tied).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .base import Cost, Instruction, Layout, Region, register
+
+
+@triton.jit
+def lm_head_device(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, amax_ptr,
+                   D: tl.constexpr, VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr,
+                   BK: tl.constexpr, STAGES: tl.constexpr):
+    EVEN: tl.constexpr = (D % BK == 0) and (VOCAB % LM_ROWS == 0)
+    rows = row0 + tl.arange(0, LM_ROWS)
+    rm = rows < VOCAB
+    wrow = lmh_ptr + rows.to(tl.int64)[:, None] * D
+    acc = tl.zeros([LM_ROWS, BK], dtype=tl.float32)
+    ss = tl.zeros([BK], dtype=tl.float32)
+    # each iteration streams LM_ROWS x BK bf16 of lm_head
+    for k0 in tl.range(0, D, BK, num_stages=STAGES):
+        cols = k0 + tl.arange(0, BK)
+        if EVEN:
+            xv = tl.load(out_ptr + cols, cache_modifier=".cg").to(tl.float32)
+            nw = tl.load(fnorm_ptr + cols).to(tl.float32)
+            w = tl.load(wrow + cols[None, :], eviction_policy="evict_first")
+        else:
+            cm = cols < D
+            xv = tl.load(out_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            nw = tl.load(fnorm_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+            w = tl.load(wrow + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
+        ss += xv * xv
+        acc += w.to(tl.float32) * (xv * nw)[None, :]
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
+    y = tl.sum(acc, axis=1) * rstd
+    tl.store(logits_ptr + rows, y, mask=rm)
+    # the tile's (max, lowest index attaining it); the index is exact in fp32 below 2^24
+    yv = tl.where(rm, y, float("-inf"))
+    m = tl.max(yv, axis=0)
+    idx = tl.min(tl.where(yv == m, rows, VOCAB), axis=0)
+    t = row0 // LM_ROWS
+    tl.store(amax_ptr + 2 * t, m)
+    tl.store(amax_ptr + 2 * t + 1, idx.to(tl.float32))
+
+
+def tile_argmax(y: torch.Tensor, row0: int, vocab: int) -> tuple[float, int]:
+    """(max, lowest index attaining it) of a tile's fp32 logits, as the device function computes
+    it (``vocab`` when nothing equals the max: NaN logits)."""
+    m = torch.max(y)
+    hit = torch.nonzero(y == m)
+    return float(m), (row0 + int(hit[0, 0])) if len(hit) else vocab
+
+
+@register
+@dataclass(frozen=True)
+class LMHead(Instruction):
+    row0: int
+
+    NAME = "lm_head"
+    STAGE = 7
+    ARGS = ("out_ptr", "fnorm_ptr", "lmh_ptr", "logits_ptr", "amax_ptr", "D", "VOCAB", "EPS", "LM_ROWS", "BK",
+            "STAGES")
+    device = lm_head_device
+
+    def check_operands(self, lay: Layout) -> list[str]:
+        r = getattr(lay, "lm_rows", None)
+        if r is None:
+            return ["lm_head needs a DecoderLayout (opcodes.decoder)"]
+        v = lay.cfg.vocab
+        if not (0 <= self.row0 < v and self.row0 % r == 0):
+            return [f"row0 {self.row0} not a multiple of {r} in [0, {v})"]
+        return []
+
+    def _rows(self, lay: Layout) -> tuple[int, int]:
+        return self.row0, min(self.row0 + lay.lm_rows, lay.cfg.vocab)
+
+    def reads(self, lay: Layout) -> list[Region]:
+        d, L = lay.cfg.d, lay.cfg.layers
+        return [Region("xout", (L - 1) * d, L * d)]
+
+    def writes(self, lay: Layout) -> list[Region]:
+        lo, hi = self._rows(lay)
+        t = self.row0 // lay.lm_rows
+        return [Region("logits", lo, hi), Region("amax", 2 * t, 2 * t + 2)]
+
+    def cost(self, lay: Layout) -> Cost:
+        d = lay.cfg.d
+        lo, hi = self._rows(lay)
+        return Cost(hbm_bytes=2 * (hi - lo) * d, l2_bytes=2 * d + 2 * d + 4 * (hi - lo) + 8,
+                    flops=2 * (hi - lo) * d)
+
+    def run_torch(self, lay: Layout, st) -> None:
+        c = lay.cfg
+        lo, hi = self._rows(lay)
+        x = st.buf["xout"].view(c.layers, c.d)[c.layers - 1].float()
+        nw = st.model["final_norm"].float()
+        rstd = torch.rsqrt((x * x).sum() / c.d + c.eps)
+        y = (st.model["lm_head"][lo:hi].float() @ (x * nw)) * rstd
+        st.buf["logits"][lo:hi] = y
+        m, idx = tile_argmax(y, lo, c.vocab)
+        t = self.row0 // lay.lm_rows
+        st.buf["amax"][2 * t] = m
+        st.buf["amax"][2 * t + 1] = float(idx)

@@ -1,0 +1,335 @@
+"""Hugging Face interop (issue 6, parts 3 and 4): ``load_hf_llama`` and whole-model decode against
+transformers' own ``LlamaForCausalLM``, through the Triton interpreter.
+
+For each config a randomly initialised small ``LlamaForCausalLM`` (norm weights randomised too, so
+a swapped norm would show) is cast to bf16, saved with ``save_pretrained`` (safetensors; one file
+or shards) and loaded back through ``load_hf_llama``. The reference is transformers running in
+**fp32** on the same bf16 weights (``from_pretrained(..., dtype=torch.float32)``), greedy, one
+full forward per step. megatape's ``generate`` (one launch per token, the next token never leaves
+the device) must produce the same 16 greedy tokens, and the logits it chose them from must be
+within ``TOL`` relative error (``opcodes.reference.rel_err``) of transformers' at every step.
+
+Note: the Triton interpreter rounds fp32 -> bf16 casts toward zero (a GPU rounds to nearest
+even), so the bf16 K/V cache and residual stream carry about twice a GPU's rounding error here.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+import torch  # (torch does not import triton)
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+import opcodes  # noqa: E402
+from interp import build_decoder, decode_step, generate, load_hf_llama, teardown  # noqa: E402
+from opcodes import ModelConfig, Tiling  # noqa: E402
+from opcodes.reference import rel_err  # noqa: E402
+
+if any(type(c.device).__name__ != "InterpretedFunction" for c in opcodes.REGISTRY.values()):
+    if torch.cuda.is_available():
+        pytest.skip("CPU tests of the Triton interpreter: on a GPU host run this module in its own pytest process "
+                    "with TRITON_INTERPRET=1", allow_module_level=True)
+    pytest.fail("triton was imported before TRITON_INTERPRET=1 was set", pytrace=False)
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+
+TOL = 2e-2
+N_NEW = 16
+
+# name -> (LlamaConfig kwargs, seed, save_pretrained kwargs, megatape tiling overrides, prompt).
+# Seeds and prompts were picked so that transformers' top-2 logit margin stays >= 0.08 over the 16
+# greedy steps (megatape's logits differ from transformers' by <= ~0.025 here): a near-tie would
+# make the token comparison a coin toss. The generated sequences have 6 distinct tokens each.
+MIN_MARGIN = 0.05
+CONFIGS = {
+    # GQA 2, tied embeddings, one model.safetensors, megatape's default tiling
+    "gqa2-tied": (dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                       rope_theta=10000.0, rms_norm_eps=1e-6), 3, {}, None, [11, 22, 33]),
+    # GQA 4, untied LM head, sharded (index + 5 files), head_dim 32 != hidden/heads = 16, vocab not a
+    # multiple of the LM head tile, Llama-3 theta and eps; fewer attention splits (interpreter time)
+    "gqa4-untied-sharded": (dict(vocab_size=250, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                 tie_word_embeddings=False, rope_theta=500000.0, rms_norm_eps=1e-5),
+                            16, dict(max_shard_size="60KB"), dict(attn_splits=2, gu_rows=32), [11, 22, 33]),
+}
+
+
+def _random_llama(kw: dict, seed: int):
+    """A LlamaForCausalLM whose every weight is drawn here (not by transformers' init, which may
+    change between versions): matrices N(0, 0.1^2), norm weights 1 + N(0, 0.2^2), rounded to bf16."""
+    conf = transformers.LlamaConfig(max_position_embeddings=128, **kw)
+    m = transformers.LlamaForCausalLM(conf)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(m.named_parameters()):
+            r = torch.randn(p.shape, generator=g)
+            p.copy_((1.0 + 0.2 * r) if name.endswith("norm.weight") else 0.1 * r)
+    return m.to(torch.bfloat16).eval()
+
+
+def _save(path: pathlib.Path, kw: dict, seed: int, save_kw: dict):
+    """A random bf16 LlamaForCausalLM saved to ``path``; returns transformers' fp32 copy of it."""
+    _random_llama(kw, seed).save_pretrained(path, **save_kw)
+    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for name, (kw, seed, save_kw, _, _) in CONFIGS.items():
+        path = tmp_path_factory.mktemp(name)
+        out[name] = (path, _save(path, kw, seed, save_kw))
+    return out
+
+
+def _hf_greedy(model, prompt: list[int], n: int):
+    """transformers' greedy tokens and the fp32 logits that chose each (full forward per step)."""
+    seq = list(prompt)
+    logits = []
+    with torch.no_grad():
+        for _ in range(n):
+            lg = model(torch.tensor([seq])).logits[0, -1].float()
+            logits.append(lg)
+            seq.append(int(torch.argmax(lg)))
+    return seq[len(prompt):], torch.stack(logits)
+
+
+def _cache(cfg: dict, max_seq: int):
+    mc = ModelConfig.from_dict(cfg)
+    return [tuple(torch.zeros(1, mc.n_kv, max_seq, mc.hd, dtype=torch.bfloat16) for _ in range(2))
+            for _ in range(mc.layers)]
+
+
+# ---- loading -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_load_matches_state_dict(checkpoints, name):
+    path, model = checkpoints[name]
+    kw = CONFIGS[name][0]
+    weights, cfg = load_hf_llama(path)
+    assert cfg == {"layers": kw["num_hidden_layers"], "d": kw["hidden_size"], "ffn": kw["intermediate_size"],
+                   "n_q": kw["num_attention_heads"], "n_kv": kw["num_key_value_heads"], "hd": kw["head_dim"],
+                   "eps": kw["rms_norm_eps"], "theta": kw["rope_theta"], "vocab": kw["vocab_size"]}
+    sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    assert torch.equal(weights["embed"], sd["model.embed_tokens.weight"])
+    assert torch.equal(weights["final_norm"], sd["model.norm.weight"])
+    if kw["tie_word_embeddings"]:
+        assert weights["lm_head"] is weights["embed"]
+    else:
+        assert torch.equal(weights["lm_head"], sd["lm_head.weight"])
+        assert weights["lm_head"].data_ptr() != weights["embed"].data_ptr()
+    names = {"in_norm": "input_layernorm", "post_norm": "post_attention_layernorm", "q": "self_attn.q_proj",
+             "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj", "gate": "mlp.gate_proj",
+             "up": "mlp.up_proj", "down": "mlp.down_proj"}
+    assert len(weights["layers"]) == kw["num_hidden_layers"]
+    for n, lw in enumerate(weights["layers"]):
+        assert set(lw) == set(names)
+        for k, hf in names.items():
+            t = lw[k]
+            assert t.dtype == torch.bfloat16 and t.is_contiguous()
+            assert torch.equal(t, sd[f"model.layers.{n}.{hf}.weight"]), (n, k)
+
+
+def test_sharded_and_single_file_load_the_same(checkpoints, tmp_path):
+    path, model = checkpoints["gqa4-untied-sharded"]
+    assert (path / "model.safetensors.index.json").is_file()
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path)      # the same model in one file
+    assert (tmp_path / "model.safetensors").is_file()
+    a, ca = load_hf_llama(path)
+    b, cb = load_hf_llama(tmp_path)
+    assert ca == cb
+    for k in ("embed", "final_norm", "lm_head"):
+        assert torch.equal(a[k], b[k])
+    for la, lb in zip(a["layers"], b["layers"]):
+        for k in la:
+            assert torch.equal(la[k], lb[k])
+
+
+# ---- load errors: each names the file and the key ------------------------------------------------
+def _copy_ckpt(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _edit_config(d: pathlib.Path, **changes):
+    conf = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            conf.pop(k, None)
+        else:
+            conf[k] = v
+    (d / "config.json").write_text(json.dumps(conf))
+
+
+def _drop_tensor(d: pathlib.Path, key: str):
+    """Rewrite the file holding ``key`` without it (the index still lists it, if there is one)."""
+    from safetensors import safe_open
+    idx = d / "model.safetensors.index.json"
+    f = d / (json.loads(idx.read_text())["weight_map"][key] if idx.is_file() else "model.safetensors")
+    with safe_open(str(f), framework="pt") as h:
+        tensors = {k: h.get_tensor(k) for k in h.keys() if k != key}
+    safetensors_torch.save_file(tensors, str(f), metadata={"format": "pt"})
+    return f
+
+
+def _no_config(d):
+    (d / "config.json").unlink()
+
+
+def _no_shard(d):
+    (d / "model-00003-of-00005.safetensors").unlink()
+
+
+def _missing_tensor_sharded(d):
+    _drop_tensor(d, "model.layers.1.mlp.up_proj.weight")
+
+
+def _missing_tensor_single(d):
+    _drop_tensor(d, "model.layers.0.self_attn.k_proj.weight")
+
+
+def _missing_from_index(d):
+    idx = d / "model.safetensors.index.json"
+    obj = json.loads(idx.read_text())
+    del obj["weight_map"]["model.norm.weight"]
+    idx.write_text(json.dumps(obj))
+
+
+def _untied_without_lm_head(d):
+    """As a tied checkpoint is saved (no lm_head.weight anywhere), but config.json says untied."""
+    _drop_tensor(d, "lm_head.weight")
+    idx = d / "model.safetensors.index.json"
+    obj = json.loads(idx.read_text())
+    del obj["weight_map"]["lm_head.weight"]
+    idx.write_text(json.dumps(obj))
+
+
+def _no_weights(d):
+    for f in d.glob("*.safetensors*"):
+        f.unlink()
+
+
+# (case id, checkpoint, edit, exception, substrings the message must contain)
+LOAD_ERRORS = [
+    ("no-directory", "gqa2-tied", lambda d: None, FileNotFoundError, ["no-such-dir"]),
+    ("no-config", "gqa2-tied", _no_config, FileNotFoundError, ["config.json"]),
+    ("no-weights", "gqa2-tied", _no_weights, FileNotFoundError, ["model.safetensors", "*.safetensors"]),
+    ("missing-shard", "gqa4-untied-sharded", _no_shard, FileNotFoundError,
+     ["model-00003-of-00005.safetensors", "missing shard"]),
+    ("missing-tensor-sharded", "gqa4-untied-sharded", _missing_tensor_sharded, ValueError,
+     ["model.layers.1.mlp.up_proj.weight", ".safetensors"]),
+    ("missing-tensor-single", "gqa2-tied", _missing_tensor_single, ValueError,
+     ["model.layers.0.self_attn.k_proj.weight", "model.safetensors"]),
+    ("missing-from-index", "gqa4-untied-sharded", _missing_from_index, ValueError,
+     ["model.norm.weight", "model.safetensors.index.json"]),
+    ("untied-no-lm-head", "gqa4-untied-sharded", _untied_without_lm_head, ValueError,
+     ["lm_head.weight", "tie_word_embeddings"]),
+    ("ffn-disagrees", "gqa2-tied", lambda d: _edit_config(d, intermediate_size=192), ValueError,
+     ["model.layers.0.mlp.gate_proj.weight", "(160, 64)", "(192, 64)", "model.safetensors"]),
+    ("kv-heads-disagree", "gqa4-untied-sharded", lambda d: _edit_config(d, num_key_value_heads=2), ValueError,
+     ["model.layers.0.self_attn.k_proj.weight", "(32, 64)", "(64, 64)"]),
+    ("vocab-disagrees", "gqa2-tied", lambda d: _edit_config(d, vocab_size=300), ValueError,
+     ["model.embed_tokens.weight", "(256, 64)", "(300, 64)"]),
+    ("rope-llama3", "gqa2-tied",
+     lambda d: _edit_config(d, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 8192}),
+     ValueError, ["config.json", "'llama3'", "rope_tables"]),
+    ("rope-scaling-v4-linear", "gqa2-tied",
+     lambda d: _edit_config(d, rope_parameters=None, rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 2.0}),
+     ValueError, ["config.json", "'linear'"]),
+    ("head-dim-implicit", "gqa2-tied", lambda d: _edit_config(d, head_dim=None, num_attention_heads=3,
+                                                               num_key_value_heads=1),
+     ValueError, ["config.json", "head_dim", "num_attention_heads 3"]),
+    ("model-type", "gqa2-tied", lambda d: _edit_config(d, model_type="mistral"), ValueError,
+     ["config.json", "'mistral'"]),
+    ("activation", "gqa2-tied", lambda d: _edit_config(d, hidden_act="gelu"), ValueError, ["config.json", "'gelu'"]),
+    ("bias", "gqa2-tied", lambda d: _edit_config(d, attention_bias=True), ValueError,
+     ["config.json", "attention_bias"]),
+    ("config-missing-key", "gqa2-tied", lambda d: _edit_config(d, intermediate_size=None), ValueError,
+     ["config.json", "'intermediate_size'"]),
+    ("hd-not-pow2", "gqa2-tied", lambda d: _edit_config(d, head_dim=24), ValueError,
+     ["config.json", "power of two"]),
+    ("bad-json", "gqa2-tied", lambda d: (d / "config.json").write_text("{not json"), ValueError,
+     ["config.json", "JSON"]),
+]
+
+
+@pytest.mark.parametrize("case,ckpt,edit,exc,words", LOAD_ERRORS, ids=[c[0] for c in LOAD_ERRORS])
+def test_load_errors(checkpoints, tmp_path, case, ckpt, edit, exc, words):
+    src = checkpoints[ckpt][0]
+    if case == "no-directory":
+        d = tmp_path / "no-such-dir"
+    else:
+        d = _copy_ckpt(src, tmp_path / "ckpt")
+        edit(d)
+    with pytest.raises(exc) as ei:
+        load_hf_llama(d)
+    msg = str(ei.value)
+    for w in words:
+        assert w in msg, f"{case}: {w!r} not in {msg!r}"
+
+
+def test_rope_default_and_v4_keys(checkpoints, tmp_path):
+    """transformers v4 configs (rope_theta + rope_scaling null, no head_dim) load too."""
+    d = _copy_ckpt(checkpoints["gqa2-tied"][0], tmp_path / "v4")
+    _edit_config(d, rope_parameters=None, rope_theta=123.0, rope_scaling=None, head_dim=None)
+    _, cfg = load_hf_llama(d)
+    assert cfg["theta"] == 123.0 and cfg["hd"] == 16
+
+
+# ---- whole-model decode against transformers -----------------------------------------------------
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_generate_matches_transformers(checkpoints, name):
+    path, model = checkpoints[name]
+    _, _, _, tiling, prompt = CONFIGS[name]
+    want_tokens, want_logits = _hf_greedy(model, prompt, N_NEW)
+    weights, cfg = load_hf_llama(path)
+    max_seq = 32
+    til = Tiling.for_config(ModelConfig.from_dict(cfg), **tiling) if tiling else None
+    h = build_decoder(weights, _cache(cfg, max_seq), cfg, max_seq, tiling=til)
+    toks, logits = generate(h, torch.tensor(prompt), N_NEW, return_logits=True)
+    teardown(h)
+    assert toks.dtype == torch.int64 and toks.shape == (N_NEW,)
+    assert logits.dtype == torch.float32 and logits.shape == (N_NEW, cfg["vocab"])
+    top2 = want_logits.topk(2, dim=-1).values
+    margins = (top2[:, 0] - top2[:, 1]).tolist()
+    assert min(margins) >= MIN_MARGIN, f"the test model has a near-tie (margins {margins}): pick another seed"
+    assert toks.tolist() == want_tokens, f"greedy tokens differ; transformers' top-2 margins {margins}"
+    errs = [rel_err(logits[j], want_logits[j]) for j in range(N_NEW)]
+    assert max(errs) <= TOL, f"rel err per step {errs}"
+
+
+def test_decode_step_matches_transformers(checkpoints):
+    """decode_step over the prompt (the host hands each token): logits at every prompt position."""
+    name = "gqa4-untied-sharded"
+    path, model = checkpoints[name]
+    _, _, _, tiling, prompt = CONFIGS[name]
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0].float()
+    weights, cfg = load_hf_llama(path)
+    til = Tiling.for_config(ModelConfig.from_dict(cfg), **tiling)
+    h = build_decoder(weights, _cache(cfg, 16), cfg, 16, tiling=til)
+    for p, t in enumerate(prompt):
+        lg = decode_step(h, torch.tensor([t]), p)
+        assert lg.shape == (1, cfg["vocab"]) and lg.dtype == torch.float32
+        assert rel_err(lg[0], want[p]) <= TOL, p
+        assert int(h.tok) == int(torch.argmax(want[p]))      # the greedy token stays on the device
+    teardown(h)
