@@ -73,6 +73,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq", type=int, default=1152)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--variants", default="", help="extra tilings/build options to time, ';'-separated "
+                    "(as for megatape bench --variants)")
+    ap.add_argument("--profile", action="store_true", help="profile the default build and summarise it")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -136,6 +139,32 @@ def main(argv=None) -> int:
     ev, wall, _ = _events_median(decode_step, args)
     nk, dom, _ = count_kernels(decode_step, args[0])
     rows = [("floor", floor_us, None, None, None), ("megatape", ev, wall, nk, dom)]
+    from interp.decoder import teardown_decoder
+    from .driver import parse_variant
+    if a.profile:
+        from interp.profile import format_summary, summarize
+        from interp.runtime import profile_records
+        hp = build_decoder(w, kv, cfg, a.max_seq, profile=True)
+        for i in range(3):
+            decode_step(hp, toks[i:i + 1].to(torch.int32).to(dev), pos_last)
+        summ = summarize(hp.layer.tape, profile_records(hp.layer), pos=pos_last)
+        summ.pop("records")
+        print(format_summary(summ), flush=True)
+        rep["profile"] = summ
+        teardown_decoder(hp)
+    for v in filter(None, (x.strip() for x in a.variants.split(";"))):
+        try:
+            vt, bkw = parse_variant(cfg, v)
+            hv = build_decoder(w, kv, cfg, a.max_seq, tiling=vt, **bkw)
+            lg = decode_step(hv, toks[:1].to(torch.int32).to(dev), a.prefill)
+            vargs = [(hv, toks[i:i + 1].to(torch.int32).to(dev), a.prefill + i) for i in range(a.steps)]
+            ev_v, wall_v, _ = _events_median(decode_step, vargs)
+            hv.layer.check()
+            rows.append((f"megatape [{v}]", ev_v, wall_v, 1, None))
+            log(f"megatape [{v}]: {ev_v:.1f} us/step, {len(hv.layer.tape)} instructions")
+            teardown_decoder(hv)
+        except Exception as e:
+            log(f"variant {v} failed: {type(e).__name__}: {e}")
     if not a.no_compile:
         try:
             for p, b in zip(kv, kv_before):

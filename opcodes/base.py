@@ -88,7 +88,8 @@ class Tiling:
             o_rows=min(base.o_rows, next_pow2(d)),
             gu_rows=min(base.gu_rows, next_pow2(ffn)),
             down_rows=min(base.down_rows, next_pow2(d)),
-            down_k=min(base.down_k, ffn),
+            # equal K chunks (28672 -> 4 x 7168, 8192 -> 2 x 4096), a multiple of the streaming width
+            down_k=min(ffn, cdiv(cdiv(ffn, cdiv(ffn, base.down_k)), 512) * 512),
             red_rows=min(base.red_rows, next_pow2(d)),
             bk=max(16, min(base.bk, next_pow2(min(d, ffn, cfg.q_dim)))),
         )
