@@ -341,3 +341,21 @@ def test_presets_are_valid_and_cover_gqa_ratios():
     groups = {cfg.group for cfg in PRESETS.values()}
     assert {1, 4, 8} <= groups
     assert any(cfg.d & (cfg.d - 1) and cfg.ffn & (cfg.ffn - 1) for cfg in PRESETS.values())
+
+
+def test_networkx_dag_and_critical_path():
+    """The networkx DAG has one node per instruction and per counter, is acyclic, and its critical
+    path bounds the list schedule's makespan from below (and the bandwidth bound does too)."""
+    import networkx as nx
+
+    from schedule import build_dag, critical_path_seconds
+    lay = layout(L70, max_seq=4224)
+    prog = lower(lay)
+    G = build_dag(prog)
+    assert G.number_of_nodes() == len(prog) + len(prog.counters)
+    assert nx.is_directed_acyclic_graph(G)
+    assert G.number_of_edges() == sum(s >= 0 for s in prog.signal) + sum(len(w) for w in prog.waits)
+    sched = list_schedule(prog, 132)
+    cp = critical_path_seconds(prog, 132)
+    assert 0 < cp <= sched.makespan
+    assert CostModel().lower_bound(prog) <= sched.makespan
