@@ -230,6 +230,16 @@ class Instruction:
         raise NotImplementedError
 
 
+def in_range(name: str, v: int, hi: int, lo: int = 0) -> list[str]:
+    """``[]`` or the message for an operand outside ``[lo, hi)`` (for ``check_operands``)."""
+    return [] if lo <= v < hi else [f"{name} {v} not in [{lo}, {hi})"]
+
+
+def tile_start(name: str, v: int, step: int, hi: int) -> list[str]:
+    """``[]`` or the message for a tile start that is not a multiple of ``step`` in ``[0, hi)``."""
+    return [] if (0 <= v < hi and v % step == 0) else [f"{name} {v} not a multiple of {step} in [0, {hi})"]
+
+
 REGISTRY: dict[str, type[Instruction]] = {}
 BY_OPCODE: dict[int, type[Instruction]] = {}
 

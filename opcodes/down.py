@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, register
+from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
 from .common import T_WD, prefetch_rows, tab_offset
 
 
@@ -65,15 +65,9 @@ class Down(Instruction):
     PREFETCH_ARGS = ("wtab_ptr", "wd_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "BK")
 
     def check_operands(self, lay: Layout) -> list[str]:
-        c, r = lay.cfg, lay.tiling.down_rows
-        bad = []
-        if not 0 <= self.layer < c.layers:
-            bad.append(f"layer {self.layer} not in [0, {c.layers})")
-        if not (0 <= self.row0 < c.d and self.row0 % r == 0):
-            bad.append(f"row0 {self.row0} not a multiple of {r} in [0, {c.d})")
-        if not 0 <= self.kc < lay.n_down_k:
-            bad.append(f"kc {self.kc} not in [0, {lay.n_down_k})")
-        return bad
+        return (in_range("layer", self.layer, lay.cfg.layers)
+                + tile_start("row0", self.row0, lay.tiling.down_rows, lay.cfg.d)
+                + in_range("kc", self.kc, lay.n_down_k))
 
     def _rows(self, lay: Layout) -> tuple[int, int]:
         return self.row0, min(self.row0 + lay.tiling.down_rows, lay.cfg.d)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, register
+from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
 from .common import T_N2, T_WG, T_WU, prefetch_rows, tab_offset
 
 
@@ -81,13 +81,8 @@ class GateUp(Instruction):
     PREFETCH_ARGS = ("wtab_ptr", "wg_ptr", "wu_ptr", "D", "FFN", "GU_ROWS", "BK")
 
     def check_operands(self, lay: Layout) -> list[str]:
-        c, r = lay.cfg, lay.tiling.gu_rows
-        bad = []
-        if not 0 <= self.layer < c.layers:
-            bad.append(f"layer {self.layer} not in [0, {c.layers})")
-        if not (0 <= self.row0 < c.ffn and self.row0 % r == 0):
-            bad.append(f"row0 {self.row0} not a multiple of {r} in [0, {c.ffn})")
-        return bad
+        return (in_range("layer", self.layer, lay.cfg.layers)
+                + tile_start("row0", self.row0, lay.tiling.gu_rows, lay.cfg.ffn))
 
     def _rows(self, lay: Layout) -> tuple[int, int]:
         return self.row0, min(self.row0 + lay.tiling.gu_rows, lay.cfg.ffn)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, cdiv, register
+from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
 from .common import T_WO, layer_input, prefetch_rows, tab_offset
 
 
@@ -75,15 +75,9 @@ class OProj(Instruction):
     PREFETCH_ARGS = ("wtab_ptr", "wo_ptr", "D", "NQ", "HD", "O_ROWS", "O_K", "BK")
 
     def check_operands(self, lay: Layout) -> list[str]:
-        c, r = lay.cfg, lay.tiling.o_rows
-        bad = []
-        if not 0 <= self.layer < c.layers:
-            bad.append(f"layer {self.layer} not in [0, {c.layers})")
-        if not (0 <= self.row0 < c.d and self.row0 % r == 0):
-            bad.append(f"row0 {self.row0} not a multiple of {r} in [0, {c.d})")
-        if not 0 <= self.oc < lay.n_o_k:
-            bad.append(f"oc {self.oc} not in [0, {lay.n_o_k})")
-        return bad
+        return (in_range("layer", self.layer, lay.cfg.layers)
+                + tile_start("row0", self.row0, lay.tiling.o_rows, lay.cfg.d)
+                + in_range("oc", self.oc, lay.n_o_k))
 
     def _rows(self, lay: Layout) -> tuple[int, int]:
         return self.row0, min(self.row0 + lay.tiling.o_rows, lay.cfg.d)

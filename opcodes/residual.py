@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, register
+from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
 
 
 @triton.jit
@@ -43,13 +43,8 @@ class Residual(Instruction):
     device = residual_device
 
     def check_operands(self, lay: Layout) -> list[str]:
-        c, r = lay.cfg, lay.tiling.red_rows
-        bad = []
-        if not 0 <= self.layer < c.layers:
-            bad.append(f"layer {self.layer} not in [0, {c.layers})")
-        if not (0 <= self.row0 < c.d and self.row0 % r == 0):
-            bad.append(f"row0 {self.row0} not a multiple of {r} in [0, {c.d})")
-        return bad
+        return (in_range("layer", self.layer, lay.cfg.layers)
+                + tile_start("row0", self.row0, lay.tiling.red_rows, lay.cfg.d))
 
     def _rows(self, lay: Layout) -> tuple[int, int]:
         return self.row0, min(self.row0 + lay.tiling.red_rows, lay.cfg.d)
