@@ -88,7 +88,11 @@ def compile_both(cfg, num_sms: int, max_seq: int | None, progress: _Progress) ->
     out = {}
     for pol in POLICIES:
         progress(f"{pol}: lower -> schedule -> encode -> verify ...")
-        c = compile_model(cfg, num_sms, max_seq=max_seq, policy=pol)
+        lowering = None
+        if cfg.vocab:            # a whole model: embedding, the layers, final norm, LM head, argmax
+            from schedule.decoder_program import decoder_lowering
+            lowering = decoder_lowering()
+        c = compile_model(cfg, num_sms, max_seq=max_seq, policy=pol, lowering=lowering)
         progress(f"{pol}: {len(c.tape)} instructions on {num_sms} SMs verified "
                  f"(compile_model took {c.seconds:.2f} s)")
         out[pol] = c

@@ -71,6 +71,8 @@ class Tape:
                 "opcodes": {cls.NAME: op for op, cls in BY_OPCODE.items()},
                 "cfg": self.lay.cfg.to_dict(), "cfg_name": self.lay.cfg.name,
                 "tiling": self.lay.tiling.__dict__, "max_seq": self.lay.max_seq,
+                "layout": type(self.lay).__name__,
+                "layout_extra": {k: getattr(self.lay, k) for k in ("lm_rows", "emb_cols") if hasattr(self.lay, k)},
                 "num_sms": self.num_sms, "counters": self.counters,
                 "offsets": self.offsets.tolist(), "words": self.words.tolist(),
                 "prog_index": self.prog_index, "meta": self.meta}
@@ -87,7 +89,14 @@ class Tape:
         if obj["opcodes"] != ops:
             raise ValueError(f"tape was written with opcodes {obj['opcodes']}, this build has {ops}")
         cfg = ModelConfig.from_dict(obj["cfg"], name=obj.get("cfg_name", "custom"))
-        lay = Layout(cfg, Tiling(**obj["tiling"]), obj["max_seq"])
+        kind = obj.get("layout", "Layout")
+        if kind == "DecoderLayout":          # a whole model: embedding and LM head buffers too
+            from opcodes.decoder import DecoderLayout
+            lay = DecoderLayout(cfg, Tiling(**obj["tiling"]), obj["max_seq"], **obj.get("layout_extra", {}))
+        elif kind == "Layout":
+            lay = Layout(cfg, Tiling(**obj["tiling"]), obj["max_seq"])
+        else:
+            raise ValueError(f"tape: unknown layout kind {kind!r}")
         words = torch.tensor(obj["words"], dtype=torch.int32).reshape(-1, WORDS)
         return cls(lay, obj["num_sms"], words, torch.tensor(obj["offsets"], dtype=torch.int32),
                    list(obj["counters"]), list(obj.get("prog_index", [])), dict(obj.get("meta", {})))

@@ -606,7 +606,11 @@ def run(a: argparse.Namespace) -> int:
     if a.max_nodes <= 0:
         raise ValueError(f"--max-nodes must be positive, got {a.max_nodes}")
     out = pathlib.Path(a.out)
-    comp = compile_model(cfg, a.sms, max_seq=a.max_seq, policy=a.policy)
+    lowering = None
+    if cfg.vocab:                # a whole model: embedding, the layers, final norm, LM head, argmax
+        from .decoder_program import decoder_lowering
+        lowering = decoder_lowering()
+    comp = compile_model(cfg, a.sms, max_seq=a.max_seq, policy=a.policy, lowering=lowering)
     prog, sched = comp.prog, comp.sched
     written: list[pathlib.Path] = []
     timings: dict[str, float] = {"compile": comp.seconds}

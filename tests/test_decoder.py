@@ -393,3 +393,17 @@ def test_step_argument_errors():
         decode_step(h, torch.tensor([1]), 0)
     with pytest.raises(ValueError, match="teardown"):
         generate(h, [1], 1)
+
+
+def test_decoder_tape_json_round_trip():
+    """A whole-model tape written to JSON comes back with its decoder layout and verifies."""
+    from opcodes.decoder import DecoderLayout
+    from schedule import Tape, compile_model, verify
+    from schedule.decoder_program import decoder_lowering
+    cfg = ModelConfig(layers=2, d=64, ffn=160, n_q=4, n_kv=2, hd=16, vocab=256, name="rt")
+    comp = compile_model(cfg, 3, max_seq=64, lowering=decoder_lowering(lm_rows=16, emb_cols=32))
+    back = Tape.from_json(comp.tape.to_json())
+    assert isinstance(back.lay, DecoderLayout) and back.lay == comp.tape.lay
+    assert back.lay.lm_rows == 16 and back.lay.emb_cols == 32
+    assert torch.equal(back.words, comp.tape.words) and torch.equal(back.offsets, comp.tape.offsets)
+    verify(back, comp.prog)
