@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, cdiv, register
-from .common import T_KC, T_VC, mma, prefetch_l2, tab_offset
+from .common import T_KC, T_VC, mma, prefetch_l2, tab_offset, to_bf16
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
     qrow = g * G + hq
     q = tl.load(q_ptr + layer * (NQ * HD) + qrow[:, None] * HD + dcol[None, :], mask=hm[:, None],
                 other=0.0, cache_modifier=".cg")
-    qs = (q * QSCALE).to(tl.bfloat16)                          # scores come out in base 2
+    qs = to_bf16(q * QSCALE, INTERP)                          # scores come out in base 2
     kbase = kc_ptr + tab_offset(wtab_ptr, layer, T_KC) + g * (MAXS * HD)
     vbase = vc_ptr + tab_offset(wtab_ptr, layer, T_VC) + g * (MAXS * HD)
     m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
@@ -59,7 +59,7 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
         p = tl.exp2(sc - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + mma(p.to(tl.bfloat16), v, INTERP)
+        acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
         m_i = m_new
     prow = (layer * NQ + qrow) * NS + s
     tl.store(part_o_ptr + prow[:, None] * HD + dcol[None, :], acc, mask=hm[:, None])

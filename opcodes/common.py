@@ -92,6 +92,21 @@ def layer_input(x_ptr, xout_ptr, layer, D: tl.constexpr):
 
 
 @triton.jit
+def to_bf16(x, INTERP: tl.constexpr):
+    """fp32 -> bf16, rounding to nearest even.
+
+    NOTE: the Triton 3.6 interpreter truncates fp32 -> bf16 casts (1.0058594 becomes 1.0, not
+    1.0078125), which would make the CPU's K/V cache and outputs differ from the GPU's and carry a
+    biased error; under the interpreter the rounding is done on the bits first.
+    """
+    if INTERP:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        x = b.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
 def mma(a, b, INTERP: tl.constexpr):
     """``tl.dot(a, b)`` with fp32 accumulation of bf16 operands.
 

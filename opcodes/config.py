@@ -7,9 +7,16 @@ construction so that a bad value is reported where it was given, not deep inside
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 WDTYPES = ("bf16",)
+
+#: RoPE variants ``opcodes.reference.rope_tables`` builds: plain RoPE, and Llama 3.1 / 3.2's frequency rescaling
+#: (transformers' ``rope_type: "llama3"``).
+ROPE_TYPES = ("default", "llama3")
+#: the llama3 scaling fields, all required with ``rope_type="llama3"`` and all None (absent) otherwise
+LLAMA3_ROPE_FIELDS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_pos")
 
 
 def _check_pos_int(name: str, value) -> None:
@@ -17,6 +24,10 @@ def _check_pos_int(name: str, value) -> None:
         raise TypeError(f"cfg[{name!r}] must be an int, got {type(value).__name__} {value!r}")
     if value <= 0:
         raise ValueError(f"cfg[{name!r}] must be positive, got {value}")
+
+
+def _keys(names) -> str:
+    return ", ".join(f"cfg[{k!r}]" for k in names)
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,14 @@ class ModelConfig:
     theta: float = 500000.0
     wdtype: str = "bf16"
     vocab: int = 0          # 0: no embedding / LM head (the spec's single-layer task)
+    # RoPE scaling (Llama 3.1 / 3.2). "default": inv_freq = theta^(-2i/hd). "llama3": that inv_freq rescaled by
+    # transformers' _compute_llama3_parameters with these four values (its factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings). Omitted from to_dict() when unset.
+    rope_type: str = "default"
+    rope_factor: float | None = None
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_max_pos: int | None = None
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -52,6 +71,36 @@ class ModelConfig:
                 raise ValueError(f"cfg[{k!r}] must be a positive number, got {v!r}")
         if self.wdtype not in WDTYPES:
             raise ValueError(f"cfg['wdtype'] must be one of {WDTYPES}, got {self.wdtype!r}")
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"cfg['rope_type'] must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        if self.rope_type == "default":
+            given = [k for k in LLAMA3_ROPE_FIELDS if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"{_keys(given)} given but cfg['rope_type'] is 'default' (unscaled RoPE); "
+                                 "they belong to rope_type 'llama3'")
+            return
+        missing = [k for k in LLAMA3_ROPE_FIELDS if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"cfg['rope_type'] = 'llama3' needs {_keys(missing)} (it needs all of "
+                             f"{_keys(LLAMA3_ROPE_FIELDS)})")
+        for k in LLAMA3_ROPE_FIELDS[:3]:
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"cfg[{k!r}] must be a finite number, got {v!r}")
+            object.__setattr__(self, k, float(v))       # 8 and 8.0 give the same tables; keep one spelling
+        if not self.rope_factor >= 1.0:
+            raise ValueError(f"cfg['rope_factor'] must be >= 1 (llama3 divides the low frequencies by it), "
+                             f"got {self.rope_factor!r}")
+        if not self.rope_low_freq_factor > 0:
+            raise ValueError(f"cfg['rope_low_freq_factor'] must be > 0, got {self.rope_low_freq_factor!r}")
+        if not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise ValueError(f"cfg['rope_high_freq_factor'] = {self.rope_high_freq_factor!r} must be greater than "
+                             f"cfg['rope_low_freq_factor'] = {self.rope_low_freq_factor!r} (llama3 interpolates "
+                             "between the two wavelengths they set)")
+        _check_pos_int("rope_original_max_pos", self.rope_original_max_pos)
 
     # ---- derived sizes -------------------------------------------------------------
     @property
@@ -96,6 +145,11 @@ class ModelConfig:
         d.pop("name")
         if not self.vocab:
             d.pop("vocab")
+        if self.rope_type == "default":     # unscaled RoPE: the spec's cfg dict, as before
+            d.pop("rope_type")
+        for k in LLAMA3_ROPE_FIELDS:
+            if d[k] is None:
+                d.pop(k)
         return d
 
     @classmethod
@@ -128,6 +182,11 @@ def _p(name, **kw) -> ModelConfig:
     return ModelConfig(name=name, **kw)
 
 
+#: the RoPE scaling of the Llama 3.1 / 3.2 checkpoints' config.json (rope_scaling), less the factor
+_LLAMA3_ROPE = dict(rope_type="llama3", rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                    rope_original_max_pos=8192)
+
+
 #: Shapes of real models (weights are random in tests and benchmarks) and small test configs.
 PRESETS: dict[str, ModelConfig] = {
     # the seed spec's layer: one 70B-class decoder layer
@@ -136,9 +195,9 @@ PRESETS: dict[str, ModelConfig] = {
     "llama70b-16": _p("llama70b-16", layers=16, d=8192, ffn=28672, n_q=64, n_kv=8, hd=128,
                       eps=1e-5, theta=500000.0),
     "llama3.1-8b": _p("llama3.1-8b", layers=32, d=4096, ffn=14336, n_q=32, n_kv=8, hd=128,
-                      eps=1e-5, theta=500000.0, vocab=128256),
+                      eps=1e-5, theta=500000.0, vocab=128256, **_LLAMA3_ROPE, rope_factor=8.0),
     "llama3.2-1b": _p("llama3.2-1b", layers=16, d=2048, ffn=8192, n_q=32, n_kv=8, hd=64,
-                      eps=1e-5, theta=500000.0, vocab=128256),
+                      eps=1e-5, theta=500000.0, vocab=128256, **_LLAMA3_ROPE, rope_factor=32.0),
     # small configs for CPU tests (Triton interpreter and the tape VM)
     "tiny": _p("tiny", layers=1, d=64, ffn=128, n_q=4, n_kv=1, hd=16, theta=10000.0),        # GQA 4
     "tiny-gqa8": _p("tiny-gqa8", layers=1, d=96, ffn=224, n_q=8, n_kv=1, hd=16, theta=10000.0),  # GQA 8, not pow2

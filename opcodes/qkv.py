@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, register
-from .common import T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, layer_input, prefetch_rows, tab_offset
+from .common import T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, layer_input, prefetch_rows, tab_offset, to_bf16
 
 SECTIONS = ("q", "k", "v")
 
@@ -27,7 +27,8 @@ SECTIONS = ("q", "k", "v")
 def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
                kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
                D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAXS: tl.constexpr,
-               EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+               EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+               INTERP: tl.constexpr):
     HALF: tl.constexpr = QKV_ROWS // 2
     EVEN_K: tl.constexpr = D % BK == 0
     dims = j * HALF + tl.arange(0, HALF)                       # [HALF] in [0, HD/2)
@@ -82,8 +83,8 @@ def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_p
         else:
             cb = vc_ptr + tab_offset(wtab_ptr, layer, T_VC)
         cb = cb + head * (MAXS * HD) + pos * HD
-        tl.store(cb + dims, o1.to(tl.bfloat16))
-        tl.store(cb + HD // 2 + dims, o2.to(tl.bfloat16))
+        tl.store(cb + dims, to_bf16(o1, INTERP))
+        tl.store(cb + HD // 2 + dims, to_bf16(o2, INTERP))
 
 
 @triton.jit
@@ -114,7 +115,7 @@ class QKV(Instruction):
     STAGE = 0
     ARGS = ("pos", "x_ptr", "xout_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr",
             "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
-            "D", "NQ", "HD", "MAXS", "EPS", "QKV_ROWS", "BK", "STAGES")
+            "D", "NQ", "HD", "MAXS", "EPS", "QKV_ROWS", "BK", "STAGES", "INTERP")
     device = qkv_device
     prefetch = qkv_prefetch
     PREFETCH_ARGS = ("wtab_ptr", "wq_ptr", "wk_ptr", "wv_ptr", "D", "HD", "QKV_ROWS", "BK")

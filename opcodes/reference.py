@@ -57,9 +57,36 @@ def make_kv_cache(cfg: ModelConfig, max_seq_len: int, prefill: int, seed: int = 
     return cache
 
 
+def llama3_inv_freq(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.1 / 3.2's rescaling of the fp32 RoPE inverse frequencies: the same torch operations, in the
+    same order and on the same Python scalar types, as transformers' ``_compute_llama3_parameters``
+    (modeling_rope_utils.py), so the result is bit for bit the same. Wavelengths shorter than
+    ``original_max_pos / high_freq_factor`` are kept, those longer than ``original_max_pos / low_freq_factor``
+    are divided by ``factor``, and those between are interpolated."""
+    factor = cfg.rope_factor
+    low_freq_factor = cfg.rope_low_freq_factor
+    high_freq_factor = cfg.rope_high_freq_factor
+    old_context_len = cfg.rope_original_max_pos
+
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
 def rope_tables(cfg: ModelConfig, max_seq_len: int, device="cpu"):
-    """fp32 (cos, sin), each (max_seq_len, hd/2), exactly as HF Llama computes them."""
+    """fp32 (cos, sin), each (max_seq_len, hd/2), exactly as HF Llama computes them (with
+    ``cfg.rope_type`` "llama3", Llama 3.1 / 3.2's rescaled frequencies)."""
     inv_freq = 1.0 / (cfg.theta ** (torch.arange(0, cfg.hd, 2, dtype=torch.int64).float() / cfg.hd))
+    if cfg.rope_type == "llama3":
+        inv_freq = llama3_inv_freq(inv_freq, cfg)
+    elif cfg.rope_type != "default":
+        raise ValueError(f"rope_tables: RoPE type {cfg.rope_type!r} is not implemented")
     t = torch.arange(max_seq_len, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)
     return freqs.cos().to(device), freqs.sin().to(device)

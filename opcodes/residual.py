@@ -14,11 +14,13 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
+from .common import to_bf16
 
 
 @triton.jit
 def residual_device(layer, row0, out_ptr, xout_ptr, x1_ptr, dpart_ptr,
-                    NL: tl.constexpr, D: tl.constexpr, NKC: tl.constexpr, RED_ROWS: tl.constexpr):
+                    NL: tl.constexpr, D: tl.constexpr, NKC: tl.constexpr, RED_ROWS: tl.constexpr,
+                    INTERP: tl.constexpr):
     rows = row0 + tl.arange(0, RED_ROWS)
     rm = rows < D
     y = tl.load(x1_ptr + layer * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
@@ -28,7 +30,7 @@ def residual_device(layer, row0, out_ptr, xout_ptr, x1_ptr, dpart_ptr,
         dst = out_ptr
     else:
         dst = xout_ptr + layer * D
-    tl.store(dst + rows, y.to(tl.bfloat16), mask=rm)
+    tl.store(dst + rows, to_bf16(y, INTERP), mask=rm)
 
 
 @register
@@ -39,7 +41,7 @@ class Residual(Instruction):
 
     NAME = "residual"
     STAGE = 6
-    ARGS = ("out_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "NL", "D", "NKC", "RED_ROWS")
+    ARGS = ("out_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "NL", "D", "NKC", "RED_ROWS", "INTERP")
     device = residual_device
 
     def check_operands(self, lay: Layout) -> list[str]:
