@@ -22,7 +22,15 @@ HF's q/k projections are already in the rotate_half order that megatape's RoPE u
 permutation is needed. Errors name the file and the key: FileNotFoundError for a missing
 directory, config.json or shard; ValueError for a missing tensor, a shape that disagrees with
 config.json, or a config megatape does not run (a different architecture, biases, an activation
-other than SiLU, RoPE scaling, shapes the kernel does not support).
+other than SiLU, RoPE scaling other than Llama 3.1 / 3.2's ``rope_type: "llama3"``, shapes the
+kernel does not support).
+
+RoPE: ``rope_theta`` becomes ``cfg["theta"]``; Llama 3.1 / 3.2's scaling (``rope_parameters`` in a
+transformers v5 config.json, ``rope_scaling`` in a v4 one, with rope_type "llama3") becomes
+``cfg["rope_type"] = "llama3"`` plus ``rope_factor``, ``rope_low_freq_factor``,
+``rope_high_freq_factor`` and ``rope_original_max_pos`` (its factor, low_freq_factor,
+high_freq_factor and original_max_position_embeddings), from which ``opcodes.reference.rope_tables``
+builds the rescaled cos/sin tables the kernel reads (the kernel itself is unchanged).
 """
 from __future__ import annotations
 
@@ -54,22 +62,66 @@ EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "
 SUPPORTED_MODEL_TYPES = ("llama",)
 
 
-def _rope_params(conf: dict) -> tuple[float, str | None, dict | None]:
-    """(theta, scaling type or None, the scaling dict) from a transformers v4 (``rope_theta`` +
-    ``rope_scaling``) or v5 (``rope_parameters``) config."""
+#: transformers' llama3 rope_parameters / rope_scaling key -> megatape's cfg key
+LLAMA3_ROPE_KEYS = {
+    "factor": "rope_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_max_pos",
+}
+
+
+def _rope_params(conf: dict) -> tuple[float, str | None, dict | None, str]:
+    """(theta, scaling type or None, the scaling dict, the config key it came from) from a transformers
+    v4 (``rope_theta`` + ``rope_scaling``) or v5 (``rope_parameters``) config."""
     rp = conf.get("rope_parameters")
     if isinstance(rp, dict) and rp:
         theta = rp.get("rope_theta", conf.get("rope_theta", 10000.0))
         kind = rp.get("rope_type", rp.get("type"))
-        scaling = rp
+        scaling, src = rp, "rope_parameters"
     else:
         theta = conf.get("rope_theta", 10000.0)
-        scaling = conf.get("rope_scaling")
+        scaling, src = conf.get("rope_scaling"), "rope_scaling"
         kind = None if scaling is None else (scaling.get("rope_type", scaling.get("type"))
                                              if isinstance(scaling, dict) else scaling)
     if kind in (None, "default"):
-        return float(theta), None, None
-    return float(theta), str(kind), scaling
+        return float(theta), None, scaling if isinstance(scaling, dict) else None, src
+    return float(theta), str(kind), scaling, src
+
+
+def _rope_cfg(conf: dict, where: str) -> dict:
+    """megatape's RoPE cfg keys (``theta`` and, for Llama 3.1 / 3.2, the llama3 scaling) from ``conf``."""
+    theta, kind, scaling, src = _rope_params(conf)
+    for holder, name in ((conf, "partial_rotary_factor"),
+                         (scaling if isinstance(scaling, dict) else {}, f"{src}['partial_rotary_factor']")):
+        prf = holder.get("partial_rotary_factor")
+        if prf is not None and prf != 1.0:
+            raise ValueError(f"{where}: {name} = {prf!r} is not supported (megatape rotates the whole head_dim)")
+    if kind is None:
+        return {"theta": theta}
+    if kind != "llama3":
+        raise ValueError(f"{where}: RoPE scaling type {kind!r} ({src}) is not supported; megatape runs unscaled "
+                         f"RoPE (rope_type 'default' or no scaling) and Llama 3.1 / 3.2's rope_type 'llama3'. "
+                         f"Got {scaling!r}")
+    if not isinstance(scaling, dict):
+        raise ValueError(f"{where}: {src} names rope_type 'llama3' but is not an object with its parameters "
+                         f"({', '.join(LLAMA3_ROPE_KEYS)}). Got {scaling!r}")
+    rope = {"rope_type": "llama3"}
+    for hk, ck in LLAMA3_ROPE_KEYS.items():
+        if scaling.get(hk) is None:
+            raise ValueError(f"{where}: {src} has rope_type 'llama3' but no {hk!r} (llama3 scaling needs "
+                             f"{', '.join(LLAMA3_ROPE_KEYS)}). Got {scaling!r}")
+        v = scaling[hk]
+        if ck == "rope_original_max_pos" and isinstance(v, float) and v.is_integer():
+            v = int(v)          # 8192.0: the same tables as 8192
+        rope[ck] = v
+    try:     # the scaling alone, so that an error here is not reported as a shape the kernel does not support
+        mc = ModelConfig(layers=1, d=2, ffn=1, n_q=1, n_kv=1, hd=2, **rope)
+    except (TypeError, ValueError) as e:
+        keys = [hk for hk, ck in LLAMA3_ROPE_KEYS.items() if f"cfg[{ck!r}]" in str(e)]
+        named = " and ".join(f"{src}[{hk!r}] = {scaling[hk]!r}" for hk in keys) or src
+        raise ValueError(f"{where}: bad llama3 RoPE scaling, {named}: {e}") from None
+    return {"theta": theta, "rope_type": "llama3", **{ck: getattr(mc, ck) for ck in LLAMA3_ROPE_KEYS.values()}}
 
 
 def config_from_hf(conf: dict, where: str = CONFIG) -> dict:
@@ -100,16 +152,10 @@ def config_from_hf(conf: dict, where: str = CONFIG) -> dict:
             raise ValueError(f"{where}: hidden_size {d} is not a multiple of num_attention_heads {n_q} and there "
                              "is no head_dim")
         hd = d // n_q
-    theta, kind, scaling = _rope_params(conf)
-    if kind is not None:
-        hint = (" (Llama 3.1 / 3.2 checkpoints: megatape's RoPE tables, opcodes.reference.rope_tables, use the "
-                "plain inv_freq = theta^(-2i/hd) and do not implement the llama3 frequency rescaling yet)"
-                if kind == "llama3" else "")
-        raise ValueError(f"{where}: RoPE scaling type {kind!r} is not supported{hint}; only unscaled RoPE "
-                         f"(rope_scaling null or rope_type 'default') is. Got {scaling!r}")
+    rope = _rope_cfg(conf, where)
     cfg = {"layers": conf["num_hidden_layers"], "d": d, "ffn": conf["intermediate_size"], "n_q": n_q,
-           "n_kv": n_kv, "hd": hd, "eps": float(conf.get("rms_norm_eps", 1e-6)), "theta": theta,
-           "vocab": conf["vocab_size"]}
+           "n_kv": n_kv, "hd": hd, "eps": float(conf.get("rms_norm_eps", 1e-6)), "theta": rope.pop("theta"),
+           "vocab": conf["vocab_size"], **rope}
     try:
         ModelConfig.from_dict(cfg)
     except (TypeError, ValueError) as e:
@@ -194,7 +240,8 @@ def load_hf_llama(path, device="cpu") -> tuple[dict, dict]:
 
     path   : the directory (``config.json`` + ``*.safetensors``, sharded or not)
     device : where the bf16 tensors go
-    cfg is the spec's cfg dict plus ``vocab`` (layers, d, ffn, n_q, n_kv, hd, eps, theta, vocab).
+    cfg is the spec's cfg dict plus ``vocab`` (layers, d, ffn, n_q, n_kv, hd, eps, theta, vocab), and the
+    ``rope_*`` keys of the llama3 RoPE scaling when config.json has it.
     With ``tie_word_embeddings`` (config.json) ``weights["lm_head"] is weights["embed"]``.
     """
     root = pathlib.Path(path)

@@ -9,8 +9,13 @@ full forward per step. megatape's ``generate`` (one launch per token, the next t
 the device) must produce the same 16 greedy tokens, and the logits it chose them from must be
 within ``TOL`` relative error (``opcodes.reference.rel_err``) of transformers' at every step.
 
-Note: the Triton interpreter rounds fp32 -> bf16 casts toward zero (a GPU rounds to nearest
-even), so the bf16 K/V cache and residual stream carry about twice a GPU's rounding error here.
+Llama 3.1 / 3.2 RoPE scaling (``rope_type: "llama3"``): ``rope_tables`` against transformers' rotary
+embedding (bit for bit), the cfg keys it loads as (v5 ``rope_parameters`` and v4 ``rope_scaling``), and a
+48-position ``decode_step`` run past the scaling's ``original_max_position_embeddings``.
+
+Note: the Triton interpreter truncates fp32 -> bf16 casts; the kernel rounds to nearest even on the
+bits first under the interpreter (``opcodes.common.to_bf16``), so the K/V cache and outputs round
+as on a GPU.
 """
 from __future__ import annotations
 
@@ -68,6 +73,25 @@ CONFIGS = {
                                  tie_word_embeddings=False, rope_theta=500000.0, rms_norm_eps=1e-5),
                             16, dict(max_shard_size="60KB"), dict(attn_splits=2, gu_rows=32), [11, 22, 33]),
 }
+
+
+# Llama 3.1 / 3.2 RoPE scaling (rope_type "llama3") with original_max_position_embeddings 32, so that a
+# 48-position decode runs past it. Wavelengths 2*pi*10000^(2i/32): pair 0 (6.3) is kept, pairs 1 and 2
+# (11.2, 19.9) are interpolated, pairs 3..15 (> 32) are divided by 8. 2 heads of 32 (GQA 2), 2 layers: the
+# smallest model that does (the Triton interpreter's time goes with the number of heads and layers).
+# Seed and prompt (33 random tokens, then 16 greedy tokens: positions 0..47) were picked like CONFIGS':
+# transformers' top-2 margin >= 0.086 over the 16 greedy steps, 13 distinct tokens among them.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+LLAMA3_KW = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                 rope_parameters=LLAMA3_ROPE)
+LLAMA3_SEED = 7
+LLAMA3_PROMPT = [107, 173, 11, 55, 40, 40, 18, 223, 225, 80, 250, 166, 33, 254, 30, 51, 9, 0, 127, 8, 155, 13, 176,
+                 168, 111, 81, 240, 140, 197, 238, 176, 18, 161]
+LLAMA3_CFG = {"layers": 2, "d": 64, "ffn": 160, "n_q": 2, "n_kv": 1, "hd": 32, "eps": 1e-5, "theta": 10000.0,
+              "vocab": 256, "rope_type": "llama3", "rope_factor": 8.0, "rope_low_freq_factor": 1.0,
+              "rope_high_freq_factor": 4.0, "rope_original_max_pos": 32}
 
 
 def _random_llama(kw: dict, seed: int):
@@ -226,6 +250,12 @@ def _no_weights(d):
         f.unlink()
 
 
+def _llama3_rope(**changes) -> dict:
+    """A transformers v5 ``rope_parameters`` for llama3 scaling; a None value drops the key."""
+    rp = dict(LLAMA3_ROPE, **changes)
+    return {k: v for k, v in rp.items() if v is not None}
+
+
 # (case id, checkpoint, edit, exception, substrings the message must contain)
 LOAD_ERRORS = [
     ("no-directory", "gqa2-tied", lambda d: None, FileNotFoundError, ["no-such-dir"]),
@@ -247,11 +277,36 @@ LOAD_ERRORS = [
      ["model.layers.0.self_attn.k_proj.weight", "(32, 64)", "(64, 64)"]),
     ("vocab-disagrees", "gqa2-tied", lambda d: _edit_config(d, vocab_size=300), ValueError,
      ["model.embed_tokens.weight", "(256, 64)", "(300, 64)"]),
-    ("rope-llama3", "gqa2-tied",
-     lambda d: _edit_config(d, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                "original_max_position_embeddings": 8192}),
-     ValueError, ["config.json", "'llama3'", "rope_tables"]),
+    # llama3 RoPE scaling with a bad or missing parameter: the message names the key (and where it is)
+    ("rope-llama3-no-factor", "gqa2-tied", lambda d: _edit_config(d, rope_parameters=_llama3_rope(factor=None)),
+     ValueError, ["config.json", "rope_parameters", "'factor'"]),
+    ("rope-llama3-factor-below-1", "gqa2-tied", lambda d: _edit_config(d, rope_parameters=_llama3_rope(factor=0.5)),
+     ValueError, ["config.json", "rope_parameters['factor'] = 0.5", ">= 1"]),
+    ("rope-llama3-factor-not-a-number", "gqa2-tied",
+     lambda d: _edit_config(d, rope_parameters=_llama3_rope(factor="8")),
+     ValueError, ["config.json", "rope_parameters['factor'] = '8'"]),
+    ("rope-llama3-high-not-above-low", "gqa2-tied",
+     lambda d: _edit_config(d, rope_parameters=_llama3_rope(low_freq_factor=4.0, high_freq_factor=2.0)),
+     ValueError, ["config.json", "rope_parameters['high_freq_factor'] = 2.0", "rope_parameters['low_freq_factor'] = 4.0"]),
+    ("rope-llama3-low-not-positive", "gqa2-tied",
+     lambda d: _edit_config(d, rope_parameters=_llama3_rope(low_freq_factor=0.0)),
+     ValueError, ["config.json", "rope_parameters['low_freq_factor'] = 0.0", "> 0"]),
+    ("rope-llama3-original-not-int", "gqa2-tied",
+     lambda d: _edit_config(d, rope_parameters=_llama3_rope(original_max_position_embeddings=32.5)),
+     ValueError, ["config.json", "rope_parameters['original_max_position_embeddings'] = 32.5", "int"]),
+    ("rope-scaling-v4-llama3-no-original", "gqa2-tied",
+     lambda d: _edit_config(d, rope_parameters=None, rope_theta=10000.0,
+                            rope_scaling=_llama3_rope(rope_theta=None, original_max_position_embeddings=None)),
+     ValueError, ["config.json", "rope_scaling", "'original_max_position_embeddings'"]),
+    ("rope-partial-rotary", "gqa2-tied",
+     lambda d: _edit_config(d, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.5}),
+     ValueError, ["config.json", "partial_rotary_factor", "0.5"]),
+    # other scaling types stay refused, naming the type and the file
+    ("rope-yarn", "gqa2-tied",
+     lambda d: _edit_config(d, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                "original_max_position_embeddings": 32}),
+     ValueError, ["config.json", "'yarn'", "llama3"]),
     ("rope-scaling-v4-linear", "gqa2-tied",
      lambda d: _edit_config(d, rope_parameters=None, rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 2.0}),
      ValueError, ["config.json", "'linear'"]),
@@ -333,3 +388,115 @@ def test_decode_step_matches_transformers(checkpoints):
         assert rel_err(lg[0], want[p]) <= TOL, p
         assert int(h.tok) == int(torch.argmax(want[p]))      # the greedy token stays on the device
     teardown(h)
+
+
+# ---- Llama 3.1 / 3.2 RoPE scaling (rope_type "llama3") -------------------------------------------
+@pytest.fixture(scope="module")
+def llama3_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama3-rope")
+    return path, _save(path, copy.deepcopy(LLAMA3_KW), LLAMA3_SEED, {})
+
+
+def _hf_rope(hd: int, theta: float, rope_parameters: dict | None, n: int):
+    """transformers' LlamaRotaryEmbedding cos/sin (fp32) for positions 0..n-1, each (n, hd)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    rp = {"rope_type": "default", "rope_theta": theta} if rope_parameters is None else dict(rope_parameters)
+    conf = transformers.LlamaConfig(vocab_size=16, hidden_size=2 * hd, intermediate_size=16, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=hd,
+                                    max_position_embeddings=max(n, 2 * rp.get("original_max_position_embeddings", 1)),
+                                    rope_parameters=rp)
+    cos, sin = LlamaRotaryEmbedding(conf)(torch.zeros(1, dtype=torch.float32), torch.arange(n)[None])
+    return cos[0], sin[0]
+
+
+ROPE_TABLE_CASES = [
+    # (id, ModelConfig, positions): the test checkpoint's scaling, other parameters, and the real presets
+    ("hd32-orig32", ModelConfig.from_dict(LLAMA3_CFG), 96),
+    ("hd16-orig64-int-factors", ModelConfig(layers=1, d=64, ffn=64, n_q=4, n_kv=1, hd=16, theta=500000.0,
+                                           rope_type="llama3", rope_factor=4, rope_low_freq_factor=2,
+                                           rope_high_freq_factor=8, rope_original_max_pos=64), 200),
+    ("llama3.2-1b", opcodes.PRESETS["llama3.2-1b"], 9000),
+    ("llama3.1-8b", opcodes.PRESETS["llama3.1-8b"], 9000),
+]
+
+
+@pytest.mark.parametrize("case,mc,n", ROPE_TABLE_CASES, ids=[c[0] for c in ROPE_TABLE_CASES])
+def test_rope_tables_llama3_match_transformers(case, mc, n):
+    """opcodes.reference.rope_tables with llama3 scaling is transformers' rotary embedding, bit for bit."""
+    from opcodes.reference import rope_tables
+    assert mc.rope_type == "llama3"
+    rp = {"rope_type": "llama3", "rope_theta": mc.theta, "factor": mc.rope_factor,
+          "low_freq_factor": mc.rope_low_freq_factor, "high_freq_factor": mc.rope_high_freq_factor,
+          "original_max_position_embeddings": mc.rope_original_max_pos}
+    want_cos, want_sin = _hf_rope(mc.hd, mc.theta, rp, n)
+    cos, sin = rope_tables(mc, n)
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape == (n, mc.hd // 2)
+    # HF's tables repeat the hd/2 frequencies twice (rotate_half); megatape keeps one copy
+    assert torch.equal(torch.cat([cos, cos], -1), want_cos)
+    assert torch.equal(torch.cat([sin, sin], -1), want_sin)
+    # the scaling matters: unscaled RoPE (megatape's and transformers') is a different table
+    plain = ModelConfig(layers=1, d=mc.d, ffn=mc.ffn, n_q=mc.n_q, n_kv=mc.n_kv, hd=mc.hd, theta=mc.theta)
+    plain_cos, _ = rope_tables(plain, n)
+    assert torch.equal(torch.cat([plain_cos, plain_cos], -1), _hf_rope(mc.hd, mc.theta, None, n)[0])
+    assert (plain_cos - cos).abs().max() > 0.1
+
+
+def test_load_llama3_rope_scaling(llama3_checkpoint, tmp_path):
+    """The llama3 scaling of a v5 config.json (rope_parameters) and of a v4 one (rope_theta + rope_scaling)
+    become the same cfg keys, and the cfg round-trips through ModelConfig."""
+    path, _ = llama3_checkpoint
+    assert json.loads((path / "config.json").read_text())["rope_parameters"]["rope_type"] == "llama3"
+    _, cfg = load_hf_llama(path)
+    assert cfg == LLAMA3_CFG
+    mc = ModelConfig.from_dict(cfg)
+    assert mc.to_dict() == dict(cfg, wdtype="bf16")
+    assert ModelConfig.from_dict(json.loads(json.dumps(mc.to_dict()))) == mc
+    d = _copy_ckpt(path, tmp_path / "v4")
+    v4 = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    _edit_config(d, rope_parameters=None, rope_theta=LLAMA3_ROPE["rope_theta"], rope_scaling=v4)
+    assert load_hf_llama(d)[1] == LLAMA3_CFG
+    # the legacy "type" key and integral numbers (8, 8192.0) give the same cfg
+    v4 = dict(v4, factor=8, original_max_position_embeddings=32.0)
+    v4["type"] = v4.pop("rope_type")
+    _edit_config(d, rope_scaling=v4)
+    assert load_hf_llama(d)[1] == LLAMA3_CFG
+
+
+def test_llama3_decode_matches_transformers(llama3_checkpoint):
+    """decode_step over 48 positions (33 prompt tokens, then the greedy ones), past the scaling's
+    original_max_position_embeddings (32): logits within TOL of transformers' at every position, and the
+    same 16 greedy tokens."""
+    path, model = llama3_checkpoint
+    prompt, P = LLAMA3_PROMPT, len(LLAMA3_PROMPT)
+    want_tokens, step_logits = _hf_greedy(model, prompt, N_NEW)
+    seq = prompt + want_tokens[:-1]                                     # the tokens fed at positions 0..47
+    with torch.no_grad():
+        want = model(torch.tensor([seq])).logits[0].float()             # (48, vocab), one forward
+    assert torch.allclose(want[P - 1:], step_logits, atol=1e-4, rtol=0)
+    top2 = step_logits.topk(2, dim=-1).values
+    margins = (top2[:, 0] - top2[:, 1]).tolist()
+    assert min(margins) >= MIN_MARGIN, f"the test model has a near-tie (margins {margins}): pick another seed"
+    # the scaling matters: the same weights with unscaled RoPE are far from these logits
+    conf0 = transformers.LlamaConfig(max_position_embeddings=128, **dict(
+        LLAMA3_KW, rope_parameters={"rope_type": "default", "rope_theta": LLAMA3_ROPE["rope_theta"]}))
+    plain = transformers.LlamaForCausalLM(conf0)
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        plain_logits = plain.float().eval()(torch.tensor([seq])).logits[0]
+    assert max(rel_err(plain_logits[p], want[p]) for p in range(len(seq))) > 10 * TOL
+
+    weights, cfg = load_hf_llama(path)
+    assert cfg["rope_type"] == "llama3" and cfg["rope_original_max_pos"] < len(seq)
+    max_seq = len(seq)
+    til = Tiling.for_config(ModelConfig.from_dict(cfg), attn_splits=2, gu_rows=32)
+    h = build_decoder(weights, _cache(cfg, max_seq), cfg, max_seq, tiling=til)
+    toks, errs = [], []
+    for p in range(max_seq):
+        t = prompt[p] if p < P else toks[-1]                            # megatape's own greedy token
+        lg = decode_step(h, torch.tensor([t]), p)
+        errs.append(rel_err(lg[0], want[p]))
+        if p >= P - 1:
+            toks.append(int(h.tok))
+    teardown(h)
+    assert toks == want_tokens, f"greedy tokens differ; transformers' top-2 margins {margins}"
+    assert max(errs) <= TOL, f"rel err per position {errs}"

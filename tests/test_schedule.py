@@ -5,6 +5,7 @@ Expected values are derived here from the model config and tiling, independently
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import Counter
@@ -341,6 +342,68 @@ def test_presets_are_valid_and_cover_gqa_ratios():
     groups = {cfg.group for cfg in PRESETS.values()}
     assert {1, 4, 8} <= groups
     assert any(cfg.d & (cfg.d - 1) and cfg.ffn & (cfg.ffn - 1) for cfg in PRESETS.values())
+
+
+# ---- RoPE scaling fields of ModelConfig (Llama 3.1 / 3.2's rope_type "llama3") -------------------------
+SPEC_KEYS = {"layers", "d", "ffn", "n_q", "n_kv", "hd", "eps", "theta", "wdtype"}
+LLAMA3 = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+              rope_original_max_pos=32)
+
+
+def test_model_config_rope_scaling_roundtrip():
+    # unscaled RoPE: the spec's cfg dict, as before (no rope keys), and a dict without them is accepted
+    tiny = PRESETS["tiny"]
+    assert set(tiny.to_dict()) == SPEC_KEYS and tiny.rope_type == "default" and tiny.rope_factor is None
+    spec = {"layers": 1, "d": 8192, "ffn": 28672, "n_q": 64, "n_kv": 8, "hd": 128, "eps": 1e-5, "theta": 500000.0,
+            "wdtype": "bf16"}
+    assert ModelConfig.from_dict(spec) == PRESETS["llama70b-layer"] and ModelConfig.from_dict(spec).to_dict() == spec
+    # the real Llama 3.1 / 3.2 presets carry their checkpoints' scaling
+    for name, factor in (("llama3.2-1b", 32.0), ("llama3.1-8b", 8.0)):
+        d = PRESETS[name].to_dict()
+        assert {k: d[k] for k in LLAMA3} == dict(LLAMA3, rope_factor=factor, rope_original_max_pos=8192)
+        assert ModelConfig.from_dict(d, name=name) == PRESETS[name]
+    # scaled: to_dict -> JSON -> from_dict is the identity; ints are kept as the same numbers
+    cfg = dataclasses.replace(tiny, **LLAMA3)
+    d = cfg.to_dict()
+    assert set(d) == SPEC_KEYS | set(LLAMA3) and {k: d[k] for k in LLAMA3} == LLAMA3
+    back = ModelConfig.from_dict(json.loads(json.dumps(d)))
+    assert back == cfg and back != tiny and back.to_dict() == d
+    ints = ModelConfig.from_dict({**d, "rope_factor": 8, "rope_low_freq_factor": 1, "rope_high_freq_factor": 4})
+    assert ints == cfg and ints.to_dict() == d and isinstance(ints.rope_factor, float)
+    assert cfg.with_layers(3).rope_factor == 8.0
+    # and through a tape's JSON
+    tape = encode(round_robin(lower(Layout(cfg, Tiling.for_config(cfg), 64)), 2))
+    loaded = Tape.from_json(json.loads(json.dumps(tape.to_json())))
+    assert loaded.lay.cfg == cfg and loaded.lay.cfg.to_dict() == d
+    assert_tapes_equal(tape, loaded)
+
+
+ROPE_CFG_ERRORS = [
+    # (id, changes to tiny's cfg dict, exception, substrings the message must contain)
+    ("unknown-type", dict(rope_type="yarn"), ValueError, ["cfg['rope_type']", "'yarn'", "'llama3'"]),
+    ("factor-without-type", dict(rope_factor=8.0), ValueError, ["cfg['rope_factor']", "'default'"]),
+    ("llama3-missing", {**LLAMA3, "rope_original_max_pos": None, "rope_high_freq_factor": None}, ValueError,
+     ["cfg['rope_high_freq_factor']", "cfg['rope_original_max_pos']"]),
+    ("factor-below-1", {**LLAMA3, "rope_factor": 0.5}, ValueError, ["cfg['rope_factor']", ">= 1", "0.5"]),
+    ("factor-not-number", {**LLAMA3, "rope_factor": "8"}, ValueError, ["cfg['rope_factor']", "'8'"]),
+    ("factor-bool", {**LLAMA3, "rope_factor": True}, ValueError, ["cfg['rope_factor']", "True"]),
+    ("factor-inf", {**LLAMA3, "rope_factor": float("inf")}, ValueError, ["cfg['rope_factor']", "finite"]),
+    ("low-not-positive", {**LLAMA3, "rope_low_freq_factor": -1.0}, ValueError, ["cfg['rope_low_freq_factor']", "> 0"]),
+    ("high-not-above-low", {**LLAMA3, "rope_high_freq_factor": 1.0}, ValueError,
+     ["cfg['rope_high_freq_factor'] = 1.0", "cfg['rope_low_freq_factor'] = 1.0"]),
+    ("original-float", {**LLAMA3, "rope_original_max_pos": 32.0}, TypeError, ["cfg['rope_original_max_pos']", "int"]),
+    ("original-zero", {**LLAMA3, "rope_original_max_pos": 0}, ValueError, ["cfg['rope_original_max_pos']", "positive"]),
+    ("misspelt-key", dict(rope_scaling={"factor": 8.0}), ValueError, ["unknown keys", "'rope_scaling'"]),
+]
+
+
+@pytest.mark.parametrize("case,changes,exc,words", ROPE_CFG_ERRORS, ids=[c[0] for c in ROPE_CFG_ERRORS])
+def test_model_config_rope_scaling_errors(case, changes, exc, words):
+    d = {k: v for k, v in {**PRESETS["tiny"].to_dict(), **changes}.items() if v is not None}
+    with pytest.raises(exc) as ei:
+        ModelConfig.from_dict(d)
+    for w in words:
+        assert w in str(ei.value), f"{case}: {w!r} not in {str(ei.value)!r}"
 
 
 def test_networkx_dag_and_critical_path():
