@@ -57,15 +57,7 @@ class DecoderHandle:
 
 
 def _model_cfg(cfg) -> ModelConfig:
-    if isinstance(cfg, ModelConfig):
-        mc = cfg
-    elif isinstance(cfg, dict):
-        try:
-            mc = ModelConfig.from_dict(cfg)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"cfg: {e}") from None
-    else:
-        raise _err(TypeError, "cfg", "a dict (the spec's cfg) or a ModelConfig", _desc(cfg))
+    mc = runtime.parse_cfg(cfg)
     if not mc.vocab:
         raise ValueError("cfg['vocab']: expected the vocabulary size (> 0) for a whole-model decoder, got "
                          f"{mc.vocab} (build_layer / build_model run the layers alone)")

@@ -65,17 +65,21 @@ def _check_tensor(arg: str, t, shape, dtype, device) -> None:
                    f"data_ptr % 16 = {t.data_ptr() % 16}")
 
 
-def validate_inputs(weights, kv_cache, cfg, max_seq_len):
-    """Check everything ``build_layer`` is handed; return (ModelConfig, device)."""
+def parse_cfg(cfg) -> ModelConfig:
+    """The spec's cfg dict (or a ModelConfig) as a validated ModelConfig; errors name ``cfg``."""
     if isinstance(cfg, ModelConfig):
-        mc = cfg
-    elif isinstance(cfg, dict):
+        return cfg
+    if isinstance(cfg, dict):
         try:
-            mc = ModelConfig.from_dict(cfg)
+            return ModelConfig.from_dict(cfg)
         except (TypeError, ValueError) as e:
             raise type(e)(f"cfg: {e}") from None
-    else:
-        raise _err(TypeError, "cfg", "a dict (the spec's cfg) or a ModelConfig", _desc(cfg))
+    raise _err(TypeError, "cfg", "a dict (the spec's cfg) or a ModelConfig", _desc(cfg))
+
+
+def validate_inputs(weights, kv_cache, cfg, max_seq_len):
+    """Check everything ``build_layer`` is handed; return (ModelConfig, device)."""
+    mc = parse_cfg(cfg)
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
         raise _err(TypeError, "max_seq_len", "a python int", _desc(max_seq_len))
     if max_seq_len <= 0:

@@ -45,11 +45,9 @@ from interp import build_decoder, decode_step, generate, load_hf_llama, teardown
 from opcodes import ModelConfig, Tiling  # noqa: E402
 from opcodes.reference import rel_err  # noqa: E402
 
-if any(type(c.device).__name__ != "InterpretedFunction" for c in opcodes.REGISTRY.values()):
-    if torch.cuda.is_available():
-        pytest.skip("CPU tests of the Triton interpreter: on a GPU host run this module in its own pytest process "
-                    "with TRITON_INTERPRET=1", allow_module_level=True)
-    pytest.fail("triton was imported before TRITON_INTERPRET=1 was set", pytrace=False)
+from interp_guard import require_interpreter  # noqa: E402
+
+require_interpreter()
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 

@@ -43,12 +43,9 @@ from opcodes import Tiling  # noqa: E402
 from opcodes.config import PRESETS  # noqa: E402
 from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err, rope_tables  # noqa: E402
 
-if any(type(c.device).__name__ != "InterpretedFunction" for c in opcodes.REGISTRY.values()):
-    if torch.cuda.is_available():
-        pytest.skip("CPU tests of the Triton interpreter: on a GPU host run this module in its own pytest process "
-                    "with TRITON_INTERPRET=1", allow_module_level=True)
-    pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: the opcodes' device functions are not "
-                "interpreted. Run pytest with TRITON_INTERPRET=1 in the environment.", pytrace=False)
+from interp_guard import require_interpreter  # noqa: E402
+
+require_interpreter()
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
