@@ -44,3 +44,25 @@ def test_write_views_files(tmp_path):
     assert {e["tid"] for e in slices} <= {0, 1, 2}
     img = mpimg.imread(tmp_path / "measured_gantt.png")
     assert img.shape[0] > 100 and img.shape[1] > 100
+
+
+def test_profile_summary_of_synthetic_timestamps():
+    """interp.profile.summarize on hand-made timestamps: busy, wait and bytes per opcode add up."""
+    import torch
+
+    from interp.profile import format_summary, summarize
+    comp = compile_model(PRESETS["tiny"], 2, max_seq=64)
+    tape = comp.tape
+    sm_of = tape.sm_of_slot()
+    prof = torch.zeros(len(tape), 4, dtype=torch.int64)
+    clock = [1000, 1000]
+    for slot in range(len(tape)):
+        s = sm_of[slot]
+        prof[slot] = torch.tensor([clock[s], clock[s] + 100, clock[s] + 1100, s])   # 100 ns wait, 1 us busy
+        clock[s] += 1100
+    summ = summarize(tape, prof, pos=40)
+    assert summ["total_wait_ns"] == 100 * len(tape)
+    assert summ["total_busy_ns"] == 1000 * len(tape)
+    assert sum(d["n"] for d in summ["ops"].values()) == len(tape)
+    assert summ["makespan_ns"] == max(clock) - 1000
+    assert "measured makespan" in format_summary(summ)
