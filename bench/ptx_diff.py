@@ -1,0 +1,91 @@
+"""Compare the megakernel two commits generate for the H200, without a GPU.
+
+    python3 -m bench.ptx_diff REV_A [REV_B]      (REV_B: the working tree)
+
+Each tree's generated interpreter kernel is compiled for sm_90 (Triton's bundled ptxas) with the
+70B layer's constexprs, the launch options of ``build_layer`` and 16-byte-aligned pointers, and the
+PTX instruction streams are compared with labels and debug sections stripped. Identical streams
+mean a GPU measurement of one tree holds for the other; any difference is printed.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+_COMPILE = r'''
+import os, sys
+sys.path.insert(0, sys.argv[1])
+os.environ["MEGATAPE_CACHE"] = sys.argv[3]
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from opcodes import PRESETS, Layout, Tiling
+from opcodes.common import constexpr_values
+from interp.codegen import load_kernel
+k = load_kernel()
+cfg = PRESETS["llama70b-layer"]
+lay = Layout(cfg, Tiling.for_config(cfg), 4224)
+cx = constexpr_values(lay, interp=False)
+cx.update(PROFILE=False, PREFETCH=False)
+ptrs = {"tape_ptr": "*i32", "qoff_ptr": "*i32", "cnt_ptr": "*i32", "status_ptr": "*i32", "prof_ptr": "*i64",
+        "ptab_ptr": "*i64", "x_ptr": "*bf16", "out_ptr": "*bf16"}
+sig = {n: ("constexpr" if n in cx else ptrs.get(n, "i32")) for n in k.arg_names}
+src = ASTSource(fn=k, signature=sig, constexprs={(k.arg_names.index(n),): v for n, v in cx.items() if n in k.arg_names},
+                attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names) if sig[n][0] == "*"})
+ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                    options={"num_warps": lay.tiling.num_warps, "num_stages": 1, "launch_cooperative_grid": True})
+open(sys.argv[2], "w").write(ck.asm["ptx"])
+'''
+
+
+def normalised_ptx(tree: pathlib.Path, work: pathlib.Path) -> list[str]:
+    out = work / f"{tree.name}.ptx"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", _COMPILE, str(tree), str(out), str(work / f"cache-{tree.name}")],
+                   check=True, env=env)
+    lines = []
+    for ln in out.read_text().splitlines():
+        s = ln.strip()
+        if s.startswith(".section"):
+            break                                   # DWARF from here on: line numbers, not code
+        if not s or s.startswith(("//", ".file", ".loc")) or re.fullmatch(r"\$L__\w+:", s):
+            continue
+        lines.append(re.sub(r"\$L__\w+", "L", re.sub(r"megakernel\w*", "K", s.split("//")[0].rstrip())))
+    return lines
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not 1 <= len(args) <= 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    root = pathlib.Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = pathlib.Path(tmp)
+        trees = []
+        for i, rev in enumerate(args):
+            t = work / f"tree{i}"
+            subprocess.run(["git", "-C", str(root), "worktree", "add", "-q", "--detach", str(t), rev], check=True)
+            trees.append(t)
+        if len(args) == 1:
+            trees.append(root)
+        try:
+            a, b = (normalised_ptx(t, work) for t in trees)
+        finally:
+            for t in trees[:len(args)]:
+                subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(t)], check=False)
+    label_b = args[1] if len(args) == 2 else "working tree"
+    if a == b:
+        print(f"identical: {len(a)} PTX lines of code ({args[0]} vs {label_b})")
+        return 0
+    sys.stdout.writelines(difflib.unified_diff([x + "\n" for x in a], [x + "\n" for x in b], args[0], label_b, n=2))
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
