@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from opcodes import PRESETS, ModelConfig
+from opcodes import ModelConfig
 from opcodes.reference import make_kv_cache, make_weights, rel_err, rmsnorm
 
 from .driver import _events_median, count_kernels, log, stream_copy_bw

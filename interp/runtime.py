@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from triton import knobs as _knobs
 
-from opcodes import BY_OPCODE, Layout, ModelConfig, Tiling
+from opcodes import Layout, ModelConfig, Tiling
 from opcodes.common import KERNEL_CONSTEXPRS, TABLE_PTRS, TAB_NAMES, constexpr_values
 from opcodes.reference import layer_shapes, rope_tables
 from schedule import CostModel, Tape, compile_model, verify

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import triton
 import triton.language as tl
 

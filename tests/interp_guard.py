@@ -7,8 +7,16 @@ host where triton was imported too early it fails with the reason instead of run
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
-import torch
+import torch  # (torch does not import triton)
+
+# Importing this module first switches the interpreter on (the root conftest.py does it too). Not on
+# a GPU host: there it would turn the GPU tests collected after the module into interpreter runs.
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def require_interpreter() -> None:

@@ -13,21 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import sys
 
 import torch  # (torch does not import triton)
 
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pathlib  # noqa: E402
+import interp_guard  # noqa: E402  (first: switches the Triton interpreter on before triton is imported)
 
 import pytest  # noqa: E402
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 import interp  # noqa: E402
 import interp.decoder as decoder_mod  # noqa: E402
@@ -41,9 +32,7 @@ from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err, r
 from schedule import TapeError, compile_model, lower, make_layout, verify  # noqa: E402
 from schedule.decoder_program import decoder_lowering, lower_decoder, run_decoder_vm  # noqa: E402
 
-from interp_guard import require_interpreter  # noqa: E402
-
-require_interpreter()
+interp_guard.require_interpreter()
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 

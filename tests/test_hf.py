@@ -21,21 +21,14 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import sys
 
 import torch  # (torch does not import triton)
 
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
+import interp_guard  # noqa: E402  (first: switches the Triton interpreter on before triton is imported)
 
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -45,9 +38,7 @@ from interp import build_decoder, decode_step, generate, load_hf_llama, teardown
 from opcodes import ModelConfig, Tiling  # noqa: E402
 from opcodes.reference import rel_err  # noqa: E402
 
-from interp_guard import require_interpreter  # noqa: E402
-
-require_interpreter()
+interp_guard.require_interpreter()
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 

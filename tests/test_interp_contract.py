@@ -17,35 +17,18 @@ The interpreter is slow (~0.5 s per step for ``tiny``, ~2 s for ``small-*``): ST
 """
 from __future__ import annotations
 
-import os
-import sys
-
 import torch  # (torch does not import triton)
 
-# The Triton interpreter must be switched on before triton is first imported (the root
-# conftest.py does it too). Not on a GPU host: there it would turn the GPU tests collected
-# after this module into interpreter runs; this module is skipped there unless run on its own
-# with TRITON_INTERPRET=1.
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pathlib  # noqa: E402
+import interp_guard  # noqa: E402  (first: switches the Triton interpreter on before triton is imported)
 
 import pytest  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import opcodes  # noqa: E402
 from interp import build_layer, layer_step, teardown  # noqa: E402
 from opcodes import Tiling  # noqa: E402
 from opcodes.config import PRESETS  # noqa: E402
 from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err, rope_tables  # noqa: E402
 
-from interp_guard import require_interpreter  # noqa: E402
-
-require_interpreter()
+interp_guard.require_interpreter()
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
