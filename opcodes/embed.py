@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, register
+from .base import Cost, Instruction, Layout, Region, register, tile_start
 
 
 @triton.jit
@@ -43,9 +43,7 @@ class Embed(Instruction):
         w = getattr(lay, "emb_cols", None)
         if w is None:
             return ["embed needs a DecoderLayout (opcodes.decoder)"]
-        if not (0 <= self.col0 < lay.cfg.d and self.col0 % w == 0):
-            return [f"col0 {self.col0} not a multiple of {w} in [0, {lay.cfg.d})"]
-        return []
+        return tile_start("col0", self.col0, w, lay.cfg.d)
 
     def _cols(self, lay: Layout) -> tuple[int, int]:
         return self.col0, min(self.col0 + lay.emb_cols, lay.cfg.d)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, register
+from .base import Cost, Instruction, Layout, Region, register, tile_start
 
 
 @triton.jit
@@ -79,10 +79,7 @@ class LMHead(Instruction):
         r = getattr(lay, "lm_rows", None)
         if r is None:
             return ["lm_head needs a DecoderLayout (opcodes.decoder)"]
-        v = lay.cfg.vocab
-        if not (0 <= self.row0 < v and self.row0 % r == 0):
-            return [f"row0 {self.row0} not a multiple of {r} in [0, {v})"]
-        return []
+        return tile_start("row0", self.row0, r, lay.cfg.vocab)
 
     def _rows(self, lay: Layout) -> tuple[int, int]:
         return self.row0, min(self.row0 + lay.lm_rows, lay.cfg.vocab)

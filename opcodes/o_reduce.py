@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
+from .base import Cost, Layout, Region, register
 from .common import layer_input
+from .residual import RowBlock
 
 
 @triton.jit
@@ -30,7 +31,7 @@ def o_reduce_device(layer, row0, x_ptr, xout_ptr, opart_ptr, x1_ptr,
 
 @register
 @dataclass(frozen=True)
-class OReduce(Instruction):
+class OReduce(RowBlock):
     layer: int
     row0: int
 
@@ -39,20 +40,10 @@ class OReduce(Instruction):
     ARGS = ("x_ptr", "xout_ptr", "opart_ptr", "x1_ptr", "D", "NOC", "RED_ROWS")
     device = o_reduce_device
 
-    def check_operands(self, lay: Layout) -> list[str]:
-        return (in_range("layer", self.layer, lay.cfg.layers)
-                + tile_start("row0", self.row0, lay.tiling.red_rows, lay.cfg.d))
-
-    def _rows(self, lay: Layout) -> tuple[int, int]:
-        return self.row0, min(self.row0 + lay.tiling.red_rows, lay.cfg.d)
-
     def reads(self, lay: Layout) -> list[Region]:
         c = lay.cfg
         lo, hi = self._rows(lay)
-        out = []
-        for oc in range(lay.n_o_k):
-            base = (self.layer * lay.n_o_k + oc) * c.d
-            out.append(Region("opart", base + lo, base + hi))
+        out = self._partials(lay, "opart", lay.n_o_k)
         if self.layer > 0:
             out.append(Region("xout", (self.layer - 1) * c.d + lo, (self.layer - 1) * c.d + hi))
         return out

@@ -24,6 +24,18 @@ SECTIONS = ("q", "k", "v")
 
 
 @triton.jit
+def section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr):
+    """Wq, Wk or Wv (``sec`` 0, 1, 2) of ``layer``."""
+    if sec == 0:
+        w_ptr = wq_ptr + tab_offset(wtab_ptr, layer, T_WQ)
+    elif sec == 1:
+        w_ptr = wk_ptr + tab_offset(wtab_ptr, layer, T_WK)
+    else:
+        w_ptr = wv_ptr + tab_offset(wtab_ptr, layer, T_WV)
+    return w_ptr
+
+
+@triton.jit
 def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
                kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
                D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAXS: tl.constexpr,
@@ -32,12 +44,7 @@ def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_p
     HALF: tl.constexpr = QKV_ROWS // 2
     EVEN_K: tl.constexpr = D % BK == 0
     dims = j * HALF + tl.arange(0, HALF)                       # [HALF] in [0, HD/2)
-    if sec == 0:
-        w_ptr = wq_ptr + tab_offset(wtab_ptr, layer, T_WQ)
-    elif sec == 1:
-        w_ptr = wk_ptr + tab_offset(wtab_ptr, layer, T_WK)
-    else:
-        w_ptr = wv_ptr + tab_offset(wtab_ptr, layer, T_WV)
+    w_ptr = section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr)
     xin = layer_input(x_ptr, xout_ptr, layer, D)
     nw_ptr = n1_ptr + tab_offset(wtab_ptr, layer, T_N1)
     rows1 = head * HD + dims
@@ -91,12 +98,7 @@ def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_p
 def qkv_prefetch(layer, sec, head, j, n, wtab_ptr, wq_ptr, wk_ptr, wv_ptr, D: tl.constexpr, HD: tl.constexpr,
                  QKV_ROWS: tl.constexpr, BK: tl.constexpr):
     HALF: tl.constexpr = QKV_ROWS // 2
-    if sec == 0:
-        w_ptr = wq_ptr + tab_offset(wtab_ptr, layer, T_WQ)
-    elif sec == 1:
-        w_ptr = wk_ptr + tab_offset(wtab_ptr, layer, T_WK)
-    else:
-        w_ptr = wv_ptr + tab_offset(wtab_ptr, layer, T_WV)
+    w_ptr = section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr)
     rows = head * HD + j * HALF + tl.arange(0, HALF)
     rm = rows >= 0
     prefetch_rows(w_ptr, rows, rm, D, n * BK, BK, BK)

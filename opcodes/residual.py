@@ -33,16 +33,9 @@ def residual_device(layer, row0, out_ptr, xout_ptr, x1_ptr, dpart_ptr,
     tl.store(dst + rows, to_bf16(y, INTERP), mask=rm)
 
 
-@register
-@dataclass(frozen=True)
-class Residual(Instruction):
-    layer: int
-    row0: int
-
-    NAME = "residual"
-    STAGE = 6
-    ARGS = ("out_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "NL", "D", "NKC", "RED_ROWS", "INTERP")
-    device = residual_device
+class RowBlock(Instruction):
+    """An instruction over ``RED_ROWS`` rows of the residual stream (``layer``, ``row0`` operands)
+    that sums per-chunk partials of those rows in a fixed order: RESIDUAL, O_REDUCE."""
 
     def check_operands(self, lay: Layout) -> list[str]:
         return (in_range("layer", self.layer, lay.cfg.layers)
@@ -51,14 +44,28 @@ class Residual(Instruction):
     def _rows(self, lay: Layout) -> tuple[int, int]:
         return self.row0, min(self.row0 + lay.tiling.red_rows, lay.cfg.d)
 
+    def _partials(self, lay: Layout, buf: str, n: int) -> list[Region]:
+        """The block's rows of the ``n`` partials of ``buf`` (laid out [layers, n, d])."""
+        lo, hi = self._rows(lay)
+        d = lay.cfg.d
+        return [Region(buf, (self.layer * n + k) * d + lo, (self.layer * n + k) * d + hi) for k in range(n)]
+
+
+@register
+@dataclass(frozen=True)
+class Residual(RowBlock):
+    layer: int
+    row0: int
+
+    NAME = "residual"
+    STAGE = 6
+    ARGS = ("out_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "NL", "D", "NKC", "RED_ROWS", "INTERP")
+    device = residual_device
+
     def reads(self, lay: Layout) -> list[Region]:
         c = lay.cfg
         lo, hi = self._rows(lay)
-        out = [Region("x1", self.layer * c.d + lo, self.layer * c.d + hi)]
-        for kc in range(lay.n_down_k):
-            base = (self.layer * lay.n_down_k + kc) * c.d
-            out.append(Region("dpart", base + lo, base + hi))
-        return out
+        return [Region("x1", self.layer * c.d + lo, self.layer * c.d + hi)] + self._partials(lay, "dpart", lay.n_down_k)
 
     def writes(self, lay: Layout) -> list[Region]:
         lo, hi = self._rows(lay)
