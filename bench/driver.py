@@ -22,6 +22,9 @@ import torch
 from opcodes import PRESETS, ModelConfig, Tiling
 from opcodes.reference import make_kv_cache, make_weights, model_ref, model_ref_fp32, rel_err
 
+from .baselines import count_kernels as _count_kernels
+from .baselines import stream_copy_bandwidth, time_step
+
 TOL = 1.5e-2
 
 
@@ -30,72 +33,21 @@ def log(msg: str) -> None:
 
 
 def _events_median(fn, args_list, warmup: int = 3):
-    """Median CUDA-event microseconds of fn(*args) over args_list, and median wall-clock
-    microseconds with a host sync after each call."""
-    for a in args_list[:warmup]:
-        fn(*a)
-    torch.cuda.synchronize()
-    ev = []
-    for a in args_list:
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn(*a)
-        e.record()
-        ev.append((s, e))
-    torch.cuda.synchronize()
-    us_event = [s.elapsed_time(e) * 1e3 for s, e in ev]
-    wall = []
-    for a in args_list:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn(*a)
-        torch.cuda.synchronize()
-        wall.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(us_event), statistics.median(wall), us_event
+    """(median CUDA-event us, median wall-clock us with a host sync per call, all event us) of
+    fn(*args) over args_list (``bench.baselines.time_step``)."""
+    r = time_step(fn, args_list, warmup=warmup)
+    return r["us_event"], r["us_wall"], r["all_event"]
 
 
 def count_kernels(fn, args) -> tuple[int, float, list]:
-    """(kernels launched by one call, dominant kernel's share of GPU time, names)."""
-    from torch.profiler import ProfilerActivity, profile
-    fn(*args)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn(*args)
-        torch.cuda.synchronize()
-    kern = []
-    for e in prof.events():
-        dt = getattr(e, "device_type", None)
-        if dt is None or "CUDA" not in str(dt):
-            continue
-        name = e.name
-        low = name.lower()
-        if "memcpy" in low or "memset" in low:
-            continue
-        dur = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0) or 0
-        kern.append((name, float(dur)))
-    total = sum(d for _, d in kern) or 1.0
-    dom = max((d for _, d in kern), default=0.0) / total
-    return len(kern), dom, [n for n, _ in kern]
+    """(kernels launched by one call, dominant kernel's share of GPU time, their names)."""
+    n, dom, names = _count_kernels(fn, args, return_names=True)
+    return n, dom, [name for name, _ in names]
 
 
-def stream_copy_bw(nbytes: int = 2 << 30, iters: int = 20) -> float:
+def stream_copy_bw() -> float:
     """Bytes/s of a large device-to-device copy, read + write counted (median)."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) * 1e-3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / statistics.median(ts)
+    return stream_copy_bandwidth(torch.device("cuda"))
 
 
 def setup(cfg: ModelConfig, prefill: int, steps: int, max_seq: int, seed: int):

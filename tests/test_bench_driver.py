@@ -1,0 +1,58 @@
+"""The GPU benchmark's correctness protocol and timing helpers, run on the CPU through the Triton
+interpreter (the numbers are meaningless here; the code paths and the checks are not)."""
+from __future__ import annotations
+
+import interp_guard  # noqa: E402  (first: switches the Triton interpreter on before triton is imported)
+
+import torch  # noqa: E402
+
+from bench.driver import _events_median, check_megatape, count_kernels, parse_variant  # noqa: E402
+from interp import build_layer, layer_step, teardown  # noqa: E402
+from opcodes import PRESETS  # noqa: E402
+from opcodes.reference import make_kv_cache, make_weights  # noqa: E402
+
+interp_guard.require_interpreter()
+
+
+def test_check_and_time_a_small_layer():
+    cfg = PRESETS["tiny"]
+    w = make_weights(cfg)
+    kv = make_kv_cache(cfg, 64, 37)
+    kv_before = [tuple(t.clone() for t in p) for p in kv]
+    xs = [torch.randn(1, cfg.d).to(torch.bfloat16) for _ in range(3)]
+    h = build_layer(w, kv, cfg.to_dict(), 64)
+    rep: dict = {}
+    check_megatape(cfg, h, w, kv, kv_before, xs, 37, rep, fp32_ref=True)
+    assert rep["correct"] and rep["kv_untouched_bitwise"] and len(rep["rel_err_all"]) == 3
+    assert rep["rel_err_max"] <= 1.5e-2 and rep["rel_err_vs_fp32_max"] <= 1.5e-2
+    ev, wall, allev = _events_median(layer_step, [(h, xs[i], 37 + i) for i in range(3)], warmup=1)
+    assert ev > 0 and wall > 0 and len(allev) == 3
+    assert count_kernels(layer_step, (h, xs[0], 37)) == (0, 1.0, [])      # no CUDA: nothing counted
+    teardown(h)
+
+
+def test_check_flags_a_corrupted_cache_row(monkeypatch):
+    """The protocol can fail: a step that also writes a cache row it should not -> not correct."""
+    import interp
+    cfg = PRESETS["tiny"]
+    w = make_weights(cfg)
+    kv = make_kv_cache(cfg, 64, 37)
+    kv_before = [tuple(t.clone() for t in p) for p in kv]
+    real = interp.layer_step
+
+    def corrupting_step(h, x, pos):
+        out = real(h, x, pos)
+        kv[0][0][0, 0, 5, 0] += 1.0            # a prefix row the step must not touch
+        return out
+
+    monkeypatch.setattr(interp, "layer_step", corrupting_step)
+    h = build_layer(w, kv, cfg.to_dict(), 64)
+    rep: dict = {}
+    check_megatape(cfg, h, w, kv, kv_before, [torch.randn(1, cfg.d).to(torch.bfloat16)], 37, rep)
+    assert not rep["kv_untouched_bitwise"] and not rep["correct"]
+    teardown(h)
+
+
+def test_parse_variant():
+    t, b = parse_variant(PRESETS["llama70b-layer"], "bk=1024, coop=0 ,stages=2")
+    assert (t.bk, t.stages, b) == (1024, 2, {"cooperative": False})
