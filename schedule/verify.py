@@ -133,8 +133,8 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
         raise TapeError(problems)
     # -- 5. reads covered by (transitive) producers -------------------------------------
     anc = _counter_closure(tape, decoded, producers)
-    starts = {b: [w[0] for w in sorted(ws, key=lambda t: t[0])] for b, ws in writes.items()}
     sorted_w = {b: sorted(ws, key=lambda t: t[0]) for b, ws in writes.items()}
+    starts = {b: [w[0] for w in ws] for b, ws in sorted_w.items()}
     memo: dict[Region, tuple[frozenset, list]] = {}
     n_regions = 0
     for d in decoded:
