@@ -110,12 +110,15 @@ BUILD_KEYS = {"coop": "cooperative", "prefetch": "prefetch", "fast": "fast_launc
 
 
 def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:
-    """'bk=512,stages=3,coop=0' -> (Tiling with overrides, build_layer keyword arguments)."""
+    """'bk=512,stages=3,coop=0,policy=fluid' -> (Tiling with overrides, build_layer keyword arguments)."""
     over, build = {}, {}
     for kv in filter(None, spec.replace(" ", "").split(",")):
         k, _, v = kv.partition("=")
         if not v:
             raise ValueError(f"--tiling/--variants: expected name=value, got {kv!r}")
+        if k == "policy":
+            build["policy"] = v
+            continue
         if k == "h200model":
             from schedule import CostModel
             if int(v):
@@ -152,6 +155,22 @@ def host_breakdown(h, x, pos, n: int = 20) -> dict:
     return out
 
 
+def timeline_line(summ: dict) -> str:
+    """One line of a measured profile: makespan, waiting share, and per opcode its span and median
+    instruction time (us)."""
+    import statistics as _st
+    per: dict = {}
+    for slot, pi, name, sm, tw, te, tend in summ["records"]:
+        d = per.setdefault(name, [float("inf"), 0, []])
+        d[0], d[1] = min(d[0], te), max(d[1], tend)
+        d[2].append(tend - te)
+    tot = summ["total_wait_ns"] + summ["total_busy_ns"]
+    parts = [f"makespan {summ['makespan_ns'] / 1e3:.1f}", f"wait {100 * summ['total_wait_ns'] / max(1, tot):.1f}%"]
+    for name, (a, b, ds) in per.items():
+        parts.append(f"{name} {a / 1e3:.1f}..{b / 1e3:.1f} (med {_st.median(ds) / 1e3:.2f})")
+    return "; ".join(parts)
+
+
 def host_us(fn, args_list) -> float:
     """Median host-side microseconds of one call (launch cost as the caller's thread sees it)."""
     ts = []
@@ -178,6 +197,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="", help="extra tilings to check and time, ';'-separated")
     ap.add_argument("--profile", action="store_true", help="also run the profiling kernel and summarise it")
     ap.add_argument("--policy", default="cost")
+    ap.add_argument("--profile-variants", action="store_true",
+                    help="profile every variant too and print one line of its measured timeline")
     ap.add_argument("--fp32-ref", action="store_true",
                     help="also compare with an all-fp32 reference (always on for more than one layer)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
@@ -212,7 +233,9 @@ def main(argv=None) -> int:
         rep["variants"][vname] = vrep
         try:
             t0 = time.perf_counter()
-            h = build_layer(weights, kv, cfg.to_dict(), a.max_seq, tiling=vt, policy=a.policy, **bkw)
+            bkw = dict(bkw)
+            vpolicy = bkw.pop("policy", a.policy)
+            h = build_layer(weights, kv, cfg.to_dict(), a.max_seq, tiling=vt, policy=vpolicy, **bkw)
             vrep.update(build_s=time.perf_counter() - t0, instructions=len(h.tape), num_sms=h.num_sms,
                         resources=h.resources)
             log(f"{vname}: built {len(h.tape)} instructions on {h.num_sms} SMs in {vrep['build_s']:.1f}s; "
@@ -235,8 +258,18 @@ def main(argv=None) -> int:
                 f"{ {k: round(v, 1) for k, v in vrep['host_breakdown'].items()} }, "
                 f"{nk} kernel(s), dominant {dom:.3f}")
             teardown(h)
+            if a.profile_variants and not (a.profile and vname == "megatape"):
+                hp = build_layer(weights, kv, cfg.to_dict(), a.max_seq, tiling=vt, policy=vpolicy, profile=True, **bkw)
+                for i in range(4):
+                    layer_step(hp, xs[i], a.prefill + a.steps - 1)
+                hp.check()
+                from interp.runtime import profile_records
+                summ = summarize(hp.tape, profile_records(hp), pos=a.prefill + a.steps - 1)
+                vrep["timeline"] = timeline_line(summ)
+                log(f"{vname} profiled: {vrep['timeline']}")
+                teardown(hp)
             if a.profile and vname == "megatape":
-                hp = build_layer(weights, kv, cfg.to_dict(), a.max_seq, tiling=vt, policy=a.policy, profile=True)
+                hp = build_layer(weights, kv, cfg.to_dict(), a.max_seq, tiling=vt, policy=vpolicy, profile=True, **bkw)
                 for i in range(4):
                     layer_step(hp, xs[i], a.prefill + a.steps - 1)
                 hp.check()

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from opcodes import Layout, ModelConfig, Tiling
 
 from .assign import CostModel, Schedule, list_schedule, random_schedule, round_robin, simulate
+from .fluid import FluidModel, fluid_schedule
 from .program import Program, lower
 from .tape import Tape, encode
 from .verify import Report, verify
 
-POLICIES = ("cost", "round-robin")
+POLICIES = ("cost", "fluid", "round-robin")
 
 
 @dataclass
@@ -27,14 +28,21 @@ class Compiled:
 def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, tiling: Tiling | None = None,
                   policy: str = "cost", model: CostModel | None = None, seed: int = 0,
                   sequential: bool = False, lowering=None) -> Compiled:
-    """Compile ``cfg`` for ``num_sms`` SMs. ``policy``: 'cost' (list scheduling), 'round-robin'
-    or 'random' (a random valid schedule drawn with ``seed``). ``lowering``: a function Layout ->
+    """Compile ``cfg`` for ``num_sms`` SMs. ``policy``: 'cost' (list scheduling), 'fluid' (list
+    scheduling under the shared-bandwidth model of :mod:`schedule.fluid`; ``model`` may then be a
+    :class:`FluidModel`), 'round-robin' or 'random' (a random valid schedule drawn with ``seed``). ``lowering``: a function Layout ->
     Program to use instead of :func:`lower` (e.g. a whole decoder around the layers)."""
     t0 = time.perf_counter()
     if max_seq is None:
         max_seq = 4224 if cfg.d >= 1024 else 256
     lay = Layout(cfg, tiling or Tiling.for_config(cfg), max_seq)
     prog = (lowering or lower)(lay)
+    if policy == "fluid":
+        model = model if isinstance(model, FluidModel) else FluidModel()
+        sched = fluid_schedule(prog, num_sms, model)
+        tape = encode(sched)
+        report = verify(tape, prog, sequential=sequential)
+        return Compiled(prog, sched, tape, report, model, time.perf_counter() - t0)
     model = model or CostModel()
     if policy == "cost":
         sched = list_schedule(prog, num_sms, model)

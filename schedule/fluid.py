@@ -1,0 +1,231 @@
+"""A shared-bandwidth ("fluid") cost model, its simulator, and a list scheduler that uses it.
+
+The per-SM model of :mod:`schedule.assign` gives every SM a fixed share of the HBM bandwidth
+(``hbm_bw / num_sms``). The H200 profiles say otherwise (bench/NOTES.md): one SM streams at most
+~45 GB/s (the bytes it keeps in flight over the loaded latency), 132 streaming SMs together get
+the chip's ~4.2 TB/s (~32 GB/s each), and a latency-bound instruction (an attention split, ~11
+GB/s) leaves the bandwidth it does not use to the SMs that stream. So an SM that runs attention
+while ~95 others stream weights costs the chip nothing; the per-SM model charges it a full SM.
+
+Model: every running instruction first spends a fixed time (per-instruction overhead, L2 reads,
+or a measured constant for latency-bound opcodes), then streams its HBM bytes at a rate that is
+at most its opcode's per-SM cap; the running instructions share ``hbm_bw`` by water-filling
+(each gets ``min(cap, equal share of what the capped ones leave)``).
+
+Scheduler (:func:`fluid_schedule`): event-driven list scheduling under that model. When an SM
+frees up it takes, among the released instructions, a latency-bound one if fewer than ``spare``
+SMs are running latency-bound work, else the streaming one with the longest bottom level. The
+compiler tries several ``spare`` values and keeps the schedule the model predicts fastest. Queues
+are filled in dispatch order and an instruction is dispatched only once its producers finished,
+so every queue is a sub-sequence of one topological order (no interleaving can deadlock).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from .assign import CostModel, Schedule, _check_sms, _queue_consistent_order, bottom_levels
+from .program import Program
+
+_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class FluidModel:
+    """Shared-bandwidth timing of the instructions (seconds, bytes/s).
+
+    ``cap``: per-opcode most bytes/s one SM achieves (default ``sm_bw``); ``fixed``: per-opcode
+    fixed time replacing ``overhead`` + L2 time (measured, for opcodes bounded by latency rather
+    than bytes); ``latency_bound``: opcodes the scheduler may run on spare SMs.
+    Defaults: fitted to the H200 profiles of the 70B layer (bench/NOTES.md, runs 8 and 12).
+    """
+
+    hbm_bw: float = 4.2e12
+    sm_bw: float = 45e9
+    overhead: float = 0.6e-6
+    l2_bw_sm: float = 100e9
+    cap: dict = field(default_factory=lambda: {"attn_partial": 11.5e9})
+    fixed: dict = field(default_factory=lambda: {"attn_reduce": 2.1e-6, "residual": 0.9e-6, "o_reduce": 1.5e-6})
+    latency_bound: tuple = ("attn_partial", "attn_reduce", "o_reduce", "residual", "argmax", "embed")
+
+    def parts(self, prog: Program, i: int) -> tuple[float, float, float]:
+        """(fixed seconds, HBM bytes, per-SM cap) of instruction ``i``."""
+        ins = prog.instrs[i]
+        c = ins.cost(prog.lay)
+        f = self.fixed.get(ins.NAME)
+        if f is None:
+            f = self.overhead + c.l2_bytes / self.l2_bw_sm
+        return f, float(c.hbm_bytes), self.cap.get(ins.NAME, self.sm_bw)
+
+    def lower_bound(self, prog: Program) -> float:
+        return sum(ins.cost(prog.lay).hbm_bytes for ins in prog.instrs) / self.hbm_bw
+
+    def as_cost_model(self, num_sms: int) -> CostModel:
+        """A per-SM model with the same per-instruction times when every SM streams (for bottom
+        levels)."""
+        return CostModel(hbm_bw=min(self.hbm_bw, self.sm_bw * num_sms), l2_bw_sm=self.l2_bw_sm,
+                         overhead=self.overhead)
+
+
+class _Engine:
+    """The event loop shared by the simulator and the scheduler."""
+
+    def __init__(self, prog: Program, num_sms: int, model: FluidModel):
+        self.prog, self.model, self.num_sms = prog, model, num_sms
+        self.parts = [model.parts(prog, i) for i in range(len(prog))]
+        self.t = 0.0
+        self.fixed_heap: list = []                 # (t_end, i)
+        self.classes: dict = {}                    # cap -> [V served, rate, heap of (V_end, i)]
+        self.sm_of: dict = {}
+        self.start = [0.0] * len(prog)
+        self.finish = [0.0] * len(prog)
+        self.n_stream = 0
+
+    def begin(self, i: int, sm: int) -> None:
+        f, b, cap = self.parts[i]
+        self.start[i] = self.t
+        self.sm_of[i] = sm
+        heapq.heappush(self.fixed_heap, (self.t + f, i))
+
+    def _rates(self) -> None:
+        caps = sorted(k for k, c in self.classes.items() if c[2])
+        left = self.model.hbm_bw
+        n = sum(len(self.classes[k][2]) for k in caps)
+        for k in caps:
+            c = self.classes[k]
+            share = left / n if n else 0.0
+            c[1] = min(k, share)
+            left -= c[1] * len(c[2])
+            n -= len(c[2])
+
+    def step(self) -> list[int]:
+        """Advance to the next completion; returns the instructions that finished then."""
+        self._rates()
+        nxt = self.fixed_heap[0][0] if self.fixed_heap else float("inf")
+        for c in self.classes.values():
+            if c[2] and c[1] > 0:
+                nxt = min(nxt, self.t + (c[2][0][0] - c[0]) / c[1])
+        if nxt == float("inf"):
+            return []
+        dt = max(0.0, nxt - self.t)
+        for c in self.classes.values():
+            c[0] += c[1] * dt
+        self.t = nxt
+        done = []
+        while self.fixed_heap and self.fixed_heap[0][0] <= self.t + _EPS:
+            _, i = heapq.heappop(self.fixed_heap)
+            _, b, cap = self.parts[i]
+            if b > 0:
+                c = self.classes.setdefault(cap, [0.0, 0.0, []])
+                heapq.heappush(c[2], (c[0] + b, i))
+            else:
+                done.append(i)
+        for c in self.classes.values():
+            while c[2] and c[2][0][0] <= c[0] + 1e-3:       # within a thousandth of a byte
+                done.append(heapq.heappop(c[2])[1])
+        for i in done:
+            self.finish[i] = self.t
+        return done
+
+    def busy(self) -> bool:
+        return bool(self.fixed_heap) or any(c[2] for c in self.classes.values())
+
+
+def simulate_fluid(sched: Schedule, model: FluidModel | None = None) -> Schedule:
+    """Predicted start/finish of every instruction of ``sched`` under the fluid model: each SM
+    runs its queue in order; an instruction starts when its SM is free and its producers are done."""
+    model = model or FluidModel()
+    prog = sched.prog
+    _queue_consistent_order(sched)                 # raises if the queues can deadlock
+    eng = _Engine(prog, sched.num_sms, model)
+    left_c = [len(p) for p in prog.producers()]
+    head = [0] * sched.num_sms
+    idle = set(range(sched.num_sms))
+
+    def dispatch():
+        for s in sorted(idle):
+            q = sched.queues[s]
+            if head[s] < len(q):
+                i = q[head[s]]
+                if all(left_c[c] == 0 for c in prog.waits[i]):
+                    head[s] += 1
+                    idle.discard(s)
+                    eng.begin(i, s)
+
+    dispatch()
+    while eng.busy():
+        for i in eng.step():
+            idle.add(eng.sm_of[i])
+            c = prog.signal[i]
+            if c >= 0:
+                left_c[c] -= 1
+        dispatch()
+    if any(head[s] < len(q) for s, q in enumerate(sched.queues)):
+        raise RuntimeError("simulate_fluid: some queue never finished")
+    sched.start, sched.finish = eng.start, eng.finish
+    return sched
+
+
+def fluid_schedule(prog: Program, num_sms: int, model: FluidModel | None = None,
+                   spare: int | None = None, spares=(0, 8, 16, 24, 32, 40, 48, 64)) -> Schedule:
+    """List scheduling under the fluid model (see the module docstring). ``spare``: the most SMs
+    that run latency-bound work while streaming work is released; ``None`` tries ``spares`` and
+    keeps the fastest prediction."""
+    _check_sms(num_sms)
+    model = model or FluidModel()
+    if spare is None:
+        best = None
+        for sp in sorted({min(s, num_sms) for s in spares}):
+            s = fluid_schedule(prog, num_sms, model, spare=sp)
+            if best is None or s.makespan < best.makespan - 1e-9:
+                best = s
+        return best
+    bl = bottom_levels(prog, model.as_cost_model(num_sms), num_sms)
+    lat = set(model.latency_bound)
+    is_lat = [ins.NAME in lat for ins in prog.instrs]
+    consumers = prog.consumers()
+    left_c = [len(p) for p in prog.producers()]
+    left_i = [len(ws) for ws in prog.waits]
+    rel_s: list = []
+    rel_l: list = []
+    for i in range(len(prog)):
+        if left_i[i] == 0:
+            heapq.heappush(rel_l if is_lat[i] else rel_s, (-bl[i], i))
+    eng = _Engine(prog, num_sms, model)
+    queues: list[list[int]] = [[] for _ in range(num_sms)]
+    idle = list(range(num_sms))
+    n_lat = 0
+
+    def dispatch():
+        nonlocal n_lat
+        idle.sort(reverse=True)
+        while idle and (rel_s or rel_l):
+            if rel_l and (n_lat < spare or not rel_s):
+                _, i = heapq.heappop(rel_l)
+                n_lat += 1
+            else:
+                _, i = heapq.heappop(rel_s)
+            s = idle.pop()
+            queues[s].append(i)
+            eng.begin(i, s)
+
+    dispatch()
+    n_done = 0
+    while eng.busy():
+        for i in eng.step():
+            n_done += 1
+            idle.append(eng.sm_of[i])
+            if is_lat[i]:
+                n_lat -= 1
+            c = prog.signal[i]
+            if c >= 0:
+                left_c[c] -= 1
+                if left_c[c] == 0:
+                    for j in consumers[c]:
+                        left_i[j] -= 1
+                        if left_i[j] == 0:
+                            heapq.heappush(rel_l if is_lat[j] else rel_s, (-bl[j], j))
+        dispatch()
+    if n_done != len(prog):
+        raise RuntimeError("fluid_schedule: some instructions were never released (a counter has no producers?)")
+    return Schedule(prog, num_sms, queues, f"fluid(spare={spare})", eng.start, eng.finish)
