@@ -22,7 +22,7 @@ FIXED_PARAMS = ("tape_ptr", "qoff_ptr", "cnt_ptr", "status_ptr", "prof_ptr", "pt
 _TL_TYPES = {"bf16": "tl.bfloat16", "fp32": "tl.float32", "i64": "tl.int64", "i32": "tl.int32"}
 #: compile-time switches of the kernel itself
 SWITCHES = ("PROFILE", "PREFETCH")
-STATUS_WORDS = 8     # per SM: [code, sm, slot, opcode, counter, target, seen, epoch]
+STATUS_WORDS = 8     # per SM: [code, sm, slot, opcode, counter, target, seen, epoch]; row 0: any failed
 PROF_WORDS = 4       # per slot (int64): [wait start, exec start, end, sm]
 
 
@@ -103,7 +103,8 @@ def kernel_source() -> str:
         w("                n += 1")
         w("            if seen < wt:")
         w("                failed = sm * 0 + 1")
-        w(f"                st = status_ptr + sm * {STATUS_WORDS}")
+        # row 0 of the status block is a one-word summary the host polls; SM rows follow
+        w(f"                st = status_ptr + (sm + 1) * {STATUS_WORDS}")
         w("                tl.store(st + 1, sm)")
         w("                tl.store(st + 2, i)")
         w("                tl.store(st + 3, op)")
@@ -112,6 +113,7 @@ def kernel_source() -> str:
         w("                tl.store(st + 6, seen)")
         w("                tl.store(st + 7, epoch)")
         w("                tl.store(st + 0, 1)")
+        w("                tl.store(status_ptr, 1)")
     w("        if failed == 0:")
     w("            t_exec = _now(PROFILE)")
     first = True

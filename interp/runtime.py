@@ -179,7 +179,7 @@ class LayerHandle:
     fast_launch: bool = True
     last_pos: int = -1
     launcher: object = field(default=None, repr=False)
-    status_np: object = field(default=None, repr=False)
+    status_flag: object = field(default=None, repr=False)
     ptab: torch.Tensor = None
     buffers: dict = field(default_factory=dict, repr=False)
     predicted_makespan_s: float | None = None
@@ -190,12 +190,12 @@ class LayerHandle:
         """Raise :class:`MegakernelError` if the last launch stopped on a wait (syncs first)."""
         if sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if self.status_np is not None:
-            if not self.status_np[:, 0].any():
+        if self.status_flag is not None:
+            if not self.status_flag.value:       # one pinned word: any SM gave up
                 return
-            st = self.status
+            st = self.status[1:]
         else:
-            st = self.status.cpu()
+            st = self.status[1:].cpu()
             if not st[:, 0].numpy().any():
                 return
         stuck = []
@@ -312,12 +312,12 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     status_host = False
     if device.type == "cuda":
         try:   # pinned host memory: the host can see a failed wait without a device sync
-            status = torch.zeros(num_sms, STATUS_WORDS, dtype=torch.int32, pin_memory=True)
+            status = torch.zeros(num_sms + 1, STATUS_WORDS, dtype=torch.int32, pin_memory=True)
             status_host = True
         except RuntimeError:
-            status = torch.zeros(num_sms, STATUS_WORDS, dtype=torch.int32, device=device)
+            status = torch.zeros(num_sms + 1, STATUS_WORDS, dtype=torch.int32, device=device)
     else:
-        status = torch.zeros(num_sms, STATUS_WORDS, dtype=torch.int32, device=device)
+        status = torch.zeros(num_sms + 1, STATUS_WORDS, dtype=torch.int32, device=device)
     prof = torch.zeros(max(1, len(tape)) * PROF_WORDS if profile else 1, dtype=torch.int64, device=device)
     L0 = layers[0]
     bufs = {"xout_ptr": scratch["xout"], "wtab_ptr": tab.to(device),
@@ -382,7 +382,8 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
             except (OSError, NotImplementedError, ValueError, AttributeError) as e:
                 h.resources["fast_launch"] = f"off: {e!r}"
     if status_host:
-        h.status_np = status.numpy()
+        import ctypes
+        h.status_flag = ctypes.c_int32.from_address(status.data_ptr())
     return h
 
 
@@ -439,7 +440,7 @@ def layer_step(h: LayerHandle, x: torch.Tensor, pos: int) -> torch.Tensor:
     _check_step_args(h, x, pos)
     if h.status_host:
         h.check(sync=False)     # a failure of an earlier launch that has finished since
-    out = torch.empty(1, h.cfg.d, dtype=torch.bfloat16, device=h.device)
+    out = torch.empty_like(x)       # (1, d) bf16 on the device, contiguous (x was checked)
     h.last_pos = int(pos)
     launch(h, x, int(pos), out)
     if h.sync_check:

@@ -2,9 +2,9 @@
 
 The per-SM model of :mod:`schedule.assign` gives every SM a fixed share of the HBM bandwidth
 (``hbm_bw / num_sms``). The H200 profiles say otherwise (bench/NOTES.md): one SM streams at most
-~45 GB/s (the bytes it keeps in flight over the loaded latency), 132 streaming SMs together get
-the chip's ~4.2 TB/s (~32 GB/s each), and a latency-bound instruction (an attention split, ~11
-GB/s) leaves the bandwidth it does not use to the SMs that stream. So an SM that runs attention
+~37-45 GB/s (the bytes it keeps in flight over the loaded latency), 132 streaming SMs together
+get the chip's ~4.2 TB/s (~32 GB/s each), and a latency-bound instruction (an attention split)
+leaves the bandwidth it does not use to the SMs that stream. So an SM that runs attention
 while ~95 others stream weights costs the chip nothing; the per-SM model charges it a full SM.
 
 Model: every running instruction first spends a fixed time (per-instruction overhead, L2 reads,
@@ -37,21 +37,40 @@ class FluidModel:
     ``cap``: per-opcode most bytes/s one SM achieves (default ``sm_bw``); ``fixed``: per-opcode
     fixed time replacing ``overhead`` + L2 time (measured, for opcodes bounded by latency rather
     than bytes); ``latency_bound``: opcodes the scheduler may run on spare SMs.
-    Defaults: fitted to the H200 profiles of the 70B layer (bench/NOTES.md, runs 8 and 12).
+    Defaults: fitted to the H200 profiles of the 70B layer (bench/NOTES.md v7): the default build
+    measured 436.3 us, the model says 438.0; 12.3 / 7.4 us attention splits for 64-key blocks
+    unpipelined / 128-key blocks 3 stages. (Read-only streaming reaches ~4.2-4.3 TB/s, a little
+    over the stream-copy figure, which counts a write for every read.)
     """
 
-    hbm_bw: float = 4.2e12
-    sm_bw: float = 45e9
-    overhead: float = 0.6e-6
+    hbm_bw: float = 4.3e12
+    sm_bw: float = 37e9
+    overhead: float = 0.3e-6
     l2_bw_sm: float = 100e9
-    cap: dict = field(default_factory=lambda: {"attn_partial": 11.5e9})
+    cap: dict = field(default_factory=dict)
     fixed: dict = field(default_factory=lambda: {"attn_reduce": 2.1e-6, "residual": 0.9e-6, "o_reduce": 1.5e-6})
     latency_bound: tuple = ("attn_partial", "attn_reduce", "o_reduce", "residual", "argmax", "embed")
+    # an attention split: t0 + (loaded HBM round trips) * rt + (key blocks) * per_block, where the
+    # round trips are the blocks over the blocks in flight (attn_stages - 1). Fitted to six H200
+    # variants (bench/NOTES.md v7: 64/128-key blocks, 1-5 stages): within ~1 us of each.
+    attn_t0: float = 2.6e-6
+    attn_rt: float = 2.1e-6
+    attn_per_block: float = 0.2e-6
+
+    def attention_time(self, lay, keys: int) -> float:
+        t = lay.tiling
+        blocks = max(1, -(-keys // t.attn_block))
+        trips = -(-blocks // max(1, t.attn_stages - 1))
+        return self.attn_t0 + trips * self.attn_rt + blocks * self.attn_per_block
 
     def parts(self, prog: Program, i: int) -> tuple[float, float, float]:
-        """(fixed seconds, HBM bytes, per-SM cap) of instruction ``i``."""
+        """(fixed seconds, HBM bytes, per-SM cap) of instruction ``i``. Latency-bound attention
+        splits are all fixed time (their ~16 MB of K/V is left out of the shared bandwidth)."""
         ins = prog.instrs[i]
         c = ins.cost(prog.lay)
+        if ins.NAME == "attn_partial" and ins.NAME not in self.fixed:
+            keys = c.hbm_bytes // (4 * prog.lay.cfg.hd)
+            return self.attention_time(prog.lay, keys), 0.0, self.sm_bw
         f = self.fixed.get(ins.NAME)
         if f is None:
             f = self.overhead + c.l2_bytes / self.l2_bw_sm
