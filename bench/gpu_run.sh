@@ -7,31 +7,46 @@
 #   checks  : examples/gpu_checks.py (broken tapes, random schedules, repeatability)
 #   multi   : the 16-layer 70B stack (with cuBLAS and torch.compile) and the 1B whole-model decoder
 #   confirm : bench checks multi
+#   OLD=DIR : also time the tree in DIR (e.g. the previous commit, `git archive`) first, same
+#             machine, megatape only: an A/B of two trees in one lease
+# $OUT receives at most three files (the device tool returns 8): run.log (everything printed),
+# results.tar.gz (every JSON / Markdown / trace / chart written) and summary.md.
 set -o pipefail
 OUT=${OUT:-/tmp/megatape-out}
+RES=$(mktemp -d /tmp/megatape-results.XXXX)
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(confirm)
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+exec > >(tee "$OUT/run.log") 2>&1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
+if [ -n "${OLD:-}" ]; then
+  echo "=== old tree: $OLD"
+  (cd "$OLD" && PYTHONPATH=$PWD python3 -m bench.driver --baselines "" --out "$RES/old" --tag old)
+fi
 run_part() {
   case "$1" in
   explore)
-    python3 -m bench.launch_probe 2>&1 | tee "$OUT/launch.txt"
-    python3 -m bench.driver --baselines "" --profile-variants --out "$OUT" --tag explore \
-      --tiling "${TILING:-}" --variants "${VARIANTS:-policy=fluid}" 2>&1 | tee "$OUT/explore.txt" ;;
+    python3 -m bench.launch_probe
+    python3 -m bench.driver --baselines "" --profile-variants --out "$RES/explore" --tag explore \
+      --tiling "${TILING:-}" --variants "${VARIANTS:-policy=fluid}" ;;
   bench)
-    python3 -m bench.driver --profile --out "$OUT" --tiling "${TILING:-}" --variants "${VARIANTS:-}" 2>&1 | tee "$OUT/bench.txt" ;;
+    python3 -m bench.driver --profile --out "$RES/bench" --tiling "${TILING:-}" --variants "${VARIANTS:-}" ;;
   checks)
-    python3 examples/gpu_checks.py 2>&1 | tee "$OUT/gpu_checks.txt" ;;
+    python3 examples/gpu_checks.py | tee "$RES/gpu_checks.txt" ;;
   multi)
-    python3 -m bench.driver --preset llama70b-16 --baselines cublas,compile --out "$OUT" --tag 16 2>&1 | tee "$OUT/bench16.txt"
-    python3 -m bench.decoder_bench --out "$OUT" 2>&1 | tee "$OUT/decoder.txt" ;;
+    python3 -m bench.driver --preset llama70b-16 --baselines cublas,compile --out "$RES/multi" --tag 16
+    python3 -m bench.decoder_bench --out "$RES/multi" ;;
   confirm) run_part bench; run_part checks; run_part multi ;;
   *) echo "unknown part $1 (explore|bench|checks|multi|confirm)" >&2; exit 2 ;;
   esac
 }
 for p in "${parts[@]}"; do run_part "$p"; done
-echo "=== summary"
-grep -h "PASS\|FAIL" "$OUT/gpu_checks.txt" 2>/dev/null | cut -c1-150
-grep -h "^| " "$OUT"/*.md 2>/dev/null | grep -v "^|---" | awk '!seen[$0]++' | head -40
+tar -czf "$OUT/results.tar.gz" -C "$RES" .
+{
+  echo "=== summary"
+  grep -h "PASS\|FAIL" "$RES/gpu_checks.txt" 2>/dev/null | cut -c1-150
+  for f in $(find "$RES" -name "*.md" ! -name "profile.md" ! -name "measured_vs_plan.md" | sort); do
+    echo; echo "$f" | sed "s|$RES/||"; grep -h "^| " "$f" | grep -v "^|---"
+  done
+} | tee "$OUT/summary.md"

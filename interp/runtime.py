@@ -224,13 +224,21 @@ class LayerHandle:
         for c in self.tape.words[:, 5].tolist():
             if c >= 0:
                 targets[c] = targets.get(c, 0) + 1
-        done, partial = [], []
+        done, partial, untouched = [], [], []
         for c, name in enumerate(self.tape.counters):
             if name.startswith("kv["):
                 need = targets.get(c, 0) * epoch
-                (done if cnt[c] >= need else partial).append(name)
+                if cnt[c] >= need:
+                    done.append(name)
+                else:
+                    partial.append(name)
+                    if cnt[c] <= targets.get(c, 0) * (epoch - 1):
+                        untouched.append(name)
         if not partial:
             return "was written (every K/V tile of this call finished)"
+        if len(untouched) == len(partial) and not done:
+            # a tile that starts runs to its signal (SMs stop only at waits): no signal, no write
+            return "was not written (no K/V tile of this call ran)"
         if not done:
             return "was not completely written (no KV group finished; some rows may be partly written)"
         return (f"was written for {len(done)} KV group(s) and NOT completely for {len(partial)} "
