@@ -6,6 +6,7 @@
 #   bench   : the five-row `megatape bench --profile` (eager, torch.compile, cuBLAS, megatape)
 #   checks  : examples/gpu_checks.py (broken tapes, random schedules, repeatability)
 #   multi   : the 16-layer 70B stack (with cuBLAS and torch.compile) and the 1B whole-model decoder
+#             (its variants: $DVARIANTS)
 #   confirm : bench checks multi
 #   OLD=DIR : also time the tree in DIR (e.g. the previous commit, `git archive`) first, same
 #             machine, megatape only: an A/B of two trees in one lease
@@ -31,12 +32,12 @@ run_part() {
     python3 -m bench.driver --baselines "" --profile-variants --out "$RES/explore" --tag explore \
       --tiling "${TILING:-}" --variants "${VARIANTS:-policy=fluid}" ;;
   bench)
-    python3 -m bench.driver --profile --out "$RES/bench" --tiling "${TILING:-}" --variants "${VARIANTS:-}" ;;
+    python3 -m bench.driver --profile --profile-variants --out "$RES/bench" --tiling "${TILING:-}" --variants "${VARIANTS:-}" ;;
   checks)
     python3 examples/gpu_checks.py | tee "$RES/gpu_checks.txt" ;;
   multi)
     python3 -m bench.driver --preset llama70b-16 --baselines cublas,compile --out "$RES/multi" --tag 16
-    python3 -m bench.decoder_bench --out "$RES/multi" ;;
+    python3 -m bench.decoder_bench --out "$RES/multi" --variants "${DVARIANTS:-}" ;;
   confirm) run_part bench; run_part checks; run_part multi ;;
   *) echo "unknown part $1 (explore|bench|checks|multi|confirm)" >&2; exit 2 ;;
   esac
