@@ -119,6 +119,11 @@ def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:
         if k == "policy":
             build["policy"] = v
             continue
+        if k == "bytesmodel":
+            from schedule import CostModel
+            if int(v):
+                build["cost_model"] = CostModel.bytes_only()
+            continue
         if k == "h200model":
             from schedule import CostModel
             if int(v):

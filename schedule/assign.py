@@ -27,12 +27,23 @@ class CostModel:
     overhead: float = 0.6e-6        # s per instruction (fetch, wait, epilogue, signal)
     efficiency: dict = field(default_factory=dict)   # opcode name -> fraction of hbm_bw achieved
     scale: dict = field(default_factory=dict)        # opcode name -> measured / modelled time
+    # Attention splits are bound by loaded HBM round trips, not bytes: (t0, per round trip, per
+    # key block) seconds, the round trips being the key blocks over the blocks in flight
+    # (attn_stages - 1). Fitted to six H200 variants (bench/NOTES.md v7). None: bytes, as above.
+    attn_latency: tuple | None = (2.6e-6, 2.1e-6, 0.2e-6)
+    # measured times of latency-bound opcodes that move no weights (H200, bench/NOTES.md v9)
+    fixed: dict = field(default_factory=lambda: {"attn_reduce": 3.0e-6})
 
     def time(self, prog: Program, i: int, num_sms: int) -> float:
         ins = prog.instrs[i]
         c = ins.cost(prog.lay)
-        eff = self.efficiency.get(ins.NAME, 1.0)
-        t = self.overhead + c.hbm_bytes / (eff * self.hbm_bw / num_sms) + c.l2_bytes / self.l2_bw_sm
+        if ins.NAME in self.fixed:
+            t = self.fixed[ins.NAME]
+        elif ins.NAME == "attn_partial" and self.attn_latency is not None:
+            t = attention_latency(prog.lay, c.hbm_bytes // (4 * prog.lay.cfg.hd), *self.attn_latency)
+        else:
+            eff = self.efficiency.get(ins.NAME, 1.0)
+            t = self.overhead + c.hbm_bytes / (eff * self.hbm_bw / num_sms) + c.l2_bytes / self.l2_bw_sm
         return t * self.scale.get(ins.NAME, 1.0)
 
     @classmethod
@@ -41,7 +52,13 @@ class CostModel:
         profiling run: ``schedule.measured.compare`` prints the ratios)."""
         base = base or cls()
         scale = {k: base.scale.get(k, 1.0) * v for k, v in measured_vs_planned.items()}
-        return cls(base.hbm_bw, base.l2_bw_sm, base.overhead, dict(base.efficiency), scale)
+        return cls(base.hbm_bw, base.l2_bw_sm, base.overhead, dict(base.efficiency), scale, base.attn_latency,
+                   dict(base.fixed))
+
+    @classmethod
+    def bytes_only(cls) -> "CostModel":
+        """Every instruction timed by its bytes (the model before the H200 attention fit)."""
+        return cls(attn_latency=None, fixed={})
 
     @classmethod
     def h200(cls) -> "CostModel":
@@ -50,7 +67,7 @@ class CostModel:
         are rescaled (attention 2.6x, its merge 3.3x): the streaming tiles measured 0.78-0.95x of
         their planned time each, but they share the chip's bandwidth, which a per-SM model without
         a global bandwidth limit would overcount (it predicted 400 us against 448 measured)."""
-        return cls.calibrated({"attn_partial": 2.62, "attn_reduce": 3.31, "o_reduce": 1.49})
+        return cls.calibrated({"attn_partial": 2.62, "attn_reduce": 3.31, "o_reduce": 1.49}, base=cls.bytes_only())
 
     def lower_bound(self, prog: Program) -> float:
         """Bytes / bandwidth: no schedule on this chip can beat it."""
@@ -107,6 +124,15 @@ def simulate(sched: Schedule, model: CostModel) -> Schedule:
             left[c] -= 1
     sched.start, sched.finish = start, finish
     return sched
+
+
+def attention_latency(lay, keys: int, t0: float, rt: float, per_block: float) -> float:
+    """Seconds of one attention split over ``keys`` keys: ``t0 + trips * rt + blocks * per_block``
+    with ``blocks = ceil(keys / attn_block)`` and ``trips = ceil(blocks / (attn_stages - 1))``."""
+    t = lay.tiling
+    blocks = max(1, -(-keys // t.attn_block))
+    trips = -(-blocks // max(1, t.attn_stages - 1))
+    return t0 + trips * rt + blocks * per_block
 
 
 def _queue_consistent_order(sched: Schedule) -> list[int]:

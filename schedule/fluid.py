@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from .assign import CostModel, Schedule, _check_sms, _queue_consistent_order, bottom_levels
+from .assign import CostModel, Schedule, _check_sms, _queue_consistent_order, attention_latency, bottom_levels
 from .program import Program
 
 _EPS = 1e-12
@@ -48,7 +48,7 @@ class FluidModel:
     overhead: float = 0.3e-6
     l2_bw_sm: float = 100e9
     cap: dict = field(default_factory=dict)
-    fixed: dict = field(default_factory=lambda: {"attn_reduce": 2.1e-6, "residual": 0.9e-6, "o_reduce": 1.5e-6})
+    fixed: dict = field(default_factory=lambda: {"attn_reduce": 3.0e-6, "residual": 0.9e-6, "o_reduce": 1.5e-6})
     latency_bound: tuple = ("attn_partial", "attn_reduce", "o_reduce", "residual", "argmax", "embed")
     # an attention split: t0 + (loaded HBM round trips) * rt + (key blocks) * per_block, where the
     # round trips are the blocks over the blocks in flight (attn_stages - 1). Fitted to six H200
@@ -58,10 +58,7 @@ class FluidModel:
     attn_per_block: float = 0.2e-6
 
     def attention_time(self, lay, keys: int) -> float:
-        t = lay.tiling
-        blocks = max(1, -(-keys // t.attn_block))
-        trips = -(-blocks // max(1, t.attn_stages - 1))
-        return self.attn_t0 + trips * self.attn_rt + blocks * self.attn_per_block
+        return attention_latency(lay, keys, self.attn_t0, self.attn_rt, self.attn_per_block)
 
     def parts(self, prog: Program, i: int) -> tuple[float, float, float]:
         """(fixed seconds, HBM bytes, per-SM cap) of instruction ``i``. Latency-bound attention
