@@ -106,7 +106,8 @@ def check_megatape(cfg: ModelConfig, h, weights, kv, kv_before, xs, prefill: int
         f"other rows untouched: {untouched}")
 
 
-BUILD_KEYS = {"coop": "cooperative", "prefetch": "prefetch", "fast": "fast_launch", "h200model": "cost_model"}
+BUILD_KEYS = {"coop": "cooperative", "prefetch": "prefetch", "fast": "fast_launch", "h200model": "cost_model",
+              "early": "early"}
 
 
 def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:

@@ -19,6 +19,7 @@ from opcodes import (BY_OPCODE, HEADER, NO_COUNTER, PRESETS, REGISTRY, WORDS, La
                      cdiv)
 from schedule import (CostModel, Schedule, Tape, compile_model, decode, encode, list_schedule, lower,
                       random_schedule, round_robin, simulate, verify)
+from schedule.fluid import FluidModel, fluid_schedule, simulate_fluid
 
 L70 = "llama70b-layer"
 
@@ -167,6 +168,7 @@ def check_queues(sched: Schedule) -> None:
 
 POLICY_FNS = {
     "cost": lambda prog, n: list_schedule(prog, n),
+    "fluid": lambda prog, n: fluid_schedule(prog, n),
     "round-robin": lambda prog, n: round_robin(prog, n),
     "random": lambda prog, n: random_schedule(prog, n, seed=7),
 }
@@ -427,3 +429,74 @@ def test_networkx_dag_and_critical_path():
     cp = critical_path_seconds(prog, 132)
     assert 0 < cp <= sched.makespan
     assert CostModel().lower_bound(prog) <= sched.makespan
+
+
+# ---- the shared-bandwidth (fluid) model -------------------------------------------------------
+
+def _streaming_program(n: int, rows: int = 64):
+    """``n`` independent gate/up tiles of the 1B shape (no waits): a pure streaming workload."""
+    lay = layout("llama3.2-1b", max_seq=256, gu_rows=rows)
+    from opcodes import GateUp
+    from schedule.program import Program
+    prog = Program(lay)
+    for k in range(n):
+        prog.add(GateUp(0, k * rows))
+    return prog
+
+
+def test_fluid_one_instruction_streams_at_its_cap():
+    prog = _streaming_program(1)
+    m = FluidModel(hbm_bw=4e12, sm_bw=40e9, overhead=1e-6, l2_bw_sm=1e30)
+    s = simulate_fluid(Schedule(prog, 4, [[0], [], [], []], "one"), m)
+    b = prog.instrs[0].cost(prog.lay).hbm_bytes
+    assert s.makespan == pytest.approx(1e-6 + b / 40e9, rel=1e-9)
+
+
+def test_fluid_many_instructions_share_the_chip():
+    """100 SMs at a 40 GB/s cap want 4 TB/s but the chip has 2: each gets 20 GB/s."""
+    prog = _streaming_program(100)
+    m = FluidModel(hbm_bw=2e12, sm_bw=40e9, overhead=0.0, l2_bw_sm=1e30)
+    s = simulate_fluid(Schedule(prog, 100, [[i] for i in range(100)], "all"), m)
+    b = prog.instrs[0].cost(prog.lay).hbm_bytes
+    assert s.makespan == pytest.approx(100 * b / 2e12, rel=1e-9)
+    # and on 10 SMs the per-SM cap binds instead: 10 rounds at 40 GB/s
+    s10 = simulate_fluid(Schedule(prog, 10, [list(range(k, 100, 10)) for k in range(10)], "ten"), m)
+    assert s10.makespan == pytest.approx(10 * b / 40e9, rel=1e-9)
+
+
+def test_fluid_schedule_respects_dependencies_and_predicts_its_own_times():
+    """The fluid scheduler's start/finish times are what the fluid simulator gives for its queues,
+    and no instruction starts before its producers finish."""
+    prog = lower(layout("small-2layer", max_seq=256))
+    m = FluidModel()
+    sched = fluid_schedule(prog, 8, m, spare=2)
+    again = simulate_fluid(Schedule(prog, 8, [list(q) for q in sched.queues], "copy"), m)
+    assert again.finish == pytest.approx(sched.finish, rel=1e-9, abs=1e-15)
+    producers = prog.producers()
+    for i in range(len(prog)):
+        for cnt in prog.waits[i]:
+            assert sched.start[i] >= max(sched.finish[j] for j in producers[cnt]) - 1e-12
+
+
+def test_fluid_spare_search_keeps_the_fastest_prediction():
+    prog = lower(layout("small-gqa4", max_seq=256))
+    m = FluidModel()
+    best = fluid_schedule(prog, 16, m, spares=(0, 2, 4, 8))
+    each = [fluid_schedule(prog, 16, m, spare=sp).makespan for sp in (0, 2, 4, 8)]
+    assert best.makespan == pytest.approx(min(each), rel=1e-12)
+
+
+def test_attention_latency_model_counts_round_trips():
+    from schedule.assign import attention_latency
+    lay1 = layout(L70, max_seq=4224, attn_block=64, attn_stages=1)
+    lay3 = layout(L70, max_seq=4224, attn_block=128, attn_stages=3)
+    # 274 keys: 5 blocks of 64, one trip each unpipelined; 3 blocks of 128, 2 in flight -> 2 trips
+    assert attention_latency(lay1, 274, 2.6e-6, 2.1e-6, 0.2e-6) == pytest.approx(2.6e-6 + 5 * 2.1e-6 + 5 * 0.2e-6)
+    assert attention_latency(lay3, 274, 2.6e-6, 2.1e-6, 0.2e-6) == pytest.approx(2.6e-6 + 2 * 2.1e-6 + 3 * 0.2e-6)
+    # the per-SM model uses it for attention splits; the bytes-only model does not
+    prog = lower(lay3)
+    i = next(k for k, ins in enumerate(prog.instrs) if ins.NAME == "attn_partial")
+    keys = prog.instrs[i].cost(lay3).hbm_bytes // (4 * lay3.cfg.hd)
+    assert keys == 282                    # max_seq 4224: 4223 prefix keys over 15 splits, rounded up
+    assert CostModel().time(prog, i, 132) == pytest.approx(attention_latency(lay3, keys, *CostModel().attn_latency))
+    assert CostModel.bytes_only().time(prog, i, 132) != pytest.approx(CostModel().time(prog, i, 132))

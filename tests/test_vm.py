@@ -74,7 +74,7 @@ def test_vm_matches_reference(name, sms, seed):
     check_cache(kv, kv0, kv_ref, PREFILL)
 
 
-@pytest.mark.parametrize("policy", ["round-robin", "random"])
+@pytest.mark.parametrize("policy", ["round-robin", "random", "fluid"])
 @pytest.mark.parametrize("name", CONFIGS)
 def test_vm_other_policies(name, policy):
     cfg, w, kv0, x, ref, kv_ref = inputs(name)
