@@ -106,8 +106,7 @@ def check_megatape(cfg: ModelConfig, h, weights, kv, kv_before, xs, prefill: int
         f"other rows untouched: {untouched}")
 
 
-BUILD_KEYS = {"coop": "cooperative", "prefetch": "prefetch", "fast": "fast_launch", "h200model": "cost_model",
-              "early": "early"}
+BUILD_KEYS = {"coop": "cooperative", "prefetch": "prefetch", "fast": "fast_launch", "h200model": "cost_model"}
 
 
 def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:

@@ -31,7 +31,7 @@ k = load_kernel()
 cfg = PRESETS["llama70b-layer"]
 lay = Layout(cfg, Tiling.for_config(cfg), 4224)
 cx = constexpr_values(lay, interp=False)
-cx.update(PROFILE=False, PREFETCH=False, EARLY=True)
+cx.update(PROFILE=False, PREFETCH=False)
 ptrs = {"tape_ptr": "*i32", "qoff_ptr": "*i32", "cnt_ptr": "*i32", "status_ptr": "*i32", "prof_ptr": "*i64",
         "ptab_ptr": "*i64", "x_ptr": "*bf16", "out_ptr": "*bf16"}
 sig = {n: ("constexpr" if n in cx else ptrs.get(n, "i32")) for n in k.arg_names}

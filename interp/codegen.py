@@ -21,7 +21,7 @@ from opcodes.common import KERNEL_CONSTEXPRS, KERNEL_PTR_TYPES, KERNEL_PTRS, KER
 FIXED_PARAMS = ("tape_ptr", "qoff_ptr", "cnt_ptr", "status_ptr", "prof_ptr", "ptab_ptr", "epoch", "spin_limit")
 _TL_TYPES = {"bf16": "tl.bfloat16", "fp32": "tl.float32", "i64": "tl.int64", "i32": "tl.int32"}
 #: compile-time switches of the kernel itself
-SWITCHES = ("PROFILE", "PREFETCH", "EARLY")
+SWITCHES = ("PROFILE", "PREFETCH")
 STATUS_WORDS = 8     # per SM: [code, sm, slot, opcode, counter, target, seen, epoch]; row 0: any failed
 PROF_WORDS = 4       # per slot (int64): [wait start, exec start, end, sm]
 
@@ -29,35 +29,10 @@ PROF_WORDS = 4       # per slot (int64): [wait start, exec start, end, sm]
 def _check_args() -> None:
     known = set(KERNEL_PTRS) | set(KERNEL_CONSTEXPRS) | set(KERNEL_SCALARS)
     for cls in REGISTRY.values():
-        bad = [a for a in cls.ARGS + cls.PREFETCH_ARGS + cls.PRELOAD_ARGS if a not in known]
+        bad = [a for a in cls.ARGS + cls.PREFETCH_ARGS if a not in known]
         if bad:
             raise TypeError(f"opcode {cls.NAME} asks for unknown kernel parameters {bad}; "
                             f"add them to opcodes/common.py")
-
-
-def _wait_block(w, ind: str, cls, ops: list) -> None:
-    """The bounded acquire waits on the instruction's counters (words 1-4), in the branch of
-    ``cls``; while waiting, its ``prefetch`` (if any and PREFETCH) moves its next bytes to L2."""
-    for k in range(opcodes.MAX_WAITS):
-        w(f"{ind}wc = tl.load(ins + {1 + 2 * k})")
-        w(f"{ind}wt = tl.load(ins + {2 + 2 * k}) * epoch")
-        w(f"{ind}if (wc >= 0) & (failed == 0):")
-        w(f"{ind}    seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
-        w(f"{ind}    n = 0")
-        w(f"{ind}    while (seen < wt) & (n < spin_limit):")
-        if cls.prefetch is not None:
-            w(f"{ind}        if PREFETCH:  # move this instruction's next bytes to L2 while waiting")
-            w(f"{ind}            _{cls.NAME}_pf(" + ", ".join(ops + ["n"] + list(cls.PREFETCH_ARGS)) + ")")
-        w(f"{ind}        seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
-        w(f"{ind}        n += 1")
-        w(f"{ind}    if seen < wt:")
-        w(f"{ind}        failed = sm * 0 + 1")
-        # row 0 of the status block is a one-word summary the host polls; SM rows follow
-        w(f"{ind}        st = status_ptr + (sm + 1) * {STATUS_WORDS}")
-        for j, v in enumerate(("sm", "i", "op", "wc", "wt", "seen", "epoch"), start=1):
-            w(f"{ind}        tl.store(st + {j}, {v})")
-        w(f"{ind}        tl.store(st + 0, 1)")
-        w(f"{ind}        tl.store(status_ptr, 1)")
 
 
 def kernel_source() -> str:
@@ -77,8 +52,6 @@ def kernel_source() -> str:
         w(f"_{cls.NAME} = _{cls.NAME}_cls.device")
         if cls.prefetch is not None:
             w(f"_{cls.NAME}_pf = _{cls.NAME}_cls.prefetch")
-        if cls.preload is not None:
-            w(f"_{cls.NAME}_pre = _{cls.NAME}_cls.preload")
     w("")
     w("")
     w("@triton.jit")
@@ -108,34 +81,48 @@ def kernel_source() -> str:
     w(f"        ins = tape_ptr + i * {WORDS}")
     w("        op = tl.load(ins)")
     w("        t_wait = _now(PROFILE)")
-    w("        t_exec = t_wait")
     for k in range(n_ops):
         w(f"        a{k} = tl.load(ins + {HEADER + k})")
     pf = [c for c in REGISTRY.values() if c.prefetch is not None]
-    # NOTE: each opcode's branch has its own copy of the wait, so that an opcode with a preload can
-    # issue its first loads before it (they depend on nothing this call computes).
+    for k in range(opcodes.MAX_WAITS):
+        w(f"        wc = tl.load(ins + {1 + 2 * k})")
+        w(f"        wt = tl.load(ins + {2 + 2 * k}) * epoch")
+        w("        if (wc >= 0) & (failed == 0):")
+        w("            seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
+        w("            n = 0")
+        w("            while (seen < wt) & (n < spin_limit):")
+        if pf:
+            w("                if PREFETCH:  # move this instruction's next bytes to L2 while waiting")
+            first = True
+            for cls in pf:
+                ops = [f"a{j}" for j in range(len(cls.operand_names()))]
+                w(f"                    {'if' if first else 'elif'} op == {cls.OPCODE}:  # {cls.NAME}")
+                w(f"                        _{cls.NAME}_pf(" + ", ".join(ops + ["n"] + list(cls.PREFETCH_ARGS)) + ")")
+                first = False
+        w("                seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
+        w("                n += 1")
+        w("            if seen < wt:")
+        w("                failed = sm * 0 + 1")
+        # row 0 of the status block is a one-word summary the host polls; SM rows follow
+        w(f"                st = status_ptr + (sm + 1) * {STATUS_WORDS}")
+        w("                tl.store(st + 1, sm)")
+        w("                tl.store(st + 2, i)")
+        w("                tl.store(st + 3, op)")
+        w("                tl.store(st + 4, wc)")
+        w("                tl.store(st + 5, wt)")
+        w("                tl.store(st + 6, seen)")
+        w("                tl.store(st + 7, epoch)")
+        w("                tl.store(st + 0, 1)")
+        w("                tl.store(status_ptr, 1)")
+    w("        if failed == 0:")
+    w("            t_exec = _now(PROFILE)")
     first = True
     for cls in REGISTRY.values():
         ops = [f"a{k}" for k in range(len(cls.operand_names()))]
-        w(f"        {'if' if first else 'elif'} op == {cls.OPCODE}:  # {cls.NAME}")
+        kw = "if" if first else "elif"
         first = False
-        pre = [f"p{k}" for k in range(cls.N_PRELOAD)] if cls.preload is not None else []
-        if cls.N_PRELOAD and cls.preload is None:        # a device that can take a preload, without one
-            pre_args = ["0"] * cls.N_PRELOAD + ["False"]
-        else:
-            pre_args = pre + ["EARLY"] if pre else []
-        if pre:
-            w("            if EARLY:")
-            w(f"                {', '.join(pre)} = _{cls.NAME}_pre(" + ", ".join(ops + list(cls.PRELOAD_ARGS)) + ")")
-            w("            else:")
-            for p_ in pre:
-                w(f"                {p_} = 0")
-        _wait_block(w, "            ", cls, ops)
-        w("            if failed == 0:")
-        w("                t_exec = _now(PROFILE)")
-        args = ops + list(cls.ARGS) + pre_args
-        w(f"                _{cls.NAME}(" + ", ".join(args) + ")")
-    w("        if failed == 0:")
+        w(f"            {kw} op == {cls.OPCODE}:  # {cls.NAME}")
+        w(f"                _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS)) + ")")
     w("            sig = tl.load(ins + 5)")
     w("            if sig >= 0:")
     w("                signal_counter(cnt_ptr + sig)")

@@ -25,56 +25,13 @@ from .common import T_KC, T_VC, mma, prefetch_l2, tab_offset, to_bf16
 
 
 @triton.jit
-def _split_range(s, pos, NS: tl.constexpr):
-    """Keys [start, stop) of prefix split ``s`` at position ``pos``."""
-    chunk = (pos + NS - 2) // (NS - 1)
-    start = s * chunk
-    return start, tl.minimum(start + chunk, pos)
-
-
-@triton.jit
-def _kv_block(kbase, vbase, kb, stop, HD: tl.constexpr, ATTN_BLOCK: tl.constexpr):
-    """K and V rows [kb, kb + ATTN_BLOCK) (rows >= stop read as zeros), issued together."""
-    keys = kb + tl.arange(0, ATTN_BLOCK)
-    km = keys < stop
-    dcol = tl.arange(0, HD)
-    k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0, cache_modifier=".cg")
-    v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0, cache_modifier=".cg")
-    return k, v
-
-
-@triton.jit
-def _online_block(qs, k, v, kb, stop, m_i, l_i, acc, ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr):
-    """One key block of the online softmax: returns the updated (m, l, acc)."""
-    km = (kb + tl.arange(0, ATTN_BLOCK)) < stop
-    sc = mma(qs, tl.trans(k), INTERP)                           # [GP, ATTN_BLOCK] fp32
-    sc = tl.where(km[None, :], sc, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-    p = tl.exp2(sc - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def attn_partial_preload(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, HD: tl.constexpr, MAXS: tl.constexpr,
-                         NS: tl.constexpr, ATTN_BLOCK: tl.constexpr):
-    """The split's first K/V block, before the wait for Q: the cache prefix was written by
-    earlier calls, so it depends on nothing this call computes."""
-    start, stop = _split_range(s, pos, NS)
-    kbase = kc_ptr + tab_offset(wtab_ptr, layer, T_KC) + g * (MAXS * HD)
-    vbase = vc_ptr + tab_offset(wtab_ptr, layer, T_VC) + g * (MAXS * HD)
-    return _kv_block(kbase, vbase, start, stop, HD, ATTN_BLOCK)
-
-
-@triton.jit
 def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr,
                         NQ: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                         MAXS: tl.constexpr, QSCALE: tl.constexpr, NS: tl.constexpr,
-                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr,
-                        k0, v0, EARLY: tl.constexpr):
-    start, stop = _split_range(s, pos, NS)
+                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
+    chunk = (pos + NS - 2) // (NS - 1)
+    start = s * chunk
+    stop = tl.minimum(s * chunk + chunk, pos)
     hq = tl.arange(0, GP)
     hm = hq < G
     dcol = tl.arange(0, HD)
@@ -87,15 +44,22 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
     m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, HD], dtype=tl.float32)
-    k_first = start
-    if EARLY:       # the first block was loaded before the wait (attn_partial_preload)
-        if start < stop:
-            m_i, l_i, acc = _online_block(qs, k0, v0, start, stop, m_i, l_i, acc, ATTN_BLOCK, INTERP)
-        k_first = start + ATTN_BLOCK
     # each iteration streams 2 x ATTN_BLOCK x HD bf16 of K and V
-    for kb in tl.range(k_first, stop, ATTN_BLOCK, num_stages=ATTN_STAGES):
-        k, v = _kv_block(kbase, vbase, kb, stop, HD, ATTN_BLOCK)
-        m_i, l_i, acc = _online_block(qs, k, v, kb, stop, m_i, l_i, acc, ATTN_BLOCK, INTERP)
+    for kb in tl.range(start, stop, ATTN_BLOCK, num_stages=ATTN_STAGES):
+        keys = kb + tl.arange(0, ATTN_BLOCK)
+        km = keys < stop
+        k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
+                    cache_modifier=".cg")
+        v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
+                    cache_modifier=".cg")                      # issued with K: one round trip a block
+        sc = mma(qs, tl.trans(k), INTERP)                           # [GP, ATTN_BLOCK] fp32
+        sc = tl.where(km[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        p = tl.exp2(sc - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
+        m_i = m_new
     prow = (layer * NQ + qrow) * (NS - 1) + s
     tl.store(part_o_ptr + prow[:, None] * HD + dcol[None, :], acc, mask=hm[:, None])
     tl.store(part_ml_ptr + prow * 2, m_i, mask=hm)
@@ -131,9 +95,6 @@ class AttnPartial(Instruction):
             "NQ", "HD", "G", "GP", "MAXS", "QSCALE", "NS", "ATTN_BLOCK", "INTERP", "ATTN_STAGES")
     device = attn_partial_device
     prefetch = attn_partial_prefetch
-    preload = attn_partial_preload
-    PRELOAD_ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "HD", "MAXS", "NS", "ATTN_BLOCK")
-    N_PRELOAD = 2
     PREFETCH_ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "HD", "MAXS", "NS", "ATTN_BLOCK")
 
     def check_operands(self, lay: Layout) -> list[str]:

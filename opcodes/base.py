@@ -184,13 +184,7 @@ class Instruction:
 
     ``NAME``      short opcode name (the CLI and listings use it)
     ``ARGS``      the kernel parameters its device function takes after its operands
-    ``device``    the ``@triton.jit`` function: ``device(<operands...>, <ARGS...>)``; with a
-                  ``preload``: ``device(<operands...>, <ARGS...>, <preloaded tensors...>, EARLY)``
-    ``preload``   optional jit fn ``(<operands...>, <PRELOAD_ARGS...>) -> tuple`` of the first
-                  weight (or K/V) block, issued *before* the instruction waits on its counters:
-                  those bytes depend on nothing this call computes, so they arrive while the SM
-                  waits (kernel switch ``EARLY``; without it the device gets zeros and loads them
-                  itself)
+    ``device``    the ``@triton.jit`` function: ``device(<operands...>, <ARGS...>)``
     ``reads`` / ``writes``  the regions of scratch buffers it touches (for the verifier)
     ``cost``      bytes and flops (for the scheduler)
     ``run_torch`` its semantics on torch tensors (for the VM)
@@ -203,9 +197,6 @@ class Instruction:
     device = None                     # set by subclasses (a triton JITFunction)
     prefetch = None                   # optional: jit fn (operands..., n, PREFETCH_ARGS...) run while waiting
     PREFETCH_ARGS: ClassVar[tuple[str, ...]] = ()
-    preload = None                    # optional: jit fn (operands..., PRELOAD_ARGS...) -> tuple, before the wait
-    PRELOAD_ARGS: ClassVar[tuple[str, ...]] = ()
-    N_PRELOAD: ClassVar[int] = 0      # how many tensors ``preload`` returns
 
     # ---- encoding -----------------------------------------------------------------
     @classmethod

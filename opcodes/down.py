@@ -18,21 +18,9 @@ from .common import T_WD, prefetch_rows, tab_offset
 
 
 @triton.jit
-def down_preload(layer, row0, kc, wtab_ptr, wd_ptr, D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr,
-                 DOWN_K: tl.constexpr, BK: tl.constexpr):
-    """The tile's first BK columns of Wdown (of its K chunk), before the act wait."""
-    rows = row0 + tl.arange(0, DOWN_ROWS)
-    cols = kc * DOWN_K + tl.arange(0, BK)
-    cm = (tl.arange(0, BK) < DOWN_K) & (cols < FFN)
-    w_ptr = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
-    return tl.load(w_ptr + rows[:, None] * FFN + cols[None, :], mask=(rows < D)[:, None] & cm[None, :], other=0.0,
-                   eviction_policy="evict_first")
-
-
-@triton.jit
 def down_device(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
                 D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
-                NKC: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, w0, EARLY: tl.constexpr):
+                NKC: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     EVEN: tl.constexpr = (FFN % DOWN_K == 0) and (DOWN_K % BK == 0) and (D % DOWN_ROWS == 0)
     rows = row0 + tl.arange(0, DOWN_ROWS)
     rm = rows < D
@@ -40,15 +28,8 @@ def down_device(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
     a_ptr = act_ptr + layer * FFN
     kbase = kc * DOWN_K
     acc = tl.zeros([DOWN_ROWS, BK], dtype=tl.float32)
-    k_first = 0
-    if EARLY:       # columns [0, BK) of the chunk were loaded before the wait (down_preload)
-        cols = kbase + tl.arange(0, BK)
-        cm = (tl.arange(0, BK) < DOWN_K) & (cols < FFN)
-        a = tl.load(a_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg")
-        acc += w0.to(tl.float32) * a[None, :]
-        k_first = BK
     # each iteration streams DOWN_ROWS x BK bf16 of Wdown
-    for kk in tl.range(k_first, DOWN_K, BK, num_stages=STAGES):
+    for kk in tl.range(0, DOWN_K, BK, num_stages=STAGES):
         cols = kbase + kk + tl.arange(0, BK)
         if EVEN:
             a = tl.load(a_ptr + cols, cache_modifier=".cg")
@@ -81,9 +62,6 @@ class Down(Instruction):
     ARGS = ("wtab_ptr", "wd_ptr", "act_ptr", "dpart_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "NKC", "BK", "STAGES")
     device = down_device
     prefetch = down_prefetch
-    preload = down_preload
-    PRELOAD_ARGS = ("wtab_ptr", "wd_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "BK")
-    N_PRELOAD = 1
     PREFETCH_ARGS = ("wtab_ptr", "wd_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "BK")
 
     def check_operands(self, lay: Layout) -> list[str]:

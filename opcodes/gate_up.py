@@ -19,34 +19,9 @@ from .common import T_N2, T_WG, T_WU, prefetch_rows, tab_offset
 
 
 @triton.jit
-def _gu_block(g_ptr, u_ptr, rows, rm, k0, D: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr):
-    """Columns [k0, k0 + BK) of the tile's gate and up rows (bf16)."""
-    cols = k0 + tl.arange(0, BK)
-    if EVEN:
-        wg = tl.load(g_ptr + rows[:, None] * D + cols[None, :], eviction_policy="evict_first")
-        wu = tl.load(u_ptr + rows[:, None] * D + cols[None, :], eviction_policy="evict_first")
-    else:
-        m2 = rm[:, None] & (cols < D)[None, :]
-        wg = tl.load(g_ptr + rows[:, None] * D + cols[None, :], mask=m2, other=0.0)
-        wu = tl.load(u_ptr + rows[:, None] * D + cols[None, :], mask=m2, other=0.0)
-    return wg, wu
-
-
-@triton.jit
-def gate_up_preload(layer, row0, wtab_ptr, wg_ptr, wu_ptr, D: tl.constexpr, FFN: tl.constexpr,
-                    GU_ROWS: tl.constexpr, BK: tl.constexpr):
-    """The tile's first BK columns of Wgate and Wup, before the x1 wait."""
-    EVEN: tl.constexpr = (D % BK == 0) and (FFN % GU_ROWS == 0)
-    rows = row0 + tl.arange(0, GU_ROWS)
-    g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
-    u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
-    return _gu_block(g_ptr, u_ptr, rows, rows < FFN, 0, D, BK, EVEN)
-
-
-@triton.jit
 def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
                    D: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-                   BK: tl.constexpr, STAGES: tl.constexpr, wg0, wu0, EARLY: tl.constexpr):
+                   BK: tl.constexpr, STAGES: tl.constexpr):
     EVEN: tl.constexpr = (D % BK == 0) and (FFN % GU_ROWS == 0)
     rows = row0 + tl.arange(0, GU_ROWS)
     rm = rows < FFN
@@ -57,19 +32,8 @@ def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_pt
     accg = tl.zeros([GU_ROWS, BK], dtype=tl.float32)
     accu = tl.zeros([GU_ROWS, BK], dtype=tl.float32)
     ss = tl.zeros([BK], dtype=tl.float32)
-    k_first = 0
-    if EARLY:       # columns [0, BK) were loaded before the wait (gate_up_preload)
-        cols = tl.arange(0, BK)
-        cm = cols < D
-        xv = tl.load(xin + cols, mask=cm, other=0.0, cache_modifier=".cg")
-        nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-        ss += xv * xv
-        hv = (xv * nw)[None, :]
-        accg += wg0.to(tl.float32) * hv
-        accu += wu0.to(tl.float32) * hv
-        k_first = BK
     # each iteration streams 2 x GU_ROWS x BK bf16 of Wgate and Wup
-    for k0 in tl.range(k_first, D, BK, num_stages=STAGES):
+    for k0 in tl.range(0, D, BK, num_stages=STAGES):
         cols = k0 + tl.arange(0, BK)
         if EVEN:
             xv = tl.load(xin + cols, cache_modifier=".cg")
@@ -111,9 +75,6 @@ class GateUp(Instruction):
 
     NAME = "gate_up"
     STAGE = 4
-    preload = gate_up_preload
-    PRELOAD_ARGS = ("wtab_ptr", "wg_ptr", "wu_ptr", "D", "FFN", "GU_ROWS", "BK")
-    N_PRELOAD = 2
     ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "FFN", "EPS", "GU_ROWS", "BK", "STAGES")
     device = gate_up_device
     prefetch = gate_up_prefetch

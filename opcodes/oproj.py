@@ -20,22 +20,9 @@ from .common import T_WO, layer_input, prefetch_rows, tab_offset
 
 
 @triton.jit
-def oproj_preload(layer, row0, oc, wtab_ptr, wo_ptr, D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr,
-                  O_ROWS: tl.constexpr, O_K: tl.constexpr, BK: tl.constexpr):
-    """The tile's first BK columns of Wo (of its K chunk), before the attention wait."""
-    QD: tl.constexpr = NQ * HD
-    rows = row0 + tl.arange(0, O_ROWS)
-    cols = oc * O_K + tl.arange(0, BK)
-    cm = (tl.arange(0, BK) < O_K) & (cols < QD)
-    w_ptr = wo_ptr + tab_offset(wtab_ptr, layer, T_WO)
-    return tl.load(w_ptr + rows[:, None] * QD + cols[None, :], mask=(rows < D)[:, None] & cm[None, :], other=0.0,
-                   eviction_policy="evict_first")
-
-
-@triton.jit
 def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_ptr, opart_ptr,
                  D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, O_ROWS: tl.constexpr, O_K: tl.constexpr,
-                 NOC: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, w0, EARLY: tl.constexpr):
+                 NOC: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     QD: tl.constexpr = NQ * HD
     EVEN: tl.constexpr = (QD % O_K == 0) and (O_K % BK == 0) and (D % O_ROWS == 0)
     rows = row0 + tl.arange(0, O_ROWS)
@@ -44,15 +31,8 @@ def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x
     a_ptr = attn_ptr + layer * QD
     kbase = oc * O_K
     acc = tl.zeros([O_ROWS, BK], dtype=tl.float32)
-    k_first = 0
-    if EARLY:       # columns [0, BK) of the chunk were loaded before the wait (oproj_preload)
-        cols = kbase + tl.arange(0, BK)
-        cm = (tl.arange(0, BK) < O_K) & (cols < QD)
-        a = tl.load(a_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg")
-        acc += w0.to(tl.float32) * a[None, :]
-        k_first = BK
     # each iteration streams O_ROWS x BK bf16 of Wo
-    for kk in tl.range(k_first, O_K, BK, num_stages=STAGES):
+    for kk in tl.range(0, O_K, BK, num_stages=STAGES):
         cols = kbase + kk + tl.arange(0, BK)
         if EVEN:
             a = tl.load(a_ptr + cols, cache_modifier=".cg")
@@ -92,9 +72,6 @@ class OProj(Instruction):
             "D", "NQ", "HD", "O_ROWS", "O_K", "NOC", "BK", "STAGES")
     device = oproj_device
     prefetch = oproj_prefetch
-    preload = oproj_preload
-    PRELOAD_ARGS = ("wtab_ptr", "wo_ptr", "D", "NQ", "HD", "O_ROWS", "O_K", "BK")
-    N_PRELOAD = 1
     PREFETCH_ARGS = ("wtab_ptr", "wo_ptr", "D", "NQ", "HD", "O_ROWS", "O_K", "BK")
 
     def check_operands(self, lay: Layout) -> list[str]:

@@ -36,26 +36,11 @@ def section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr):
 
 
 @triton.jit
-def qkv_preload(layer, sec, head, j, wtab_ptr, wq_ptr, wk_ptr, wv_ptr, D: tl.constexpr, HD: tl.constexpr,
-                QKV_ROWS: tl.constexpr, BK: tl.constexpr):
-    """The tile's first BK columns (both RoPE halves), before the wait for the layer input."""
-    HALF: tl.constexpr = QKV_ROWS // 2
-    w_ptr = section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr)
-    rows1 = head * HD + j * HALF + tl.arange(0, HALF)
-    cols = tl.arange(0, BK)
-    cm = (cols < D)[None, :]
-    w1 = tl.load(w_ptr + rows1[:, None] * D + cols[None, :], mask=cm, other=0.0, eviction_policy="evict_first")
-    w2 = tl.load(w_ptr + (rows1 + HD // 2)[:, None] * D + cols[None, :], mask=cm, other=0.0,
-                 eviction_policy="evict_first")
-    return w1, w2
-
-
-@triton.jit
 def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
                kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
                D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAXS: tl.constexpr,
                EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-               INTERP: tl.constexpr, w10, w20, EARLY: tl.constexpr):
+               INTERP: tl.constexpr):
     HALF: tl.constexpr = QKV_ROWS // 2
     EVEN_K: tl.constexpr = D % BK == 0
     dims = j * HALF + tl.arange(0, HALF)                       # [HALF] in [0, HD/2)
@@ -67,19 +52,8 @@ def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_p
     acc1 = tl.zeros([HALF, BK], dtype=tl.float32)
     acc2 = tl.zeros([HALF, BK], dtype=tl.float32)
     ss = tl.zeros([BK], dtype=tl.float32)
-    k_first = 0
-    if EARLY:       # columns [0, BK) were loaded before the wait (qkv_preload)
-        cols = tl.arange(0, BK)
-        cm = cols < D
-        xv = tl.load(xin + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
-        nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-        ss += xv * xv
-        hv = (xv * nw)[None, :]
-        acc1 += w10.to(tl.float32) * hv
-        acc2 += w20.to(tl.float32) * hv
-        k_first = BK
     # each iteration streams QKV_ROWS x BK bf16 weights
-    for k0 in tl.range(k_first, D, BK, num_stages=STAGES):
+    for k0 in tl.range(0, D, BK, num_stages=STAGES):
         cols = k0 + tl.arange(0, BK)
         if EVEN_K:
             xv = tl.load(xin + cols, cache_modifier=".cg").to(tl.float32)
@@ -141,9 +115,6 @@ class QKV(Instruction):
 
     NAME = "qkv"
     STAGE = 0
-    preload = qkv_preload
-    PRELOAD_ARGS = ("wtab_ptr", "wq_ptr", "wk_ptr", "wv_ptr", "D", "HD", "QKV_ROWS", "BK")
-    N_PRELOAD = 2
     ARGS = ("pos", "x_ptr", "xout_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr",
             "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
             "D", "NQ", "HD", "MAXS", "EPS", "QKV_ROWS", "BK", "STAGES", "INTERP")
