@@ -7,6 +7,7 @@
 #   checks  : examples/gpu_checks.py (broken tapes, random schedules, repeatability)
 #   multi   : the 16-layer 70B stack (with cuBLAS and torch.compile) and the 1B whole-model decoder
 #             (its variants: $DVARIANTS)
+#   sanitize: compute-sanitizer memcheck and racecheck over examples/sanitize_small.py
 #   confirm : bench checks multi
 #   OLD=DIR : also time the tree in DIR (e.g. the previous commit, `git archive`) first, same
 #             machine, megatape only: an A/B of two trees in one lease
@@ -38,8 +39,13 @@ run_part() {
   multi)
     python3 -m bench.driver --preset llama70b-16 --baselines cublas,compile --out "$RES/multi" --tag 16
     python3 -m bench.decoder_bench --out "$RES/multi" --variants "${DVARIANTS:-}" ;;
+  sanitize)
+    for tool in memcheck racecheck; do
+      echo "=== compute-sanitizer --tool $tool"
+      timeout 240 compute-sanitizer --tool $tool python3 examples/sanitize_small.py 2>&1 | tail -5 | tee "$RES/sanitize-$tool.txt"
+    done ;;
   confirm) run_part bench; run_part checks; run_part multi ;;
-  *) echo "unknown part $1 (explore|bench|checks|multi|confirm)" >&2; exit 2 ;;
+  *) echo "unknown part $1 (explore|bench|checks|multi|sanitize|confirm)" >&2; exit 2 ;;
   esac
 }
 for p in "${parts[@]}"; do run_part "$p"; done
@@ -47,6 +53,7 @@ tar -czf "$OUT/results.tar.gz" -C "$RES" .
 {
   echo "=== summary"
   grep -h "PASS\|FAIL" "$RES/gpu_checks.txt" 2>/dev/null | cut -c1-150
+  grep -h "ERROR SUMMARY\|hazard" "$RES"/sanitize-*.txt 2>/dev/null
   for f in $(find "$RES" -name "*.md" ! -name "profile.md" ! -name "measured_vs_plan.md" | sort); do
     echo; echo "$f" | sed "s|$RES/||"; grep -h "^| " "$f" | grep -v "^|---"
   done

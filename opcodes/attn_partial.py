@@ -1,11 +1,11 @@
 """ATTN_PARTIAL: flash-decoding partial attention of one KV head's query group over one split
-of the cache prefix.
+of the key sequence.
 
-The prefix ``[0, pos)`` is cut into ``NS - 1`` equal splits at run time (the tape is the same at
-every position): split ``s`` covers ``[s*c, min((s+1)*c, pos))`` with ``c = cdiv(pos, NS-1)``.
-The one key at ``pos`` that this call writes is merged by ATTN_REDUCE, so no split depends on
-this call's K/V tiles: the splits (all the KV bytes) wait for the group's Q tiles alone and run
-while K and V are still being projected, and the K/V tiles feed the reduction directly.
+The cache prefix ``[0, pos)`` is cut into ``NS - 1`` equal splits at run time (the tape is the
+same at every position): split ``s < NS-1`` covers ``[s*c, min((s+1)*c, pos))`` with
+``c = cdiv(pos, NS-1)``; split ``NS-1`` covers the one key at ``pos`` that this call writes.
+So only the last split depends on this call's K/V tiles: the prefix splits (nearly all the KV
+bytes) wait for the group's Q tiles alone and run while K and V are still being projected.
 The G = n_q / n_kv query heads that share KV head ``g`` are processed together, so each K/V
 block is loaded once for all of them (GQA). Writes per query head the running max ``m``, the
 sum ``l`` (base 2) and the unnormalised ``acc = sum_t p_t v_t`` for the reduction.
@@ -29,9 +29,10 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
                         NQ: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                         MAXS: tl.constexpr, QSCALE: tl.constexpr, NS: tl.constexpr,
                         ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
+    last = s == NS - 1
     chunk = (pos + NS - 2) // (NS - 1)
-    start = s * chunk
-    stop = tl.minimum(s * chunk + chunk, pos)
+    start = tl.where(last, pos, s * chunk)
+    stop = tl.where(last, pos + 1, tl.minimum(s * chunk + chunk, pos))
     hq = tl.arange(0, GP)
     hm = hq < G
     dcol = tl.arange(0, HD)
@@ -60,7 +61,7 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
         m_i = m_new
-    prow = (layer * NQ + qrow) * (NS - 1) + s
+    prow = (layer * NQ + qrow) * NS + s
     tl.store(part_o_ptr + prow[:, None] * HD + dcol[None, :], acc, mask=hm[:, None])
     tl.store(part_ml_ptr + prow * 2, m_i, mask=hm)
     tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=hm)
@@ -71,9 +72,10 @@ def attn_partial_prefetch(layer, g, s, n, pos, wtab_ptr, kc_ptr, vc_ptr, HD: tl.
                           NS: tl.constexpr, ATTN_BLOCK: tl.constexpr):
     # block n of this split's keys: K and V rows (HD bf16 = HD/64 lines each)
     L: tl.constexpr = HD // 16
+    last = s == NS - 1
     chunk = (pos + NS - 2) // (NS - 1)
-    start = s * chunk
-    stop = tl.minimum(s * chunk + chunk, pos)
+    start = tl.where(last, pos, s * chunk)
+    stop = tl.where(last, pos + 1, tl.minimum(s * chunk + chunk, pos))
     keys = start + n * ATTN_BLOCK + tl.arange(0, ATTN_BLOCK)
     cols = tl.arange(0, L) * 16
     m = (keys < stop)[:, None] & (cols < HD)[None, :]
@@ -87,7 +89,7 @@ def attn_partial_prefetch(layer, g, s, n, pos, wtab_ptr, kc_ptr, vc_ptr, HD: tl.
 class AttnPartial(Instruction):
     layer: int
     g: int        # KV head
-    s: int        # split of the cache prefix, in [0, attn_splits - 1)
+    s: int        # split of the key sequence
 
     NAME = "attn_partial"
     STAGE = 1
@@ -104,17 +106,21 @@ class AttnPartial(Instruction):
             bad.append(f"layer {self.layer} not in [0, {c.layers})")
         if not 0 <= self.g < c.n_kv:
             bad.append(f"g {self.g} not in [0, {c.n_kv})")
-        if not 0 <= self.s < lay.tiling.attn_splits - 1:
-            bad.append(f"s {self.s} not in [0, {lay.tiling.attn_splits - 1}) (attn_splits - 1 prefix splits)")
+        if not 0 <= self.s < lay.tiling.attn_splits:
+            bad.append(f"s {self.s} not in [0, {lay.tiling.attn_splits})")
         return bad
 
     def reads(self, lay: Layout) -> list[Region]:
         c = lay.cfg
         q0 = self.layer * c.q_dim + self.g * c.group * c.hd
-        return [Region("q", q0, q0 + c.group * c.hd)]
+        kv0 = self.layer * c.kv_dim + self.g * c.hd
+        out = [Region("q", q0, q0 + c.group * c.hd)]
+        if self.s == lay.tiling.attn_splits - 1:      # only the last split reads the key at pos
+            out += [Region("kv_new_k", kv0, kv0 + c.hd), Region("kv_new_v", kv0, kv0 + c.hd)]
+        return out
 
     def writes(self, lay: Layout) -> list[Region]:
-        c, ns = lay.cfg, lay.tiling.attn_splits - 1
+        c, ns = lay.cfg, lay.tiling.attn_splits
         out = []
         for h in range(self.g * c.group, (self.g + 1) * c.group):
             row = (self.layer * c.n_q + h) * ns + self.s
@@ -128,14 +134,17 @@ class AttnPartial(Instruction):
         ns = lay.tiling.attn_splits
         pre = max(0, n_keys - 1)                     # the prefix keys, split as the kernel does
         chunk = cdiv(pre, ns - 1) if pre else 0
-        per = max(0, min(chunk, pre - self.s * chunk))
+        per = 1 if self.s == ns - 1 else max(0, min(chunk, pre - self.s * chunk))
         return Cost(hbm_bytes=2 * 2 * per * c.hd, l2_bytes=4 * c.group * c.hd * 2,
                     flops=4 * c.group * per * c.hd)
 
     def run_torch(self, lay: Layout, st) -> None:
-        c, ns = lay.cfg, lay.tiling.attn_splits - 1
-        chunk = cdiv(st.pos, ns)
-        start, stop = self.s * chunk, min((self.s + 1) * chunk, st.pos)
+        c, ns = lay.cfg, lay.tiling.attn_splits
+        if self.s == ns - 1:
+            start, stop = st.pos, st.pos + 1
+        else:
+            chunk = cdiv(st.pos, ns - 1)
+            start, stop = self.s * chunk, min((self.s + 1) * chunk, st.pos)
         q = st.buf["q"].view(c.layers, c.n_q, c.hd)[self.layer, self.g * c.group:(self.g + 1) * c.group]
         po = st.buf["part_o"].view(c.layers, c.n_q, ns, c.hd)
         pml = st.buf["part_ml"].view(c.layers, c.n_q, ns, 2)

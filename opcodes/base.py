@@ -51,7 +51,7 @@ class Tiling:
     down_rows: int = 32     # output rows per down-projection tile
     down_k: int = 7168      # ffn columns (K range) per down-projection tile
     red_rows: int = 1024    # rows per final residual reduction
-    attn_splits: int = 16   # per KV head: attn_splits - 1 splits of the cache prefix, + the key at pos
+    attn_splits: int = 16   # splits of the key sequence per KV head
     attn_block: int = 128   # keys per attention inner block
     # software-pipelining depth of the attention key loop: 3 keeps two 128-key K/V blocks in
     # flight, so a ~270-key split costs ~2 loaded HBM round trips instead of one per block
@@ -77,7 +77,7 @@ class Tiling:
         if self.qkv_rows < 2:
             raise ValueError("Tiling.qkv_rows must be >= 2 (RoPE pairs)")
         if self.attn_splits < 2:
-            raise ValueError("Tiling.attn_splits must be >= 2 (at least one prefix split, plus the key at pos)")
+            raise ValueError("Tiling.attn_splits must be >= 2 (the last split is the key at pos)")
         if self.attn_block < 16:
             raise ValueError("Tiling.attn_block must be >= 16 (tl.dot)")
 
@@ -149,8 +149,8 @@ class Layout:
             "q": ((L, c.q_dim), "fp32"),
             "kv_new_k": ((L, c.kv_dim), "bf16"),
             "kv_new_v": ((L, c.kv_dim), "bf16"),
-            "part_o": ((L, c.n_q, t.attn_splits - 1, c.hd), "fp32"),
-            "part_ml": ((L, c.n_q, t.attn_splits - 1, 2), "fp32"),
+            "part_o": ((L, c.n_q, t.attn_splits, c.hd), "fp32"),
+            "part_ml": ((L, c.n_q, t.attn_splits, 2), "fp32"),
             "attn": ((L, c.q_dim), "fp32"),
             "x1": ((L, c.d), "fp32"),
             **({"opart": ((L, self.n_o_k, c.d), "fp32")} if self.n_o_k > 1 else {}),

@@ -31,8 +31,8 @@ class CostModel:
     # key block) seconds, the round trips being the key blocks over the blocks in flight
     # (attn_stages - 1). Fitted to six H200 variants (bench/NOTES.md v7). None: bytes, as above.
     attn_latency: tuple | None = (2.6e-6, 2.1e-6, 0.2e-6)
-    # measured times of latency-bound opcodes that move no weights (H200, bench/NOTES.md v9)
-    fixed: dict = field(default_factory=lambda: {"attn_reduce": 3.0e-6})
+    # measured times of latency-bound opcodes that move no weights (H200, bench/NOTES.md v7)
+    fixed: dict = field(default_factory=lambda: {"attn_reduce": 2.1e-6})
 
     def time(self, prog: Program, i: int, num_sms: int) -> float:
         ins = prog.instrs[i]

@@ -48,7 +48,7 @@ class FluidModel:
     overhead: float = 0.3e-6
     l2_bw_sm: float = 100e9
     cap: dict = field(default_factory=dict)
-    fixed: dict = field(default_factory=lambda: {"attn_reduce": 3.0e-6, "residual": 0.9e-6, "o_reduce": 1.5e-6})
+    fixed: dict = field(default_factory=lambda: {"attn_reduce": 2.1e-6, "residual": 0.9e-6, "o_reduce": 1.5e-6})
     latency_bound: tuple = ("attn_partial", "attn_reduce", "o_reduce", "residual", "argmax", "embed")
     # an attention split: t0 + (loaded HBM round trips) * rt + (key blocks) * per_block, where the
     # round trips are the blocks over the blocks in flight (attn_stages - 1). Fitted to six H200

@@ -7,8 +7,8 @@ its producers have signalled; the per-call wait target is therefore the number o
 Dependencies per layer ``l`` (one counter per arrow group):
 
     QKV(l, q heads of group g) --q[l,g]--> ATTN_PARTIAL(l, g, *)                  (the cache prefix)
+    QKV(l, k/v head g) --kv[l,g]--> ATTN_PARTIAL(l, g, NS-1) (+ q[l,g])      (the key at pos)
     ATTN_PARTIAL(l, g, *) --part[l,g]--> ATTN_REDUCE(l, heads of g)
-    QKV(l, k/v head g) --kv[l,g]--> ATTN_REDUCE(l, heads of g)                (the key at pos)
     ATTN_REDUCE(l, *) --attn[l]--> OPROJ(l, *) --x1[l]--> GATE_UP(l, *)
     GATE_UP(l, rows in K chunk kc) --act[l,kc]--> DOWN(l, *, kc)
     DOWN(l, rows in block rb, *) --dpart[l,rb]--> RESIDUAL(l, rb) --out[l]--> QKV(l+1, *)
@@ -109,10 +109,11 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
                 for j in range(lay.n_qkv_tiles_per_head):
                     p.add(QKV(l, sec, g, j), w_in, ckv[g])
         for g in range(c.n_kv):
-            for s in range(t.attn_splits - 1):
-                p.add(AttnPartial(l, g, s), (cq[g],), cp[g])
-        for h in range(c.n_q):        # the partials of the head's group + the key at pos (K/V tiles)
-            p.add(AttnReduce(l, h), (cp[h // c.group], ckv[h // c.group]), ca[(h * c.hd) // lay.o_k])
+            for s in range(t.attn_splits):
+                last = s == t.attn_splits - 1
+                p.add(AttnPartial(l, g, s), (cq[g], ckv[g]) if last else (cq[g],), cp[g])
+        for h in range(c.n_q):
+            p.add(AttnReduce(l, h), (cp[h // c.group],), ca[(h * c.hd) // lay.o_k])
         if n_oc == 1:
             for r in range(0, c.d, t.o_rows):
                 p.add(OProj(l, r, 0), (ca[0],), cx)

@@ -34,7 +34,7 @@ def expected_counts(lay: Layout) -> dict[str, int]:
     c, t = lay.cfg, lay.tiling
     per_layer = {
         "qkv": (c.n_q + 2 * c.n_kv) * (c.hd // t.qkv_rows),   # q heads, k heads, v heads x row tiles
-        "attn_partial": c.n_kv * (t.attn_splits - 1),          # one per (KV head, prefix split)
+        "attn_partial": c.n_kv * t.attn_splits,                # one per (KV head, key split)
         "oproj": cdiv(c.d, t.o_rows) * lay.n_o_k,             # one per (row tile, K chunk)
         "o_reduce": cdiv(c.d, t.red_rows) if lay.n_o_k > 1 else 0,
         "gate_up": cdiv(c.ffn, t.gu_rows),
@@ -124,19 +124,19 @@ def test_dependencies_are_tile_granular(name, tiling):
             assert {(p.row0, p.kc) for p in prods} == {
                 (r, kc) for r in range(ins.row0, r1, t.down_rows) for kc in range(cdiv(c.ffn, t.down_k))}
         elif ins.NAME == "attn_partial":
-            # prefix splits wait only for the group's Q tiles
+            # prefix splits wait only for the group's Q tiles; the last split (the key at pos) also
+            # for the K and V tiles of its KV head
             prods = [prog.instrs[j] for cnt in prog.waits[i] for j in producers[cnt]]
             heads = {(p.sec, p.head) for p in prods}
             want = {(0, h) for h in range(ins.g * c.group, (ins.g + 1) * c.group)}
+            if ins.s == t.attn_splits - 1:
+                want |= {(1, ins.g), (2, ins.g)}
             assert heads == want, (ins, sorted(heads))
         elif ins.NAME == "attn_reduce":
-            # a head's merge waits for its group's prefix splits and the group's K and V tiles
-            # (the key at pos); its Q tiles come first through the splits
+            # a head's merge waits for all the splits of its group
             prods = [prog.instrs[j] for cnt in prog.waits[i] for j in producers[cnt]]
             g = ins.h // c.group
-            assert {(p.g, p.s) for p in prods if p.NAME == "attn_partial"} == {
-                (g, s) for s in range(t.attn_splits - 1)}, ins
-            assert {(p.sec, p.head) for p in prods if p.NAME == "qkv"} == {(1, g), (2, g)}, ins
+            assert {(p.g, p.s) for p in prods} == {(g, s) for s in range(t.attn_splits)}, ins
     # K chunks and residual blocks really are several here
     assert cdiv(c.ffn, t.down_k) > 1 and cdiv(c.d, t.red_rows) > 1
 
