@@ -119,6 +119,11 @@ def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:
         if k == "policy":
             build["policy"] = v
             continue
+        if k == "attnmodel":        # schedule with the round-trip attention model too
+            from schedule import CostModel
+            if int(v):
+                build["cost_model"] = CostModel()
+            continue
         if k == "bytesmodel":
             from schedule import CostModel
             if int(v):
