@@ -150,7 +150,7 @@ def host_breakdown(h, x, pos, n: int = 20) -> dict:
     from interp.runtime import _check_step_args, launch
     parts = {"checks": lambda: _check_step_args(h, x, pos),
              "status": lambda: h.check(sync=False),
-             "alloc": lambda: torch.empty(1, h.cfg.d, dtype=torch.bfloat16, device=h.device),
+             "alloc (after the launch)": lambda: torch.empty(1, h.cfg.d, dtype=torch.bfloat16, device=h.device),
              "launch": lambda: launch(h, x, pos, torch.empty(1, h.cfg.d, dtype=torch.bfloat16, device=h.device))}
     out = {}
     for k, f in parts.items():
