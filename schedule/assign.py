@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from .program import Program
 
 
+#: an attention split on the H200: (t0, per loaded HBM round trip, per key block) seconds, fitted
+#: to six variants of block size and pipelining depth (bench/NOTES.md v7); see attention_latency
+ATTN_LATENCY_H200 = (2.6e-6, 2.1e-6, 0.2e-6)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Predicted time of one instruction on one SM (seconds).
@@ -30,7 +35,7 @@ class CostModel:
     # Attention splits are bound by loaded HBM round trips, not bytes: (t0, per round trip, per
     # key block) seconds, the round trips being the key blocks over the blocks in flight
     # (attn_stages - 1). Fitted to six H200 variants (bench/NOTES.md v7). None: bytes, as above.
-    attn_latency: tuple | None = (2.6e-6, 2.1e-6, 0.2e-6)
+    attn_latency: tuple | None = ATTN_LATENCY_H200
     # measured times of latency-bound opcodes that move no weights (H200, bench/NOTES.md v7)
     fixed: dict = field(default_factory=lambda: {"attn_reduce": 2.1e-6})
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from .assign import CostModel, Schedule, _check_sms, _queue_consistent_order, attention_latency, bottom_levels
+from .assign import (ATTN_LATENCY_H200, CostModel, Schedule, _check_sms, _queue_consistent_order, attention_latency,
+                     bottom_levels)
 from .program import Program
 
 _EPS = 1e-12
@@ -53,9 +54,9 @@ class FluidModel:
     # an attention split: t0 + (loaded HBM round trips) * rt + (key blocks) * per_block, where the
     # round trips are the blocks over the blocks in flight (attn_stages - 1). Fitted to six H200
     # variants (bench/NOTES.md v7: 64/128-key blocks, 1-5 stages): within ~1 us of each.
-    attn_t0: float = 2.6e-6
-    attn_rt: float = 2.1e-6
-    attn_per_block: float = 0.2e-6
+    attn_t0: float = ATTN_LATENCY_H200[0]
+    attn_rt: float = ATTN_LATENCY_H200[1]
+    attn_per_block: float = ATTN_LATENCY_H200[2]
 
     def attention_time(self, lay, keys: int) -> float:
         return attention_latency(lay, keys, self.attn_t0, self.attn_rt, self.attn_per_block)

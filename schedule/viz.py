@@ -40,7 +40,6 @@ from matplotlib.patches import Patch  # noqa: E402
 from opcodes import BY_OPCODE, REGISTRY, ModelConfig  # noqa: E402
 from opcodes.base import NO_COUNTER  # noqa: E402
 
-from .assign import CostModel  # noqa: E402
 from .program import Program  # noqa: E402
 from .dag import build_dag  # noqa: E402,F401  (re-exported: viz users call viz.build_dag)
 from . import trace as T  # noqa: E402
