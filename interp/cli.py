@@ -122,6 +122,11 @@ def summary_lines(comps: dict, selected: str) -> list[str]:
                  " ".join(f"{k}={v}" for k, v in t.__dict__.items()))
     lines.append(f"target  {sel.tape.num_sms} SMs; cost model: HBM {model.hbm_bw / 1e12:.2f} TB/s, "
                  f"L2 {model.l2_bw_sm / 1e9:.0f} GB/s per SM, {model.overhead * 1e6:.2f} us per instruction")
+    if model.attn_latency:
+        t0, rt, pb = (v * 1e6 for v in model.attn_latency)
+        lines.append(f"        attention splits by loaded HBM round trips: {t0:.1f} + {rt:.1f} x trips + "
+                     f"{pb:.1f} x blocks us (H200 fit); " +
+                     ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in model.fixed.items()) + " (measured)")
     # instructions per opcode
     lines.append("")
     lines.append("instructions per opcode:")
