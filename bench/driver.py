@@ -204,7 +204,11 @@ def main(argv=None) -> int:
     ap.add_argument("--baselines", default="eager,compile,cublas",
                     help="comma list of eager, compile, cublas (empty: megatape only)")
     ap.add_argument("--tiling", default="", help="Tiling overrides of the main row, e.g. gu_rows=16,bk=1024")
-    ap.add_argument("--variants", default="", help="extra tilings to check and time, ';'-separated")
+    ap.add_argument("--variants", default="", help=(
+        "extra builds to check and time, ';'-separated, each a ','-list of Tiling fields (attn_stages=4) and "
+        "build options: policy=cost|fluid|round-robin, bytesmodel=1 / attnmodel=1 / h200model=1 (the cost "
+        "model that orders the queues), coop=0 (plain launch), prefetch=1 (L2 prefetch while waiting), "
+        "fast=0 (Triton's launcher)"))
     ap.add_argument("--profile", action="store_true", help="also run the profiling kernel and summarise it")
     ap.add_argument("--policy", default="cost")
     ap.add_argument("--profile-variants", action="store_true",
