@@ -194,6 +194,8 @@ class LayerHandle:
         if self.status_flag is not None:
             if not self.status_flag.value:       # one pinned word: any SM gave up
                 return
+            if not sync:                         # the rows are complete once the kernel has ended
+                torch.cuda.synchronize(self.device)
             st = self.status[1:]
         else:
             st = self.status[1:].cpu()

@@ -96,10 +96,9 @@ class _Engine:
         self.sm_of: dict = {}
         self.start = [0.0] * len(prog)
         self.finish = [0.0] * len(prog)
-        self.n_stream = 0
 
     def begin(self, i: int, sm: int) -> None:
-        f, b, cap = self.parts[i]
+        f = self.parts[i][0]
         self.start[i] = self.t
         self.sm_of[i] = sm
         heapq.heappush(self.fixed_heap, (self.t + f, i))
