@@ -76,6 +76,19 @@ def broken_tapes(cfg, max_seq, prefill, dev):
             first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
             record(f"broken tape: {kind}", dt < 5.0 and "instruction" in str(e),
                    f"MegakernelError after {dt:.2f} s, {len(e.stuck)} SM(s) stuck; first: {first[:140]}")
+        if kind == "wrong target":
+            # without check(): the next layer_step sees the pinned failure flag and raises before
+            # launching again (the kernel has ended: synchronize, no check)
+            bad2 = build_layer(w, kv_b, cfg.to_dict(), max_seq, tape=mutate(kind), verify_tape=False)
+            layer_step(bad2, x, prefill)
+            torch.cuda.synchronize()
+            try:
+                layer_step(bad2, x, prefill)
+                record("failure seen by the next layer_step", False, "no error raised")
+            except MegakernelError as e:
+                record("failure seen by the next layer_step", "instruction" in str(e) and len(e.stuck) > 0,
+                       f"MegakernelError naming {len(e.stuck)} stuck SM(s)")
+            teardown(bad2)
         kv_ref = [tuple(t.clone() for t in p) for p in kv]
         out = layer_step(good, x, prefill)
         good.check()
@@ -133,7 +146,7 @@ def main(argv=None) -> int:
     race(small, 64, 37, dev, a.schedules)
     race(PRESETS[a.preset], 4224, 4096, dev, a.schedules)
     n_ok = sum(ok for _, ok, _ in RESULTS)
-    print(f"\n| check | result | detail |\n|---|---|---|")
+    print("\n| check | result | detail |\n|---|---|---|")
     for name, ok, detail in RESULTS:
         print(f"| {name} | {'PASS' if ok else 'FAIL'} | {detail} |")
     print(f"\n{n_ok}/{len(RESULTS)} checks passed")
