@@ -21,6 +21,7 @@ import torch
 
 from opcodes import PRESETS, ModelConfig, Tiling
 from opcodes.reference import make_kv_cache, make_weights, model_ref, model_ref_fp32, rel_err
+from schedule import CostModel
 
 from .baselines import count_kernels as _count_kernels
 from .baselines import stream_copy_bandwidth, time_step
@@ -106,7 +107,9 @@ def check_megatape(cfg: ModelConfig, h, weights, kv, kv_before, xs, prefill: int
         f"other rows untouched: {untouched}")
 
 
-BUILD_KEYS = {"coop": "cooperative", "prefetch": "prefetch", "fast": "fast_launch", "h200model": "cost_model"}
+BUILD_KEYS = {"coop": "cooperative", "prefetch": "prefetch", "fast": "fast_launch"}
+#: variant keys that pick the cost model ordering the queues (value 1)
+MODEL_KEYS = {"attnmodel": CostModel, "bytesmodel": CostModel.bytes_only, "h200model": CostModel.h200}
 
 
 def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:
@@ -118,21 +121,9 @@ def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:
             raise ValueError(f"--tiling/--variants: expected name=value, got {kv!r}")
         if k == "policy":
             build["policy"] = v
-            continue
-        if k == "attnmodel":        # schedule with the round-trip attention model too
-            from schedule import CostModel
+        elif k in MODEL_KEYS:
             if int(v):
-                build["cost_model"] = CostModel()
-            continue
-        if k == "bytesmodel":
-            from schedule import CostModel
-            if int(v):
-                build["cost_model"] = CostModel.bytes_only()
-            continue
-        if k == "h200model":
-            from schedule import CostModel
-            if int(v):
-                build["cost_model"] = CostModel.h200()
+                build["cost_model"] = MODEL_KEYS[k]()
         elif k in BUILD_KEYS:
             build[BUILD_KEYS[k]] = bool(int(v))
         else:

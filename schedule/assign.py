@@ -183,6 +183,34 @@ def bottom_levels(prog: Program, model: CostModel, num_sms: int) -> list[float]:
     return bl
 
 
+class Release:
+    """Dependency bookkeeping shared by the schedulers: which instructions become runnable as
+    others finish. ``initial`` are those with no waits; ``done(i)`` counts ``i``'s signal and
+    returns the instructions it releases (all their counters complete), in program order of the
+    counter's consumers."""
+
+    def __init__(self, prog: Program):
+        self.prog = prog
+        self.consumers = prog.consumers()
+        self.left_c = [len(p) for p in prog.producers()]
+        self.left_i = [len(ws) for ws in prog.waits]
+        self.initial = [i for i in range(len(prog)) if self.left_i[i] == 0]
+
+    def done(self, i: int) -> list[int]:
+        c = self.prog.signal[i]
+        if c < 0:
+            return []
+        self.left_c[c] -= 1
+        if self.left_c[c]:
+            return []
+        out = []
+        for j in self.consumers[c]:
+            self.left_i[j] -= 1
+            if self.left_i[j] == 0:
+                out.append(j)
+        return out
+
+
 def list_schedule(prog: Program, num_sms: int, model: CostModel | None = None) -> Schedule:
     """Critical-path list scheduling: repeatedly take the released instruction with the longest
     bottom level and put it on the SM that frees up first."""
@@ -190,13 +218,9 @@ def list_schedule(prog: Program, num_sms: int, model: CostModel | None = None) -
     model = model or CostModel()
     n = len(prog)
     bl = bottom_levels(prog, model, num_sms)
-    producers = prog.producers()
-    consumers = prog.consumers()
-    left_c = [len(p) for p in producers]
+    rel = Release(prog)
     cdone = [0.0] * len(prog.counters)
-    left_i = [len(ws) for ws in prog.waits]
-    ready_t = [0.0] * n
-    released = [(-bl[i], i) for i in range(n) if left_i[i] == 0]
+    released = [(-bl[i], i) for i in rel.initial]
     heapq.heapify(released)
     sms = [(0.0, s) for s in range(num_sms)]
     queues: list[list[int]] = [[] for _ in range(num_sms)]
@@ -204,7 +228,8 @@ def list_schedule(prog: Program, num_sms: int, model: CostModel | None = None) -
     while released:
         _, i = heapq.heappop(released)
         free, s = heapq.heappop(sms)
-        st = max(free, ready_t[i])
+        # released: every counter it waits on has all its producers placed
+        st = max([free] + [cdone[w] for w in prog.waits[i]])
         f = st + model.time(prog, i, num_sms)
         start[i], finish[i] = st, f
         queues[s].append(i)
@@ -212,13 +237,8 @@ def list_schedule(prog: Program, num_sms: int, model: CostModel | None = None) -
         c = prog.signal[i]
         if c >= 0:
             cdone[c] = max(cdone[c], f)
-            left_c[c] -= 1
-            if left_c[c] == 0:
-                for j in consumers[c]:
-                    left_i[j] -= 1
-                    ready_t[j] = max(ready_t[j], cdone[c])
-                    if left_i[j] == 0:
-                        heapq.heappush(released, (-bl[j], j))
+        for j in rel.done(i):
+            heapq.heappush(released, (-bl[j], j))
     if sum(map(len, queues)) != n:
         raise RuntimeError("list_schedule: some instructions were never released (a counter has no producers?)")
     return Schedule(prog, num_sms, queues, "cost", start, finish)
@@ -238,24 +258,15 @@ def random_schedule(prog: Program, num_sms: int, seed: int) -> Schedule:
     instructions), each instruction on a random SM. For race tests."""
     _check_sms(num_sms)
     rng = random.Random(seed)
-    consumers = prog.consumers()
-    left_c = [len(p) for p in prog.producers()]
-    left_i = [len(ws) for ws in prog.waits]
-    released = [i for i in range(len(prog)) if left_i[i] == 0]
+    rel = Release(prog)
+    released = list(rel.initial)
     queues: list[list[int]] = [[] for _ in range(num_sms)]
     while released:
         k = rng.randrange(len(released))
         released[k], released[-1] = released[-1], released[k]
         i = released.pop()
         queues[rng.randrange(num_sms)].append(i)
-        c = prog.signal[i]
-        if c >= 0:
-            left_c[c] -= 1
-            if left_c[c] == 0:
-                for j in consumers[c]:
-                    left_i[j] -= 1
-                    if left_i[j] == 0:
-                        released.append(j)
+        released.extend(rel.done(i))
     return Schedule(prog, num_sms, queues, f"random({seed})")
 
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from .assign import (ATTN_LATENCY_H200, CostModel, Schedule, _check_sms, _queue_consistent_order, attention_latency,
-                     bottom_levels)
+from .assign import (ATTN_LATENCY_H200, CostModel, Release, Schedule, _check_sms, _queue_consistent_order,
+                     attention_latency, bottom_levels)
 from .program import Program
 
 _EPS = 1e-12
@@ -199,14 +199,11 @@ def fluid_schedule(prog: Program, num_sms: int, model: FluidModel | None = None,
     bl = bottom_levels(prog, model.as_cost_model(num_sms), num_sms)
     lat = set(model.latency_bound)
     is_lat = [ins.NAME in lat for ins in prog.instrs]
-    consumers = prog.consumers()
-    left_c = [len(p) for p in prog.producers()]
-    left_i = [len(ws) for ws in prog.waits]
+    rel = Release(prog)
     rel_s: list = []
     rel_l: list = []
-    for i in range(len(prog)):
-        if left_i[i] == 0:
-            heapq.heappush(rel_l if is_lat[i] else rel_s, (-bl[i], i))
+    for i in rel.initial:
+        heapq.heappush(rel_l if is_lat[i] else rel_s, (-bl[i], i))
     eng = _Engine(prog, num_sms, model)
     queues: list[list[int]] = [[] for _ in range(num_sms)]
     idle = list(range(num_sms))
@@ -233,14 +230,8 @@ def fluid_schedule(prog: Program, num_sms: int, model: FluidModel | None = None,
             idle.append(eng.sm_of[i])
             if is_lat[i]:
                 n_lat -= 1
-            c = prog.signal[i]
-            if c >= 0:
-                left_c[c] -= 1
-                if left_c[c] == 0:
-                    for j in consumers[c]:
-                        left_i[j] -= 1
-                        if left_i[j] == 0:
-                            heapq.heappush(rel_l if is_lat[j] else rel_s, (-bl[j], j))
+            for j in rel.done(i):
+                heapq.heappush(rel_l if is_lat[j] else rel_s, (-bl[j], j))
         dispatch()
     if n_done != len(prog):
         raise RuntimeError("fluid_schedule: some instructions were never released (a counter has no producers?)")
