@@ -121,6 +121,8 @@ def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:
             raise ValueError(f"--tiling/--variants: expected name=value, got {kv!r}")
         if k == "policy":
             build["policy"] = v
+        elif k == "pool":
+            build["pool_us"] = float(v)
         elif k in MODEL_KEYS:
             if int(v):
                 build["cost_model"] = MODEL_KEYS[k]()
@@ -198,8 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="", help=(
         "extra builds to check and time, ';'-separated, each a ','-list of Tiling fields (attn_stages=4) and "
         "build options: policy=cost|fluid|round-robin, bytesmodel=1 / attnmodel=1 / h200model=1 (the cost "
-        "model that orders the queues), coop=0 (plain launch), prefetch=1 (L2 prefetch while waiting), "
-        "fast=0 (Triton's launcher)"))
+        "model that orders the queues), pool=US (the plan's last US microseconds taken by ticket at run "
+        "time), coop=0 (plain launch), prefetch=1 (L2 prefetch while waiting), fast=0 (Triton's launcher)"))
     ap.add_argument("--profile", action="store_true", help="also run the profiling kernel and summarise it")
     ap.add_argument("--policy", default="cost")
     ap.add_argument("--profile-variants", action="store_true",
@@ -290,7 +292,8 @@ def main(argv=None) -> int:
                 try:
                     from schedule.compile import compile_model
                     from schedule.measured import write_views
-                    comp = compile_model(cfg, hp.num_sms, max_seq=a.max_seq, tiling=vt, policy=a.policy)
+                    comp = compile_model(cfg, hp.num_sms, max_seq=a.max_seq, tiling=vt, policy=vpolicy,
+                                         model=bkw.get("cost_model"), pool_us=bkw.get("pool_us", 0.0))
                     write_views(recs, comp.prog, comp.sched, a.out, hp.num_sms)
                     print((pathlib.Path(a.out) / "measured_vs_plan.md").read_text(), flush=True)
                 except Exception as e:      # the views are extra; never lose the numbers over them

@@ -4,6 +4,8 @@
 #   explore : launch-path probe + megatape variants ($VARIANTS, ';'-separated; each checked, timed
 #             and profiled), no baselines
 #   bench   : the five-row `megatape bench --profile` (eager, torch.compile, cuBLAS, megatape)
+#   variants: megatape ($TILING) and its variants ($VARIANTS), each checked, timed and profiled,
+#             beside cuBLAS in the same run (no launch probe, no eager / torch.compile)
 #   checks  : examples/gpu_checks.py (broken tapes, random schedules, repeatability)
 #   multi   : the 16-layer 70B stack (with cuBLAS and torch.compile) and the 1B whole-model decoder
 #             (its variants: $DVARIANTS)
@@ -32,6 +34,9 @@ run_part() {
     python3 -m bench.launch_probe
     python3 -m bench.driver --baselines "" --profile-variants --out "$RES/explore" --tag explore \
       --tiling "${TILING:-}" --variants "${VARIANTS:-policy=fluid}" ;;
+  variants)
+    python3 -m bench.driver --baselines cublas --profile --profile-variants --out "$RES/variants" --tag variants \
+      --tiling "${TILING:-}" --variants "${VARIANTS:-}" ;;
   bench)
     python3 -m bench.driver --profile --profile-variants --out "$RES/bench" --tiling "${TILING:-}" --variants "${VARIANTS:-}" ;;
   checks)
@@ -45,7 +50,7 @@ run_part() {
       timeout 240 compute-sanitizer --tool $tool python3 examples/sanitize_small.py 2>&1 | tail -5 | tee "$RES/sanitize-$tool.txt"
     done ;;
   confirm) run_part bench; run_part checks; run_part multi ;;
-  *) echo "unknown part $1 (explore|bench|checks|multi|sanitize|confirm)" >&2; exit 2 ;;
+  *) echo "unknown part $1 (explore|variants|bench|checks|multi|sanitize|confirm)" >&2; exit 2 ;;
   esac
 }
 for p in "${parts[@]}"; do run_part "$p"; done

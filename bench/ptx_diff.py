@@ -5,7 +5,8 @@
 Each tree's generated interpreter kernel is compiled for sm_90 (Triton's bundled ptxas) with the
 70B layer's constexprs, the launch options of ``build_layer`` and 16-byte-aligned pointers, and the
 PTX instruction streams are compared with labels and debug sections stripped. Identical streams
-mean a GPU measurement of one tree holds for the other; any difference is printed.
+mean a GPU measurement of one tree holds for the other; any difference is printed, followed by
+each tree's registers and spills as the bundled ``ptxas -v`` reports them for sm_90a.
 """
 from __future__ import annotations
 
@@ -43,11 +44,26 @@ open(sys.argv[2], "w").write(ck.asm["ptx"])
 '''
 
 
+def resources(ptx: pathlib.Path) -> str:
+    """'N registers, M bytes spill stores, K bytes spill loads' from the bundled ptxas."""
+    import triton
+    ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    r = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", os.devnull],
+                       capture_output=True, text=True)
+    text = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if not regs:
+        return "ptxas: " + text.strip()[-200:]
+    return f"{regs.group(1)} registers" + (f", {spill.group(1)} / {spill.group(2)} bytes spill stores / loads" if spill else "")
+
+
 def normalised_ptx(tree: pathlib.Path, work: pathlib.Path) -> list[str]:
     out = work / f"{tree.name}.ptx"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", _COMPILE, str(tree), str(out), str(work / f"cache-{tree.name}")],
                    check=True, env=env)
+    print(f"{tree.name}: {resources(out)}", file=sys.stderr)
     lines = []
     for ln in out.read_text().splitlines():
         s = ln.strip()

@@ -39,11 +39,11 @@ def broken_tapes(cfg, max_seq, prefill, dev):
     x = torch.randn(1, cfg.d, device=dev).to(torch.bfloat16)
 
     def mutate(kind):
-        comp = compile_model(cfg, 8, max_seq=max_seq)
+        comp = compile_model(cfg, 8, max_seq=max_seq, pool_us=(1e9 if "pool" in kind else 0.0))
         t = comp.tape
         words = t.words.clone()
         waits = [k for k in range(len(t)) if int(words[k, 1]) >= 0]
-        if kind == "wrong target":
+        if kind in ("wrong target", "wrong target in an all-pool tape"):
             words[waits[0], 2] += 1
         elif kind == "missing producer":
             c = int(words[waits[0], 1])
@@ -63,7 +63,7 @@ def broken_tapes(cfg, max_seq, prefill, dev):
         t.words = words
         return t
 
-    for kind in ("wrong target", "missing producer", "cyclic order across two SMs"):
+    for kind in ("wrong target", "missing producer", "cyclic order across two SMs", "wrong target in an all-pool tape"):
         kv_b = make_kv_cache(cfg, max_seq, prefill, device=dev)
         bad = build_layer(w, kv_b, cfg.to_dict(), max_seq, tape=mutate(kind), verify_tape=False)
         t0 = time.perf_counter()
@@ -113,20 +113,37 @@ def race(cfg, max_seq, prefill, dev, n_sched: int, seed: int = 0):
     same = all(torch.equal(r.view(torch.int16), ref.view(torch.int16)) for r in reps)
     record(f"{cfg.name}: 10 repeated runs of one schedule", same, "bitwise identical" if same else "DIFFER")
     teardown(h)
+    # the pool: the plan's tail (or all of it) taken by ticket; 10 calls each, bitwise the default,
+    # and the ticket counter exactly (pool length + SMs) per call
+    bad = []
+    for pool_us in (60.0, 1e9):
+        hp = build_layer(w, kv, cfg.to_dict(), max_seq, pool_us=pool_us)
+        outs = [layer_step(hp, x, prefill) for _ in range(10)]
+        hp.check()
+        tick = int(hp.counters[hp.tape.pool_counter])
+        if not all(torch.equal(o.view(torch.int16), ref.view(torch.int16)) for o in outs) or \
+                tick != 10 * hp.tape.tickets_per_call():
+            bad.append((pool_us, hp.tape.pool_len, tick, rel_err(outs[-1], ref)))
+        teardown(hp)
+    record(f"{cfg.name}: pools of the last 60 us and of everything, 10 calls each", not bad,
+           "bitwise identical to the queued tape; ticket counter = calls x (pool + SMs)" if not bad
+           else f"differ: {bad}")
     rng = random.Random(seed)
     dev_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     bad = []
     for k in range(n_sched):
         sms = rng.choice([1, 2, 7, 33, 64, 100, dev_sms, rng.randint(1, dev_sms)])
-        hk = build_layer(w, kv, cfg.to_dict(), max_seq, num_sms=sms, policy="random", seed=rng.randrange(1 << 30))
+        pool_us = rng.choice([0.0, 0.0, 20.0, 100.0, 1e9])
+        hk = build_layer(w, kv, cfg.to_dict(), max_seq, num_sms=sms, policy="random", seed=rng.randrange(1 << 30),
+                         pool_us=pool_us)
         out = layer_step(hk, x, prefill)
         hk.check()
         ok = torch.equal(out.view(torch.int16), ref.view(torch.int16)) and all(
             torch.equal(p[0][:, :, prefill], r) for p, r in zip(kv, krow))
         if not ok:
-            bad.append((k, sms, rel_err(out, ref)))
+            bad.append((k, sms, pool_us, rel_err(out, ref)))
         teardown(hk)
-    record(f"{cfg.name}: {n_sched} random valid schedules vs the default", not bad,
+    record(f"{cfg.name}: {n_sched} random valid schedules (some with pools) vs the default", not bad,
            "all bitwise identical (output and KV row)" if not bad else f"differ: {bad[:4]}")
 
 

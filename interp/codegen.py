@@ -55,6 +55,20 @@ def kernel_source() -> str:
     w("")
     w("")
     w("@triton.jit")
+    w("def _ticket(qoff_ptr, cnt_ptr, epoch, i, stop, in_pool):")
+    w("    # (slot, stop, in_pool) of this SM's next pool instruction; unchanged if the tape has no pool")
+    w("    nsm = tl.num_programs(0)")
+    w("    p0 = tl.load(qoff_ptr + nsm)")
+    w("    p1 = tl.load(qoff_ptr + nsm + 1)")
+    w("    if p1 > p0:")
+    w("        t = tl.atomic_add(cnt_ptr + tl.load(qoff_ptr + nsm + 2), 1, sem=\"relaxed\", scope=\"gpu\")")
+    w("        i = p0 + t - (epoch - 1) * (p1 - p0 + nsm)")
+    w("        stop = p1")
+    w("        in_pool = in_pool * 0 + 1")
+    w("    return i, stop, in_pool")
+    w("")
+    w("")
+    w("@triton.jit")
     w("def _now(PROFILE: tl.constexpr):")
     w("    if PROFILE:")
     w("        t = _globaltimer()")
@@ -77,6 +91,12 @@ def kernel_source() -> str:
     w("    i = tl.load(qoff_ptr + sm)")
     w("    stop = tl.load(qoff_ptr + sm + 1)")
     w("    failed = sm * 0")
+    # the pool: qoff[nsm], qoff[nsm + 1] bound it, qoff[nsm + 2] is its ticket counter, which
+    # advances by (pool length + SMs) per call: each SM takes one ticket past the end, then stops.
+    # The bounds are reloaded at each ticket rather than held in registers across the loop.
+    w("    in_pool = sm * 0")
+    w("    if i >= stop:")
+    w("        i, stop, in_pool = _ticket(qoff_ptr, cnt_ptr, epoch, i, stop, in_pool)")
     w("    while (i < stop) & (failed == 0):")
     w(f"        ins = tape_ptr + i * {WORDS}")
     w("        op = tl.load(ins)")
@@ -134,6 +154,8 @@ def kernel_source() -> str:
     w("                tl.store(pp + 2, t_end)")
     w("                tl.store(pp + 3, sm.to(tl.int64))")
     w("        i += 1")
+    w("        if ((in_pool == 1) | (i >= stop)) & (failed == 0):  # queue done: the next pool ticket")
+    w("            i, stop, in_pool = _ticket(qoff_ptr, cnt_ptr, epoch, i, stop, in_pool)")
     w("")
     return "\n".join(L) + "\n"
 

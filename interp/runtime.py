@@ -259,7 +259,7 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
                 spin_limit: int | None = None, sync_check: bool | None = None,
                 cost_model: CostModel | None = None, profile: bool = False, seed: int = 0,
                 cooperative: bool = True, fast_launch: bool = True, prefetch: bool = False,
-                lowering=None, extra_buffers: dict | None = None):
+                lowering=None, extra_buffers: dict | None = None, pool_us: float = 0.0):
     """Prepare one decoder layer (or ``cfg['layers']`` layers) for ``layer_step``. Untimed.
 
     weights  : {"layers": [ {in_norm, post_norm, q, k, v, o, gate, up, down} ]} bf16, row-major
@@ -270,7 +270,9 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     for tests of broken tapes), ``spin_limit`` (polls before a wait gives up), ``sync_check``
     (check the kernel's status after every step; default on the CPU), ``profile``, ``cooperative``
     (launch as a cooperative grid, which the driver refuses unless every program is co-resident;
-    without it, residency rests on the grid being one 1-CTA-per-SM program per SM).
+    without it, residency rests on the grid being one 1-CTA-per-SM program per SM), ``pool_us``
+    (the plan's last microseconds go to a pool the SMs take from at run time, see
+    ``schedule.assign.with_pool``; 0: static queues only).
     Extension points (used by whole-model decoders): ``lowering`` (Layout -> Program, see
     ``schedule.program.lower``) and ``extra_buffers`` (kernel pointer name -> tensor, for names in
     ``opcodes.common.KERNEL_PTR_TYPES`` that the layer itself does not use).
@@ -289,7 +291,7 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
         raise _err(ValueError, "num_sms", f"an int in [1, {dev_sms}] (SMs that can be co-resident on {device})", num_sms)
     if tape is None:
         comp = compile_model(mc, num_sms, max_seq=max_seq_len, tiling=tiling, policy=policy, model=cost_model,
-                             seed=seed, sequential=(device.type == "cpu"), lowering=lowering)
+                             seed=seed, sequential=(device.type == "cpu"), lowering=lowering, pool_us=pool_us)
         tape = comp.tape
         predicted = comp.sched.makespan
     else:
@@ -363,11 +365,13 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     if device.type == "cuda":
         opts["launch_cooperative_grid"] = bool(cooperative)
     targets = [int(t) for t in tape.words[:, 2].tolist() + tape.words[:, 4].tolist()] if len(tape) else [1]
+    targets.append(tape.tickets_per_call())      # the pool's ticket counter grows by this per call
     h = LayerHandle(cfg=mc, lay=lay, tape=tape, device=device, num_sms=num_sms, kernel=load_kernel(), args=args,
                     ptab=ptab, buffers=bufs,
                     constexprs=cx, launch_opts=opts, counters=counters, status=status, status_host=status_host,
                     prof=prof, tape_dev=tape.words.reshape(-1).contiguous().to(device),
-                    qoff_dev=tape.offsets.to(device), spin_limit=spin_limit,
+                    qoff_dev=torch.cat([tape.offsets, torch.tensor([tape.pool_counter], dtype=torch.int32)]).to(device),
+                    spin_limit=spin_limit,
                     sync_check=(device.type == "cpu") if sync_check is None else bool(sync_check),
                     max_target=max(1, max(targets)), predicted_makespan_s=predicted, weights=weights, kv_cache=kv_cache, scratch=scratch)
     if device.type == "cuda":

@@ -3,6 +3,13 @@
 Both policies produce per-SM queues that are sub-sequences of one global topological order, so
 no interleaving of the SMs can deadlock: the earliest unfinished instruction in that order always
 has its producers done and is at the head of its queue.
+
+A schedule may also end in a *pool* (:func:`with_pool`): instructions that no SM owns in advance.
+An SM that has run its queue takes the next pool instruction (one ticket from an atomic counter),
+so SMs that ran faster than planned take more of the tail. The pool is in a topological order,
+its instructions wait only on queued instructions or earlier pool instructions, and no queued
+instruction waits on a pool instruction; then the queues finish on their own, and the lowest
+unfinished ticket always has its producers done, so no interleaving deadlocks either.
 """
 from __future__ import annotations
 
@@ -87,16 +94,22 @@ class Schedule:
     policy: str
     start: list[float] | None = None  # predicted start/finish per program index
     finish: list[float] | None = None
+    pool: list[int] = field(default_factory=list)      # taken at run time, in this order
+    pool_sm: dict = field(default_factory=dict)        # pool index -> the SM the simulation gave it
 
     @property
     def makespan(self) -> float:
         return max(self.finish) if self.finish else float("nan")
 
     def sm_of(self) -> list[int]:
+        """The SM of each program index (pool instructions: the SM the last simulation gave
+        them, -1 before any)."""
         out = [0] * len(self.prog)
         for s, q in enumerate(self.queues):
             for i in q:
                 out[i] = s
+        for i in self.pool:
+            out[i] = self.pool_sm.get(i, -1)
         return out
 
     def busy(self, model: CostModel) -> list[float]:
@@ -105,30 +118,104 @@ class Schedule:
 
 def simulate(sched: Schedule, model: CostModel) -> Schedule:
     """Predicted start/finish of every instruction under ``model``: each SM runs its queue in order,
-    an instruction starts when its SM is free and all producers of its counters have finished."""
+    an instruction starts when its SM is free and all producers of its counters have finished.
+    Then the pool: each pool instruction in turn goes to the SM that frees up first (its ticket),
+    and starts when its producers have finished (``sched.pool_sm`` records which SM)."""
     prog, n = sched.prog, len(sched.prog)
     producers = prog.producers()
     order = _queue_consistent_order(sched)
     start, finish = [0.0] * n, [0.0] * n
     sm_free = [0.0] * sched.num_sms
     sm = sched.sm_of()
+    pooled = set(sched.pool)
     cdone = [0.0] * len(prog.counters)
     left = [len(p) for p in producers]
-    for i in order:
+
+    def run(i: int, s_m: int) -> None:
         ready = max((cdone[c] for c in prog.waits[i]), default=0.0)
         for c in prog.waits[i]:
             if left[c]:
                 raise RuntimeError(f"simulate: instruction {i} scheduled before the producers of counter {c}")
-        s = max(sm_free[sm[i]], ready)
+        s = max(sm_free[s_m], ready)
         f = s + model.time(prog, i, sched.num_sms)
         start[i], finish[i] = s, f
-        sm_free[sm[i]] = f
+        sm_free[s_m] = f
         c = prog.signal[i]
         if c >= 0:
             cdone[c] = max(cdone[c], f)
             left[c] -= 1
-    sched.start, sched.finish = start, finish
+
+    for i in order:                 # the queues never wait on the pool (check_pool)
+        if i not in pooled:
+            run(i, sm[i])
+    free = [(sm_free[s], s) for s in range(sched.num_sms)]
+    heapq.heapify(free)
+    pool_sm = {}
+    for i in sched.pool:
+        _, s = heapq.heappop(free)
+        run(i, s)
+        pool_sm[i] = s
+        heapq.heappush(free, (sm_free[s], s))
+    sched.start, sched.finish, sched.pool_sm = start, finish, pool_sm
     return sched
+
+
+def check_pool(sched: Schedule) -> None:
+    """Raise ValueError unless the pool can be taken dynamically without deadlock: every program
+    index in exactly one queue or the pool, no queued instruction waits on a counter that a pool
+    instruction signals, and every pool instruction comes after the pool producers it waits on."""
+    prog = sched.prog
+    seen = [0] * len(prog)
+    for q in sched.queues:
+        for i in q:
+            seen[i] += 1
+    for i in sched.pool:
+        seen[i] += 1
+    bad = [i for i, k in enumerate(seen) if k != 1]
+    if bad:
+        raise ValueError(f"schedule: instruction {bad[0]} ({prog.instrs[bad[0]]}) is placed {seen[bad[0]]} times "
+                         f"(queues + pool must hold every instruction once)")
+    at = {i: k for k, i in enumerate(sched.pool)}
+    pool_signals: dict[int, int] = {}
+    for i in sched.pool:
+        c = prog.signal[i]
+        if c >= 0:
+            pool_signals[c] = max(pool_signals.get(c, -1), at[i])
+    for s, q in enumerate(sched.queues):
+        for i in q:
+            for c in prog.waits[i]:
+                if c in pool_signals:
+                    raise ValueError(f"schedule: queued instruction {i} ({prog.instrs[i]}, sm {s}) waits on counter "
+                                     f"{prog.counters[c]}, which pool instructions signal: a queue may not wait on the pool")
+    for i in sched.pool:
+        for c in prog.waits[i]:
+            if pool_signals.get(c, -1) >= at[i]:
+                raise ValueError(f"schedule: pool instruction {i} ({prog.instrs[i]}) at pool position {at[i]} waits on "
+                                 f"counter {prog.counters[c]}, signalled by a later pool instruction (the pool "
+                                 f"must be in a topological order)")
+
+
+def with_pool(sched: Schedule, model, tail_s: float) -> Schedule:
+    """Move the last ``tail_s`` seconds of the plan into a pool taken at run time.
+
+    The instructions the simulation (under ``model``) starts at or after ``makespan - tail_s``
+    leave their queues (they are a suffix of each queue, and every instruction that depends on
+    one starts later, so no queue waits on the pool) and form the pool, ordered by planned start
+    (ties: program order, a topological order). ``tail_s <= 0`` returns ``sched`` unchanged.
+    ``model``: a :class:`CostModel` or a ``schedule.fluid.FluidModel`` (times the result)."""
+    if tail_s <= 0:
+        return sched
+    if sched.pool:
+        raise ValueError("with_pool: the schedule already has a pool")
+    if sched.start is None:
+        sched = simulate(sched, model)
+    cut = sched.makespan - tail_s
+    queues = [[i for i in q if sched.start[i] < cut] for q in sched.queues]
+    pool = sorted((i for q in sched.queues for i in q if sched.start[i] >= cut), key=lambda i: (sched.start[i], i))
+    out = Schedule(sched.prog, sched.num_sms, queues, f"{sched.policy}+pool({tail_s * 1e6:.0f}us)", pool=pool)
+    check_pool(out)
+    sim = getattr(model, "simulate", None)        # a FluidModel simulates itself
+    return sim(out) if sim is not None else simulate(out, model)
 
 
 def attention_latency(lay, keys: int, t0: float, rt: float, per_block: float) -> float:
@@ -141,16 +228,18 @@ def attention_latency(lay, keys: int, t0: float, rt: float, per_block: float) ->
 
 
 def _queue_consistent_order(sched: Schedule) -> list[int]:
-    """A topological order of (dataflow + queue order); raises if the queues can deadlock."""
+    """A topological order of (dataflow + queue order); raises if the queues can deadlock. The
+    pool counts as one more queue, taken in order (see :func:`check_pool` for the rest)."""
     prog = sched.prog
     producers = prog.producers()
     left = [len(p) for p in producers]
-    heads = [0] * sched.num_sms
+    queues = list(sched.queues) + ([sched.pool] if sched.pool else [])
+    heads = [0] * len(queues)
     out: list[int] = []
     progress = True
     while progress:
         progress = False
-        for s, q in enumerate(sched.queues):
+        for s, q in enumerate(queues):
             while heads[s] < len(q):
                 i = q[heads[s]]
                 if any(left[c] for c in prog.waits[i]):
@@ -162,7 +251,7 @@ def _queue_consistent_order(sched: Schedule) -> list[int]:
                 if c >= 0:
                     left[c] -= 1
     if len(out) != len(prog):
-        stuck = [(s, q[heads[s]]) for s, q in enumerate(sched.queues) if heads[s] < len(q)]
+        stuck = [(s, q[heads[s]]) for s, q in enumerate(queues) if heads[s] < len(q)]
         raise RuntimeError(f"schedule deadlocks: {len(stuck)} SMs stuck, e.g. sm {stuck[0][0]} "
                            f"at {prog.instrs[stuck[0][1]]}")
     return out

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from opcodes import Layout, ModelConfig, Tiling
 
-from .assign import CostModel, Schedule, list_schedule, random_schedule, round_robin, simulate
+from .assign import CostModel, Schedule, list_schedule, random_schedule, round_robin, simulate, with_pool
 from .fluid import FluidModel, fluid_schedule
 from .program import Program, lower
 from .tape import Tape, encode
@@ -27,11 +27,15 @@ class Compiled:
 
 def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, tiling: Tiling | None = None,
                   policy: str = "cost", model: CostModel | None = None, seed: int = 0,
-                  sequential: bool = False, lowering=None) -> Compiled:
+                  sequential: bool = False, lowering=None, pool_us: float = 0.0) -> Compiled:
     """Compile ``cfg`` for ``num_sms`` SMs. ``policy``: 'cost' (list scheduling), 'fluid' (list
     scheduling under the shared-bandwidth model of :mod:`schedule.fluid`; ``model`` may then be a
     :class:`FluidModel`), 'round-robin' or 'random' (a random valid schedule drawn with ``seed``). ``lowering``: a function Layout ->
-    Program to use instead of :func:`lower` (e.g. a whole decoder around the layers)."""
+    Program to use instead of :func:`lower` (e.g. a whole decoder around the layers).
+    ``pool_us``: the last ``pool_us`` microseconds of the plan go to a pool that SMs take from at
+    run time as they finish their queues (:func:`schedule.assign.with_pool`); 0: queues only."""
+    if isinstance(pool_us, bool) or not isinstance(pool_us, (int, float)) or not pool_us >= 0:
+        raise ValueError(f"pool_us must be a number >= 0 (microseconds), got {pool_us!r}")
     t0 = time.perf_counter()
     if max_seq is None:
         max_seq = 4224 if cfg.d >= 1024 else 256
@@ -39,7 +43,7 @@ def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, ti
     prog = (lowering or lower)(lay)
     if policy == "fluid":
         model = model if isinstance(model, FluidModel) else FluidModel()
-        sched = fluid_schedule(prog, num_sms, model)
+        sched = with_pool(fluid_schedule(prog, num_sms, model), model, pool_us * 1e-6)
         tape = encode(sched)
         report = verify(tape, prog, sequential=sequential)
         return Compiled(prog, sched, tape, report, model, time.perf_counter() - t0)
@@ -61,6 +65,9 @@ def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, ti
         sched = simulate(random_schedule(prog, num_sms, seed), model)
     else:
         raise ValueError(f"policy must be one of {POLICIES + ('random',)}, got {policy!r}")
+    if sched.start is None:
+        sched = simulate(sched, model)
+    sched = with_pool(sched, model, pool_us * 1e-6)
     tape = encode(sched)
     report = verify(tape, prog, sequential=sequential)
     return Compiled(prog, sched, tape, report, model, time.perf_counter() - t0)

@@ -77,6 +77,9 @@ class FluidModel:
     def lower_bound(self, prog: Program) -> float:
         return sum(ins.cost(prog.lay).hbm_bytes for ins in prog.instrs) / self.hbm_bw
 
+    def simulate(self, sched: Schedule) -> Schedule:
+        return simulate_fluid(sched, self)
+
     def as_cost_model(self, num_sms: int) -> CostModel:
         """A per-SM model with the same per-instruction times when every SM streams (for bottom
         levels)."""
@@ -149,7 +152,8 @@ class _Engine:
 
 def simulate_fluid(sched: Schedule, model: FluidModel | None = None) -> Schedule:
     """Predicted start/finish of every instruction of ``sched`` under the fluid model: each SM
-    runs its queue in order; an instruction starts when its SM is free and its producers are done."""
+    runs its queue in order; an instruction starts when its SM is free and its producers are done.
+    An SM whose queue is done takes the next pool instruction and holds it until it can start."""
     model = model or FluidModel()
     prog = sched.prog
     _queue_consistent_order(sched)                 # raises if the queues can deadlock
@@ -157,16 +161,29 @@ def simulate_fluid(sched: Schedule, model: FluidModel | None = None) -> Schedule
     left_c = [len(p) for p in prog.producers()]
     head = [0] * sched.num_sms
     idle = set(range(sched.num_sms))
+    held: dict[int, int] = {}
+    ticket = 0
 
     def dispatch():
+        nonlocal ticket
         for s in sorted(idle):
             q = sched.queues[s]
             if head[s] < len(q):
                 i = q[head[s]]
-                if all(left_c[c] == 0 for c in prog.waits[i]):
+            else:
+                if s not in held and ticket < len(sched.pool):
+                    held[s] = sched.pool[ticket]
+                    ticket += 1
+                i = held.get(s)
+                if i is None:
+                    continue
+            if all(left_c[c] == 0 for c in prog.waits[i]):
+                if head[s] < len(q):
                     head[s] += 1
-                    idle.discard(s)
-                    eng.begin(i, s)
+                else:
+                    del held[s]
+                idle.discard(s)
+                eng.begin(i, s)
 
     dispatch()
     while eng.busy():
@@ -176,9 +193,10 @@ def simulate_fluid(sched: Schedule, model: FluidModel | None = None) -> Schedule
             if c >= 0:
                 left_c[c] -= 1
         dispatch()
-    if any(head[s] < len(q) for s, q in enumerate(sched.queues)):
-        raise RuntimeError("simulate_fluid: some queue never finished")
+    if any(head[s] < len(q) for s, q in enumerate(sched.queues)) or held or ticket < len(sched.pool):
+        raise RuntimeError("simulate_fluid: some queue or pool instruction never finished")
     sched.start, sched.finish = eng.start, eng.finish
+    sched.pool_sm = {i: eng.sm_of[i] for i in sched.pool}
     return sched
 
 

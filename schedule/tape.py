@@ -1,7 +1,10 @@
 """The instruction tape: fixed-width int32 words per instruction, one queue per SM.
 
-``words``   int32 [n_instructions, WORDS], the queues of SM 0, 1, ... one after another
-``offsets`` int32 [num_sms + 1]: SM s runs ``words[offsets[s]:offsets[s+1]]`` in order
+``words``   int32 [n_instructions, WORDS], the queues of SM 0, 1, ... one after another, then the pool
+``offsets`` int32 [num_sms + 2]: SM s runs ``words[offsets[s]:offsets[s+1]]`` in order; the pool is
+            ``words[offsets[num_sms]:offsets[num_sms+1]]``: an SM that has run its queue takes pool
+            instructions one at a time, in order, by an atomic ticket on counter ``pool_counter``
+            (which nothing waits on or signals; it advances by pool length + SMs per call)
 
 Word layout (from :mod:`opcodes.base`): ``[opcode, wait_a, target_a, wait_b, target_b, signal,
 operands...]``; unused words are 0, unused counters -1. Targets are per call.
@@ -23,10 +26,14 @@ class Tape:
     lay: Layout
     num_sms: int
     words: torch.Tensor               # int32 [n, WORDS]
-    offsets: torch.Tensor             # int32 [num_sms + 1]
+    offsets: torch.Tensor             # int32 [num_sms + 2] (the last range is the pool)
     counters: list[str]
     prog_index: list[int] = field(default_factory=list)   # tape slot -> program index (for messages)
     meta: dict = field(default_factory=dict)
+    pool_counter: int = NO_COUNTER     # the ticket counter of the pool (NO_COUNTER: no pool)
+
+    #: the pseudo-SM of pool instructions in messages and decoded slots
+    POOL = -1
 
     @property
     def n_counters(self) -> int:
@@ -38,12 +45,29 @@ class Tape:
     def sm_range(self, sm: int) -> range:
         return range(int(self.offsets[sm]), int(self.offsets[sm + 1]))
 
+    def pool_range(self) -> range:
+        return range(int(self.offsets[self.num_sms]), int(self.offsets[self.num_sms + 1]))
+
+    @property
+    def pool_len(self) -> int:
+        return len(self.pool_range())
+
+    def tickets_per_call(self) -> int:
+        """How far the pool counter advances in one call: every pool instruction is one ticket,
+        and every SM takes one more ticket, past the end, before it stops."""
+        return self.pool_len + self.num_sms if self.pool_len else 0
+
     def sm_of_slot(self) -> list[int]:
-        out = [0] * len(self)
+        """The SM of each slot; pool slots: :attr:`POOL` (any SM may take them)."""
+        out = [self.POOL] * len(self)
         for s in range(self.num_sms):
             for k in self.sm_range(s):
                 out[k] = s
         return out
+
+    @staticmethod
+    def where(sm: int) -> str:
+        return "pool" if sm == Tape.POOL else f"sm {sm}"
 
     def describe(self, slot: int) -> str:
         """'instruction 412 (attn_reduce layer=0 g=3, sm 17)' for error messages."""
@@ -51,14 +75,16 @@ class Tape:
         op = int(self.words[slot, 0])
         cls = BY_OPCODE.get(op)
         if cls is None:
-            return f"instruction {slot} (opcode {op}?, sm {sm})"
-        return f"instruction {slot} ({cls.decode(self.words[slot, HEADER:].tolist())}, sm {sm})"
+            return f"instruction {slot} (opcode {op}?, {self.where(sm)})"
+        return f"instruction {slot} ({cls.decode(self.words[slot, HEADER:].tolist())}, {self.where(sm)})"
 
     def listing(self) -> str:
-        lines = [f"# tape: {len(self)} instructions, {self.num_sms} SMs, {self.n_counters} counters"]
-        for s in range(self.num_sms):
-            lines.append(f"sm {s}:")
-            for k in self.sm_range(s):
+        lines = [f"# tape: {len(self)} instructions, {self.num_sms} SMs, {self.n_counters} counters"
+                 + (f", a pool of {self.pool_len} taken by ticket ({self.counters[self.pool_counter]})"
+                    if self.pool_len else "")]
+        for s in list(range(self.num_sms)) + ([self.POOL] if self.pool_len else []):
+            lines.append(f"{self.where(s)}:")
+            for k in (self.pool_range() if s == self.POOL else self.sm_range(s)):
                 d = decode_slot(self, k)
                 waits = " ".join(f"wait {self.counters[c]}>={t}" for c, t in d.waits)
                 sig = f"signal {self.counters[d.signal]}" if d.signal != NO_COUNTER else ""
@@ -67,7 +93,7 @@ class Tape:
 
     # ---- serialisation ------------------------------------------------------------------
     def to_json(self) -> dict:
-        return {"format": "megatape-tape/1", "words_per_instruction": WORDS,
+        return {"format": "megatape-tape/2", "words_per_instruction": WORDS,
                 "opcodes": {cls.NAME: op for op, cls in BY_OPCODE.items()},
                 "cfg": self.lay.cfg.to_dict(), "cfg_name": self.lay.cfg.name,
                 "tiling": self.lay.tiling.__dict__, "max_seq": self.lay.max_seq,
@@ -75,7 +101,7 @@ class Tape:
                 "layout_extra": {k: getattr(self.lay, k) for k in ("lm_rows", "emb_cols") if hasattr(self.lay, k)},
                 "num_sms": self.num_sms, "counters": self.counters,
                 "offsets": self.offsets.tolist(), "words": self.words.tolist(),
-                "prog_index": self.prog_index, "meta": self.meta}
+                "prog_index": self.prog_index, "meta": self.meta, "pool_counter": self.pool_counter}
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -83,8 +109,9 @@ class Tape:
 
     @classmethod
     def from_json(cls, obj: dict) -> "Tape":
-        if obj.get("format") != "megatape-tape/1":
-            raise ValueError(f"not a megatape tape (format {obj.get('format')!r})")
+        fmt = obj.get("format")
+        if fmt not in ("megatape-tape/1", "megatape-tape/2"):
+            raise ValueError(f"not a megatape tape (format {fmt!r})")
         ops = {cls_.NAME: op for op, cls_ in BY_OPCODE.items()}
         if obj["opcodes"] != ops:
             raise ValueError(f"tape was written with opcodes {obj['opcodes']}, this build has {ops}")
@@ -98,8 +125,12 @@ class Tape:
         else:
             raise ValueError(f"tape: unknown layout kind {kind!r}")
         words = torch.tensor(obj["words"], dtype=torch.int32).reshape(-1, WORDS)
-        return cls(lay, obj["num_sms"], words, torch.tensor(obj["offsets"], dtype=torch.int32),
-                   list(obj["counters"]), list(obj.get("prog_index", [])), dict(obj.get("meta", {})))
+        offsets = list(obj["offsets"])
+        if fmt == "megatape-tape/1":          # no pool: an empty pool range after the queues
+            offsets.append(offsets[-1])
+        return cls(lay, obj["num_sms"], words, torch.tensor(offsets, dtype=torch.int32),
+                   list(obj["counters"]), list(obj.get("prog_index", [])), dict(obj.get("meta", {})),
+                   int(obj.get("pool_counter", NO_COUNTER)))
 
     @classmethod
     def load(cls, path) -> "Tape":
@@ -121,7 +152,7 @@ def encode(sched: Schedule) -> Tape:
     targets = prog.targets()
     rows, index = [], []
     offsets = [0]
-    for q in sched.queues:
+    for q in list(sched.queues) + [sched.pool]:
         for i in q:
             ins = prog.instrs[i]
             w = [0] * WORDS
@@ -139,22 +170,30 @@ def encode(sched: Schedule) -> Tape:
             index.append(i)
         offsets.append(len(rows))
     words = torch.tensor(rows, dtype=torch.int32).reshape(-1, WORDS)
+    counters = list(prog.counters)
+    pool_counter = NO_COUNTER
+    if sched.pool:
+        counters.append("pool")
+        pool_counter = len(counters) - 1
     return Tape(prog.lay, sched.num_sms, words, torch.tensor(offsets, dtype=torch.int32),
-                list(prog.counters), index, {"policy": sched.policy})
+                counters, index, {"policy": sched.policy}, pool_counter)
 
 
 def decode_slot(tape: Tape, slot: int, sm: int = -1) -> Decoded:
     w = tape.words[slot].tolist()
     cls = BY_OPCODE.get(w[0])
     if cls is None:
-        raise ValueError(f"instruction {slot} (sm {sm}): unknown opcode {w[0]}")
+        raise ValueError(f"instruction {slot} ({Tape.where(sm)}): unknown opcode {w[0]}")
     waits = tuple((w[1 + 2 * k], w[2 + 2 * k]) for k in range(MAX_WAITS) if w[1 + 2 * k] != NO_COUNTER)
     return Decoded(slot, sm, cls.decode(w[HEADER:]), waits, w[5])
 
 
 def decode(tape: Tape) -> list[Decoded]:
+    """Every slot in tape order; pool slots have ``sm == Tape.POOL``."""
     out = []
     for s in range(tape.num_sms):
         for k in tape.sm_range(s):
             out.append(decode_slot(tape, k, s))
+    for k in tape.pool_range():
+        out.append(decode_slot(tape, k, Tape.POOL))
     return out

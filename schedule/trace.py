@@ -43,7 +43,11 @@ def planned_records(sched: Schedule, eps: float = 1e-12) -> list[Record]:
     if sched.start is None or sched.finish is None:
         raise ValueError("schedule has no predicted times: run schedule.simulate(sched, model) first")
     out: list[Record] = []
-    for sm, q in enumerate(sched.queues):
+    per_sm = [list(q) for q in sched.queues]
+    for i in sched.pool:                           # where the simulation put each pool instruction
+        per_sm[sched.pool_sm.get(i, 0)].append(i)
+    for sm, q in enumerate(per_sm):
+        q.sort(key=lambda i: (sched.start[i], sched.finish[i]))
         free = 0.0
         for i in q:
             s, f = sched.start[i], sched.finish[i]

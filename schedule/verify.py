@@ -7,8 +7,11 @@ Checks, in order:
   3. counters: every wait's per-call target equals the number of producers of that counter;
   4. outputs: every element of every scratch buffer is written exactly once per call;
   5. dependencies: every read is covered by writes of instructions it (transitively) waits for;
-  6. liveness: no interleaving of the SMs can deadlock (queue order + counters are acyclic);
-  7. optionally, sequential execution (the Triton interpreter runs programs one by one).
+  6. liveness: no interleaving of the SMs can deadlock (queue order + counters are acyclic); the
+     pool (instructions taken by ticket at run time) is in a topological order, waits only on
+     queued or earlier pool instructions, and no queue waits on it;
+  7. optionally, sequential execution (the Triton interpreter runs programs one by one: SM 0's
+     queue, then the whole pool, which SM 0 takes alone, then SM 1's queue, ...).
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ class Report:
 
 
 def _name(tape: Tape, d: Decoded) -> str:
-    return f"instruction {d.slot} ({d.ins.NAME}, sm {d.sm})"
+    return f"instruction {d.slot} ({d.ins.NAME}, {Tape.where(d.sm)})"
 
 
 def _cname(tape: Tape, c: int) -> str:
@@ -59,11 +62,18 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
     n = len(tape)
     # -- 1. structure -------------------------------------------------------------------
     off = [int(v) for v in tape.offsets.tolist()]
-    if len(off) != tape.num_sms + 1 or off[0] != 0 or off[-1] != n or any(a > b for a, b in zip(off, off[1:])):
-        raise TapeError([f"offsets {off[:6]}... do not split {n} instructions into {tape.num_sms} queues"])
+    if len(off) != tape.num_sms + 2 or off[0] != 0 or off[-1] != n or any(a > b for a, b in zip(off, off[1:])):
+        raise TapeError([f"offsets {off[:6]}... do not split {n} instructions into {tape.num_sms} queues and a pool "
+                         f"(want {tape.num_sms + 2} non-decreasing offsets from 0 to {n})"])
+    pool_len = off[-1] - off[-2]
+    pc = tape.pool_counter
+    if pool_len and not 0 <= pc < tape.n_counters:
+        raise TapeError([f"the pool holds {pool_len} instructions but its ticket counter is {pc} "
+                         f"(the tape has {tape.n_counters} counters)"])
     decoded: list[Decoded] = []
-    for s in range(tape.num_sms):
-        for k in range(off[s], off[s + 1]):
+    for s in list(range(tape.num_sms)) + [Tape.POOL]:
+        lo, hi = (off[-2], off[-1]) if s == Tape.POOL else (off[s], off[s + 1])
+        for k in range(lo, hi):
             w = tape.words[k].tolist()
             cls = BY_OPCODE.get(w[0])
             if cls is None:
@@ -83,6 +93,9 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
             if d.signal != NO_COUNTER and not 0 <= d.signal < tape.n_counters:
                 problems.append(f"{_name(tape, d)}: signals {_cname(tape, d.signal)}, but the tape has "
                                 f"{tape.n_counters} counters")
+            if pc != NO_COUNTER and (d.signal == pc or any(c == pc for c, _ in waits)):
+                problems.append(f"{_name(tape, d)}: uses {_cname(tape, pc)}, the pool's ticket counter "
+                                f"(only the pool's tickets may move it)")
             decoded.append(d)
     if problems:
         raise TapeError(problems)
@@ -156,6 +169,7 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
                                     f"{_name(tape, w)}, which it does not wait for ({why})")
                     break
     # -- 6. liveness --------------------------------------------------------------------
+    problems += _pool_order(tape, decoded, producers)
     problems += _deadlocks(tape, decoded, producers, sequential=False)
     if sequential and not problems:
         problems += _deadlocks(tape, decoded, producers, sequential=True)
@@ -214,18 +228,47 @@ def _counter_closure(tape: Tape, decoded, producers) -> dict[int, int]:
     return memo
 
 
+def _pool_order(tape: Tape, decoded, producers) -> list[str]:
+    """The pool may be taken in any interleaving only if no queued instruction waits on a counter
+    a pool instruction signals, and each pool instruction's pool producers come before it."""
+    out = []
+    pos = {d.slot: k for k, d in enumerate(d for d in decoded if d.sm == Tape.POOL)}
+    for d in decoded:
+        for c, _ in d.waits:
+            pool_prod = [p for p in producers.get(c, []) if p.sm == Tape.POOL]
+            if not pool_prod:
+                continue
+            if d.sm != Tape.POOL:
+                out.append(f"{_name(tape, d)}: waits on {_cname(tape, c)}, which pool {_name(tape, pool_prod[0])} "
+                           f"signals: a queue may not wait on the pool (every SM could be in its queue)")
+                continue
+            late = [p for p in pool_prod if pos[p.slot] >= pos[d.slot]]
+            if late:
+                out.append(f"{_name(tape, d)}: waits on {_cname(tape, c)}, which {_name(tape, late[0])} signals "
+                           f"later in the pool (the pool must be in a topological order)")
+    return out
+
+
 def _deadlocks(tape: Tape, decoded, producers, sequential: bool) -> list[str]:
     """Greedy execution with monotone counters: it gets stuck iff some interleaving deadlocks
-    (or, with ``sequential``, iff running SM 0 to the end, then SM 1, ... gets stuck)."""
+    (or, with ``sequential``, iff running SM 0 to the end, then the pool, then SM 1, ... gets
+    stuck). The pool runs as one more queue, in order, after the SMs: given :func:`_pool_order`,
+    the queues never need it, and the lowest unfinished ticket is the one to run."""
     by_sm: dict[int, list[Decoded]] = defaultdict(list)
     for d in decoded:
         by_sm[d.sm].append(d)
     done = Counter()
     heads = {s: 0 for s in by_sm}
+    if sequential:
+        order = sorted(s for s in by_sm if s != Tape.POOL)
+        if Tape.POOL in by_sm:
+            order.insert(1 if order else 0, Tape.POOL)
+    else:
+        order = sorted(s for s in by_sm if s != Tape.POOL) + ([Tape.POOL] if Tape.POOL in by_sm else [])
     progress = True
     while progress:
         progress = False
-        for s in sorted(by_sm):
+        for s in order:
             q = by_sm[s]
             while heads[s] < len(q):
                 d = q[heads[s]]
@@ -241,14 +284,14 @@ def _deadlocks(tape: Tape, decoded, producers, sequential: bool) -> list[str]:
                 return [f"{_name(tape, d)}: under sequential execution (Triton interpreter) waits on "
                         f"{_cname(tape, c)} for {t} but only {done[c]} producers ran before it"]
     out = []
-    for s in sorted(by_sm):
+    for s in order:
         q = by_sm[s]
         if heads[s] < len(q):
             d = q[heads[s]]
             c, t = next((c, t) for c, t in d.waits if done[c] < t)
             blocked = [p for p in producers.get(c, []) if heads[p.sm] <= by_sm[p.sm].index(p)]
             why = (f"; e.g. producer {_name(tape, blocked[0])} never gets to run (it is queued behind a "
-                   f"blocked instruction of sm {blocked[0].sm})") if blocked else ""
+                   f"blocked instruction of {Tape.where(blocked[0].sm)})") if blocked else ""
             out.append(f"deadlock: {_name(tape, d)} waits on {_cname(tape, c)} for {t}, "
                        f"only {done[c]} producers can ever finish{why}")
     return out

@@ -182,8 +182,11 @@ def zoom_dag(prog: Program, sched=None, stage: str | None = None, layer: int | N
             raise ValueError("zoom by SM needs the schedule")
         if not 0 <= sm < sched.num_sms:
             raise ValueError(f"--sm {sm} out of range: the schedule has {sched.num_sms} SMs")
-        on = set(sched.queues[sm])
-        order = {i: k for k, i in enumerate(sched.queues[sm])}
+        mine = list(sched.queues[sm]) + [i for i in sched.pool if sched.pool_sm.get(i) == sm]
+        if sched.start is not None:        # pool instructions the simulation gave this SM, in time order
+            mine.sort(key=lambda i: (sched.start[i], sched.finish[i]))
+        on = set(mine)
+        order = {i: k for k, i in enumerate(mine)}
         sel = sorted((i for i in sel if i in on), key=order.__getitem__)
         what.append(f"SM {sm}")
     total = len(sel)

@@ -1,7 +1,8 @@
 """The tape VM: runs a tape on the CPU in torch, simulating the SMs and their counters.
 
 Each step picks, at random, one SM whose next instruction's waits are satisfied and runs that
-instruction's torch semantics (``Instruction.run_torch``). Scratch buffers start as NaN, so an
+instruction's torch semantics (``Instruction.run_torch``). An SM whose queue is done takes the
+next pool instruction (its ticket) as the kernel does, and holds it until its waits are met. Scratch buffers start as NaN, so an
 instruction that reads something nobody wrote yet poisons the result instead of passing.
 """
 from __future__ import annotations
@@ -58,18 +59,32 @@ def run_tape(tape: Tape, weights: dict, kv_cache: list, x: torch.Tensor, pos: in
     if not 0 <= pos < tape.lay.max_seq:
         raise ValueError(f"pos must be in [0, {tape.lay.max_seq}), got {pos}")
     st = VMState(tape.lay, weights, kv_cache, x, pos)
-    queues: dict[int, list] = {}
+    queues: dict[int, list] = {s: [] for s in range(tape.num_sms)}
+    pool: list = []
     for d in decode(tape):
-        queues.setdefault(d.sm, []).append(d)
+        (pool if d.sm == Tape.POOL else queues[d.sm]).append(d)
     heads = {s: 0 for s in queues}
+    held: dict[int, object] = {}          # SM -> the pool instruction whose ticket it took
+    next_ticket = 0
     counters = [0] * tape.n_counters
     rng = random.Random(seed) if seed is not None else None
     remaining = len(tape)
+
+    def current(s):
+        nonlocal next_ticket
+        q = queues[s]
+        if heads[s] < len(q):
+            return q[heads[s]]
+        if s not in held and next_ticket < len(pool):     # queue done: take a ticket
+            held[s] = pool[next_ticket]
+            next_ticket += 1
+        return held.get(s)
+
     while remaining:
-        ready = [s for s, q in queues.items()
-                 if heads[s] < len(q) and all(counters[c] >= t for c, t in q[heads[s]].waits)]
+        cur = {s: current(s) for s in queues}
+        ready = [s for s, d in cur.items() if d is not None and all(counters[c] >= t for c, t in d.waits)]
         if not ready:
-            stuck = [q[heads[s]] for s, q in queues.items() if heads[s] < len(q)]
+            stuck = [d for d in cur.values() if d is not None]
             raise DeadlockError("VM deadlock: " + "; ".join(
                 f"{tape.describe(d.slot)} waits on {[(tape.counters[c], counters[c], t) for c, t in d.waits]}"
                 for d in stuck[:4]))
@@ -77,10 +92,13 @@ def run_tape(tape: Tape, weights: dict, kv_cache: list, x: torch.Tensor, pos: in
             s = min(ready)
         else:
             s = rng.choice(ready)
-        d = queues[s][heads[s]]
+        d = cur[s]
         d.ins.run_torch(tape.lay, st)
         if d.signal >= 0:
             counters[d.signal] += 1
-        heads[s] += 1
+        if heads[s] < len(queues[s]):
+            heads[s] += 1
+        else:
+            del held[s]
         remaining -= 1
     return st if return_state else st.output()

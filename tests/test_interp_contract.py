@@ -168,3 +168,28 @@ def test_contract(name, prefill, max_seq, tiling):
         for j in range(2):
             assert bitwise_equal(cache[l][j], before[l][j])
     print(f"{name} prefill={prefill} max_seq={max_seq} tiling={tiling}: max rel err {max(errs):.3e}")
+
+
+@pytest.mark.parametrize("name", ["tiny", "small-2layer"])
+def test_pool_kernel_is_bitwise_the_queued_kernel(name):
+    """The same kernel with the plan's tail (or all of it) in a pool taken by ticket: outputs and
+    caches bitwise those of the queued tape, and the ticket counter advances by exactly
+    (pool length + SMs) per call, so the next call's tickets start at the pool's first slot."""
+    cfg, prefill, max_seq, steps = PRESETS[name], 37, 64, 3
+    weights = make_weights(cfg, seed=5)
+    runs = {}
+    for pool_us in (0.0, 20.0, 1e9):
+        cache = make_kv_cache(cfg, max_seq, prefill, seed=6)
+        h = build_layer(weights, cache, cfg.to_dict(), max_seq, pool_us=pool_us)
+        outs = [layer_step(h, _x(cfg, s), prefill + s) for s in range(steps)]
+        if pool_us:
+            assert h.tape.pool_len > 0 and (pool_us < 1e9) == (h.tape.pool_len < len(h.tape))
+            assert int(h.counters[h.tape.pool_counter]) == steps * h.tape.tickets_per_call()
+        else:
+            assert h.tape.pool_len == 0
+        runs[pool_us] = (outs, cache)
+        teardown(h)
+    outs0, cache0 = runs[0.0]
+    for pool_us, (outs, cache) in runs.items():
+        assert all(bitwise_equal(a, b) for a, b in zip(outs, outs0)), pool_us
+        assert all(bitwise_equal(a, b) for pa, pb in zip(cache, cache0) for a, b in zip(pa, pb)), pool_us

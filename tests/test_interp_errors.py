@@ -436,6 +436,37 @@ def test_broken_tape_raises_not_hangs(valid_tape, breaker):
         teardown(h)
 
 
+def test_broken_pool_raises_names_the_pool_and_resets_its_tickets():
+    """A pool instruction waiting for one producer too many: the error names it as a pool
+    instruction; the ticket counter is reset with the others, so the handle fails the same way
+    again (not at some other slot) and a valid pooled handle works before and after."""
+    pooled = compile_model(CFG, 1, max_seq=MAX_SEQ, sequential=True, pool_us=1e9).tape
+    k = next(k for k in pooled.pool_range() if int(pooled.words[k, 1]) >= 0)
+    w = pooled.words.clone()
+    w[k, 2] += 1
+    broken = dataclasses.replace(pooled, words=w)
+    good = Inputs.good()
+    h_good = build_layer(good.weights, good.kv_cache, good.cfg, good.max_seq_len, tape=pooled)
+    i = Inputs.good()
+    h_bad = build_layer(i.weights, i.kv_cache, i.cfg, i.max_seq_len, tape=broken, verify_tape=False,
+                        spin_limit=SPIN)
+    names = [f"instruction {k}", opcodes.BY_OPCODE[int(w[k, 0])].NAME, "pool", pooled.counters[int(w[k, 1])]]
+    for call in range(2):
+        with pytest.raises(interp.MegakernelError) as ei:
+            layer_step(h_bad, _x(3), PREFILL + call)
+        _check_message(ei.value, names)
+        assert [s[1] for s in ei.value.stuck] == [k]
+        assert int(h_bad.counters.abs().sum()) == 0
+    ref_cache = _clone_cache(good.kv_cache)
+    cs = rope_tables(CFG, MAX_SEQ)
+    for step in range(2):
+        xs = _x(10 + step)
+        out = layer_step(h_good, xs, PREFILL + step)
+        ref = model_ref(good.weights, ref_cache, CFG, xs, PREFILL + step, cs)
+        assert rel_err(out, ref) <= TOL
+    assert int(h_good.counters[pooled.pool_counter]) == 2 * pooled.tickets_per_call()
+
+
 def test_megakernel_error_says_whether_pos_was_written(valid_tape):
     broken, slot, counter = _bump_target(valid_tape)
     i = Inputs.good()

@@ -19,6 +19,7 @@ from opcodes import (BY_OPCODE, HEADER, NO_COUNTER, PRESETS, REGISTRY, WORDS, La
                      cdiv)
 from schedule import (CostModel, Schedule, Tape, compile_model, decode, encode, list_schedule, lower,
                       random_schedule, round_robin, simulate, verify)
+from schedule.assign import check_pool, with_pool
 from schedule.fluid import FluidModel, fluid_schedule, simulate_fluid
 
 L70 = "llama70b-layer"
@@ -287,7 +288,8 @@ def test_tape_encode_decode_roundtrip(policy):
     targets = prog.targets()
     assert tape.words.dtype == torch.int32 and tuple(tape.words.shape) == (len(prog), WORDS)
     assert tape.offsets.dtype == torch.int32
-    assert tape.offsets.tolist() == [0] + list(torch.tensor([len(q) for q in sched.queues]).cumsum(0).tolist())
+    ends = torch.tensor([len(q) for q in sched.queues]).cumsum(0).tolist()
+    assert tape.offsets.tolist() == [0] + ends + [ends[-1]]          # the last range: an empty pool
     dec = decode(tape)
     assert [d.slot for d in dec] == list(range(len(prog)))
     k = 0
@@ -502,3 +504,99 @@ def test_attention_latency_model_counts_round_trips():
     assert keys == 282                    # max_seq 4224: 4223 prefix keys over 15 splits, rounded up
     assert CostModel().time(prog, i, 132) == pytest.approx(attention_latency(lay3, keys, *CostModel().attn_latency))
     assert CostModel.bytes_only().time(prog, i, 132) != pytest.approx(CostModel().time(prog, i, 132))
+
+
+# ---- the pool: the plan's tail taken at run time ---------------------------------------------
+def test_with_pool_moves_a_suffix_of_each_queue_in_start_order():
+    prog = lower(layout("small-2layer", max_seq=256))
+    model = CostModel()
+    base = simulate(list_schedule(prog, 8, model), model)
+    tail = base.makespan / 3
+    pooled = with_pool(base, model, tail)
+    cut = base.makespan - tail
+    assert pooled.pool and all(base.start[i] >= cut for i in pooled.pool)
+    for q0, q1 in zip(base.queues, pooled.queues):
+        assert q1 == q0[:len(q1)] and all(base.start[i] < cut for i in q1) and all(base.start[i] >= cut for i in q0[len(q1):])
+    assert [base.start[i] for i in pooled.pool] == sorted(base.start[i] for i in pooled.pool)
+    check_pool(pooled)
+    # every pool instruction got an SM in the simulation and starts after its producers finish
+    assert set(pooled.pool_sm) == set(pooled.pool) and all(0 <= s < 8 for s in pooled.pool_sm.values())
+    producers = prog.producers()
+    for i in range(len(prog)):
+        for cnt in prog.waits[i]:
+            assert pooled.start[i] >= max(pooled.finish[j] for j in producers[cnt]) - 1e-15
+    tape = encode(pooled)
+    verify(tape, prog)
+    assert tape.pool_len == len(pooled.pool) and tape.counters[tape.pool_counter] == "pool"
+    assert tape.tickets_per_call() == len(pooled.pool) + 8
+    assert with_pool(base, model, 0) is base
+
+
+def test_pool_balances_a_lopsided_schedule():
+    """Everything queued on SM 0 takes the sum of all times; pooled, the other SMs take their share."""
+    prog = lower(layout("small-gqa4", max_seq=256))
+    model = CostModel()
+    order = [i for q in list_schedule(prog, 1, model).queues for i in q]
+    lop = simulate(Schedule(prog, 4, [order, [], [], []], "lopsided"), model)
+    assert lop.makespan == pytest.approx(sum(model.time(prog, i, 4) for i in range(len(prog))))
+    pooled = with_pool(lop, model, lop.makespan * 2)         # all of it
+    assert not any(pooled.queues) and len(pooled.pool) == len(prog)
+    assert pooled.makespan < 0.5 * lop.makespan
+    assert len(set(pooled.pool_sm.values())) == 4
+    # the fluid simulator takes the pool the same way
+    fl = simulate_fluid(Schedule(prog, 4, [[], [], [], []], "p", pool=list(pooled.pool)), FluidModel())
+    assert len(set(fl.pool_sm.values())) == 4 and fl.makespan > 0
+
+
+def test_check_pool_rejects_unsafe_pools():
+    prog = lower(layout("tiny", max_seq=64))
+    model = CostModel()
+    base = simulate(list_schedule(prog, 3, model), model)
+    pooled = with_pool(base, model, base.makespan / 2)
+    # a queued instruction that waits on a pool instruction's counter
+    first = next(i for i in pooled.pool if prog.signal[i] >= 0 and any(prog.signal[i] in prog.waits[j] for j in pooled.pool))
+    cons = [j for q in pooled.queues for j in q if prog.signal[first] in prog.waits[j]]
+    waiter = next(j for j in pooled.pool if prog.signal[first] in prog.waits[j])
+    bad = Schedule(prog, 3, [list(q) for q in pooled.queues], "bad", pool=list(pooled.pool))
+    bad.pool.remove(waiter)
+    bad.queues[1].append(waiter)
+    with pytest.raises(ValueError, match=f"queued instruction {waiter} .*a queue may not wait on the pool"):
+        check_pool(bad)
+    assert not cons
+    # the pool out of topological order
+    rev = Schedule(prog, 3, [list(q) for q in pooled.queues], "rev", pool=list(reversed(pooled.pool)))
+    with pytest.raises(ValueError, match="later pool instruction"):
+        check_pool(rev)
+    # an instruction both queued and pooled
+    dup = Schedule(prog, 3, [list(q) for q in pooled.queues], "dup", pool=list(pooled.pool) + [pooled.queues[0][0]])
+    with pytest.raises(ValueError, match="placed 2 times"):
+        check_pool(dup)
+
+
+def test_tape_with_pool_json_roundtrip_and_format_1(tmp_path):
+    c = compile_model(ModelConfig.from_name("small-gqa4"), 5, max_seq=64, pool_us=5)
+    tape = c.tape
+    assert tape.pool_len > 0 and tape.offsets.numel() == 7
+    back = Tape.from_json(json.loads(json.dumps(tape.to_json())))
+    assert_tapes_equal(tape, back)
+    assert back.pool_counter == tape.pool_counter
+    verify(back, c.prog)
+    # a tape written before pools existed (format 1: num_sms + 1 offsets) loads with an empty pool
+    c0 = compile_model(ModelConfig.from_name("small-gqa4"), 5, max_seq=64)
+    old = c0.tape.to_json()
+    old["format"], old["offsets"] = "megatape-tape/1", old["offsets"][:-1]
+    del old["pool_counter"]
+    t1 = Tape.from_json(old)
+    assert t1.offsets.tolist() == c0.tape.offsets.tolist() and t1.pool_len == 0
+    verify(t1, c0.prog)
+    assert "pool:" in tape.listing() and "a pool of" in tape.listing()
+
+
+def test_compile_model_pool_us_argument():
+    cfg = ModelConfig.from_name("tiny")
+    for bad in (-1, "5", None, True):
+        with pytest.raises(ValueError, match="pool_us"):
+            compile_model(cfg, 3, max_seq=64, pool_us=bad)
+    for policy in ("cost", "round-robin", "random", "fluid"):
+        c = compile_model(cfg, 3, max_seq=64, policy=policy, pool_us=1e9)
+        assert len(c.sched.pool) == len(c.prog) and c.tape.pool_len == len(c.prog)

@@ -320,3 +320,85 @@ def test_sequential_mode_rejects_sm0_waiting_on_sm1():
                     f"on counter {c} ({tape.counters[c]}) for {t} but only {done[c]} producers ran before it"]
     # a single queue in topological order is fine sequentially
     verify(good_tape(1), PROG, sequential=True)
+
+
+# ---- the pool (instructions taken by ticket at run time) ------------------------------------
+def pooled_tape(num_sms: int = 3, frac: float = 0.4) -> Tape:
+    from schedule import CostModel, simulate
+    from schedule.assign import with_pool
+    base = simulate(list_schedule(PROG, num_sms), CostModel())
+    return encode(with_pool(base, CostModel(), base.makespan * frac))
+
+
+def pool_name(tape: Tape, slot: int) -> str:
+    return f"instruction {slot} ({BY_OPCODE[int(tape.words[slot, 0])].NAME}, pool)"
+
+
+def test_pooled_tapes_verify():
+    for n in (1, 2, 3, 8):
+        for frac in (0.2, 0.6, 2.0):
+            t = pooled_tape(n, frac)
+            assert t.pool_len > 0
+            verify(t, PROG)
+    verify(pooled_tape(1, 0.5), PROG, sequential=True)
+
+
+def test_queue_waiting_on_the_pool():
+    """Move a pool instruction that waits on another pool instruction to the end of SM 0's queue."""
+    tape = pooled_tape()
+    pool = list(tape.pool_range())
+    sig = {int(tape.words[k, 5]): k for k in pool if int(tape.words[k, 5]) != NO_COUNTER}
+    k = next(k for k in pool if any(int(tape.words[k, 1 + 2 * j]) in sig for j in range(2)))
+    c = next(int(tape.words[k, 1 + 2 * j]) for j in range(2) if int(tape.words[k, 1 + 2 * j]) in sig)
+    n = tape.num_sms
+    t = copy(tape)
+    end0 = int(tape.offsets[1])
+    rows = list(range(len(tape)))
+    rows.remove(k)
+    rows.insert(end0, k)
+    t.words = tape.words[rows]
+    t.prog_index = [tape.prog_index[r] for r in rows]
+    t.offsets[1:n + 1] += 1
+    moved = end0                                   # its new slot, the last of SM 0's queue
+    msgs = problems(t, PROG)
+    producer = [j for j in t.pool_range() if int(t.words[j, 5]) == c][0]
+    assert any(m.startswith(f"instruction {moved} ({BY_OPCODE[int(t.words[moved, 0])].NAME}, sm 0): waits on "
+                            f"counter {c} ({t.counters[c]}), which pool {pool_name(t, producer)} signals: "
+                            "a queue may not wait on the pool") for m in msgs), msgs
+
+
+def test_pool_out_of_topological_order():
+    tape = pooled_tape()
+    pool = list(tape.pool_range())
+    t = copy(tape)
+    rows = list(range(pool[0])) + pool[::-1]
+    t.words = tape.words[rows]
+    t.prog_index = [tape.prog_index[r] for r in rows]
+    msgs = problems(t, PROG)
+    late = [m for m in msgs if "later in the pool (the pool must be in a topological order)" in m]
+    assert late and all(", pool): waits on counter" in m for m in late)
+
+
+def test_pool_ticket_counter_misused():
+    tape = pooled_tape()
+    k = next(k for k in tape.sm_range(0) if int(tape.words[k, 1]) != NO_COUNTER)
+    t = copy(tape)
+    t.words[k, 1] = tape.pool_counter
+    msgs = problems(t, PROG)
+    assert any(m.startswith(f"{name(t, k)}: uses counter {tape.pool_counter} (pool), the pool's ticket counter")
+               for m in msgs), msgs
+    t2 = copy(tape)
+    t2.pool_counter = NO_COUNTER
+    msgs = problems(t2, PROG)
+    assert msgs == [f"the pool holds {tape.pool_len} instructions but its ticket counter is -1 "
+                    f"(the tape has {tape.n_counters} counters)"]
+
+
+def test_sequential_mode_runs_the_pool_after_sm0():
+    """The interpreter runs SM 0's queue, then SM 0 takes every ticket: a pool instruction that
+    needs SM 1's queue cannot run there."""
+    tape = pooled_tape(2, 0.5)
+    verify(tape, PROG)
+    msgs = problems(tape, PROG, sequential=True)
+    assert len(msgs) == 1 and "under sequential execution (Triton interpreter)" in msgs[0]
+    assert ", pool): under sequential" in msgs[0] or ", sm 0): under sequential" in msgs[0]

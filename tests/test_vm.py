@@ -199,3 +199,19 @@ def test_vm_exposes_a_missing_wait():
     assert bad > 0, "no interleaving exposed the missing wait"
     # run in queue order (SM 0 first), the same tape happens to be right: races are schedule-dependent
     assert rel_err(run_tape(tape, w, clone_cache(kv0), x, PREFILL, seed=None), ref) <= TOL
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_vm_pool_matches_reference(name):
+    """Pools (the plan's last third, or everything) taken by ticket in random interleavings."""
+    cfg, w, kv, x, ref, kv_ref = inputs(name)
+    for sms in (1, 3, 8, 132):
+        base = compile_model(cfg, sms, max_seq=MAX_SEQ)
+        for pool_us in (base.sched.makespan * 1e6 / 3, 1e9):
+            tape = compile_model(cfg, sms, max_seq=MAX_SEQ, pool_us=pool_us).tape
+            assert tape.pool_len > 0
+            for seed in (0, 1, None):
+                kv_run = clone_cache(kv)
+                out = run_tape(tape, w, kv_run, x, PREFILL, seed=seed)
+                assert rel_err(out, ref) <= TOL, (sms, pool_us, seed)
+                check_cache(kv_run, kv, kv_ref, PREFILL)
