@@ -293,7 +293,7 @@ def main(argv=None) -> int:
                     from schedule.compile import compile_model
                     from schedule.measured import write_views
                     comp = compile_model(cfg, hp.num_sms, max_seq=a.max_seq, tiling=vt, policy=vpolicy,
-                                         model=bkw.get("cost_model"), pool_us=bkw.get("pool_us", 0.0))
+                                         model=bkw.get("cost_model"), pool_us=bkw.get("pool_us"))
                     write_views(recs, comp.prog, comp.sched, a.out, hp.num_sms)
                     print((pathlib.Path(a.out) / "measured_vs_plan.md").read_text(), flush=True)
                 except Exception as e:      # the views are extra; never lose the numbers over them

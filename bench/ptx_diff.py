@@ -1,6 +1,7 @@
 """Compare the megakernel two commits generate for the H200, without a GPU.
 
     python3 -m bench.ptx_diff REV_A [REV_B]      (REV_B: the working tree)
+    MEGATAPE_TILING=stages=5 python3 -m bench.ptx_diff --resources   (this tree's kernel only)
 
 Each tree's generated interpreter kernel is compiled for sm_90 (Triton's bundled ptxas) with the
 70B layer's constexprs, the launch options of ``build_layer`` and 16-byte-aligned pointers, and the
@@ -30,7 +31,8 @@ from opcodes.common import constexpr_values
 from interp.codegen import load_kernel
 k = load_kernel()
 cfg = PRESETS["llama70b-layer"]
-lay = Layout(cfg, Tiling.for_config(cfg), 4224)
+over = dict(kv.split("=") for kv in filter(None, os.environ.get("MEGATAPE_TILING", "").split(",")))
+lay = Layout(cfg, Tiling.for_config(cfg, **{k: int(v) for k, v in over.items()}), 4224)
 cx = constexpr_values(lay, interp=False)
 cx.update(PROFILE=False, PREFETCH=False)
 ptrs = {"tape_ptr": "*i32", "qoff_ptr": "*i32", "cnt_ptr": "*i32", "status_ptr": "*i32", "prof_ptr": "*i64",
@@ -41,6 +43,7 @@ src = ASTSource(fn=k, signature=sig, constexprs={(k.arg_names.index(n),): v for 
 ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                     options={"num_warps": lay.tiling.num_warps, "num_stages": 1, "launch_cooperative_grid": True})
 open(sys.argv[2], "w").write(ck.asm["ptx"])
+print(f"shared memory {ck.metadata.shared} bytes", file=sys.stderr)
 '''
 
 
@@ -77,6 +80,10 @@ def normalised_ptx(tree: pathlib.Path, work: pathlib.Path) -> list[str]:
 
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args == ["--resources"]:
+        with tempfile.TemporaryDirectory() as tmp:
+            normalised_ptx(pathlib.Path(__file__).resolve().parents[1], pathlib.Path(tmp))
+        return 0
     if not 1 <= len(args) <= 2:
         print(__doc__, file=sys.stderr)
         return 2

@@ -34,6 +34,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
+def _nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return v
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -82,7 +92,7 @@ def _check_output_path(prog: str, path: str | None) -> str | None:
     return None
 
 
-def compile_both(cfg, num_sms: int, max_seq: int | None, progress: _Progress) -> dict:
+def compile_both(cfg, num_sms: int, max_seq: int | None, progress: _Progress, pool_us: float | None = None) -> dict:
     """Compile ``cfg`` under both policies (each verified); returns {policy: Compiled}."""
     from schedule import compile_model
     out = {}
@@ -92,7 +102,8 @@ def compile_both(cfg, num_sms: int, max_seq: int | None, progress: _Progress) ->
         if cfg.vocab:            # a whole model: embedding, the layers, final norm, LM head, argmax
             from schedule.decoder_program import decoder_lowering
             lowering = decoder_lowering()
-        c = compile_model(cfg, num_sms, max_seq=max_seq, policy=pol, lowering=lowering)
+        c = compile_model(cfg, num_sms, max_seq=max_seq, policy=pol, lowering=lowering,
+                          pool_us=(pool_us if pol == "cost" else None))
         progress(f"{pol}: {len(c.tape)} instructions on {num_sms} SMs verified "
                  f"(compile_model took {c.seconds:.2f} s)")
         out[pol] = c
@@ -159,12 +170,20 @@ def summary_lines(comps: dict, selected: str) -> list[str]:
     lines.append("verifier:")
     for pol, c in comps.items():
         lines.append(f"  {pol:<12} {c.report}")
+    # the pool
+    lines.append("")
+    for pol, c in comps.items():
+        if c.sched.pool:
+            lines.append(f"pool    {pol}: the plan's last {c.sched.policy.split('pool(')[-1].rstrip(')')}: "
+                         f"{len(c.sched.pool)} instructions taken by atomic ticket as SMs finish their queues")
+        else:
+            lines.append(f"pool    {pol}: none (static queues only)")
     # per-SM busy time
     lines.append("")
     lines.append("per-SM predicted busy time (us) and instructions per SM, min / median / max over SMs:")
     for pol, c in comps.items():
         busy = [b * 1e6 for b in c.sched.busy(model)]
-        n_per = [len(q) for q in c.sched.queues]
+        n_per = [len(q) for q in c.sched.per_sm()]
         util = sum(busy) / (len(busy) * c.sched.makespan * 1e6) if c.sched.makespan > 0 else float("nan")
         lines.append(f"  {pol:<12} busy {min(busy):8.1f} / {statistics.median(busy):8.1f} / {max(busy):8.1f}   "
                      f"instructions {min(n_per)} / {statistics.median(n_per):g} / {max(n_per)}   "
@@ -195,7 +214,7 @@ def cmd_compile(a, prog: str = "megatape compile") -> int:
         cfg = cfg.with_layers(a.layers)
     progress(f"{prog}: {cfg.name}, {cfg.layers} layer(s), {a.sms} SMs")
     try:
-        comps = compile_both(cfg, a.sms, a.max_seq, progress)
+        comps = compile_both(cfg, a.sms, a.max_seq, progress, getattr(a, "pool_us", None))
     except TapeError as e:
         print(f"{prog}: the verifier rejected the tape (a compiler bug):\n{e}", file=sys.stderr)
         return 1
@@ -335,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache length the tape is compiled for (default: 4224 for d >= 1024, else 256)")
     c.add_argument("--policy", choices=POLICIES, default="cost",
                    help="schedule written by --listing / -o (both are always compiled and compared)")
+    c.add_argument("--pool-us", type=_nonneg_float, default=None, metavar="US",
+                   help="the cost schedule's last US microseconds go to a pool taken by ticket at run time "
+                        "(default 60; 0: static queues only)")
     c.add_argument("--listing", action="store_true", help="print the human-readable tape")
     c.add_argument("-o", "--output", metavar="PATH", help="write the tape with its metadata as JSON")
     r = sub.add_parser("run", help=f"the main job: compile {MAIN_PRESET} and summarise it on the CPU, check "

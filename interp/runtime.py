@@ -259,7 +259,7 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
                 spin_limit: int | None = None, sync_check: bool | None = None,
                 cost_model: CostModel | None = None, profile: bool = False, seed: int = 0,
                 cooperative: bool = True, fast_launch: bool = True, prefetch: bool = False,
-                lowering=None, extra_buffers: dict | None = None, pool_us: float = 0.0):
+                lowering=None, extra_buffers: dict | None = None, pool_us: float | None = None):
     """Prepare one decoder layer (or ``cfg['layers']`` layers) for ``layer_step``. Untimed.
 
     weights  : {"layers": [ {in_norm, post_norm, q, k, v, o, gate, up, down} ]} bf16, row-major
@@ -272,7 +272,7 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     (launch as a cooperative grid, which the driver refuses unless every program is co-resident;
     without it, residency rests on the grid being one 1-CTA-per-SM program per SM), ``pool_us``
     (the plan's last microseconds go to a pool the SMs take from at run time, see
-    ``schedule.assign.with_pool``; 0: static queues only).
+    ``schedule.assign.with_pool``; 0: static queues only; None: ``schedule.compile.DEFAULT_POOL_US``).
     Extension points (used by whole-model decoders): ``lowering`` (Layout -> Program, see
     ``schedule.program.lower``) and ``extra_buffers`` (kernel pointer name -> tensor, for names in
     ``opcodes.common.KERNEL_PTR_TYPES`` that the layer itself does not use).

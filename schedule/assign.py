@@ -112,8 +112,17 @@ class Schedule:
             out[i] = self.pool_sm.get(i, -1)
         return out
 
+    def per_sm(self) -> list[list[int]]:
+        """Each SM's instructions: its queue, then the pool instructions the last simulation gave it."""
+        out = [list(q) for q in self.queues]
+        for i in self.pool:
+            s = self.pool_sm.get(i, -1)
+            if 0 <= s < self.num_sms:
+                out[s].append(i)
+        return out
+
     def busy(self, model: CostModel) -> list[float]:
-        return [sum(model.time(self.prog, i, self.num_sms) for i in q) for q in self.queues]
+        return [sum(model.time(self.prog, i, self.num_sms) for i in q) for q in self.per_sm()]
 
 
 def simulate(sched: Schedule, model: CostModel) -> Schedule:

@@ -46,7 +46,11 @@ def test_compile_listing_and_lower_bound(capsys, tiny3):
     assert re.search(rf"^\s+total\s+{len(cost.prog)}\s", out, re.M)
     # counters and the verifier
     assert f"counters used: {len(cost.prog.counters)} (" in out
-    assert out.count(str(cost.report)) == 2          # both schedules verified (same shape of report)
+    assert str(cost.report) in out and str(rr.report) in out          # both schedules verified
+    # the cost tape ends in a pool (default: the plan's last 60 us), round-robin does not
+    assert cost.tape.pool_len > 0 and rr.tape.pool_len == 0
+    assert f"pool    cost: the plan's last 60us: {cost.tape.pool_len} instructions taken by atomic ticket" in out
+    assert "pool    round-robin: none (static queues only)" in out
     # the makespan beside the lower bound, for both policies
     lb = CostModel().lower_bound(cost.prog)
     for pol, c in (("cost", cost), ("round-robin", rr)):

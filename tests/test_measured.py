@@ -13,12 +13,13 @@ from schedule.measured import compare, to_records, write_views
 
 def _raw_from_plan(comp, slow: float = 1.25):
     """Per tape slot (slot, program index, opcode, sm, wait_ns, exec_ns, end_ns), like
-    interp.profile.records, from the planned schedule stretched by ``slow``."""
-    sm_of = comp.tape.sm_of_slot()
+    interp.profile.records, from the planned schedule stretched by ``slow``. Pool instructions run
+    on the SM the plan's simulation gave them (the kernel records the SM that took the ticket)."""
+    sm_of = comp.sched.sm_of()
     out = []
     for slot, pi in enumerate(comp.tape.prog_index):
         s, e = comp.sched.start[pi] * slow * 1e9, comp.sched.finish[pi] * slow * 1e9
-        out.append((slot, pi, comp.prog.instrs[pi].NAME, sm_of[slot], s, s, e))
+        out.append((slot, pi, comp.prog.instrs[pi].NAME, sm_of[pi], s, s, e))
     return out
 
 
@@ -51,7 +52,7 @@ def test_profile_summary_of_synthetic_timestamps():
     import torch
 
     from interp.profile import format_summary, summarize
-    comp = compile_model(PRESETS["tiny"], 2, max_seq=64)
+    comp = compile_model(PRESETS["tiny"], 2, max_seq=64, pool_us=0)     # hand-made clocks per queue
     tape = comp.tape
     sm_of = tape.sm_of_slot()
     prof = torch.zeros(len(tape), 4, dtype=torch.int64)

@@ -582,7 +582,8 @@ def test_tape_with_pool_json_roundtrip_and_format_1(tmp_path):
     assert back.pool_counter == tape.pool_counter
     verify(back, c.prog)
     # a tape written before pools existed (format 1: num_sms + 1 offsets) loads with an empty pool
-    c0 = compile_model(ModelConfig.from_name("small-gqa4"), 5, max_seq=64)
+    c0 = compile_model(ModelConfig.from_name("small-gqa4"), 5, max_seq=64, pool_us=0)
+    assert c0.tape.pool_len == 0
     old = c0.tape.to_json()
     old["format"], old["offsets"] = "megatape-tape/1", old["offsets"][:-1]
     del old["pool_counter"]
@@ -594,9 +595,13 @@ def test_tape_with_pool_json_roundtrip_and_format_1(tmp_path):
 
 def test_compile_model_pool_us_argument():
     cfg = ModelConfig.from_name("tiny")
-    for bad in (-1, "5", None, True):
+    for bad in (-1, "5", float("nan"), True):
         with pytest.raises(ValueError, match="pool_us"):
             compile_model(cfg, 3, max_seq=64, pool_us=bad)
+    # default: the plan's last DEFAULT_POOL_US for cost / fluid, none for the baselines
+    from schedule.compile import DEFAULT_POOL_US
+    assert compile_model(cfg, 3, max_seq=64).sched.policy.endswith(f"pool({DEFAULT_POOL_US:.0f}us)")
+    assert not compile_model(cfg, 3, max_seq=64, policy="round-robin").sched.pool
     for policy in ("cost", "round-robin", "random", "fluid"):
         c = compile_model(cfg, 3, max_seq=64, policy=policy, pool_us=1e9)
         assert len(c.sched.pool) == len(c.prog) and c.tape.pool_len == len(c.prog)
