@@ -59,7 +59,10 @@ class Tiling:
     attn_stages: int = 3
     bk: int = 512           # columns streamed per inner-loop iteration of a GEMV tile
     num_warps: int = 8
-    stages: int = 4         # software-pipelining depth of the GEMV streaming loops (1: off)
+    # software-pipelining depth of the GEMV streaming loops (1: off). 6 keeps five 32 KB blocks in
+    # flight per SM (shared memory 139 -> 179 KB): an SM streams faster where fewer than ~115 SMs
+    # stream (H200 run 24: 425.9 -> 421.4 us per layer; bench/NOTES.md v14)
+    stages: int = 6
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
