@@ -188,11 +188,26 @@ def summary_lines(comps: dict, selected: str) -> list[str]:
         lines.append(f"  {pol:<12} busy {min(busy):8.1f} / {statistics.median(busy):8.1f} / {max(busy):8.1f}   "
                      f"instructions {min(n_per)} / {statistics.median(n_per):g} / {max(n_per)}   "
                      f"mean utilisation {100 * util:.1f}%")
-    # makespan vs lower bound
+    # makespan vs lower bound: the H200 model first (what the tape is expected to take), then the
+    # per-SM model the queues were ordered with
+    from schedule.fluid import FluidModel
+    fm = FluidModel.h200(lay)
+    flb = sel.expected_lower_bound(prog)
+    lines.append("")
+    caps = sorted({round(v / 1e9) for v in fm.cap.values()})
+    lines.append(f"expected makespan (H200 shared-bandwidth model: chip {fm.hbm_bw / 1e12:.2f} TB/s of reads, an SM "
+                 f"streams <= {'/'.join(map(str, caps))} GB/s with {t.stages - 1} blocks in flight, {fm.noise:.0%} "
+                 f"jitter, {fm.ticket * 1e6:.1f} us a ticket;")
+    lines.append(f"  fitted to H200 runs of the 70B layer, bench/NOTES.md v15) vs its bandwidth lower bound "
+                 f"({total_hbm:,} HBM bytes / {fm.hbm_bw / 1e12:.2f} TB/s = {flb * 1e6:.1f} us):")
+    for pol, c in comps.items():
+        mark = "  <- tape" if pol == selected else ""
+        e = c.expected_makespan()
+        lines.append(f"  {pol:<12} expected {e * 1e6:9.1f} us   lower bound {flb * 1e6:9.1f} us   ratio {e / flb:6.3f}{mark}")
     lb = model.lower_bound(prog)
     lines.append("")
-    lines.append(f"predicted makespan vs the bandwidth lower bound ({total_hbm:,} HBM bytes / "
-                 f"{model.hbm_bw / 1e12:.2f} TB/s = {lb * 1e6:.1f} us):")
+    lines.append(f"per-SM plan model (orders the queues; every SM at 1/{sel.tape.num_sms} of the bandwidth) vs "
+                 f"its lower bound ({total_hbm:,} HBM bytes / {model.hbm_bw / 1e12:.2f} TB/s = {lb * 1e6:.1f} us):")
     for pol, c in comps.items():
         mark = "  <- tape" if pol == selected else ""
         lines.append(f"  {pol:<12} makespan {c.sched.makespan * 1e6:9.1f} us   lower bound {lb * 1e6:9.1f} us   "
@@ -235,6 +250,8 @@ def cmd_compile(a, prog: str = "megatape compile") -> int:
             "compiler": f"megatape {_version()}", "preset": a.preset, "cfg_name": cfg.name,
             "num_sms": a.sms, "max_seq": tape.lay.max_seq, "policy": a.policy,
             "predicted_makespan_us": sel.sched.makespan * 1e6,
+            "expected_makespan_us": sel.expected_makespan() * 1e6,
+            "expected_lower_bound_us": sel.expected_lower_bound(sel.prog) * 1e6,
             "lower_bound_us": model.lower_bound(sel.prog) * 1e6,
             "cost_model": {"hbm_bw": model.hbm_bw, "l2_bw_sm": model.l2_bw_sm, "overhead": model.overhead},
         })

@@ -293,7 +293,7 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
         comp = compile_model(mc, num_sms, max_seq=max_seq_len, tiling=tiling, policy=policy, model=cost_model,
                              seed=seed, sequential=(device.type == "cpu"), lowering=lowering, pool_us=pool_us)
         tape = comp.tape
-        predicted = comp.sched.makespan
+        predicted = comp.expected_makespan() if device.type == "cuda" else comp.sched.makespan
     else:
         predicted = None
         if tape.lay.cfg.to_dict() != mc.to_dict() or tape.lay.max_seq != max_seq_len:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from opcodes import Layout, ModelConfig, Tiling
 
 from .assign import CostModel, Schedule, list_schedule, random_schedule, round_robin, simulate, with_pool
-from .fluid import FluidModel, fluid_schedule
+from .fluid import FluidModel, expected_makespan, fluid_schedule
 from .program import Program, lower
 from .tape import Tape, encode
 from .verify import Report, verify
@@ -26,6 +26,19 @@ class Compiled:
     report: Report
     model: CostModel
     seconds: float
+
+    def expected_makespan(self, draws: int | None = None) -> float:
+        """Seconds the H200 shared-bandwidth model (:meth:`FluidModel.h200` for this tiling, with
+        its run-to-run jitter and ticket cost) expects this schedule to take: the mean of ``draws``
+        deterministic noisy draws (default 3, 1 above 20000 instructions)."""
+        if draws is None:
+            draws = 3 if len(self.prog) <= 20000 else 1
+        return expected_makespan(self.sched, FluidModel.h200(self.prog.lay), draws)
+
+    @staticmethod
+    def expected_lower_bound(prog: Program) -> float:
+        """Bytes over the chip bandwidth of :meth:`FluidModel.h200`: no schedule beats it there."""
+        return FluidModel.h200().lower_bound(prog)
 
 
 def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, tiling: Tiling | None = None,
@@ -48,7 +61,7 @@ def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, ti
     lay = Layout(cfg, tiling or Tiling.for_config(cfg), max_seq)
     prog = (lowering or lower)(lay)
     if policy == "fluid":
-        model = model if isinstance(model, FluidModel) else FluidModel()
+        model = model if isinstance(model, FluidModel) else FluidModel().for_layout(lay)
         sched = with_pool(fluid_schedule(prog, num_sms, model), model, pool_us * 1e-6)
         tape = encode(sched)
         report = verify(tape, prog, sequential=sequential)

@@ -21,8 +21,10 @@ so every queue is a sub-sequence of one topological order (no interleaving can d
 """
 from __future__ import annotations
 
+import copy
 import heapq
-from dataclasses import dataclass, field
+import random
+from dataclasses import dataclass, field, replace
 
 from .assign import (ATTN_LATENCY_H200, CostModel, Release, Schedule, _check_sms, _queue_consistent_order,
                      attention_latency, bottom_levels)
@@ -57,6 +59,42 @@ class FluidModel:
     attn_t0: float = ATTN_LATENCY_H200[0]
     attn_rt: float = ATTN_LATENCY_H200[1]
     attn_per_block: float = ATTN_LATENCY_H200[2]
+    # run-to-run jitter: each instruction's bytes and fixed time are scaled by 1 + N(0, noise) in
+    # a noisy draw (H200: sd/median of mid-phase gate/up and down tile times ~0.06, run 23), and
+    # each pool instruction pays ``ticket`` seconds for its atomic ticket
+    noise: float = 0.0
+    ticket: float = 0.0
+
+    @classmethod
+    def h200(cls, lay=None) -> "FluidModel":
+        """Fitted to eight H200 measurements of the 70B layer (runs 23-24, bench/NOTES.md v15): static
+        queues and pools of 30-250 us, GEMV pipelines 4-6 deep, predicted within -1.0..+1.6% by 3 noisy
+        draws. An SM streams at most (blocks in flight x block bytes) / 2.66 us (the loaded HBM latency):
+        ``lay``'s tiling sets the blocks in flight (``stages - 1``) and each opcode's block bytes."""
+        m = cls(hbm_bw=4.3e12, sm_bw=37e9, overhead=0.3e-6, noise=0.06, ticket=0.5e-6)
+        return m.for_layout(lay) if lay is not None else m
+
+    #: an SM streaming with ``x`` bytes in flight waits ``SM_LATENCY + x / SM_FILL`` per round trip,
+    #: so it streams at most ``x / (SM_LATENCY + x / SM_FILL)`` bytes/s (H200 fit, run 24: GEMV
+    #: pipelines of 3, 4 and 5 blocks of 32 KB in flight behave as 41.5, 45 and 48 GB/s caps)
+    SM_LATENCY = 0.81e-6
+    SM_FILL = 64e9
+
+    @classmethod
+    def sm_cap(cls, inflight_bytes: float) -> float:
+        return inflight_bytes / (cls.SM_LATENCY + inflight_bytes / cls.SM_FILL)
+
+    def for_layout(self, lay) -> "FluidModel":
+        """This model with per-opcode streaming caps from ``lay``'s tiling: (stages - 1) blocks of
+        (rows x bk) bf16 weights in flight per SM (:meth:`sm_cap`)."""
+        t = lay.tiling
+        rows = {"qkv": t.qkv_rows, "oproj": t.o_rows, "gate_up": 2 * t.gu_rows, "down": t.down_rows}
+        if hasattr(lay, "lm_rows"):
+            rows["lm_head"] = lay.lm_rows
+        inflight = max(1, t.stages - 1) * t.bk * 2
+        cap = {k: self.sm_cap(r * inflight) for k, r in rows.items()}
+        cap.update(self.cap)
+        return replace(self, cap=cap)
 
     def attention_time(self, lay, keys: int) -> float:
         return attention_latency(lay, keys, self.attn_t0, self.attn_rt, self.attn_per_block)
@@ -150,14 +188,23 @@ class _Engine:
         return bool(self.fixed_heap) or any(c[2] for c in self.classes.values())
 
 
-def simulate_fluid(sched: Schedule, model: FluidModel | None = None) -> Schedule:
+def simulate_fluid(sched: Schedule, model: FluidModel | None = None, seed: int | None = None) -> Schedule:
     """Predicted start/finish of every instruction of ``sched`` under the fluid model: each SM
     runs its queue in order; an instruction starts when its SM is free and its producers are done.
-    An SM whose queue is done takes the next pool instruction and holds it until it can start."""
+    An SM whose queue is done takes the next pool instruction and holds it until it can start.
+    ``seed``: a noisy draw (``model.noise``); pool instructions pay ``model.ticket`` either way."""
     model = model or FluidModel()
     prog = sched.prog
     _queue_consistent_order(sched)                 # raises if the queues can deadlock
     eng = _Engine(prog, sched.num_sms, model)
+    if model.ticket:
+        for i in sched.pool:
+            f, b, cap = eng.parts[i]
+            eng.parts[i] = (f + model.ticket, b, cap)
+    if seed is not None and model.noise > 0:
+        rng = random.Random(seed)
+        eng.parts = [(f * max(0.0, 1 + rng.gauss(0, model.noise)), b * max(0.0, 1 + rng.gauss(0, model.noise)), cap)
+                     for f, b, cap in eng.parts]
     left_c = [len(p) for p in prog.producers()]
     head = [0] * sched.num_sms
     idle = set(range(sched.num_sms))
@@ -254,3 +301,19 @@ def fluid_schedule(prog: Program, num_sms: int, model: FluidModel | None = None,
     if n_done != len(prog):
         raise RuntimeError("fluid_schedule: some instructions were never released (a counter has no producers?)")
     return Schedule(prog, num_sms, queues, f"fluid(spare={spare})", eng.start, eng.finish)
+
+
+def expected_makespan(sched: Schedule, model: FluidModel | None = None, draws: int = 3) -> float:
+    """Mean makespan (seconds) of ``draws`` noisy fluid simulations of ``sched`` (seeds 0, 1, ...;
+    deterministic). With ``model.noise == 0`` one draw is the exact fluid prediction. ``sched``
+    itself is not modified."""
+    model = model or FluidModel.h200(sched.prog.lay)
+    if draws < 1:
+        raise ValueError(f"draws must be >= 1, got {draws}")
+    n = draws if model.noise > 0 else 1
+    out = []
+    for k in range(n):
+        s = copy.copy(sched)
+        simulate_fluid(s, model, seed=k if model.noise > 0 else None)
+        out.append(s.makespan)
+    return sum(out) / len(out)
