@@ -9,6 +9,7 @@
 #   checks  : examples/gpu_checks.py (broken tapes, random schedules, repeatability)
 #   multi   : the 16-layer 70B stack (with cuBLAS and torch.compile) and the 1B whole-model decoder
 #             (its variants: $DVARIANTS)
+#   decoder : the 1B whole-model decoder alone (its variants: $DVARIANTS)
 #   sanitize: compute-sanitizer memcheck and racecheck over examples/sanitize_small.py
 #   confirm : bench checks multi
 #   OLD=DIR : also time the tree in DIR (e.g. the previous commit, `git archive`) first, same
@@ -44,13 +45,15 @@ run_part() {
   multi)
     python3 -m bench.driver --preset llama70b-16 --baselines cublas,compile --out "$RES/multi" --tag 16
     python3 -m bench.decoder_bench --out "$RES/multi" --variants "${DVARIANTS:-}" ;;
+  decoder)
+    python3 -m bench.decoder_bench --out "$RES/decoder" --variants "${DVARIANTS:-}" ;;
   sanitize)
     for tool in memcheck racecheck; do
       echo "=== compute-sanitizer --tool $tool"
       timeout 240 compute-sanitizer --tool $tool python3 examples/sanitize_small.py 2>&1 | tail -5 | tee "$RES/sanitize-$tool.txt"
     done ;;
   confirm) run_part bench; run_part checks; run_part multi ;;
-  *) echo "unknown part $1 (explore|variants|bench|checks|multi|sanitize|confirm)" >&2; exit 2 ;;
+  *) echo "unknown part $1 (explore|variants|bench|checks|multi|decoder|sanitize|confirm)" >&2; exit 2 ;;
   esac
 }
 for p in "${parts[@]}"; do run_part "$p"; done

@@ -30,7 +30,7 @@ from opcodes import PRESETS, Layout, Tiling
 from opcodes.common import constexpr_values
 from interp.codegen import load_kernel
 k = load_kernel()
-cfg = PRESETS["llama70b-layer"]
+cfg = PRESETS[os.environ.get("MEGATAPE_PRESET", "llama70b-layer")]
 over = dict(kv.split("=") for kv in filter(None, os.environ.get("MEGATAPE_TILING", "").split(",")))
 lay = Layout(cfg, Tiling.for_config(cfg, **{k: int(v) for k, v in over.items()}), 4224)
 cx = constexpr_values(lay, interp=False)
