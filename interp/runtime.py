@@ -248,17 +248,6 @@ class LayerHandle:
                 f"({', '.join(partial[:4])}{', ...' if len(partial) > 4 else ''})")
 
 
-#: L2 prefetch while waiting pays where weight tiles are small and every hop is latency (H200, run
-#: 31: the 1B decoder's 128 KB tiles -3.0%; the 70B layer's 512 KB tiles +9.1 us): on below this
-PREFETCH_TILE_BYTES = 256 * 1024
-
-
-def prefetch_by_default(lay) -> bool:
-    """Whether ``build_layer(prefetch=None)`` turns the L2 prefetch while waiting on: when a QKV
-    tile (``qkv_rows`` rows of ``d`` bf16 weights) is smaller than :data:`PREFETCH_TILE_BYTES`."""
-    return lay.tiling.qkv_rows * lay.cfg.d * 2 < PREFETCH_TILE_BYTES
-
-
 def _device_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -269,7 +258,7 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
                 policy: str = "cost", tape: Tape | None = None, verify_tape: bool = True,
                 spin_limit: int | None = None, sync_check: bool | None = None,
                 cost_model: CostModel | None = None, profile: bool = False, seed: int = 0,
-                cooperative: bool = True, fast_launch: bool = True, prefetch: bool | None = None,
+                cooperative: bool = True, fast_launch: bool = True, prefetch: bool = False,
                 lowering=None, extra_buffers: dict | None = None, pool_us: float | None = None):
     """Prepare one decoder layer (or ``cfg['layers']`` layers) for ``layer_step``. Untimed.
 
@@ -282,7 +271,7 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     (check the kernel's status after every step; default on the CPU), ``profile``, ``cooperative``
     (launch as a cooperative grid, which the driver refuses unless every program is co-resident;
     without it, residency rests on the grid being one 1-CTA-per-SM program per SM), ``prefetch``
-    (L2 prefetch of an instruction's next weights while it waits; None: :func:`prefetch_by_default`),
+    (L2 prefetch of an instruction's next weights while it waits; off: bench/NOTES.md v19),
     ``pool_us``
     (the plan's last microseconds go to a pool the SMs take from at run time, see
     ``schedule.assign.with_pool``; 0: static queues only; None: ``schedule.compile.DEFAULT_POOL_US``).
@@ -373,8 +362,6 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     args = [ptab]
     cx = constexpr_values(lay, interp=(device.type == "cpu"))
     cx["PROFILE"] = bool(profile and device.type == "cuda")
-    if prefetch is None:
-        prefetch = prefetch_by_default(lay)
     cx["PREFETCH"] = bool(prefetch and device.type == "cuda")
     opts = {"num_warps": lay.tiling.num_warps, "num_stages": 1}
     if device.type == "cuda":

@@ -651,10 +651,3 @@ def test_compile_model_pool_us_argument():
         c = compile_model(cfg, 3, max_seq=64, policy=policy, pool_us=1e9)
         assert len(c.sched.pool) == len(c.prog) and c.tape.pool_len == len(c.prog)
 
-
-def test_prefetch_default_follows_tile_size():
-    """L2 prefetch while waiting: on for the 1B shape's 128 KB QKV tiles, off for the 70B layer's
-    512 KB ones (H200 run 31: -3.0% and +9.1 us)."""
-    from interp.runtime import prefetch_by_default
-    assert prefetch_by_default(layout("llama3.2-1b", max_seq=1100))
-    assert not prefetch_by_default(layout(L70, max_seq=4224))
