@@ -10,6 +10,7 @@
 #   multi   : the 16-layer 70B stack (with cuBLAS and torch.compile) and the 1B whole-model decoder
 #             (its variants: $DVARIANTS)
 #   decoder : the 1B whole-model decoder alone (its variants: $DVARIANTS)
+#   layers16: the 16-layer 70B stack alone, megatape and its variants ($MVARIANTS), no baselines
 #   refsens : how far the bf16 reference drifts from itself with chunked GEMVs (16 layers, 70B and 1B)
 #   sanitize: compute-sanitizer memcheck and racecheck over examples/sanitize_small.py
 #   confirm : bench checks multi
@@ -48,6 +49,8 @@ run_part() {
     python3 -m bench.decoder_bench --out "$RES/multi" --variants "${DVARIANTS:-}" ;;
   decoder)
     python3 -m bench.decoder_bench --out "$RES/decoder" --variants "${DVARIANTS:-}" ;;
+  layers16)
+    python3 -m bench.driver --preset llama70b-16 --baselines "" --out "$RES/layers16" --tag 16 --variants "${MVARIANTS:-}" ;;
   refsens)
     python3 -m bench.ref_sensitivity --preset llama70b-layer --layers 16 | tee "$RES/refsens-70b.md"
     python3 -m bench.ref_sensitivity --preset llama3.2-1b --layers 16 --prefill 1024 | tee "$RES/refsens-1b.md" ;;
@@ -57,7 +60,7 @@ run_part() {
       timeout 240 compute-sanitizer --tool $tool python3 examples/sanitize_small.py 2>&1 | tail -5 | tee "$RES/sanitize-$tool.txt"
     done ;;
   confirm) run_part bench; run_part checks; run_part multi ;;
-  *) echo "unknown part $1 (explore|variants|bench|checks|multi|decoder|refsens|sanitize|confirm)" >&2; exit 2 ;;
+  *) echo "unknown part $1 (explore|variants|bench|checks|multi|decoder|layers16|refsens|sanitize|confirm)" >&2; exit 2 ;;
   esac
 }
 for p in "${parts[@]}"; do run_part "$p"; done

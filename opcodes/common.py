@@ -49,7 +49,7 @@ TABLE_PTRS = tuple(p for p in KERNEL_PTRS if p not in PER_CALL_PTRS)
 KERNEL_CONSTEXPRS = (
     "NL", "D", "FFN", "NQ", "NKV", "HD", "G", "GP", "MAXS", "EPS", "QSCALE",
     "QKV_ROWS", "O_ROWS", "O_K", "NOC", "GU_ROWS", "DOWN_ROWS", "DOWN_K", "NKC", "RED_ROWS",
-    "NS", "NSP", "ATTN_BLOCK", "ATTN_STAGES", "BK", "STAGES", "INTERP",
+    "NS", "NSP", "ATTN_BLOCK", "ATTN_STAGES", "BK", "STAGES", "INTERP", "FOLD",
     "VOCAB", "LM_ROWS", "EMB_COLS", "AM_BLOCK",
 )
 #: scalar runtime parameters every device function may take
@@ -68,7 +68,7 @@ def constexpr_values(lay, interp: bool = False) -> dict:
         QKV_ROWS=t.qkv_rows, O_ROWS=t.o_rows, O_K=lay.o_k, NOC=lay.n_o_k, GU_ROWS=t.gu_rows, DOWN_ROWS=t.down_rows,
         DOWN_K=t.down_k, NKC=lay.n_down_k, RED_ROWS=t.red_rows, NS=t.attn_splits,
         NSP=triton.next_power_of_2(t.attn_splits), ATTN_BLOCK=t.attn_block, ATTN_STAGES=t.attn_stages, BK=t.bk, STAGES=t.stages,
-        INTERP=interp,
+        INTERP=interp, FOLD=bool(t.fold),
         # whole-model decoder (opcodes.decoder.DecoderLayout); placeholders for layer-only layouts
         VOCAB=max(1, c.vocab), LM_ROWS=getattr(lay, "lm_rows", 16), EMB_COLS=getattr(lay, "emb_cols", 16),
         AM_BLOCK=getattr(lay, "am_block", 16),
