@@ -651,3 +651,24 @@ def test_compile_model_pool_us_argument():
         c = compile_model(cfg, 3, max_seq=64, policy=policy, pool_us=1e9)
         assert len(c.sched.pool) == len(c.prog) and c.tape.pool_len == len(c.prog)
 
+
+
+def test_fold_lowering_structure():
+    """fold=1: no RESIDUAL; each row tile's last-chunk DOWN waits for its act chunk and for the
+    row tile's other chunks (dsib, NKC-1 producers) and signals out[l]; fold must be 0 or 1."""
+    lay = layout("small-2layer", down_k=64, fold=1)
+    prog = lower(lay)
+    nk = lay.n_down_k
+    assert nk > 1 and not any(ins.NAME == "residual" for ins in prog.instrs)
+    targets = prog.targets()
+    finals = [i for i, ins in enumerate(prog.instrs) if ins.NAME == "down" and ins.kc == nk - 1]
+    assert len(finals) == lay.cfg.layers * cdiv(lay.cfg.d, lay.tiling.down_rows)
+    for i in finals:
+        ins = prog.instrs[i]
+        names = [prog.counters[c] for c in prog.waits[i]]
+        assert names[0].startswith("act[") and names[1] == f"dsib[{ins.layer},{ins.row0}]"
+        assert targets[prog.waits[i][1]] == nk - 1
+    verify(encode(list_schedule(prog, 5)), prog)
+    for bad in (2, -1, True):
+        with pytest.raises(ValueError, match="fold"):
+            Tiling.for_config(ModelConfig.from_name("tiny"), fold=bad)
