@@ -235,6 +235,16 @@ def main(argv=None) -> int:
     variants = [("megatape", parse_variant(cfg, a.tiling))] + [
         (f"megatape [{v.strip()}]", parse_variant(cfg, v)) for v in a.variants.split(";") if v.strip()]
     rep["variants"] = {}
+
+    def profiled(vt, vpolicy, bkw):
+        """A profiling build of a variant, four launches at the last step's position, summarised."""
+        from interp.runtime import profile_records
+        hp = build_layer(weights, kv, cfg.to_dict(), a.max_seq, tiling=vt, policy=vpolicy, profile=True, **bkw)
+        for i in range(4):
+            layer_step(hp, xs[i], a.prefill + a.steps - 1)
+        hp.check()
+        return hp, summarize(hp.tape, profile_records(hp), pos=a.prefill + a.steps - 1)
+
     for vname, (vt, bkw) in variants:
         vrep: dict = {"tiling": vt.__dict__}
         rep["variants"][vname] = vrep
@@ -266,22 +276,12 @@ def main(argv=None) -> int:
                 f"{nk} kernel(s), dominant {dom:.3f}")
             teardown(h)
             if a.profile_variants and not (a.profile and vname == "megatape"):
-                hp = build_layer(weights, kv, cfg.to_dict(), a.max_seq, tiling=vt, policy=vpolicy, profile=True, **bkw)
-                for i in range(4):
-                    layer_step(hp, xs[i], a.prefill + a.steps - 1)
-                hp.check()
-                from interp.runtime import profile_records
-                summ = summarize(hp.tape, profile_records(hp), pos=a.prefill + a.steps - 1)
+                hp, summ = profiled(vt, vpolicy, bkw)
                 vrep["timeline"] = timeline_line(summ)
                 log(f"{vname} profiled: {vrep['timeline']}")
                 teardown(hp)
             if a.profile and vname == "megatape":
-                hp = build_layer(weights, kv, cfg.to_dict(), a.max_seq, tiling=vt, policy=vpolicy, profile=True, **bkw)
-                for i in range(4):
-                    layer_step(hp, xs[i], a.prefill + a.steps - 1)
-                hp.check()
-                from interp.runtime import profile_records
-                summ = summarize(hp.tape, profile_records(hp), pos=a.prefill + a.steps - 1)
+                hp, summ = profiled(vt, vpolicy, bkw)
                 recs = summ.pop("records")
                 vrep["profile"] = summ
                 txt = format_summary(summ)

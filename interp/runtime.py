@@ -272,8 +272,7 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     (launch as a cooperative grid, which the driver refuses unless every program is co-resident;
     without it, residency rests on the grid being one 1-CTA-per-SM program per SM), ``prefetch``
     (L2 prefetch of an instruction's next weights while it waits; off: bench/NOTES.md v19),
-    ``pool_us``
-    (the plan's last microseconds go to a pool the SMs take from at run time, see
+    ``pool_us`` (the plan's last microseconds go to a pool the SMs take from at run time, see
     ``schedule.assign.with_pool``; 0: static queues only; None: ``schedule.compile.DEFAULT_POOL_US``).
     Extension points (used by whole-model decoders): ``lowering`` (Layout -> Program, see
     ``schedule.program.lower``) and ``extra_buffers`` (kernel pointer name -> tensor, for names in

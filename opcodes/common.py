@@ -5,6 +5,7 @@ opcode names the parameters it needs in its ``ARGS``.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -142,3 +143,33 @@ def prefetch_rows(w_ptr, rows, row_mask, K: tl.constexpr, k0, KLEN, BK: tl.const
     m = row_mask[:, None] & (cols < k0 + KLEN)[None, :] & (cols < K)[None, :]
     prefetch_l2(w_ptr + rows[:, None] * K + cols[None, :], m)
 
+
+@triton.jit
+def residual_partial_sum(layer, rows, rm, x1_ptr, dpart_ptr, D: tl.constexpr, NKC: tl.constexpr,
+                         NLOAD: tl.constexpr):
+    """``x1 + dpart[0] + ... + dpart[NLOAD - 1]`` over ``rows``, in that order (fp32)."""
+    y = tl.load(x1_ptr + layer * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
+    for kc in range(NLOAD):
+        y += tl.load(dpart_ptr + (layer * NKC + kc) * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
+    return y
+
+
+@triton.jit
+def store_layer_output(layer, rows, rm, y, out_ptr, xout_ptr, NL: tl.constexpr, D: tl.constexpr,
+                       INTERP: tl.constexpr):
+    """The layer's output rows in bf16: the caller's tensor for the last layer, else ``xout``."""
+    if layer == NL - 1:
+        dst = out_ptr
+    else:
+        dst = xout_ptr + layer * D
+    tl.store(dst + rows, to_bf16(y, INTERP), mask=rm)
+
+
+def residual_torch(lay, st, layer: int, lo: int, hi: int) -> None:
+    """RESIDUAL's semantics on rows ``[lo, hi)`` (also DOWN's with ``Tiling.fold``)."""
+    c = lay.cfg
+    y = st.buf["x1"].view(c.layers, c.d)[layer, lo:hi].clone()
+    dp = st.buf["dpart"].view(c.layers, lay.n_down_k, c.d)
+    for kc in range(lay.n_down_k):
+        y += dp[layer, kc, lo:hi]
+    st.buf["xout"].view(c.layers, c.d)[layer, lo:hi] = y.to(torch.bfloat16)

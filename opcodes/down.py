@@ -17,9 +17,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
-import torch
-
-from .common import T_WD, prefetch_rows, tab_offset, to_bf16
+from .common import T_WD, prefetch_rows, residual_partial_sum, residual_torch, store_layer_output, tab_offset
 
 
 @triton.jit
@@ -48,16 +46,9 @@ def down_device(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr, out_ptr, 
     part = tl.sum(acc, axis=1)
     tl.store(dpart_ptr + (layer * NKC + kc) * D + rows, part, mask=rm)
     if FOLD:
-        if kc == NKC - 1:          # RESIDUAL's sum for these rows, in its order
-            y = tl.load(x1_ptr + layer * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
-            for k in range(NKC - 1):
-                y += tl.load(dpart_ptr + (layer * NKC + k) * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
-            y += part
-            if layer == NL - 1:
-                dst = out_ptr
-            else:
-                dst = xout_ptr + layer * D
-            tl.store(dst + rows, to_bf16(y, INTERP), mask=rm)
+        if kc == NKC - 1:          # RESIDUAL's sum for these rows, in its order (own partial last)
+            y = residual_partial_sum(layer, rows, rm, x1_ptr, dpart_ptr, D, NKC, NKC - 1) + part
+            store_layer_output(layer, rows, rm, y, out_ptr, xout_ptr, NL, D, INTERP)
 
 
 @triton.jit
@@ -132,10 +123,6 @@ class Down(Instruction):
         k0, k1 = self._ks(lay)
         a = st.buf["act"].view(c.layers, c.ffn)[self.layer, k0:k1]
         y = st.weights[self.layer]["down"][lo:hi, k0:k1].float() @ a
-        dp = st.buf["dpart"].view(c.layers, lay.n_down_k, c.d)
-        dp[self.layer, self.kc, lo:hi] = y
+        st.buf["dpart"].view(c.layers, lay.n_down_k, c.d)[self.layer, self.kc, lo:hi] = y
         if self.folds(lay):                  # RESIDUAL's sum, in its order
-            out = st.buf["x1"].view(c.layers, c.d)[self.layer, lo:hi].clone()
-            for kc in range(lay.n_down_k):
-                out += dp[self.layer, kc, lo:hi]
-            st.buf["xout"].view(c.layers, c.d)[self.layer, lo:hi] = out.to(torch.bfloat16)
+            residual_torch(lay, st, self.layer, lo, hi)

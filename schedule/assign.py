@@ -269,7 +269,6 @@ def _queue_consistent_order(sched: Schedule) -> list[int]:
 def bottom_levels(prog: Program, model: CostModel, num_sms: int) -> list[float]:
     """Longest path (predicted time) from each instruction to the end of the program."""
     n = len(prog)
-    cons = prog.consumers()
     bl = [0.0] * n
     cbl = [0.0] * len(prog.counters)          # bottom level of a counter = max over its consumers
     for i in range(n - 1, -1, -1):           # prog order is topological
@@ -277,7 +276,6 @@ def bottom_levels(prog: Program, model: CostModel, num_sms: int) -> list[float]:
         bl[i] = model.time(prog, i, num_sms) + (cbl[c] if c >= 0 else 0.0)
         for w in prog.waits[i]:
             cbl[w] = max(cbl[w], bl[i])
-    del cons
     return bl
 
 

@@ -67,10 +67,9 @@ class FluidModel:
 
     @classmethod
     def h200(cls, lay=None) -> "FluidModel":
-        """Fitted to eight H200 measurements of the 70B layer (runs 23-24, bench/NOTES.md v15): static
-        queues and pools of 30-250 us, GEMV pipelines 4-6 deep, predicted within -1.0..+1.6% by 3 noisy
-        draws. An SM streams at most (blocks in flight x block bytes) / 2.66 us (the loaded HBM latency):
-        ``lay``'s tiling sets the blocks in flight (``stages - 1``) and each opcode's block bytes."""
+        """Fitted to the H200 measurements of the 70B layer (runs 23-24, bench/NOTES.md v15-v16):
+        static queues and pools of 30-250 us, GEMV pipelines 4-6 deep, within -0.6..+0.1% by 3 noisy
+        draws. ``lay``'s tiling sets each opcode's streaming cap (:meth:`for_layout`)."""
         m = cls(hbm_bw=4.3e12, sm_bw=37e9, overhead=0.3e-6, noise=0.06, ticket=0.5e-6)
         return m.for_layout(lay) if lay is not None else m
 

@@ -43,10 +43,7 @@ def planned_records(sched: Schedule, eps: float = 1e-12) -> list[Record]:
     if sched.start is None or sched.finish is None:
         raise ValueError("schedule has no predicted times: run schedule.simulate(sched, model) first")
     out: list[Record] = []
-    per_sm = [list(q) for q in sched.queues]
-    for i in sched.pool:                           # where the simulation put each pool instruction
-        per_sm[sched.pool_sm.get(i, 0)].append(i)
-    for sm, q in enumerate(per_sm):
+    for sm, q in enumerate(sched.per_sm()):           # pool instructions where the simulation put them
         q.sort(key=lambda i: (sched.start[i], sched.finish[i]))
         free = 0.0
         for i in q:

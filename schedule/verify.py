@@ -169,7 +169,7 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
                                     f"{_name(tape, w)}, which it does not wait for ({why})")
                     break
     # -- 6. liveness --------------------------------------------------------------------
-    problems += _pool_order(tape, decoded, producers)
+    problems += _pool_order(tape, decoded)
     problems += _deadlocks(tape, decoded, producers, sequential=False)
     if sequential and not problems:
         problems += _deadlocks(tape, decoded, producers, sequential=True)
@@ -228,23 +228,28 @@ def _counter_closure(tape: Tape, decoded, producers) -> dict[int, int]:
     return memo
 
 
-def _pool_order(tape: Tape, decoded, producers) -> list[str]:
+def _pool_order(tape: Tape, decoded) -> list[str]:
     """The pool may be taken in any interleaving only if no queued instruction waits on a counter
     a pool instruction signals, and each pool instruction's pool producers come before it."""
     out = []
-    pos = {d.slot: k for k, d in enumerate(d for d in decoded if d.sm == Tape.POOL)}
+    pool = [d for d in decoded if d.sm == Tape.POOL]
+    pos = {d.slot: k for k, d in enumerate(pool)}
+    first: dict[int, Decoded] = {}       # counter -> its first pool producer
+    last: dict[int, Decoded] = {}        # counter -> its last pool producer
+    for d in pool:
+        if d.signal != NO_COUNTER:
+            first.setdefault(d.signal, d)
+            last[d.signal] = d
     for d in decoded:
         for c, _ in d.waits:
-            pool_prod = [p for p in producers.get(c, []) if p.sm == Tape.POOL]
-            if not pool_prod:
+            if c not in first:
                 continue
             if d.sm != Tape.POOL:
-                out.append(f"{_name(tape, d)}: waits on {_cname(tape, c)}, which pool {_name(tape, pool_prod[0])} "
+                out.append(f"{_name(tape, d)}: waits on {_cname(tape, c)}, which pool {_name(tape, first[c])} "
                            f"signals: a queue may not wait on the pool (every SM could be in its queue)")
-                continue
-            late = [p for p in pool_prod if pos[p.slot] >= pos[d.slot]]
-            if late:
-                out.append(f"{_name(tape, d)}: waits on {_cname(tape, c)}, which {_name(tape, late[0])} signals "
+            elif pos[last[c].slot] >= pos[d.slot]:
+                late = next(p for p in pool[pos[d.slot]:] if p.signal == c)
+                out.append(f"{_name(tape, d)}: waits on {_cname(tape, c)}, which {_name(tape, late)} signals "
                            f"later in the pool (the pool must be in a topological order)")
     return out
 
@@ -259,12 +264,9 @@ def _deadlocks(tape: Tape, decoded, producers, sequential: bool) -> list[str]:
         by_sm[d.sm].append(d)
     done = Counter()
     heads = {s: 0 for s in by_sm}
-    if sequential:
-        order = sorted(s for s in by_sm if s != Tape.POOL)
-        if Tape.POOL in by_sm:
-            order.insert(1 if order else 0, Tape.POOL)
-    else:
-        order = sorted(s for s in by_sm if s != Tape.POOL) + ([Tape.POOL] if Tape.POOL in by_sm else [])
+    sms = sorted(s for s in by_sm if s != Tape.POOL)
+    pool = [Tape.POOL] if Tape.POOL in by_sm else []
+    order = sms[:1] + pool + sms[1:] if sequential else sms + pool
     progress = True
     while progress:
         progress = False

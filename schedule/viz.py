@@ -182,7 +182,7 @@ def zoom_dag(prog: Program, sched=None, stage: str | None = None, layer: int | N
             raise ValueError("zoom by SM needs the schedule")
         if not 0 <= sm < sched.num_sms:
             raise ValueError(f"--sm {sm} out of range: the schedule has {sched.num_sms} SMs")
-        mine = list(sched.queues[sm]) + [i for i in sched.pool if sched.pool_sm.get(i) == sm]
+        mine = sched.per_sm()[sm]
         if sched.start is not None:        # pool instructions the simulation gave this SM, in time order
             mine.sort(key=lambda i: (sched.start[i], sched.finish[i]))
         on = set(mine)

@@ -2,8 +2,9 @@
 
 Each step picks, at random, one SM whose next instruction's waits are satisfied and runs that
 instruction's torch semantics (``Instruction.run_torch``). An SM whose queue is done takes the
-next pool instruction (its ticket) as the kernel does, and holds it until its waits are met. Scratch buffers start as NaN, so an
-instruction that reads something nobody wrote yet poisons the result instead of passing.
+next pool instruction (its ticket) as the kernel does, and holds it until its waits are met.
+Scratch buffers start as NaN, so an instruction that reads something nobody wrote yet poisons the
+result instead of passing.
 """
 from __future__ import annotations
 

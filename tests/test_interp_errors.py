@@ -381,6 +381,19 @@ def _stuck_names(tape, slot: int, counter: int) -> list[str]:
     return [f"instruction {slot}", op, "sm 0", tape.counters[counter]]
 
 
+def _two_steps_match_reference(h, inp) -> list:
+    """Two steps at PREFILL, PREFILL + 1 through ``h``, each within TOL of the reference run on a
+    copy of the cache; returns the reference's cache after them."""
+    ref_cache = _clone_cache(inp.kv_cache)
+    cs = rope_tables(CFG, MAX_SEQ)
+    for step in range(2):
+        xs = _x(10 + step)
+        out = layer_step(h, xs, PREFILL + step)
+        ref = model_ref(inp.weights, ref_cache, CFG, xs, PREFILL + step, cs)
+        assert rel_err(out, ref) <= TOL
+    return ref_cache
+
+
 @pytest.mark.parametrize("breaker", BROKEN, ids=[b.__name__.lstrip("_") for b in BROKEN])
 def test_verifier_rejects_broken_tape(valid_tape, breaker):
     broken, slot, counter = breaker(valid_tape)
@@ -421,13 +434,7 @@ def test_broken_tape_raises_not_hangs(valid_tape, breaker):
     for h, inp in ((h_good, good), (None, Inputs.good())):
         if h is None:
             h = build_layer(inp.weights, inp.kv_cache, inp.cfg, inp.max_seq_len, tape=valid_tape)
-        ref_cache = _clone_cache(inp.kv_cache)
-        cs = rope_tables(CFG, MAX_SEQ)
-        for step in range(2):
-            xs = _x(10 + step)
-            out = layer_step(h, xs, PREFILL + step)
-            ref = model_ref(inp.weights, ref_cache, CFG, xs, PREFILL + step, cs)
-            assert rel_err(out, ref) <= TOL
+        ref_cache = _two_steps_match_reference(h, inp)
         for pa, pb in zip(ref_cache, inp.kv_cache):
             for a, b in zip(pa, pb):
                 assert rel_err(b[:, :, PREFILL:PREFILL + 2], a[:, :, PREFILL:PREFILL + 2]) <= TOL
@@ -457,13 +464,7 @@ def test_broken_pool_raises_names_the_pool_and_resets_its_tickets():
         _check_message(ei.value, names)
         assert [s[1] for s in ei.value.stuck] == [k]
         assert int(h_bad.counters.abs().sum()) == 0
-    ref_cache = _clone_cache(good.kv_cache)
-    cs = rope_tables(CFG, MAX_SEQ)
-    for step in range(2):
-        xs = _x(10 + step)
-        out = layer_step(h_good, xs, PREFILL + step)
-        ref = model_ref(good.weights, ref_cache, CFG, xs, PREFILL + step, cs)
-        assert rel_err(out, ref) <= TOL
+    _two_steps_match_reference(h_good, good)
     assert int(h_good.counters[pooled.pool_counter]) == 2 * pooled.tickets_per_call()
 
 
