@@ -34,7 +34,9 @@ cfg = PRESETS[os.environ.get("MEGATAPE_PRESET", "llama70b-layer")]
 over = dict(kv.split("=") for kv in filter(None, os.environ.get("MEGATAPE_TILING", "").split(",")))
 lay = Layout(cfg, Tiling.for_config(cfg, **{k: int(v) for k, v in over.items()}), 4224)
 cx = constexpr_values(lay, interp=False)
-cx.update(PROFILE=False, PREFETCH=False)
+cx.update(PROFILE=False)
+if "PREFETCH" in k.arg_names:   # trees before the prefetch experiment was removed
+    cx["PREFETCH"] = False
 ptrs = {"tape_ptr": "*i32", "qoff_ptr": "*i32", "cnt_ptr": "*i32", "status_ptr": "*i32", "prof_ptr": "*i64",
         "ptab_ptr": "*i64", "x_ptr": "*bf16", "out_ptr": "*bf16"}
 sig = {n: ("constexpr" if n in cx else ptrs.get(n, "i32")) for n in k.arg_names}

@@ -21,7 +21,7 @@ from opcodes.common import KERNEL_CONSTEXPRS, KERNEL_PTR_TYPES, KERNEL_PTRS, KER
 FIXED_PARAMS = ("tape_ptr", "qoff_ptr", "cnt_ptr", "status_ptr", "prof_ptr", "ptab_ptr", "epoch", "spin_limit")
 _TL_TYPES = {"bf16": "tl.bfloat16", "fp32": "tl.float32", "i64": "tl.int64", "i32": "tl.int32"}
 #: compile-time switches of the kernel itself
-SWITCHES = ("PROFILE", "PREFETCH")
+SWITCHES = ("PROFILE",)
 STATUS_WORDS = 8     # per SM: [code, sm, slot, opcode, counter, target, seen, epoch]; row 0: any failed
 PROF_WORDS = 4       # per slot (int64): [wait start, exec start, end, sm]
 
@@ -29,7 +29,7 @@ PROF_WORDS = 4       # per slot (int64): [wait start, exec start, end, sm]
 def _check_args() -> None:
     known = set(KERNEL_PTRS) | set(KERNEL_CONSTEXPRS) | set(KERNEL_SCALARS)
     for cls in REGISTRY.values():
-        bad = [a for a in cls.ARGS + cls.PREFETCH_ARGS if a not in known]
+        bad = [a for a in cls.ARGS if a not in known]
         if bad:
             raise TypeError(f"opcode {cls.NAME} asks for unknown kernel parameters {bad}; "
                             f"add them to opcodes/common.py")
@@ -50,8 +50,6 @@ def kernel_source() -> str:
     w("")
     for cls in REGISTRY.values():
         w(f"_{cls.NAME} = _{cls.NAME}_cls.device")
-        if cls.prefetch is not None:
-            w(f"_{cls.NAME}_pf = _{cls.NAME}_cls.prefetch")
     w("")
     w("")
     w("@triton.jit")
@@ -103,7 +101,6 @@ def kernel_source() -> str:
     w("        t_wait = _now(PROFILE)")
     for k in range(n_ops):
         w(f"        a{k} = tl.load(ins + {HEADER + k})")
-    pf = [c for c in REGISTRY.values() if c.prefetch is not None]
     for k in range(opcodes.MAX_WAITS):
         w(f"        wc = tl.load(ins + {1 + 2 * k})")
         w(f"        wt = tl.load(ins + {2 + 2 * k}) * epoch")
@@ -111,14 +108,6 @@ def kernel_source() -> str:
         w("            seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
         w("            n = 0")
         w("            while (seen < wt) & (n < spin_limit):")
-        if pf:
-            w("                if PREFETCH:  # move this instruction's next bytes to L2 while waiting")
-            first = True
-            for cls in pf:
-                ops = [f"a{j}" for j in range(len(cls.operand_names()))]
-                w(f"                    {'if' if first else 'elif'} op == {cls.OPCODE}:  # {cls.NAME}")
-                w(f"                        _{cls.NAME}_pf(" + ", ".join(ops + ["n"] + list(cls.PREFETCH_ARGS)) + ")")
-                first = False
         w("                seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
         w("                n += 1")
         w("            if seen < wt:")

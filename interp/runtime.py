@@ -258,7 +258,7 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
                 policy: str = "cost", tape: Tape | None = None, verify_tape: bool = True,
                 spin_limit: int | None = None, sync_check: bool | None = None,
                 cost_model: CostModel | None = None, profile: bool = False, seed: int = 0,
-                cooperative: bool = True, fast_launch: bool = True, prefetch: bool = False,
+                cooperative: bool = True, fast_launch: bool = True,
                 lowering=None, extra_buffers: dict | None = None, pool_us: float | None = None):
     """Prepare one decoder layer (or ``cfg['layers']`` layers) for ``layer_step``. Untimed.
 
@@ -270,9 +270,7 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     for tests of broken tapes), ``spin_limit`` (polls before a wait gives up), ``sync_check``
     (check the kernel's status after every step; default on the CPU), ``profile``, ``cooperative``
     (launch as a cooperative grid, which the driver refuses unless every program is co-resident;
-    without it, residency rests on the grid being one 1-CTA-per-SM program per SM), ``prefetch``
-    (L2 prefetch of an instruction's next weights while it waits; off: bench/NOTES.md v19),
-    ``pool_us`` (the plan's last microseconds go to a pool the SMs take from at run time, see
+    without it, residency rests on the grid being one 1-CTA-per-SM program per SM), ``pool_us`` (the plan's last microseconds go to a pool the SMs take from at run time, see
     ``schedule.assign.with_pool``; 0: static queues only; None: ``schedule.compile.DEFAULT_POOL_US``).
     Extension points (used by whole-model decoders): ``lowering`` (Layout -> Program, see
     ``schedule.program.lower``) and ``extra_buffers`` (kernel pointer name -> tensor, for names in
@@ -361,7 +359,6 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     args = [ptab]
     cx = constexpr_values(lay, interp=(device.type == "cpu"))
     cx["PROFILE"] = bool(profile and device.type == "cuda")
-    cx["PREFETCH"] = bool(prefetch and device.type == "cuda")
     opts = {"num_warps": lay.tiling.num_warps, "num_stages": 1}
     if device.type == "cuda":
         opts["launch_cooperative_grid"] = bool(cooperative)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, cdiv, register
-from .common import T_KC, T_VC, mma, prefetch_l2, tab_offset, to_bf16
+from .common import T_KC, T_VC, mma, tab_offset, to_bf16
 
 
 @triton.jit
@@ -67,23 +67,6 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
     tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=hm)
 
 
-@triton.jit
-def attn_partial_prefetch(layer, g, s, n, pos, wtab_ptr, kc_ptr, vc_ptr, HD: tl.constexpr, MAXS: tl.constexpr,
-                          NS: tl.constexpr, ATTN_BLOCK: tl.constexpr):
-    # block n of this split's keys: K and V rows (HD bf16 = HD/64 lines each)
-    L: tl.constexpr = HD // 16
-    last = s == NS - 1
-    chunk = (pos + NS - 2) // (NS - 1)
-    start = tl.where(last, pos, s * chunk)
-    stop = tl.where(last, pos + 1, tl.minimum(s * chunk + chunk, pos))
-    keys = start + n * ATTN_BLOCK + tl.arange(0, ATTN_BLOCK)
-    cols = tl.arange(0, L) * 16
-    m = (keys < stop)[:, None] & (cols < HD)[None, :]
-    off = g * (MAXS * HD) + keys[:, None] * HD + cols[None, :]
-    prefetch_l2(kc_ptr + tab_offset(wtab_ptr, layer, T_KC) + off, m)
-    prefetch_l2(vc_ptr + tab_offset(wtab_ptr, layer, T_VC) + off, m)
-
-
 @register
 @dataclass(frozen=True)
 class AttnPartial(Instruction):
@@ -96,8 +79,6 @@ class AttnPartial(Instruction):
     ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr",
             "NQ", "HD", "G", "GP", "MAXS", "QSCALE", "NS", "ATTN_BLOCK", "INTERP", "ATTN_STAGES")
     device = attn_partial_device
-    prefetch = attn_partial_prefetch
-    PREFETCH_ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "HD", "MAXS", "NS", "ATTN_BLOCK")
 
     def check_operands(self, lay: Layout) -> list[str]:
         c = lay.cfg

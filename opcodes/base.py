@@ -63,15 +63,11 @@ class Tiling:
     # flight per SM (shared memory 139 -> 179 KB): an SM streams faster where fewer than ~115 SMs
     # stream (H200 run 24: 425.9 -> 421.4 us per layer; bench/NOTES.md v14)
     stages: int = 6
-    # 1: no RESIDUAL instructions; the down tile of the last K chunk of each row tile waits for its
-    # row tile's other chunks and adds x1 and every chunk's partial itself, in RESIDUAL's order
-    # (bitwise the same result), one dependency hop less per layer. 0: RESIDUAL tiles.
-    fold: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "fold") and isinstance(v, int) and not isinstance(v, bool) and v == 0:
+            if f.name == "o_k" and isinstance(v, int) and not isinstance(v, bool) and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Tiling.{f.name} must be a positive int, got {v!r}")
@@ -81,8 +77,6 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        if self.fold not in (0, 1):
-            raise ValueError(f"Tiling.fold must be 0 or 1, got {self.fold!r}")
         if self.qkv_rows < 2:
             raise ValueError("Tiling.qkv_rows must be >= 2 (RoPE pairs)")
         if self.attn_splits < 2:
@@ -204,8 +198,6 @@ class Instruction:
     ARGS: ClassVar[tuple[str, ...]] = ()
     STAGE: ClassVar[int] = 0          # position in the layer's dataflow, for plots
     device = None                     # set by subclasses (a triton JITFunction)
-    prefetch = None                   # optional: jit fn (operands..., n, PREFETCH_ARGS...) run while waiting
-    PREFETCH_ARGS: ClassVar[tuple[str, ...]] = ()
 
     # ---- encoding -----------------------------------------------------------------
     @classmethod

@@ -50,7 +50,7 @@ TABLE_PTRS = tuple(p for p in KERNEL_PTRS if p not in PER_CALL_PTRS)
 KERNEL_CONSTEXPRS = (
     "NL", "D", "FFN", "NQ", "NKV", "HD", "G", "GP", "MAXS", "EPS", "QSCALE",
     "QKV_ROWS", "O_ROWS", "O_K", "NOC", "GU_ROWS", "DOWN_ROWS", "DOWN_K", "NKC", "RED_ROWS",
-    "NS", "NSP", "ATTN_BLOCK", "ATTN_STAGES", "BK", "STAGES", "INTERP", "FOLD",
+    "NS", "NSP", "ATTN_BLOCK", "ATTN_STAGES", "BK", "STAGES", "INTERP",
     "VOCAB", "LM_ROWS", "EMB_COLS", "AM_BLOCK",
 )
 #: scalar runtime parameters every device function may take
@@ -69,7 +69,7 @@ def constexpr_values(lay, interp: bool = False) -> dict:
         QKV_ROWS=t.qkv_rows, O_ROWS=t.o_rows, O_K=lay.o_k, NOC=lay.n_o_k, GU_ROWS=t.gu_rows, DOWN_ROWS=t.down_rows,
         DOWN_K=t.down_k, NKC=lay.n_down_k, RED_ROWS=t.red_rows, NS=t.attn_splits,
         NSP=triton.next_power_of_2(t.attn_splits), ATTN_BLOCK=t.attn_block, ATTN_STAGES=t.attn_stages, BK=t.bk, STAGES=t.stages,
-        INTERP=interp, FOLD=bool(t.fold),
+        INTERP=interp,
         # whole-model decoder (opcodes.decoder.DecoderLayout); placeholders for layer-only layouts
         VOCAB=max(1, c.vocab), LM_ROWS=getattr(lay, "lm_rows", 16), EMB_COLS=getattr(lay, "emb_cols", 16),
         AM_BLOCK=getattr(lay, "am_block", 16),
@@ -122,54 +122,52 @@ def mma(a, b, INTERP: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(ptrs, mask):
-    """Ask L2 to fetch the 128-byte lines at ``ptrs`` (fire and forget; GPU only).
+def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
+                K: tl.constexpr, KLEN: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
+                STAGES: tl.constexpr, TWO: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr):
+    """The streaming loop of every weight GEMV: rows ``rows1`` of the row-major bf16 matrix at
+    ``w1_ptr`` (and, with ``TWO``, rows ``rows2`` of ``w2_ptr``), ``K`` columns each, dotted with
+    ``x[kbase : kbase + KLEN]`` (bf16 or fp32) in ``BK``-column blocks, pipelined ``STAGES`` deep.
 
-    Used while an instruction spins on a counter: the bytes it will stream next move from HBM to
-    L2 during time that would otherwise be idle, and the tile then runs from L2.
+    With ``NORM`` the vector is ``x * nw`` (the RMSNorm weight at ``nw_ptr``) and the sum of
+    ``x^2`` is returned for the caller's ``rsqrt`` (applied after the dot, once per row).
+    Returns the fp32 ``[ROWS, BK]`` accumulators (the second is zero without ``TWO``) and the
+    ``[BK]`` sum of squares (zero without ``NORM``): the caller reduces them over ``BK``.
+    ``EVEN``: ``K``, ``KLEN`` and the rows need no masks (the streaming loads are then plain
+    16-byte vectors, evicted first: the weights are read once per call).
+    NOTE: the loop body has no branch other than on constexprs, so the software pipeliner
+    pipelines every load.
     """
-    tl.inline_asm_elementwise(
-        asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-        constraints="=r,l,r", args=[ptrs.to(tl.int64), mask.to(tl.int32)], dtype=tl.int32,
-        is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_rows(w_ptr, rows, row_mask, K: tl.constexpr, k0, KLEN, BK: tl.constexpr):
-    """Prefetch columns ``[k0, k0 + BK)`` (clipped to ``KLEN``) of ``rows`` of a row-major bf16
-    matrix with ``K`` columns, one request per 32-byte sector."""
-    LINES: tl.constexpr = BK // 16
-    cols = k0 + tl.arange(0, LINES) * 16
-    m = row_mask[:, None] & (cols < k0 + KLEN)[None, :] & (cols < K)[None, :]
-    prefetch_l2(w_ptr + rows[:, None] * K + cols[None, :], m)
-
-
-@triton.jit
-def residual_partial_sum(layer, rows, rm, x1_ptr, dpart_ptr, D: tl.constexpr, NKC: tl.constexpr,
-                         NLOAD: tl.constexpr):
-    """``x1 + dpart[0] + ... + dpart[NLOAD - 1]`` over ``rows``, in that order (fp32)."""
-    y = tl.load(x1_ptr + layer * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
-    for kc in range(NLOAD):
-        y += tl.load(dpart_ptr + (layer * NKC + kc) * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
-    return y
-
-
-@triton.jit
-def store_layer_output(layer, rows, rm, y, out_ptr, xout_ptr, NL: tl.constexpr, D: tl.constexpr,
-                       INTERP: tl.constexpr):
-    """The layer's output rows in bf16: the caller's tensor for the last layer, else ``xout``."""
-    if layer == NL - 1:
-        dst = out_ptr
-    else:
-        dst = xout_ptr + layer * D
-    tl.store(dst + rows, to_bf16(y, INTERP), mask=rm)
-
-
-def residual_torch(lay, st, layer: int, lo: int, hi: int) -> None:
-    """RESIDUAL's semantics on rows ``[lo, hi)`` (also DOWN's with ``Tiling.fold``)."""
-    c = lay.cfg
-    y = st.buf["x1"].view(c.layers, c.d)[layer, lo:hi].clone()
-    dp = st.buf["dpart"].view(c.layers, lay.n_down_k, c.d)
-    for kc in range(lay.n_down_k):
-        y += dp[layer, kc, lo:hi]
-    st.buf["xout"].view(c.layers, c.d)[layer, lo:hi] = y.to(torch.bfloat16)
+    acc1 = tl.zeros([ROWS, BK], dtype=tl.float32)
+    acc2 = tl.zeros([ROWS, BK], dtype=tl.float32)
+    ss = tl.zeros([BK], dtype=tl.float32)
+    wrow1 = w1_ptr + rows1[:, None] * K
+    wrow2 = w2_ptr + rows2[:, None] * K
+    # each iteration streams ROWS (2 x ROWS with TWO) x BK bf16 weights
+    for kk in tl.range(0, KLEN, BK, num_stages=STAGES):
+        cols = kbase + kk + tl.arange(0, BK)
+        if EVEN:
+            xv = tl.load(x_ptr + cols, cache_modifier=".cg").to(tl.float32)
+            if NORM:
+                nw = tl.load(nw_ptr + cols).to(tl.float32)
+            w1 = tl.load(wrow1 + cols[None, :], eviction_policy="evict_first")
+            if TWO:
+                w2 = tl.load(wrow2 + cols[None, :], eviction_policy="evict_first")
+        else:
+            cm = ((kk + tl.arange(0, BK)) < KLEN) & (cols < K)
+            m2 = row_mask[:, None] & cm[None, :]
+            xv = tl.load(x_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            if NORM:
+                nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+            w1 = tl.load(wrow1 + cols[None, :], mask=m2, other=0.0)
+            if TWO:
+                w2 = tl.load(wrow2 + cols[None, :], mask=m2, other=0.0)
+        if NORM:
+            ss += xv * xv
+            hv = (xv * nw)[None, :]
+        else:
+            hv = xv[None, :]
+        acc1 += w1.to(tl.float32) * hv
+        if TWO:
+            acc2 += w2.to(tl.float32) * hv
+    return acc1, acc2, ss

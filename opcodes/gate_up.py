@@ -15,56 +15,26 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
-from .common import T_N2, T_WG, T_WU, prefetch_rows, tab_offset
+from .common import T_N2, T_WG, T_WU, gemv_stream, tab_offset
 
 
 @triton.jit
 def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
                    D: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
                    BK: tl.constexpr, STAGES: tl.constexpr):
-    EVEN: tl.constexpr = (D % BK == 0) and (FFN % GU_ROWS == 0)
     rows = row0 + tl.arange(0, GU_ROWS)
     rm = rows < FFN
     g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
     xin = x1_ptr + layer * D
-    accg = tl.zeros([GU_ROWS, BK], dtype=tl.float32)
-    accu = tl.zeros([GU_ROWS, BK], dtype=tl.float32)
-    ss = tl.zeros([BK], dtype=tl.float32)
-    # each iteration streams 2 x GU_ROWS x BK bf16 of Wgate and Wup
-    for k0 in tl.range(0, D, BK, num_stages=STAGES):
-        cols = k0 + tl.arange(0, BK)
-        if EVEN:
-            xv = tl.load(xin + cols, cache_modifier=".cg")
-            nw = tl.load(nw_ptr + cols).to(tl.float32)
-            wg = tl.load(g_ptr + rows[:, None] * D + cols[None, :], eviction_policy="evict_first")
-            wu = tl.load(u_ptr + rows[:, None] * D + cols[None, :], eviction_policy="evict_first")
-        else:
-            cm = cols < D
-            m2 = rm[:, None] & cm[None, :]
-            xv = tl.load(xin + cols, mask=cm, other=0.0, cache_modifier=".cg")
-            nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-            wg = tl.load(g_ptr + rows[:, None] * D + cols[None, :], mask=m2, other=0.0)
-            wu = tl.load(u_ptr + rows[:, None] * D + cols[None, :], mask=m2, other=0.0)
-        ss += xv * xv
-        hv = (xv * nw)[None, :]
-        accg += wg.to(tl.float32) * hv
-        accu += wu.to(tl.float32) * hv
+    accg, accu, ss = gemv_stream(g_ptr, rows, u_ptr, rows, rm, xin, nw_ptr, 0, D, D, GU_ROWS, BK, STAGES,
+                                 TWO=True, NORM=True, EVEN=(D % BK == 0) and (FFN % GU_ROWS == 0))
     rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
     gv = tl.sum(accg, axis=1) * rstd
     uv = tl.sum(accu, axis=1) * rstd
     act = gv / (1.0 + tl.exp(-gv)) * uv
     tl.store(act_ptr + layer * FFN + rows, act, mask=rm)
-
-
-@triton.jit
-def gate_up_prefetch(layer, row0, n, wtab_ptr, wg_ptr, wu_ptr, D: tl.constexpr, FFN: tl.constexpr,
-                     GU_ROWS: tl.constexpr, BK: tl.constexpr):
-    rows = row0 + tl.arange(0, GU_ROWS)
-    rm = rows < FFN
-    prefetch_rows(wg_ptr + tab_offset(wtab_ptr, layer, T_WG), rows, rm, D, n * BK, BK, BK)
-    prefetch_rows(wu_ptr + tab_offset(wtab_ptr, layer, T_WU), rows, rm, D, n * BK, BK, BK)
 
 
 @register
@@ -77,8 +47,6 @@ class GateUp(Instruction):
     STAGE = 4
     ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "FFN", "EPS", "GU_ROWS", "BK", "STAGES")
     device = gate_up_device
-    prefetch = gate_up_prefetch
-    PREFETCH_ARGS = ("wtab_ptr", "wg_ptr", "wu_ptr", "D", "FFN", "GU_ROWS", "BK")
 
     def check_operands(self, lay: Layout) -> list[str]:
         return (in_range("layer", self.layer, lay.cfg.layers)

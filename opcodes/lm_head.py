@@ -18,32 +18,18 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, register, tile_start
+from .common import gemv_stream
 
 
 @triton.jit
 def lm_head_device(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, amax_ptr,
                    D: tl.constexpr, VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr,
                    BK: tl.constexpr, STAGES: tl.constexpr):
-    EVEN: tl.constexpr = (D % BK == 0) and (VOCAB % LM_ROWS == 0)
     rows = row0 + tl.arange(0, LM_ROWS)
     rm = rows < VOCAB
-    wrow = lmh_ptr + rows.to(tl.int64)[:, None] * D
-    acc = tl.zeros([LM_ROWS, BK], dtype=tl.float32)
-    ss = tl.zeros([BK], dtype=tl.float32)
-    # each iteration streams LM_ROWS x BK bf16 of lm_head
-    for k0 in tl.range(0, D, BK, num_stages=STAGES):
-        cols = k0 + tl.arange(0, BK)
-        if EVEN:
-            xv = tl.load(out_ptr + cols, cache_modifier=".cg").to(tl.float32)
-            nw = tl.load(fnorm_ptr + cols).to(tl.float32)
-            w = tl.load(wrow + cols[None, :], eviction_policy="evict_first")
-        else:
-            cm = cols < D
-            xv = tl.load(out_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
-            nw = tl.load(fnorm_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-            w = tl.load(wrow + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
-        ss += xv * xv
-        acc += w.to(tl.float32) * (xv * nw)[None, :]
+    rows64 = rows.to(tl.int64)                 # vocab x d elements can pass 2^31
+    acc, _, ss = gemv_stream(lmh_ptr, rows64, lmh_ptr, rows64, rm, out_ptr, fnorm_ptr, 0, D, D, LM_ROWS, BK, STAGES,
+                             TWO=False, NORM=True, EVEN=(D % BK == 0) and (VOCAB % LM_ROWS == 0))
     rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
     y = tl.sum(acc, axis=1) * rstd
     tl.store(logits_ptr + rows, y, mask=rm)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
-from .common import T_WO, layer_input, prefetch_rows, tab_offset
+from .common import T_WO, gemv_stream, layer_input, tab_offset
 
 
 @triton.jit
@@ -24,24 +24,12 @@ def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x
                  D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, O_ROWS: tl.constexpr, O_K: tl.constexpr,
                  NOC: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     QD: tl.constexpr = NQ * HD
-    EVEN: tl.constexpr = (QD % O_K == 0) and (O_K % BK == 0) and (D % O_ROWS == 0)
     rows = row0 + tl.arange(0, O_ROWS)
     rm = rows < D
     w_ptr = wo_ptr + tab_offset(wtab_ptr, layer, T_WO)
-    a_ptr = attn_ptr + layer * QD
-    kbase = oc * O_K
-    acc = tl.zeros([O_ROWS, BK], dtype=tl.float32)
-    # each iteration streams O_ROWS x BK bf16 of Wo
-    for kk in tl.range(0, O_K, BK, num_stages=STAGES):
-        cols = kbase + kk + tl.arange(0, BK)
-        if EVEN:
-            a = tl.load(a_ptr + cols, cache_modifier=".cg")
-            w = tl.load(w_ptr + rows[:, None] * QD + cols[None, :], eviction_policy="evict_first")
-        else:
-            cm = ((kk + tl.arange(0, BK)) < O_K) & (cols < QD)
-            a = tl.load(a_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg")
-            w = tl.load(w_ptr + rows[:, None] * QD + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
-        acc += w.to(tl.float32) * a[None, :]
+    acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, attn_ptr + layer * QD, attn_ptr, oc * O_K, QD, O_K,
+                            O_ROWS, BK, STAGES, TWO=False, NORM=False,
+                            EVEN=(QD % O_K == 0) and (O_K % BK == 0) and (D % O_ROWS == 0))
     y = tl.sum(acc, axis=1)
     if NOC == 1:
         xin = layer_input(x_ptr, xout_ptr, layer, D)
@@ -49,14 +37,6 @@ def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x
         tl.store(x1_ptr + layer * D + rows, xr + y, mask=rm)
     else:
         tl.store(opart_ptr + (layer * NOC + oc) * D + rows, y, mask=rm)
-
-
-@triton.jit
-def oproj_prefetch(layer, row0, oc, n, wtab_ptr, wo_ptr, D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr,
-                   O_ROWS: tl.constexpr, O_K: tl.constexpr, BK: tl.constexpr):
-    rows = row0 + tl.arange(0, O_ROWS)
-    w_ptr = wo_ptr + tab_offset(wtab_ptr, layer, T_WO)
-    prefetch_rows(w_ptr, rows, rows < D, NQ * HD, oc * O_K + n * BK, O_K - n * BK, BK)
 
 
 @register
@@ -71,8 +51,6 @@ class OProj(Instruction):
     ARGS = ("x_ptr", "xout_ptr", "wtab_ptr", "wo_ptr", "attn_ptr", "x1_ptr", "opart_ptr",
             "D", "NQ", "HD", "O_ROWS", "O_K", "NOC", "BK", "STAGES")
     device = oproj_device
-    prefetch = oproj_prefetch
-    PREFETCH_ARGS = ("wtab_ptr", "wo_ptr", "D", "NQ", "HD", "O_ROWS", "O_K", "BK")
 
     def check_operands(self, lay: Layout) -> list[str]:
         return (in_range("layer", self.layer, lay.cfg.layers)

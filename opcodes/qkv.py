@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, register
-from .common import T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, layer_input, prefetch_rows, tab_offset, to_bf16
+from .common import T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, gemv_stream, layer_input, tab_offset, to_bf16
 
 SECTIONS = ("q", "k", "v")
 
@@ -42,34 +42,14 @@ def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_p
                EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                INTERP: tl.constexpr):
     HALF: tl.constexpr = QKV_ROWS // 2
-    EVEN_K: tl.constexpr = D % BK == 0
     dims = j * HALF + tl.arange(0, HALF)                       # [HALF] in [0, HD/2)
     w_ptr = section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr)
     xin = layer_input(x_ptr, xout_ptr, layer, D)
     nw_ptr = n1_ptr + tab_offset(wtab_ptr, layer, T_N1)
     rows1 = head * HD + dims
     rows2 = rows1 + HD // 2
-    acc1 = tl.zeros([HALF, BK], dtype=tl.float32)
-    acc2 = tl.zeros([HALF, BK], dtype=tl.float32)
-    ss = tl.zeros([BK], dtype=tl.float32)
-    # each iteration streams QKV_ROWS x BK bf16 weights
-    for k0 in tl.range(0, D, BK, num_stages=STAGES):
-        cols = k0 + tl.arange(0, BK)
-        if EVEN_K:
-            xv = tl.load(xin + cols, cache_modifier=".cg").to(tl.float32)
-            nw = tl.load(nw_ptr + cols).to(tl.float32)
-            w1 = tl.load(w_ptr + rows1[:, None] * D + cols[None, :], eviction_policy="evict_first")
-            w2 = tl.load(w_ptr + rows2[:, None] * D + cols[None, :], eviction_policy="evict_first")
-        else:
-            cm = cols < D
-            xv = tl.load(xin + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
-            nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-            w1 = tl.load(w_ptr + rows1[:, None] * D + cols[None, :], mask=cm[None, :], other=0.0)
-            w2 = tl.load(w_ptr + rows2[:, None] * D + cols[None, :], mask=cm[None, :], other=0.0)
-        ss += xv * xv
-        hv = (xv * nw)[None, :]
-        acc1 += w1.to(tl.float32) * hv
-        acc2 += w2.to(tl.float32) * hv
+    acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xin, nw_ptr, 0, D, D, HALF, BK, STAGES,
+                                 TWO=True, NORM=True, EVEN=(D % BK == 0))
     rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
     y1 = tl.sum(acc1, axis=1) * rstd
     y2 = tl.sum(acc2, axis=1) * rstd
@@ -94,17 +74,6 @@ def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_p
         tl.store(cb + HD // 2 + dims, to_bf16(o2, INTERP))
 
 
-@triton.jit
-def qkv_prefetch(layer, sec, head, j, n, wtab_ptr, wq_ptr, wk_ptr, wv_ptr, D: tl.constexpr, HD: tl.constexpr,
-                 QKV_ROWS: tl.constexpr, BK: tl.constexpr):
-    HALF: tl.constexpr = QKV_ROWS // 2
-    w_ptr = section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr)
-    rows = head * HD + j * HALF + tl.arange(0, HALF)
-    rm = rows >= 0
-    prefetch_rows(w_ptr, rows, rm, D, n * BK, BK, BK)
-    prefetch_rows(w_ptr, rows + HD // 2, rm, D, n * BK, BK, BK)
-
-
 @register
 @dataclass(frozen=True)
 class QKV(Instruction):
@@ -119,8 +88,6 @@ class QKV(Instruction):
             "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
             "D", "NQ", "HD", "MAXS", "EPS", "QKV_ROWS", "BK", "STAGES", "INTERP")
     device = qkv_device
-    prefetch = qkv_prefetch
-    PREFETCH_ARGS = ("wtab_ptr", "wq_ptr", "wk_ptr", "wv_ptr", "D", "HD", "QKV_ROWS", "BK")
 
     def check_operands(self, lay: Layout) -> list[str]:
         c = lay.cfg

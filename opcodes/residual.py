@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
-from .common import residual_partial_sum, residual_torch, store_layer_output
+from .common import to_bf16
 
 
 @triton.jit
@@ -22,8 +23,15 @@ def residual_device(layer, row0, out_ptr, xout_ptr, x1_ptr, dpart_ptr,
                     INTERP: tl.constexpr):
     rows = row0 + tl.arange(0, RED_ROWS)
     rm = rows < D
-    y = residual_partial_sum(layer, rows, rm, x1_ptr, dpart_ptr, D, NKC, NKC)
-    store_layer_output(layer, rows, rm, y, out_ptr, xout_ptr, NL, D, INTERP)
+    y = tl.load(x1_ptr + layer * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
+    for kc in range(NKC):
+        y += tl.load(dpart_ptr + (layer * NKC + kc) * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
+    # the last layer writes the caller's tensor, the others the next layer's input
+    if layer == NL - 1:
+        dst = out_ptr
+    else:
+        dst = xout_ptr + layer * D
+    tl.store(dst + rows, to_bf16(y, INTERP), mask=rm)
 
 
 class RowBlock(Instruction):
@@ -71,4 +79,10 @@ class Residual(RowBlock):
                     flops=lay.n_down_k * (hi - lo))
 
     def run_torch(self, lay: Layout, st) -> None:
-        residual_torch(lay, st, self.layer, *self._rows(lay))
+        c = lay.cfg
+        lo, hi = self._rows(lay)
+        y = st.buf["x1"].view(c.layers, c.d)[self.layer, lo:hi].clone()
+        dp = st.buf["dpart"].view(c.layers, lay.n_down_k, c.d)
+        for kc in range(lay.n_down_k):
+            y += dp[self.layer, kc, lo:hi]
+        st.buf["xout"].view(c.layers, c.d)[self.layer, lo:hi] = y.to(torch.bfloat16)

@@ -37,8 +37,6 @@ class CostModel:
     hbm_bw: float = 4.18e12         # bytes/s over the whole chip
     l2_bw_sm: float = 100e9         # bytes/s of L2 reads per SM
     overhead: float = 0.6e-6        # s per instruction (fetch, wait, epilogue, signal)
-    efficiency: dict = field(default_factory=dict)   # opcode name -> fraction of hbm_bw achieved
-    scale: dict = field(default_factory=dict)        # opcode name -> measured / modelled time
     # Attention splits are bound by loaded HBM round trips, not bytes: (t0, per round trip, per
     # key block) seconds, the round trips being the key blocks over the blocks in flight
     # (attn_stages - 1). Fitted to six H200 variants (bench/NOTES.md v7). None: bytes, as above.
@@ -54,32 +52,13 @@ class CostModel:
         elif ins.NAME == "attn_partial" and self.attn_latency is not None:
             t = attention_latency(prog.lay, c.hbm_bytes // (4 * prog.lay.cfg.hd), *self.attn_latency)
         else:
-            eff = self.efficiency.get(ins.NAME, 1.0)
-            t = self.overhead + c.hbm_bytes / (eff * self.hbm_bw / num_sms) + c.l2_bytes / self.l2_bw_sm
-        return t * self.scale.get(ins.NAME, 1.0)
-
-    @classmethod
-    def calibrated(cls, measured_vs_planned: dict, base: "CostModel | None" = None) -> "CostModel":
-        """A model whose per-opcode times are scaled by measured / planned busy time (from a
-        profiling run: ``schedule.measured.compare`` prints the ratios)."""
-        base = base or cls()
-        scale = {k: base.scale.get(k, 1.0) * v for k, v in measured_vs_planned.items()}
-        return cls(base.hbm_bw, base.l2_bw_sm, base.overhead, dict(base.efficiency), scale, base.attn_latency,
-                   dict(base.fixed))
+            t = self.overhead + c.hbm_bytes / (self.hbm_bw / num_sms) + c.l2_bytes / self.l2_bw_sm
+        return t
 
     @classmethod
     def bytes_only(cls) -> "CostModel":
         """Every instruction timed by its bytes (the model before the H200 attention fit)."""
         return cls(attn_latency=None, fixed={})
-
-    @classmethod
-    def h200(cls) -> "CostModel":
-        """Calibrated on the lent H200 (2026-11-29, bench/results/2026-11-29-v5-profile.md):
-        measured / planned busy time per opcode of the 70B layer. Only the latency-bound opcodes
-        are rescaled (attention 2.6x, its merge 3.3x): the streaming tiles measured 0.78-0.95x of
-        their planned time each, but they share the chip's bandwidth, which a per-SM model without
-        a global bandwidth limit would overcount (it predicted 400 us against 448 measured)."""
-        return cls.calibrated({"attn_partial": 2.62, "attn_reduce": 3.31, "o_reduce": 1.49}, base=cls.bytes_only())
 
     def lower_bound(self, prog: Program) -> float:
         """Bytes / bandwidth: no schedule on this chip can beat it."""

@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from opcodes import Layout, ModelConfig, Tiling
 
 from .assign import CostModel, Schedule, list_schedule, random_schedule, round_robin, simulate, with_pool
-from .fluid import FluidModel, expected_makespan, fluid_schedule
+from .fluid import FluidModel, expected_makespan
 from .program import Program, lower
 from .tape import Tape, encode
 from .verify import Report, verify
 
-POLICIES = ("cost", "fluid", "round-robin")
+POLICIES = ("cost", "round-robin")
 #: microseconds of the plan's tail taken by ticket at run time (H200, bench/NOTES.md v13: 60 us
 #: measured 425.7 us against 431.8 for static queues in one lease; 30 / 120 / 250 us: 427.3 / 426.3 / 428.1)
 DEFAULT_POOL_US = 60.0
@@ -48,16 +48,15 @@ class Compiled:
 def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, tiling: Tiling | None = None,
                   policy: str = "cost", model: CostModel | None = None, seed: int = 0,
                   sequential: bool = False, lowering=None, pool_us: float | None = None) -> Compiled:
-    """Compile ``cfg`` for ``num_sms`` SMs. ``policy``: 'cost' (list scheduling), 'fluid' (list
-    scheduling under the shared-bandwidth model of :mod:`schedule.fluid`; ``model`` may then be a
-    :class:`FluidModel`), 'round-robin' or 'random' (a random valid schedule drawn with ``seed``).
+    """Compile ``cfg`` for ``num_sms`` SMs. ``policy``: 'cost' (list scheduling), 'round-robin' or
+    'random' (a random valid schedule drawn with ``seed``).
     ``lowering``: a function Layout -> Program to use instead of :func:`lower` (e.g. a whole decoder
     around the layers).
     ``pool_us``: the last ``pool_us`` microseconds of the plan go to a pool that SMs take from at
     run time as they finish their queues (:func:`schedule.assign.with_pool`); 0: queues only;
-    None: :data:`DEFAULT_POOL_US` for 'cost' and 'fluid', 0 for the round-robin and random baselines."""
+    None: :data:`DEFAULT_POOL_US` for 'cost', 0 for the round-robin and random baselines."""
     if pool_us is None:
-        pool_us = DEFAULT_POOL_US if policy in ("cost", "fluid") else 0.0
+        pool_us = DEFAULT_POOL_US if policy == "cost" else 0.0
     if isinstance(pool_us, bool) or not isinstance(pool_us, (int, float)) or not pool_us >= 0:
         raise ValueError(f"pool_us must be a number >= 0 (microseconds), got {pool_us!r}")
     t0 = time.perf_counter()
@@ -65,10 +64,7 @@ def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, ti
         max_seq = 4224 if cfg.d >= 1024 else 256
     lay = Layout(cfg, tiling or Tiling.for_config(cfg), max_seq)
     prog = (lowering or lower)(lay)
-    if policy == "fluid":
-        model = model if isinstance(model, FluidModel) else FluidModel().for_layout(lay)
-        sched = fluid_schedule(prog, num_sms, model)          # times set under the same model
-    elif policy == "cost":
+    if policy == "cost":
         if model is None:
             # NOTE: queues from the bytes-only model (the schedule every H200 measurement of the
             # default build used: it measured as fast as or faster than scheduling with the

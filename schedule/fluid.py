@@ -1,4 +1,4 @@
-"""A shared-bandwidth ("fluid") cost model, its simulator, and a list scheduler that uses it.
+"""A shared-bandwidth ("fluid") cost model of the H200 and its simulator: the predictor of a tape's makespan.
 
 The per-SM model of :mod:`schedule.assign` gives every SM a fixed share of the HBM bandwidth
 (``hbm_bw / num_sms``). The H200 profiles say otherwise (bench/NOTES.md): one SM streams at most
@@ -11,13 +11,8 @@ Model: every running instruction first spends a fixed time (per-instruction over
 or a measured constant for latency-bound opcodes), then streams its HBM bytes at a rate that is
 at most its opcode's per-SM cap; the running instructions share ``hbm_bw`` by water-filling
 (each gets ``min(cap, equal share of what the capped ones leave)``).
-
-Scheduler (:func:`fluid_schedule`): event-driven list scheduling under that model. When an SM
-frees up it takes, among the released instructions, a latency-bound one if fewer than ``spare``
-SMs are running latency-bound work, else the streaming one with the longest bottom level. The
-compiler tries several ``spare`` values and keeps the schedule the model predicts fastest. Queues
-are filled in dispatch order and an instruction is dispatched only once its producers finished,
-so every queue is a sub-sequence of one topological order (no interleaving can deadlock).
+(A list scheduler driven by this model measured slower on the H200 than the per-SM cost
+model's queues and was removed: bench/NOTES.md.)
 """
 from __future__ import annotations
 
@@ -26,8 +21,7 @@ import heapq
 import random
 from dataclasses import dataclass, field, replace
 
-from .assign import (ATTN_LATENCY_H200, CostModel, Release, Schedule, _check_sms, _queue_consistent_order,
-                     attention_latency, bottom_levels)
+from .assign import ATTN_LATENCY_H200, Schedule, _queue_consistent_order, attention_latency
 from .program import Program
 
 _EPS = 1e-12
@@ -39,7 +33,7 @@ class FluidModel:
 
     ``cap``: per-opcode most bytes/s one SM achieves (default ``sm_bw``); ``fixed``: per-opcode
     fixed time replacing ``overhead`` + L2 time (measured, for opcodes bounded by latency rather
-    than bytes); ``latency_bound``: opcodes the scheduler may run on spare SMs.
+    than bytes).
     Defaults: fitted to the H200 profiles of the 70B layer (bench/NOTES.md v7): the default build
     measured 436.3 us, the model says 438.0; 12.3 / 7.4 us attention splits for 64-key blocks
     unpipelined / 128-key blocks 3 stages. (Read-only streaming reaches ~4.2-4.3 TB/s, a little
@@ -52,7 +46,6 @@ class FluidModel:
     l2_bw_sm: float = 100e9
     cap: dict = field(default_factory=dict)
     fixed: dict = field(default_factory=lambda: {"attn_reduce": 2.1e-6, "residual": 0.9e-6, "o_reduce": 1.5e-6})
-    latency_bound: tuple = ("attn_partial", "attn_reduce", "o_reduce", "residual", "argmax", "embed")
     # an attention split: t0 + (loaded HBM round trips) * rt + (key blocks) * per_block, where the
     # round trips are the blocks over the blocks in flight (attn_stages - 1). Fitted to six H200
     # variants (bench/NOTES.md v7: 64/128-key blocks, 1-5 stages): within ~1 us of each.
@@ -116,12 +109,6 @@ class FluidModel:
 
     def simulate(self, sched: Schedule) -> Schedule:
         return simulate_fluid(sched, self)
-
-    def as_cost_model(self, num_sms: int) -> CostModel:
-        """A per-SM model with the same per-instruction times when every SM streams (for bottom
-        levels)."""
-        return CostModel(hbm_bw=min(self.hbm_bw, self.sm_bw * num_sms), l2_bw_sm=self.l2_bw_sm,
-                         overhead=self.overhead)
 
 
 class _Engine:
@@ -244,62 +231,6 @@ def simulate_fluid(sched: Schedule, model: FluidModel | None = None, seed: int |
     sched.start, sched.finish = eng.start, eng.finish
     sched.pool_sm = {i: eng.sm_of[i] for i in sched.pool}
     return sched
-
-
-def fluid_schedule(prog: Program, num_sms: int, model: FluidModel | None = None,
-                   spare: int | None = None, spares=(0, 8, 16, 24, 32, 40, 48, 64)) -> Schedule:
-    """List scheduling under the fluid model (see the module docstring). ``spare``: the most SMs
-    that run latency-bound work while streaming work is released; ``None`` tries ``spares`` and
-    keeps the fastest prediction."""
-    _check_sms(num_sms)
-    model = model or FluidModel()
-    if spare is None:
-        best = None
-        for sp in sorted({min(s, num_sms) for s in spares}):
-            s = fluid_schedule(prog, num_sms, model, spare=sp)
-            if best is None or s.makespan < best.makespan - 1e-9:
-                best = s
-        return best
-    bl = bottom_levels(prog, model.as_cost_model(num_sms), num_sms)
-    lat = set(model.latency_bound)
-    is_lat = [ins.NAME in lat for ins in prog.instrs]
-    rel = Release(prog)
-    rel_s: list = []
-    rel_l: list = []
-    for i in rel.initial:
-        heapq.heappush(rel_l if is_lat[i] else rel_s, (-bl[i], i))
-    eng = _Engine(prog, num_sms, model)
-    queues: list[list[int]] = [[] for _ in range(num_sms)]
-    idle = list(range(num_sms))
-    n_lat = 0
-
-    def dispatch():
-        nonlocal n_lat
-        idle.sort(reverse=True)
-        while idle and (rel_s or rel_l):
-            if rel_l and (n_lat < spare or not rel_s):
-                _, i = heapq.heappop(rel_l)
-                n_lat += 1
-            else:
-                _, i = heapq.heappop(rel_s)
-            s = idle.pop()
-            queues[s].append(i)
-            eng.begin(i, s)
-
-    dispatch()
-    n_done = 0
-    while eng.busy():
-        for i in eng.step():
-            n_done += 1
-            idle.append(eng.sm_of[i])
-            if is_lat[i]:
-                n_lat -= 1
-            for j in rel.done(i):
-                heapq.heappush(rel_l if is_lat[j] else rel_s, (-bl[j], j))
-        dispatch()
-    if n_done != len(prog):
-        raise RuntimeError("fluid_schedule: some instructions were never released (a counter has no producers?)")
-    return Schedule(prog, num_sms, queues, f"fluid(spare={spare})", eng.start, eng.finish)
 
 
 def expected_makespan(sched: Schedule, model: FluidModel | None = None, draws: int = 3) -> float:

@@ -13,8 +13,6 @@ Dependencies per layer ``l`` (one counter per arrow group):
     GATE_UP(l, rows in K chunk kc) --act[l,kc]--> DOWN(l, *, kc)
     DOWN(l, rows in block rb, *) --dpart[l,rb]--> RESIDUAL(l, rb) --out[l]--> QKV(l+1, *)
 
-With ``Tiling.fold`` there is no RESIDUAL: DOWN(l, row tile r, kc < last) --dsib[l,r]--> DOWN(l, r,
-last K chunk), which adds x1 and the partials itself --out[l]--> QKV(l+1, *).
 """
 from __future__ import annotations
 
@@ -99,7 +97,7 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
         ca = [p.counter(f"attn[{l},{oc}]" if n_oc > 1 else f"attn[{l}]") for oc in range(n_oc)]
         cx = p.counter(f"x1[{l}]")
         cact = [p.counter(f"act[{l},{kc}]") for kc in range(lay.n_down_k)]
-        cd = [] if t.fold else [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
+        cd = [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
         cout = p.counter(f"out[{l}]") if (l + 1 < c.layers or signal_last) else NO_COUNTER
         w_in = (prev_out,) if prev_out != NO_COUNTER else ()
         # Q tiles first, grouped by KV head: a group's prefix attention starts when its Q is done
@@ -129,23 +127,11 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
                 p.add(OReduce(l, rb * t.red_rows), (co[rb],), cx)
         for r in range(0, c.ffn, t.gu_rows):
             p.add(GateUp(l, r), (cx,), cact[r // t.down_k])
-        if t.fold:
-            # the last K chunk's tile of each row tile waits for the other chunks of its rows and
-            # writes the layer's output rows itself (no RESIDUAL)
-            nk = lay.n_down_k
-            cs = ([p.counter(f"dsib[{l},{r}]") for r in range(0, c.d, t.down_rows)] if nk > 1 else [])
-            for kc in range(nk):
-                for j, r in enumerate(range(0, c.d, t.down_rows)):
-                    if kc < nk - 1:
-                        p.add(Down(l, r, kc), (cact[kc],), cs[j])
-                    else:
-                        p.add(Down(l, r, kc), (cact[kc], cs[j]) if nk > 1 else (cact[kc],), cout)
-        else:
-            for kc in range(lay.n_down_k):
-                for r in range(0, c.d, t.down_rows):
-                    p.add(Down(l, r, kc), (cact[kc],), cd[r // t.red_rows])
-            for rb in range(n_rb):
-                p.add(Residual(l, rb * t.red_rows), (cd[rb],), cout)
+        for kc in range(lay.n_down_k):
+            for r in range(0, c.d, t.down_rows):
+                p.add(Down(l, r, kc), (cact[kc],), cd[r // t.red_rows])
+        for rb in range(n_rb):
+            p.add(Residual(l, rb * t.red_rows), (cd[rb],), cout)
         prev_out = cout
     return p
 

@@ -195,21 +195,3 @@ def test_pool_kernel_is_bitwise_the_queued_kernel(name):
         assert all(bitwise_equal(a, b) for pa, pb in zip(cache, cache0) for a, b in zip(pa, pb)), pool_us
 
 
-def test_fold_kernel_is_bitwise_the_residual_kernel():
-    """Tiling.fold through the real kernel: the last K chunk's down tile sums the rows itself,
-    bitwise what RESIDUAL gives, output and cache, over three steps."""
-    cfg, prefill, max_seq = PRESETS["small-2layer"], 37, 64
-    weights = make_weights(cfg, seed=5)
-    runs = []
-    for fold in (0, 1):
-        cache = make_kv_cache(cfg, max_seq, prefill, seed=6)
-        h = build_layer(weights, cache, cfg.to_dict(), max_seq, tiling=Tiling.for_config(cfg, fold=fold))
-        names = {int(op) for op in h.tape.words[:, 0].tolist()}
-        from opcodes import REGISTRY
-        assert (REGISTRY["residual"].OPCODE in names) == (fold == 0)
-        outs = [layer_step(h, _x(cfg, s), prefill + s) for s in range(3)]
-        runs.append((outs, cache))
-        teardown(h)
-    (o0, c0), (o1, c1) = runs
-    assert all(bitwise_equal(a, b) for a, b in zip(o0, o1))
-    assert all(bitwise_equal(a, b) for pa, pb in zip(c0, c1) for a, b in zip(pa, pb))

@@ -20,7 +20,7 @@ from opcodes import (BY_OPCODE, HEADER, NO_COUNTER, PRESETS, REGISTRY, WORDS, La
 from schedule import (CostModel, Schedule, Tape, compile_model, decode, encode, list_schedule, lower,
                       random_schedule, round_robin, simulate, verify)
 from schedule.assign import check_pool, with_pool
-from schedule.fluid import FluidModel, fluid_schedule, simulate_fluid
+from schedule.fluid import FluidModel, simulate_fluid
 
 L70 = "llama70b-layer"
 
@@ -169,7 +169,6 @@ def check_queues(sched: Schedule) -> None:
 
 POLICY_FNS = {
     "cost": lambda prog, n: list_schedule(prog, n),
-    "fluid": lambda prog, n: fluid_schedule(prog, n),
     "round-robin": lambda prog, n: round_robin(prog, n),
     "random": lambda prog, n: random_schedule(prog, n, seed=7),
 }
@@ -513,28 +512,6 @@ def test_fluid_many_instructions_share_the_chip():
     assert s10.makespan == pytest.approx(10 * b / 40e9, rel=1e-9)
 
 
-def test_fluid_schedule_respects_dependencies_and_predicts_its_own_times():
-    """The fluid scheduler's start/finish times are what the fluid simulator gives for its queues,
-    and no instruction starts before its producers finish."""
-    prog = lower(layout("small-2layer", max_seq=256))
-    m = FluidModel()
-    sched = fluid_schedule(prog, 8, m, spare=2)
-    again = simulate_fluid(Schedule(prog, 8, [list(q) for q in sched.queues], "copy"), m)
-    assert again.finish == pytest.approx(sched.finish, rel=1e-9, abs=1e-15)
-    producers = prog.producers()
-    for i in range(len(prog)):
-        for cnt in prog.waits[i]:
-            assert sched.start[i] >= max(sched.finish[j] for j in producers[cnt]) - 1e-12
-
-
-def test_fluid_spare_search_keeps_the_fastest_prediction():
-    prog = lower(layout("small-gqa4", max_seq=256))
-    m = FluidModel()
-    best = fluid_schedule(prog, 16, m, spares=(0, 2, 4, 8))
-    each = [fluid_schedule(prog, 16, m, spare=sp).makespan for sp in (0, 2, 4, 8)]
-    assert best.makespan == pytest.approx(min(each), rel=1e-12)
-
-
 def test_attention_latency_model_counts_round_trips():
     from schedule.assign import attention_latency
     lay1 = layout(L70, max_seq=4224, attn_block=64, attn_stages=1)
@@ -647,28 +624,8 @@ def test_compile_model_pool_us_argument():
     from schedule.compile import DEFAULT_POOL_US
     assert compile_model(cfg, 3, max_seq=64).sched.policy.endswith(f"pool({DEFAULT_POOL_US:.0f}us)")
     assert not compile_model(cfg, 3, max_seq=64, policy="round-robin").sched.pool
-    for policy in ("cost", "round-robin", "random", "fluid"):
+    for policy in ("cost", "round-robin", "random"):
         c = compile_model(cfg, 3, max_seq=64, policy=policy, pool_us=1e9)
         assert len(c.sched.pool) == len(c.prog) and c.tape.pool_len == len(c.prog)
 
 
-
-def test_fold_lowering_structure():
-    """fold=1: no RESIDUAL; each row tile's last-chunk DOWN waits for its act chunk and for the
-    row tile's other chunks (dsib, NKC-1 producers) and signals out[l]; fold must be 0 or 1."""
-    lay = layout("small-2layer", down_k=64, fold=1)
-    prog = lower(lay)
-    nk = lay.n_down_k
-    assert nk > 1 and not any(ins.NAME == "residual" for ins in prog.instrs)
-    targets = prog.targets()
-    finals = [i for i, ins in enumerate(prog.instrs) if ins.NAME == "down" and ins.kc == nk - 1]
-    assert len(finals) == lay.cfg.layers * cdiv(lay.cfg.d, lay.tiling.down_rows)
-    for i in finals:
-        ins = prog.instrs[i]
-        names = [prog.counters[c] for c in prog.waits[i]]
-        assert names[0].startswith("act[") and names[1] == f"dsib[{ins.layer},{ins.row0}]"
-        assert targets[prog.waits[i][1]] == nk - 1
-    verify(encode(list_schedule(prog, 5)), prog)
-    for bad in (2, -1, True):
-        with pytest.raises(ValueError, match="fold"):
-            Tiling.for_config(ModelConfig.from_name("tiny"), fold=bad)
