@@ -107,13 +107,13 @@ def check_megatape(cfg: ModelConfig, h, weights, kv, kv_before, xs, prefill: int
         f"other rows untouched: {untouched}")
 
 
-BUILD_KEYS = {"coop": "cooperative", "prefetch": "prefetch", "fast": "fast_launch"}
+BUILD_KEYS = {"coop": "cooperative"}
 #: variant keys that pick the cost model ordering the queues (value 1)
-MODEL_KEYS = {"attnmodel": CostModel, "bytesmodel": CostModel.bytes_only, "h200model": CostModel.h200}
+MODEL_KEYS = {"attnmodel": CostModel, "bytesmodel": CostModel.bytes_only}
 
 
 def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:
-    """'bk=512,stages=3,coop=0,policy=fluid' -> (Tiling with overrides, build_layer keyword arguments)."""
+    """'bk=512,stages=3,coop=0,policy=round-robin' -> (Tiling with overrides, build_layer keyword arguments)."""
     over, build = {}, {}
     for kv in filter(None, spec.replace(" ", "").split(",")):
         k, _, v = kv.partition("=")
@@ -199,9 +199,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiling", default="", help="Tiling overrides of the main row, e.g. gu_rows=16,bk=1024")
     ap.add_argument("--variants", default="", help=(
         "extra builds to check and time, ';'-separated, each a ','-list of Tiling fields (attn_stages=4) and "
-        "build options: policy=cost|fluid|round-robin, bytesmodel=1 / attnmodel=1 / h200model=1 (the cost "
-        "model that orders the queues), pool=US (the plan's last US microseconds taken by ticket at run "
-        "time), coop=0 (plain launch), prefetch=1 (L2 prefetch while waiting), fast=0 (Triton's launcher)"))
+        "build options: policy=cost|round-robin, bytesmodel=1 / attnmodel=1 (the cost model that orders the "
+        "queues), pool=US (the plan's last US microseconds taken by ticket at run time), coop=0 (plain launch)"))
     ap.add_argument("--profile", action="store_true", help="also run the profiling kernel and summarise it")
     ap.add_argument("--policy", default="cost")
     ap.add_argument("--profile-variants", action="store_true",

@@ -27,13 +27,20 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from opcodes import PRESETS, Layout, Tiling
-from opcodes.common import constexpr_values
-from interp.codegen import load_kernel
-k = load_kernel()
 cfg = PRESETS[os.environ.get("MEGATAPE_PRESET", "llama70b-layer")]
 over = dict(kv.split("=") for kv in filter(None, os.environ.get("MEGATAPE_TILING", "").split(",")))
 lay = Layout(cfg, Tiling.for_config(cfg, **{k: int(v) for k, v in over.items()}), 4224)
-cx = constexpr_values(lay, interp=False)
+from interp.codegen import load_kernel
+try:        # trees before the registry owned the kernel's parameters: one kernel for every opcode
+    from opcodes.common import constexpr_values
+    k = load_kernel()
+    cx = constexpr_values(lay, interp=False)
+except ImportError:     # the kernel of the opcodes the layer's program uses
+    from opcodes import kernel_constexprs, kernel_pointers
+    from schedule.program import lower
+    classes = lower(lay).classes()
+    cx = kernel_constexprs(lay, classes, interp=False)
+    k = load_kernel(classes, kernel_pointers(lay, classes), list(cx))
 cx.update(PROFILE=False)
 if "PREFETCH" in k.arg_names:   # trees before the prefetch experiment was removed
     cx["PREFETCH"] = False

@@ -133,11 +133,14 @@ def summary_lines(comps: dict, selected: str) -> list[str]:
                  " ".join(f"{k}={v}" for k, v in t.__dict__.items()))
     lines.append(f"target  {sel.tape.num_sms} SMs; cost model: HBM {model.hbm_bw / 1e12:.2f} TB/s, "
                  f"L2 {model.l2_bw_sm / 1e9:.0f} GB/s per SM, {model.overhead * 1e6:.2f} us per instruction")
-    if model.attn_latency:
-        t0, rt, pb = (v * 1e6 for v in model.attn_latency)
+    if not model.by_bytes:
+        from opcodes import REGISTRY, Timing
+        from opcodes.attn_partial import ATTN_LATENCY_H200
+        t0, rt, pb = (v * 1e6 for v in ATTN_LATENCY_H200)
         lines.append(f"        attention splits by loaded HBM round trips: {t0:.1f} + {rt:.1f} x trips + "
                      f"{pb:.1f} x blocks us (H200 fit); " +
-                     ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in model.fixed.items()) + " (measured)")
+                     ", ".join(f"{c.NAME} {c.FIXED_S * 1e6:.1f} us" for c in REGISTRY.values()
+                               if c.TIMING == Timing.FIXED and c.FIXED_S is not None) + " (measured)")
     # instructions per opcode
     lines.append("")
     lines.append("instructions per opcode:")

@@ -96,25 +96,20 @@ def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_
     ``tiling``, ``policy``, ``tape`` (a tape compiled with ``lower_decoder``), ``spin_limit``,
     ``sync_check``, ``profile``, ...).
     """
-    for k in ("lowering", "extra_buffers"):
-        if k in options:
-            raise TypeError(f"build_decoder: {k}= is set by the decoder itself")
+    if "lowering" in options:
+        raise TypeError("build_decoder: lowering= is set by the decoder itself")
     mc = _model_cfg(cfg)
     _, device = runtime.validate_inputs(weights, kv_cache, mc, max_seq_len)
     _check_decoder_weights(weights, kv_cache, mc, device)
-    tok = torch.zeros(1, dtype=torch.int32, device=device)
-    toks = torch.zeros(max_seq_len, dtype=torch.int32, device=device)
-    extra = {"tok_ptr": tok, "toks_ptr": toks, "embed_ptr": weights["embed"], "fnorm_ptr": weights["final_norm"],
-             "lmh_ptr": weights["lm_head"]}
     h = runtime.build_layer(weights, kv_cache, mc, max_seq_len, lowering=decoder_lowering(lm_rows, emb_cols),
-                            extra_buffers=extra, **options)
+                            **options)
     lay = h.tape.lay
     if not isinstance(lay, DecoderLayout):
         runtime.teardown(h)
         raise ValueError("tape: not a whole-model decoder tape (compile it with "
                          "lowering=schedule.decoder_program.lower_decoder)")
     hidden = torch.empty(1, mc.d, dtype=torch.bfloat16, device=device)
-    return DecoderHandle(layer=h, cfg=mc, lay=lay, device=device, tok=tok, toks=toks,
+    return DecoderHandle(layer=h, cfg=mc, lay=lay, device=device, tok=h.state["tok"], toks=h.state["toks"],
                          x0=h.scratch["x0"].view(1, mc.d), hidden=hidden,
                          logits=h.scratch["logits"].view(1, mc.vocab), weights=weights)
 

@@ -1,23 +1,23 @@
 """Host runtime of the interpreter kernel: the spec's ``build_layer / layer_step / teardown``.
 
-``build_layer`` (untimed) validates the inputs, builds the per-layer offset table (the kernel
-reads the caller's weights and KV cache where they are: no repack), the RoPE tables and the
-scratch buffers, compiles and verifies the tape for this device and compiles the kernel.
+``build_layer`` (untimed) validates the inputs, compiles and verifies the tape for this device,
+binds the buffers (the per-layer offset table: the kernel reads the caller's weights and KV cache
+where they are, no repack; the opcodes' scratch, state and tables), generates and compiles the
+kernel for the tape's opcodes and makes the launcher.
 ``layer_step`` is exactly one launch of one persistent kernel with one program per SM.
 
 Counters are never reset between calls: call ``e`` (1, 2, ...) waits for ``target * e``.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
 import torch
-from triton import knobs as _knobs
 
-from opcodes import Layout, ModelConfig, Tiling
-from opcodes.common import KERNEL_CONSTEXPRS, TABLE_PTRS, TAB_NAMES, constexpr_values
-from opcodes.reference import layer_shapes, rope_tables
+from opcodes import Layout, ModelConfig, Tiling, kernel_constexprs, kernel_pointers, state_buffers
+from opcodes.reference import layer_shapes
 from schedule import CostModel, Tape, compile_model, verify
 
 from .codegen import PROF_WORDS, STATUS_WORDS, SWITCHES, load_kernel
@@ -156,36 +156,48 @@ class LayerHandle:
     tape: Tape
     device: torch.device
     num_sms: int
-    kernel: object
-    args: list                       # kernel arguments after the per-call ones
-    constexprs: dict
-    launch_opts: dict
-    counters: torch.Tensor
-    status: torch.Tensor
-    status_host: bool
-    prof: torch.Tensor
-    tape_dev: torch.Tensor
-    qoff_dev: torch.Tensor
     spin_limit: int
     sync_check: bool
-    max_target: int
+    bindings: Bindings = field(repr=False, default=None)   # the kernel's buffers (bind_buffers)
     weights: dict = field(repr=False, default=None)
     kv_cache: list = field(repr=False, default=None)
-    epoch: int = 0
-    closed: bool = False
-    scratch: dict = field(default_factory=dict, repr=False)
-    keep: list = field(default_factory=list, repr=False)
-    next_out: torch.Tensor = field(default=None, repr=False)   # the next call's output, never handed out yet
-    compiled: object = field(default=None, repr=False)
-    fast_launch: bool = True
-    last_pos: int = -1
-    launcher: object = field(default=None, repr=False)
-    status_flag: object = field(default=None, repr=False)
-    ptab: torch.Tensor = None
-    buffers: dict = field(default_factory=dict, repr=False)
     predicted_makespan_s: float | None = None
-    cx_values: list = field(default_factory=list, repr=False)
-    resources: dict = field(default_factory=dict)
+    # set by _make_control: the tape on the device, counters, status block, profile buffer
+    tape_dev: torch.Tensor = field(repr=False, default=None)
+    qoff_dev: torch.Tensor = field(repr=False, default=None)
+    counters: torch.Tensor = field(repr=False, default=None)
+    status: torch.Tensor = field(repr=False, default=None)
+    prof: torch.Tensor = field(repr=False, default=None)
+    max_target: int = 1
+    status_flag: object = field(default=None, repr=False)   # the pinned status word, when it is host memory
+    # set by _compile_kernel
+    kernel: object = field(default=None, repr=False)        # the generated JITFunction
+    constexprs: dict = field(default_factory=dict, repr=False)
+    launch_opts: dict = field(default_factory=dict, repr=False)
+    launcher: object = field(default=None, repr=False)      # FastLauncher (GPU) or None (JIT launch)
+    resources: dict = field(default_factory=dict)           # registers, spills, shared memory (GPU)
+    # per call
+    epoch: int = 0
+    last_pos: int = -1
+    next_out: torch.Tensor = field(default=None, repr=False)   # the next call's output, never handed out yet
+    closed: bool = False
+
+    @property
+    def scratch(self) -> dict:
+        return self.bindings.scratch
+
+    @property
+    def state(self) -> dict:
+        return self.bindings.state
+
+    @property
+    def buffers(self) -> dict:
+        """Build-time kernel pointer name -> tensor."""
+        return self.bindings.pointers
+
+    @property
+    def status_host(self) -> bool:
+        return self.status_flag is not None
 
     def check(self, sync: bool = True) -> None:
         """Raise :class:`MegakernelError` if the last launch stopped on a wait (syncs first)."""
@@ -254,12 +266,89 @@ def _device_sms(device: torch.device) -> int:
     return 1       # the Triton interpreter runs programs one after another
 
 
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "i32": torch.int32, "i64": torch.int64}
+
+
+def _resolve_tape(mc: ModelConfig, max_seq_len: int, device: torch.device, dev_sms: int, num_sms, tiling,
+                  policy, tape, verify_tape, cost_model, seed, lowering, pool_us):
+    """The verified tape for this device (compiled here unless given) and its predicted makespan."""
+    if num_sms is None:
+        num_sms = dev_sms
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 1 <= num_sms <= dev_sms:
+        raise _err(ValueError, "num_sms", f"an int in [1, {dev_sms}] (SMs that can be co-resident on {device})", num_sms)
+    if tape is None:
+        comp = compile_model(mc, num_sms, max_seq=max_seq_len, tiling=tiling, policy=policy, model=cost_model,
+                             seed=seed, sequential=(device.type == "cpu"), lowering=lowering, pool_us=pool_us)
+        return comp.tape, (comp.expected_makespan() if device.type == "cuda" else comp.sched.makespan)
+    if tape.lay.cfg.to_dict() != mc.to_dict() or tape.lay.max_seq != max_seq_len:
+        raise ValueError("tape: compiled for a different cfg or max_seq_len than the one given")
+    if tape.num_sms > dev_sms:
+        raise _err(ValueError, "tape", f"at most {dev_sms} SM queues", tape.num_sms)
+    if verify_tape:
+        verify(tape, sequential=(device.type == "cpu"))
+    return tape, None
+
+
+@dataclass
+class Bindings:
+    """The device memory a tape's kernel reads and writes, by kernel pointer name."""
+
+    pointers: dict            # build-time pointer name -> tensor (the kernel's address table, in order)
+    scratch: dict             # scratch buffer name -> tensor (written every call)
+    state: dict               # state buffer name -> tensor (persists across calls)
+    table: torch.Tensor       # int64 addresses of ``pointers``, what the kernel's ``ptab_ptr`` points at
+
+
+def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device) -> Bindings:
+    """Allocate the scratch, state and tables of the tape's opcodes and bind every build-time
+    pointer their device functions take to its tensor: the layout's per-layer tensors (layer 0's,
+    with the offset table ``wtab`` for the others) and whole-model tensors, the opcodes' scratch,
+    state and tables. The caller's weights and KV cache are used in place (no repack)."""
+    lay, classes = tape.lay, tape.classes()
+    mc = lay.cfg
+    layers = weights["layers"]
+    per_layer = {}
+    for key, ptr in lay.TENSORS:
+        if key in ("kc", "vc"):
+            per_layer[ptr] = (key, [pair[0 if key == "kc" else 1] for pair in kv_cache])
+        else:
+            per_layer[ptr] = (key, [lw[key] for lw in layers])
+    tab = torch.zeros(mc.layers, len(lay.TENSORS), dtype=torch.int64)
+    for j, (ptr, (key, ts)) in enumerate(per_layer.items()):
+        base = ts[0].data_ptr()
+        for l, t in enumerate(ts):
+            delta = t.data_ptr() - base
+            if delta % 16:
+                raise ValueError(f"{key} of layer {l}: not 16-byte aligned relative to layer 0")
+            tab[l, j] = delta // t.element_size()
+    avail = {"wtab_ptr": tab.to(device)}
+    avail.update({ptr: ts[0] for ptr, (_, ts) in per_layer.items()})
+    avail.update({ptr: weights[key] for key, ptr in lay.MODEL_TENSORS})
+    virtual = {n for cls in classes for n in cls.VIRTUAL}
+    scratch = {name: torch.empty(math.prod(shape), dtype=_TORCH_DTYPES[dt], device=device)
+               for name, (shape, dt) in tape.buffers().items() if name not in virtual}
+    state = {name: torch.zeros(math.prod(shape), dtype=_TORCH_DTYPES[dt], device=device)
+             for name, (shape, dt) in state_buffers(lay, classes).items()}
+    avail.update({f"{n}_ptr": t for n, t in {**scratch, **state}.items()})
+    for cls in classes:
+        avail.update(cls.tables(lay, device))
+    pointers = {}
+    for name, dt in kernel_pointers(lay, classes).items():
+        t = avail[name]
+        if t.dtype != _TORCH_DTYPES[dt]:
+            raise TypeError(f"{name}: the kernel reads {dt}, the tensor bound to it is {t.dtype}")
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name}: buffer not 16-byte aligned")
+        pointers[name] = t
+    table = torch.tensor([t.data_ptr() for t in pointers.values()] or [0], dtype=torch.int64, device=device)
+    return Bindings(pointers, scratch, state, table)
+
+
 def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = None, tiling: Tiling | None = None,
                 policy: str = "cost", tape: Tape | None = None, verify_tape: bool = True,
                 spin_limit: int | None = None, sync_check: bool | None = None,
                 cost_model: CostModel | None = None, profile: bool = False, seed: int = 0,
-                cooperative: bool = True, fast_launch: bool = True,
-                lowering=None, extra_buffers: dict | None = None, pool_us: float | None = None):
+                cooperative: bool = True, lowering=None, pool_us: float | None = None):
     """Prepare one decoder layer (or ``cfg['layers']`` layers) for ``layer_step``. Untimed.
 
     weights  : {"layers": [ {in_norm, post_norm, q, k, v, o, gate, up, down} ]} bf16, row-major
@@ -270,11 +359,14 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     for tests of broken tapes), ``spin_limit`` (polls before a wait gives up), ``sync_check``
     (check the kernel's status after every step; default on the CPU), ``profile``, ``cooperative``
     (launch as a cooperative grid, which the driver refuses unless every program is co-resident;
-    without it, residency rests on the grid being one 1-CTA-per-SM program per SM), ``pool_us`` (the plan's last microseconds go to a pool the SMs take from at run time, see
-    ``schedule.assign.with_pool``; 0: static queues only; None: ``schedule.compile.DEFAULT_POOL_US``).
-    Extension points (used by whole-model decoders): ``lowering`` (Layout -> Program, see
-    ``schedule.program.lower``) and ``extra_buffers`` (kernel pointer name -> tensor, for names in
-    ``opcodes.common.KERNEL_PTR_TYPES`` that the layer itself does not use).
+    without it, residency rests on the grid being one 1-CTA-per-SM program per SM),
+    ``pool_us`` (the plan's last microseconds go to a pool the SMs take from at run time, see
+    ``schedule.assign.with_pool``; 0: static queues only; None: ``schedule.compile.DEFAULT_POOL_US``),
+    ``lowering`` (Layout -> Program, see ``schedule.program.lower``; whole-model decoders use it).
+
+    The steps: validate the inputs, compile and verify the tape, bind the buffers
+    (:func:`bind_buffers`), generate and compile the kernel for the tape's opcodes, make the
+    launcher (a direct driver launch on a GPU, Triton's JIT launch under the interpreter).
     """
     mc, device = validate_inputs(weights, kv_cache, cfg, max_seq_len)
     if spin_limit is None:
@@ -283,121 +375,71 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
         spin_limit = INTERPRETER_SPIN_LIMIT if device.type == "cpu" else DEFAULT_SPIN_LIMIT
     if isinstance(spin_limit, bool) or not isinstance(spin_limit, int) or spin_limit <= 0:
         raise _err(ValueError, "spin_limit", "a positive int", spin_limit)
-    dev_sms = _device_sms(device)
-    if num_sms is None:
-        num_sms = dev_sms
-    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 1 <= num_sms <= dev_sms:
-        raise _err(ValueError, "num_sms", f"an int in [1, {dev_sms}] (SMs that can be co-resident on {device})", num_sms)
-    if tape is None:
-        comp = compile_model(mc, num_sms, max_seq=max_seq_len, tiling=tiling, policy=policy, model=cost_model,
-                             seed=seed, sequential=(device.type == "cpu"), lowering=lowering, pool_us=pool_us)
-        tape = comp.tape
-        predicted = comp.expected_makespan() if device.type == "cuda" else comp.sched.makespan
-    else:
-        predicted = None
-        if tape.lay.cfg.to_dict() != mc.to_dict() or tape.lay.max_seq != max_seq_len:
-            raise ValueError("tape: compiled for a different cfg or max_seq_len than the one given")
-        if tape.num_sms > dev_sms:
-            raise _err(ValueError, "tape", f"at most {dev_sms} SM queues", tape.num_sms)
-        if verify_tape:
-            verify(tape, sequential=(device.type == "cpu"))
-    lay = tape.lay
-    num_sms = tape.num_sms
-    layers = weights["layers"]
-    # per-layer element offsets of each tensor relative to layer 0's (see opcodes/common.py)
-    tensors = {n: [lw[n] for lw in layers] for n in ("in_norm", "post_norm", "q", "k", "v", "o", "gate", "up", "down")}
-    tensors["kc"] = [p[0] for p in kv_cache]
-    tensors["vc"] = [p[1] for p in kv_cache]
-    tab = torch.zeros(mc.layers, len(TAB_NAMES), dtype=torch.int64)
-    for j, name in enumerate(TAB_NAMES):
-        base = tensors[name][0].data_ptr()
-        for l, t in enumerate(tensors[name]):
-            delta = t.data_ptr() - base
-            if delta % 16:
-                raise ValueError(f"{name} of layer {l}: not 16-byte aligned relative to layer 0")
-            tab[l, j] = delta // t.element_size()
-    cos, sin = rope_tables(mc, max_seq_len, device=device)
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    scratch = {name: torch.empty(lay.buffer_numel(name), dtype=dt[t], device=device)
-               for name, (shape, t) in lay.buffers().items() if not name.startswith("kv_new")}
-    counters = torch.zeros(max(1, tape.n_counters), dtype=torch.int32, device=device)
-    status_host = False
+    tape, predicted = _resolve_tape(mc, max_seq_len, device, _device_sms(device), num_sms, tiling, policy, tape,
+                                    verify_tape, cost_model, seed, lowering, pool_us)
+    missing = [k for k, _ in tape.lay.MODEL_TENSORS if k not in weights]
+    if missing:
+        raise _err(ValueError, "weights", f"the whole-model tensors {[k for k, _ in tape.lay.MODEL_TENSORS]} "
+                   "(the tape embeds tokens / computes logits)", f"missing {missing}")
+    b = bind_buffers(tape, weights, kv_cache, device)
+    h = LayerHandle(cfg=mc, lay=tape.lay, tape=tape, device=device, num_sms=tape.num_sms, spin_limit=spin_limit,
+                    sync_check=(device.type == "cpu") if sync_check is None else bool(sync_check),
+                    predicted_makespan_s=predicted, weights=weights, kv_cache=kv_cache, bindings=b)
+    _make_control(h, profile)
+    _compile_kernel(h, profile, cooperative)
+    if h.status.device.type == "cpu" and device.type == "cuda":
+        import ctypes
+        h.status_flag = ctypes.c_int32.from_address(h.status.data_ptr())
+    return h
+
+
+def _make_control(h: "LayerHandle", profile: bool) -> None:
+    """The tape on the device, its counters, the status block and the profile buffer."""
+    tape, device = h.tape, h.device
+    h.counters = torch.zeros(max(1, tape.n_counters), dtype=torch.int32, device=device)
+    h.status = None
     if device.type == "cuda":
         try:   # pinned host memory: the host can see a failed wait without a device sync
-            status = torch.zeros(num_sms + 1, STATUS_WORDS, dtype=torch.int32, pin_memory=True)
-            status_host = True
+            h.status = torch.zeros(h.num_sms + 1, STATUS_WORDS, dtype=torch.int32, pin_memory=True)
         except RuntimeError:
-            status = torch.zeros(num_sms + 1, STATUS_WORDS, dtype=torch.int32, device=device)
-    else:
-        status = torch.zeros(num_sms + 1, STATUS_WORDS, dtype=torch.int32, device=device)
-    prof = torch.zeros(max(1, len(tape)) * PROF_WORDS if profile else 1, dtype=torch.int64, device=device)
-    L0 = layers[0]
-    bufs = {"xout_ptr": scratch["xout"], "wtab_ptr": tab.to(device),
-            "n1_ptr": L0["in_norm"], "n2_ptr": L0["post_norm"], "wq_ptr": L0["q"], "wk_ptr": L0["k"],
-            "wv_ptr": L0["v"], "wo_ptr": L0["o"], "wg_ptr": L0["gate"], "wu_ptr": L0["up"], "wd_ptr": L0["down"],
-            "kc_ptr": kv_cache[0][0], "vc_ptr": kv_cache[0][1], "cos_ptr": cos, "sin_ptr": sin,
-            "q_ptr": scratch["q"], "part_o_ptr": scratch["part_o"], "part_ml_ptr": scratch["part_ml"],
-            "attn_ptr": scratch["attn"], "x1_ptr": scratch["x1"], "act_ptr": scratch["act"],
-            "dpart_ptr": scratch["dpart"]}
-    for name, t in scratch.items():       # every scratch buffer of the layout reaches the kernel by name
-        bufs[f"{name}_ptr"] = t
-    for name, t in (extra_buffers or {}).items():
-        if name not in TABLE_PTRS or name in bufs:
-            raise ValueError(f"extra_buffers: {name!r} is not a free kernel pointer name "
-                             f"(free names: {[n for n in TABLE_PTRS if n not in bufs]})")
-        bufs[name] = t
-    for name in TABLE_PTRS:
-        if name not in bufs:        # a pointer only other programs use: point it at a valid buffer
-            bufs[name] = scratch["xout"]
-    missing = [n for n in scratch if f"{n}_ptr" not in TABLE_PTRS]
-    if missing:
-        raise RuntimeError(f"scratch buffers {missing} have no kernel pointer in opcodes.common.KERNEL_PTR_TYPES")
-    for name, t in bufs.items():
-        if t.data_ptr() % 16:
-            raise ValueError(f"{name}: buffer not 16-byte aligned")
-    ptab = torch.tensor([bufs[n].data_ptr() for n in TABLE_PTRS], dtype=torch.int64, device=device)
-    args = [ptab]
-    cx = constexpr_values(lay, interp=(device.type == "cpu"))
-    cx["PROFILE"] = bool(profile and device.type == "cuda")
-    opts = {"num_warps": lay.tiling.num_warps, "num_stages": 1}
-    if device.type == "cuda":
-        opts["launch_cooperative_grid"] = bool(cooperative)
+            pass
+    if h.status is None:
+        h.status = torch.zeros(h.num_sms + 1, STATUS_WORDS, dtype=torch.int32, device=device)
+    h.prof = torch.zeros(max(1, len(tape)) * PROF_WORDS if profile else 1, dtype=torch.int64, device=device)
+    h.tape_dev = tape.words.reshape(-1).contiguous().to(device)
+    h.qoff_dev = torch.cat([tape.offsets, torch.tensor([tape.pool_counter], dtype=torch.int32)]).to(device)
     targets = [int(t) for t in tape.words[:, 2].tolist() + tape.words[:, 4].tolist()] if len(tape) else [1]
     targets.append(tape.tickets_per_call())      # the pool's ticket counter grows by this per call
-    h = LayerHandle(cfg=mc, lay=lay, tape=tape, device=device, num_sms=num_sms, kernel=load_kernel(), args=args,
-                    ptab=ptab, buffers=bufs,
-                    constexprs=cx, launch_opts=opts, counters=counters, status=status, status_host=status_host,
-                    prof=prof, tape_dev=tape.words.reshape(-1).contiguous().to(device),
-                    qoff_dev=torch.cat([tape.offsets, torch.tensor([tape.pool_counter], dtype=torch.int32)]).to(device),
-                    spin_limit=spin_limit,
-                    sync_check=(device.type == "cpu") if sync_check is None else bool(sync_check),
-                    max_target=max(1, max(targets)), predicted_makespan_s=predicted, weights=weights, kv_cache=kv_cache, scratch=scratch)
-    if device.type == "cuda":
-        # compile now (build is untimed); keep the compiled kernel for its resource report
-        x0 = torch.zeros(1, mc.d, dtype=torch.bfloat16, device=device)
-        h.compiled = h.kernel.warmup(h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.ptab, 1, spin_limit, 0,
-                                     x0, x0, grid=(num_sms,), **cx, **opts)
-        h.cx_values = [cx[k] for k in KERNEL_CONSTEXPRS] + [cx[k] for k in SWITCHES]
-        try:
-            h.compiled._init_handles()
-            h.resources = {"n_regs": h.compiled.n_regs, "n_spills": h.compiled.n_spills,
-                           "shared": h.compiled.metadata.shared}
-        except Exception as e:      # resource report is informative only
-            h.resources = {"error": repr(e)}
-        if fast_launch:
-            from .fastlaunch import FastLauncher
-            try:
-                h.launcher = FastLauncher(
-                    h.compiled, num_sms,
-                    fixed=dict(tape_ptr=h.tape_dev, qoff_ptr=h.qoff_dev, cnt_ptr=h.counters, status_ptr=h.status,
-                               prof_ptr=h.prof, ptab_ptr=h.ptab, spin_limit=spin_limit),
-                    dynamic=("epoch", "pos", "x_ptr", "out_ptr"), cooperative=bool(cooperative))
-            except (OSError, NotImplementedError, ValueError, AttributeError) as e:
-                h.resources["fast_launch"] = f"off: {e!r}"
-    if status_host:
-        import ctypes
-        h.status_flag = ctypes.c_int32.from_address(status.data_ptr())
-    return h
+    h.max_target = max(1, max(targets))
+
+
+def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
+    """Generate the kernel for the tape's opcodes; on a GPU compile it now (build is untimed) and
+    make the direct launcher."""
+    lay, classes, device = h.lay, h.tape.classes(), h.device
+    cx = kernel_constexprs(lay, classes, interp=(device.type == "cpu"))
+    cx["PROFILE"] = bool(profile and device.type == "cuda")
+    h.kernel = load_kernel(classes, kernel_pointers(lay, classes), [k for k in cx if k not in SWITCHES])
+    h.constexprs = cx
+    h.launch_opts = {"num_warps": lay.tiling.num_warps, "num_stages": 1}
+    if device.type != "cuda":
+        return
+    h.launch_opts["launch_cooperative_grid"] = bool(cooperative)
+    x0 = torch.zeros(1, h.cfg.d, dtype=torch.bfloat16, device=device)
+    ck = h.kernel.warmup(h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, 1, h.spin_limit, 0,
+                         x0, x0, grid=(h.num_sms,), **cx, **h.launch_opts)
+    ck._init_handles()
+    h.resources = {"n_regs": ck.n_regs, "n_spills": ck.n_spills, "shared": ck.metadata.shared}
+    from .fastlaunch import FastLauncher
+    try:
+        h.launcher = FastLauncher(
+            ck, h.num_sms,
+            fixed=dict(tape_ptr=h.tape_dev, qoff_ptr=h.qoff_dev, cnt_ptr=h.counters, status_ptr=h.status,
+                       prof_ptr=h.prof, ptab_ptr=h.bindings.table, spin_limit=h.spin_limit),
+            dynamic=("epoch", "pos", "x_ptr", "out_ptr"), cooperative=bool(cooperative))
+    except (OSError, NotImplementedError, ValueError, AttributeError) as e:
+        # Triton's JIT launch below still works; it costs tens of microseconds of host time more
+        h.resources["fast_launch"] = f"off: {e!r}"
 
 
 def _check_step_args(h: LayerHandle, x, pos) -> None:
@@ -429,17 +471,8 @@ def launch(h: LayerHandle, x: torch.Tensor, pos: int, out: torch.Tensor) -> None
     if h.launcher is not None:
         h.launcher(torch._C._cuda_getCurrentRawStream(h.device.index), epoch=h.epoch, pos=pos,
                    x_ptr=x.data_ptr(), out_ptr=out.data_ptr())
-        return
-    ck = h.compiled
-    if ck is not None and h.fast_launch:
-        # NOTE: the compiled kernel's launcher directly: Triton's JIT dispatch re-derives the
-        # specialisation key from ~55 arguments on every call (tens of microseconds).
-        ck.run(h.num_sms, 1, 1, torch.cuda.current_stream(h.device).cuda_stream, ck.function, ck.packed_metadata,
-               None, _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook,
-               h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.ptab, h.epoch, h.spin_limit, pos, x, out,
-               *h.cx_values)
     else:
-        h.kernel[(h.num_sms,)](h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.ptab, h.epoch,
+        h.kernel[(h.num_sms,)](h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.epoch,
                                h.spin_limit, pos, x, out, **h.constexprs, **h.launch_opts)
 
 
@@ -474,9 +507,7 @@ def teardown(h: LayerHandle) -> None:
         torch.cuda.synchronize(h.device)
     h.closed = True
     h.next_out = None
-    h.args = []
-    h.buffers = {}
-    h.scratch = {}
+    h.bindings = Bindings({}, {}, {}, None)
     h.weights = None
     h.kv_cache = None
 

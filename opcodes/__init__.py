@@ -3,8 +3,10 @@
 Importing this package registers every opcode; their numbers come from the order below and
 nowhere else (the tape, the VM and the generated interpreter all read :data:`REGISTRY`).
 """
-from .base import (BY_OPCODE, HEADER, MAX_OPERANDS, MAX_WAITS, NO_COUNTER, REGISTRY, WORDS, Cost,
-                   Instruction, Layout, Region, Tiling, cdiv, next_pow2, register)
+from .base import (BY_OPCODE, HEADER, LAYOUTS, MAX_OPERANDS, MAX_WAITS, NO_COUNTER, REGISTRY, WORDS, Cost,
+                   Instruction, Layout, Region, Tiling, Timing, cdiv, kernel_constexprs, kernel_pointers,
+                   layout_from_json, next_pow2, register, register_layout, scratch_buffers, state_buffers,
+                   unregister)
 from .config import PRESETS, ModelConfig
 
 # registration order = opcode numbers 1, 2, ...
@@ -21,7 +23,9 @@ from .lm_head import LMHead
 from .argmax import Argmax
 from .decoder import DecoderLayout
 
-__all__ = ["BY_OPCODE", "HEADER", "MAX_OPERANDS", "MAX_WAITS", "NO_COUNTER", "REGISTRY", "WORDS", "Cost",
-           "Instruction", "Layout", "Region", "Tiling", "cdiv", "next_pow2", "register", "PRESETS",
+__all__ = ["BY_OPCODE", "HEADER", "LAYOUTS", "MAX_OPERANDS", "MAX_WAITS", "NO_COUNTER", "REGISTRY", "WORDS", "Cost",
+           "Instruction", "Layout", "Region", "Tiling", "Timing", "cdiv", "kernel_constexprs", "kernel_pointers",
+           "layout_from_json", "next_pow2", "register", "register_layout", "scratch_buffers", "state_buffers",
+           "unregister", "PRESETS",
            "ModelConfig", "QKV", "AttnPartial", "AttnReduce", "OProj", "GateUp", "Down", "Residual", "OReduce",
            "Embed", "LMHead", "Argmax", "DecoderLayout"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, register
+from .base import Cost, Instruction, Layout, Region, Timing, register
 
 
 @triton.jit
@@ -59,12 +59,25 @@ class Argmax(Instruction):
     NAME = "argmax"
     STAGE = 8
     ARGS = ("pos", "amax_ptr", "tok_ptr", "toks_ptr", "VOCAB", "AM_BLOCK")
+    # partials reduced per iteration
+    CONSTEXPRS = {"VOCAB": lambda lay: lay.cfg.vocab,
+                  "AM_BLOCK": lambda lay: min(1024, max(16, triton.next_power_of_2(lay.n_lm_tiles)))}
+    TIMING = Timing.FIXED
     device = argmax_device
 
+    @classmethod
+    def applies(cls, lay: Layout) -> bool:
+        return hasattr(lay, "n_lm_tiles")           # a DecoderLayout (opcodes.decoder)
+
+    @classmethod
+    def state(cls, lay: Layout) -> dict:
+        # tok: read by the next call's EMBED; toks[pos]: the token predicted at pos
+        return {"tok": ((1,), "i32"), "toks": ((lay.max_seq,), "i32")}
+
     def check_operands(self, lay: Layout) -> list[str]:
-        n = getattr(lay, "n_lm_tiles", None)
-        if n is None:
+        if not self.applies(lay):
             return ["argmax needs a DecoderLayout (opcodes.decoder)"]
+        n = lay.n_lm_tiles
         if self.nparts != n:
             return [f"nparts {self.nparts} is not the number of LM head tiles ({n})"]
         return []

@@ -1,9 +1,9 @@
 """ATTN_PARTIAL: flash-decoding partial attention of one KV head's query group over one split
 of the key sequence.
 
-The cache prefix ``[0, pos)`` is cut into ``NS - 1`` equal splits at run time (the tape is the
-same at every position): split ``s < NS-1`` covers ``[s*c, min((s+1)*c, pos))`` with
-``c = cdiv(pos, NS-1)``; split ``NS-1`` covers the one key at ``pos`` that this call writes.
+The cache prefix ``[0, pos)`` is cut into ``SPLITS - 1`` equal splits at run time (the tape is the
+same at every position): split ``s < SPLITS-1`` covers ``[s*c, min((s+1)*c, pos))`` with
+``c = cdiv(pos, SPLITS-1)``; split ``SPLITS-1`` covers the one key at ``pos`` that this call writes.
 So only the last split depends on this call's K/V tiles: the prefix splits (nearly all the KV
 bytes) wait for the group's Q tiles alone and run while K and V are still being projected.
 The G = n_q / n_kv query heads that share KV head ``g`` are processed together, so each K/V
@@ -20,31 +20,47 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, cdiv, register
+from .base import Cost, Instruction, Layout, Region, Timing, cdiv, register
 from .common import T_KC, T_VC, mma, tab_offset, to_bf16
+
+
+#: an attention split on the H200: (t0, per loaded HBM round trip, per key block) seconds, fitted
+#: to six variants of block size and pipelining depth (bench/NOTES.md v7); see attention_latency
+ATTN_LATENCY_H200 = (2.6e-6, 2.1e-6, 0.2e-6)
+
+
+def attention_latency(lay: Layout, keys: int, t0: float = ATTN_LATENCY_H200[0], rt: float = ATTN_LATENCY_H200[1],
+                      per_block: float = ATTN_LATENCY_H200[2]) -> float:
+    """Seconds of one attention split over ``keys`` keys: ``t0 + trips * rt + blocks * per_block``
+    with ``blocks = ceil(keys / attn_block)`` and ``trips = ceil(blocks / (attn_stages - 1))``: the
+    pipelined key loop keeps ``attn_stages - 1`` blocks in flight."""
+    t = lay.tiling
+    blocks = max(1, -(-keys // t.attn_block))
+    trips = -(-blocks // max(1, t.attn_stages - 1))
+    return t0 + trips * rt + blocks * per_block
 
 
 @triton.jit
 def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr,
-                        NQ: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                        MAXS: tl.constexpr, QSCALE: tl.constexpr, NS: tl.constexpr,
+                        NQ: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                        MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, SPLITS: tl.constexpr,
                         ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
-    last = s == NS - 1
-    chunk = (pos + NS - 2) // (NS - 1)
+    last = s == SPLITS - 1
+    chunk = (pos + SPLITS - 2) // (SPLITS - 1)
     start = tl.where(last, pos, s * chunk)
     stop = tl.where(last, pos + 1, tl.minimum(s * chunk + chunk, pos))
-    hq = tl.arange(0, GP)
-    hm = hq < G
+    hq = tl.arange(0, GROUP_PAD)
+    hm = hq < GROUP
     dcol = tl.arange(0, HD)
-    qrow = g * G + hq
+    qrow = g * GROUP + hq
     q = tl.load(q_ptr + layer * (NQ * HD) + qrow[:, None] * HD + dcol[None, :], mask=hm[:, None],
                 other=0.0, cache_modifier=".cg")
     qs = to_bf16(q * QSCALE, INTERP)                          # scores come out in base 2
-    kbase = kc_ptr + tab_offset(wtab_ptr, layer, T_KC) + g * (MAXS * HD)
-    vbase = vc_ptr + tab_offset(wtab_ptr, layer, T_VC) + g * (MAXS * HD)
-    m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GP], dtype=tl.float32)
-    acc = tl.zeros([GP, HD], dtype=tl.float32)
+    kbase = kc_ptr + tab_offset(wtab_ptr, layer, T_KC) + g * (MAX_SEQ * HD)
+    vbase = vc_ptr + tab_offset(wtab_ptr, layer, T_VC) + g * (MAX_SEQ * HD)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HD], dtype=tl.float32)
     # each iteration streams 2 x ATTN_BLOCK x HD bf16 of K and V
     for kb in tl.range(start, stop, ATTN_BLOCK, num_stages=ATTN_STAGES):
         keys = kb + tl.arange(0, ATTN_BLOCK)
@@ -53,7 +69,7 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
                     cache_modifier=".cg")
         v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
                     cache_modifier=".cg")                      # issued with K: one round trip a block
-        sc = mma(qs, tl.trans(k), INTERP)                           # [GP, ATTN_BLOCK] fp32
+        sc = mma(qs, tl.trans(k), INTERP)                           # [GROUP_PAD, ATTN_BLOCK] fp32
         sc = tl.where(km[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         p = tl.exp2(sc - m_new[:, None])
@@ -61,7 +77,7 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
         m_i = m_new
-    prow = (layer * NQ + qrow) * NS + s
+    prow = (layer * NQ + qrow) * SPLITS + s
     tl.store(part_o_ptr + prow[:, None] * HD + dcol[None, :], acc, mask=hm[:, None])
     tl.store(part_ml_ptr + prow * 2, m_i, mask=hm)
     tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=hm)
@@ -77,8 +93,26 @@ class AttnPartial(Instruction):
     NAME = "attn_partial"
     STAGE = 1
     ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr",
-            "NQ", "HD", "G", "GP", "MAXS", "QSCALE", "NS", "ATTN_BLOCK", "INTERP", "ATTN_STAGES")
+            "NQ", "HD", "GROUP", "GROUP_PAD", "MAX_SEQ", "QSCALE", "SPLITS", "ATTN_BLOCK", "INTERP", "ATTN_STAGES")
+    CONSTEXPRS = {
+        "GROUP": lambda lay: lay.cfg.group,                                  # query heads per KV head
+        "GROUP_PAD": lambda lay: max(16, triton.next_power_of_2(lay.cfg.group)),   # rows of tl.dot
+        "SPLITS": lambda lay: lay.tiling.attn_splits,
+        "ATTN_BLOCK": lambda lay: lay.tiling.attn_block,
+        "ATTN_STAGES": lambda lay: lay.tiling.attn_stages,
+        "QSCALE": lambda lay: float(1.4426950408889634 / math.sqrt(lay.cfg.hd)),   # log2(e) / sqrt(hd)
+    }
+    TIMING = Timing.LATENCY
     device = attn_partial_device
+
+    @classmethod
+    def scratch(cls, lay: Layout) -> dict:
+        c, ns = lay.cfg, lay.tiling.attn_splits
+        return {"part_o": ((c.layers, c.n_q, ns, c.hd), "fp32"), "part_ml": ((c.layers, c.n_q, ns, 2), "fp32")}
+
+    def latency_time(self, lay: Layout) -> float:
+        """Seconds of this split at ``lay.max_seq`` keys on the H200: bound by loaded HBM round trips."""
+        return attention_latency(lay, self.cost(lay).hbm_bytes // (4 * lay.cfg.hd))
 
     def check_operands(self, lay: Layout) -> list[str]:
         c = lay.cfg

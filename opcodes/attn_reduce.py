@@ -1,11 +1,11 @@
-"""ATTN_REDUCE: merge the ``NS`` attention partials of one query head.
+"""ATTN_REDUCE: merge the ``SPLITS`` attention partials of one query head.
 
     M = max_s m_s;  w_s = 2^(m_s - M);  a = sum_s w_s acc_s / sum_s w_s l_s
 
 Writes the attention output of the head (fp32) that the O projection reads. One instruction per
 query head, all loads issued at once: the merge sits on the critical path between attention and
 the O projection (per KV group, 8 dependent merges took 24 us on the H200).
-Reads ``NS * (hd + 2) * 4`` bytes of partials from L2.
+Reads ``SPLITS * (hd + 2) * 4`` bytes of partials from L2.
 """
 from __future__ import annotations
 
@@ -15,16 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, register
+from .base import Cost, Instruction, Layout, Region, Timing, register
 
 
 @triton.jit
 def attn_reduce_device(layer, h, part_o_ptr, part_ml_ptr, attn_ptr,
-                       NQ: tl.constexpr, HD: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr):
-    sp = tl.arange(0, NSP)
-    sm = sp < NS
+                       NQ: tl.constexpr, HD: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    sp = tl.arange(0, SPLITS_PAD)
+    sm = sp < SPLITS
     dcol = tl.arange(0, HD)
-    prow = (layer * NQ + h) * NS + sp
+    prow = (layer * NQ + h) * SPLITS + sp
     m = tl.load(part_ml_ptr + prow * 2, mask=sm, other=float("-inf"), cache_modifier=".cg")
     l = tl.load(part_ml_ptr + prow * 2 + 1, mask=sm, other=0.0, cache_modifier=".cg")
     o = tl.load(part_o_ptr + prow[:, None] * HD + dcol[None, :], mask=sm[:, None], other=0.0,
@@ -44,8 +44,16 @@ class AttnReduce(Instruction):
 
     NAME = "attn_reduce"
     STAGE = 2
-    ARGS = ("part_o_ptr", "part_ml_ptr", "attn_ptr", "NQ", "HD", "NS", "NSP")
+    ARGS = ("part_o_ptr", "part_ml_ptr", "attn_ptr", "NQ", "HD", "SPLITS", "SPLITS_PAD")
+    CONSTEXPRS = {"SPLITS": lambda lay: lay.tiling.attn_splits,
+                  "SPLITS_PAD": lambda lay: triton.next_power_of_2(lay.tiling.attn_splits)}
+    TIMING = Timing.FIXED
+    FIXED_S = 2.1e-6          # measured on the H200 (bench/NOTES.md v7)
     device = attn_reduce_device
+
+    @classmethod
+    def scratch(cls, lay: Layout) -> dict:
+        return {"attn": ((lay.cfg.layers, lay.cfg.q_dim), "fp32")}
 
     def check_operands(self, lay: Layout) -> list[str]:
         c = lay.cfg
@@ -74,7 +82,7 @@ class AttnReduce(Instruction):
     def run_torch(self, lay: Layout, st) -> None:
         c, ns = lay.cfg, lay.tiling.attn_splits
         hs = slice(self.h, self.h + 1)
-        po = st.buf["part_o"].view(c.layers, c.n_q, ns, c.hd)[self.layer, hs]       # [1, NS, hd]
+        po = st.buf["part_o"].view(c.layers, c.n_q, ns, c.hd)[self.layer, hs]       # [1, SPLITS, hd]
         pml = st.buf["part_ml"].view(c.layers, c.n_q, ns, 2)[self.layer, hs]
         m, l = pml[..., 0], pml[..., 1]
         mx = m.max(dim=1, keepdim=True).values

@@ -106,13 +106,32 @@ class Tiling:
         return dataclasses.replace(base, **clamped)
 
 
+#: element types of kernel pointers, as the tape and codegen name them
+DTYPES = ("bf16", "fp32", "i32", "i64")
+
+
 @dataclass(frozen=True)
 class Layout:
-    """Everything an instruction needs to know about shapes: the model, the tiling, the cache."""
+    """Everything an instruction needs to know about shapes: the model, the tiling, the cache.
+
+    A layout owns the model's tensors the kernel reads (``TENSORS``: per-layer tensors, reached
+    through one table of per-layer offsets, ``wtab``), the shape constants every opcode may use
+    (:meth:`constexprs`) and its own serialisation (:meth:`to_json`, :func:`layout_from_json`).
+    Scratch buffers are owned by the opcodes that write them (:meth:`Instruction.scratch`).
+    """
 
     cfg: ModelConfig
     tiling: Tiling
     max_seq: int
+
+    #: per-layer tensors: (key, kernel pointer). ``weights["layers"][l][key]`` for the weights,
+    #: ``kv_cache[l][0 | 1]`` for ``kc`` / ``vc``; the kernel gets layer 0's address and reaches
+    #: layer ``l`` through column :meth:`column` of the offset table (all bf16)
+    TENSORS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("in_norm", "n1_ptr"), ("post_norm", "n2_ptr"), ("q", "wq_ptr"), ("k", "wk_ptr"), ("v", "wv_ptr"),
+        ("o", "wo_ptr"), ("gate", "wg_ptr"), ("up", "wu_ptr"), ("down", "wd_ptr"), ("kc", "kc_ptr"), ("vc", "vc_ptr"))
+    #: whole-model tensors (``weights[key]``, bf16), for layouts that have them
+    MODEL_TENSORS: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def __post_init__(self):
         if isinstance(self.max_seq, bool) or not isinstance(self.max_seq, int) or self.max_seq <= 0:
@@ -123,6 +142,11 @@ class Layout:
         if t.o_k and t.o_k < c.q_dim and t.o_k % c.hd:
             raise ValueError(f"Tiling.o_k = {t.o_k} must be a multiple of hd = {c.hd} (a K chunk waits "
                              "for whole attention heads)")
+
+    @classmethod
+    def column(cls, key: str) -> int:
+        """The offset-table column of per-layer tensor ``key``."""
+        return [k for k, _ in cls.TENSORS].index(key)
 
     # ---- derived counts -----------------------------------------------------------
     @property
@@ -143,27 +167,38 @@ class Layout:
     def n_o_k(self) -> int:
         return cdiv(self.cfg.q_dim, self.o_k)
 
-    def buffers(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Scratch buffers the kernel writes, by name: (shape, dtype). ``xout`` and ``kv_new_*``
-        are symbolic for the verifier: the last layer's ``xout`` row is the returned tensor and
-        ``kv_new_k/v`` is the cache row at ``pos``."""
-        c, t, L = self.cfg, self.tiling, self.cfg.layers
-        return {
-            "q": ((L, c.q_dim), "fp32"),
-            "kv_new_k": ((L, c.kv_dim), "bf16"),
-            "kv_new_v": ((L, c.kv_dim), "bf16"),
-            "part_o": ((L, c.n_q, t.attn_splits, c.hd), "fp32"),
-            "part_ml": ((L, c.n_q, t.attn_splits, 2), "fp32"),
-            "attn": ((L, c.q_dim), "fp32"),
-            "x1": ((L, c.d), "fp32"),
-            **({"opart": ((L, self.n_o_k, c.d), "fp32")} if self.n_o_k > 1 else {}),
-            "act": ((L, c.ffn), "fp32"),
-            "dpart": ((L, self.n_down_k, c.d), "fp32"),
-            "xout": ((L, c.d), "bf16"),
-        }
+    def constexprs(self, interp: bool = False) -> dict:
+        """Kernel constants of the model's shape and of the streaming loops (opcodes add their
+        own, :attr:`Instruction.CONSTEXPRS`); ``interp``: running under the Triton interpreter."""
+        c, t = self.cfg, self.tiling
+        return dict(LAYERS=c.layers, D=c.d, FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd, MAX_SEQ=self.max_seq,
+                    EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp))
 
-    def buffer_numel(self, name: str) -> int:
-        return math.prod(self.buffers()[name][0])
+    # ---- serialisation --------------------------------------------------------------
+    def extra(self) -> dict:
+        """Fields of a subclass beyond (cfg, tiling, max_seq), for :meth:`to_json`."""
+        return {}
+
+    def to_json(self) -> dict:
+        return {"kind": type(self).__name__, "cfg": self.cfg.to_dict(), "cfg_name": self.cfg.name,
+                "tiling": dataclasses.asdict(self.tiling), "max_seq": self.max_seq, "extra": self.extra()}
+
+
+LAYOUTS: dict[str, type[Layout]] = {"Layout": Layout}
+
+
+def register_layout(cls: type[Layout]) -> type[Layout]:
+    """Make a Layout subclass known to :func:`layout_from_json` by its class name."""
+    LAYOUTS[cls.__name__] = cls
+    return cls
+
+
+def layout_from_json(obj: dict) -> Layout:
+    kind = obj.get("kind", "Layout")
+    if kind not in LAYOUTS:
+        raise ValueError(f"unknown layout kind {kind!r} (known: {sorted(LAYOUTS)})")
+    cfg = ModelConfig.from_dict(obj["cfg"], name=obj.get("cfg_name", "custom"))
+    return LAYOUTS[kind](cfg, Tiling(**obj["tiling"]), obj["max_seq"], **obj.get("extra", {}))
 
 
 @dataclass(frozen=True)
@@ -182,22 +217,69 @@ class Cost:
     flops: int
 
 
-class Instruction:
-    """Base of every opcode. Subclasses are frozen dataclasses of int operands and define:
+class Timing:
+    """How the cost models time an opcode (:attr:`Instruction.TIMING`)."""
 
-    ``NAME``      short opcode name (the CLI and listings use it)
-    ``ARGS``      the kernel parameters its device function takes after its operands
-    ``device``    the ``@triton.jit`` function: ``device(<operands...>, <ARGS...>)``
-    ``reads`` / ``writes``  the regions of scratch buffers it touches (for the verifier)
-    ``cost``      bytes and flops (for the scheduler)
-    ``run_torch`` its semantics on torch tensors (for the VM)
+    STREAM = "stream"     # streams its HBM bytes at the SM's share of the bandwidth
+    LATENCY = "latency"   # bound by dependent HBM round trips: :meth:`Instruction.latency_time`
+    FIXED = "fixed"       # moves no weights: a fixed time (``FIXED_S`` if measured, else overhead + L2 time)
+
+
+class Instruction:
+    """Base of every opcode. Subclasses are frozen dataclasses of int operands and declare:
+
+    ``NAME``        short opcode name (the CLI and listings use it)
+    ``STAGE``       position in the layer's dataflow (plots)
+    ``ARGS``        the kernel parameters its device function takes after its operands: pointers
+                    (``*_ptr``), constexprs, or ``pos``
+    ``CONSTEXPRS``  the constexprs it introduces: name -> function of the layout
+    ``TIMING``      its timing class (:class:`Timing`), with ``FIXED_S`` / :meth:`latency_time` /
+                    :meth:`stream_rows` as the class needs
+    ``device``      the ``@triton.jit`` function: ``device(<operands...>, <ARGS...>)``
+    :meth:`scratch` the scratch buffers it writes (``name -> (shape, dtype)``; kernel pointer
+                    ``<name>_ptr``), :meth:`state` device buffers that persist across calls,
+                    :meth:`tables` read-only tensors it computes at build time
+    :meth:`reads` / :meth:`writes`  the regions of scratch buffers it touches (the verifier)
+    :meth:`cost`    bytes and flops (the scheduler), :meth:`run_torch` its semantics (the VM)
     """
 
     NAME: ClassVar[str] = ""
     OPCODE: ClassVar[int] = 0
     ARGS: ClassVar[tuple[str, ...]] = ()
-    STAGE: ClassVar[int] = 0          # position in the layer's dataflow, for plots
+    STAGE: ClassVar[int] = 0
+    CONSTEXPRS: ClassVar[dict] = {}
+    TABLES: ClassVar[dict[str, str]] = {}     # kernel pointer -> dtype of the tensors :meth:`tables` builds
+    VIRTUAL: ClassVar[tuple[str, ...]] = ()   # scratch names that are views of the caller's memory (not allocated)
+    TIMING: ClassVar[str] = Timing.STREAM
+    FIXED_S: ClassVar[float | None] = None
     device = None                     # set by subclasses (a triton JITFunction)
+
+    # ---- declarations ---------------------------------------------------------------
+    @classmethod
+    def applies(cls, lay: Layout) -> bool:
+        """Whether programs of this layout can hold the opcode (its buffers exist)."""
+        return True
+
+    @classmethod
+    def scratch(cls, lay: Layout) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {}
+
+    @classmethod
+    def state(cls, lay: Layout) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {}
+
+    @classmethod
+    def tables(cls, lay: Layout, device) -> dict:
+        """The tensors of :attr:`TABLES` (read-only, built once per handle), by kernel pointer."""
+        return {}
+
+    @classmethod
+    def stream_rows(cls, lay: Layout) -> int:
+        """Weight rows one streaming block covers (bytes in flight per SM, for the H200 model)."""
+        return 0
+
+    def latency_time(self, lay: Layout) -> float:
+        raise NotImplementedError
 
     # ---- encoding -----------------------------------------------------------------
     @classmethod
@@ -259,7 +341,83 @@ def register(cls: type[Instruction]) -> type[Instruction]:
         raise TypeError(f"{cls.NAME} has {n} operands; the tape holds at most {MAX_OPERANDS}")
     if cls.device is None:
         raise TypeError(f"{cls.NAME} has no device function")
-    cls.OPCODE = len(REGISTRY) + 1
+    if cls.TIMING not in (Timing.STREAM, Timing.LATENCY, Timing.FIXED):
+        raise TypeError(f"{cls.NAME}: TIMING must be one of Timing.STREAM / LATENCY / FIXED, got {cls.TIMING!r}")
+    cls.OPCODE = max(BY_OPCODE, default=0) + 1
     REGISTRY[cls.NAME] = cls
     BY_OPCODE[cls.OPCODE] = cls
     return cls
+
+
+def unregister(cls: type[Instruction]) -> None:
+    """Remove the most recently registered opcode (for opcodes defined in tests)."""
+    if BY_OPCODE.get(max(BY_OPCODE, default=0)) is not cls:
+        raise ValueError(f"{cls.NAME} is not the last registered opcode")
+    del REGISTRY[cls.NAME]
+    del BY_OPCODE[cls.OPCODE]
+
+
+# ---- what a set of opcodes needs from the kernel ------------------------------------------
+
+def _merge(into: dict, new: dict, what: str, owner: str) -> None:
+    for k, v in new.items():
+        if k in into and into[k][1] != v:
+            raise TypeError(f"{what} {k!r}: {owner} declares {v!r}, {into[k][0]} declared {into[k][1]!r}")
+        into.setdefault(k, (owner, v))
+
+
+def scratch_buffers(lay: Layout, classes) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The scratch buffers the opcodes ``classes`` write, by name: (shape, dtype). Two opcodes
+    that write one buffer must declare it alike."""
+    out: dict = {}
+    for cls in classes:
+        _merge(out, cls.scratch(lay), "scratch buffer", cls.NAME)
+    return {k: v for k, (_, v) in out.items()}
+
+
+def state_buffers(lay: Layout, classes) -> dict[str, tuple[tuple[int, ...], str]]:
+    out: dict = {}
+    for cls in classes:
+        _merge(out, cls.state(lay), "state buffer", cls.NAME)
+    return {k: v for k, (_, v) in out.items()}
+
+
+def kernel_constexprs(lay: Layout, classes, interp: bool = False) -> dict:
+    """Values of the layout's constexprs and of every constexpr the opcodes declare."""
+    out = {k: ("layout", v) for k, v in lay.constexprs(interp).items()}
+    for cls in classes:
+        _merge(out, {k: f(lay) for k, f in cls.CONSTEXPRS.items()}, "constexpr", cls.NAME)
+    return {k: v for k, (_, v) in out.items()}
+
+
+#: pointers that change with every call: the layer-0 input and the last layer's output
+PER_CALL_POINTERS = {"x_ptr": "bf16", "out_ptr": "bf16"}
+#: the per-layer offset table of :attr:`Layout.TENSORS`
+TABLE_POINTER = ("wtab_ptr", "i64")
+
+
+def pointer_types(lay: Layout, classes) -> dict[str, str]:
+    """Every kernel pointer an owner declares for ``lay`` and ``classes``, with its element type:
+    the layout's tensors, the opcodes' scratch, state and tables, the offset table."""
+    out: dict = {TABLE_POINTER[0]: ("runtime", TABLE_POINTER[1])}
+    _merge(out, {p: "bf16" for _, p in lay.TENSORS + lay.MODEL_TENSORS}, "pointer", type(lay).__name__)
+    for cls in classes:
+        own = {f"{n}_ptr": dt for n, (_, dt) in {**cls.scratch(lay), **cls.state(lay)}.items()}
+        _merge(out, {**own, **cls.TABLES}, "pointer", cls.NAME)
+    return {k: v for k, (_, v) in out.items()}
+
+
+def kernel_pointers(lay: Layout, classes) -> dict[str, str]:
+    """The build-time pointers the device functions of ``classes`` take, in first-use order, with
+    their element types. A pointer nobody declares is an error naming the opcode."""
+    known = pointer_types(lay, classes)
+    out: dict[str, str] = {}
+    for cls in classes:
+        for a in cls.ARGS:
+            if not a.endswith("_ptr") or a in PER_CALL_POINTERS or a in out:
+                continue
+            if a not in known:
+                raise TypeError(f"opcode {cls.NAME} takes pointer {a!r}, which no opcode or layout declares "
+                                f"for {type(lay).__name__} (declared: {sorted(known)})")
+            out[a] = known[a]
+    return out

@@ -1,79 +1,27 @@
-"""Kernel parameters shared by every opcode's device function, and small jit helpers.
-
-The interpreter kernel's signature is generated from these lists (``interp/codegen.py``); an
-opcode names the parameters it needs in its ``ARGS``.
-"""
+"""Jit helpers shared by the opcodes' device functions: the offset table of per-layer tensors,
+the layer input, bf16 rounding, the interpreter-safe ``tl.dot`` and the GEMV streaming loop."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-# Per-layer table of int64 element offsets, relative to the layer-0 tensor passed to the kernel,
-# one row per layer: the kernel reaches layer l's weights and KV cache without a repack.
-TAB_NAMES = ("in_norm", "post_norm", "q", "k", "v", "o", "gate", "up", "down", "kc", "vc")
-NTAB = tl.constexpr(len(TAB_NAMES))
-T_N1 = tl.constexpr(0)
-T_N2 = tl.constexpr(1)
-T_WQ = tl.constexpr(2)
-T_WK = tl.constexpr(3)
-T_WV = tl.constexpr(4)
-T_WO = tl.constexpr(5)
-T_WG = tl.constexpr(6)
-T_WU = tl.constexpr(7)
-T_WD = tl.constexpr(8)
-T_KC = tl.constexpr(9)
-T_VC = tl.constexpr(10)
-assert TAB_NAMES.index("vc") == T_VC.value and TAB_NAMES.index("in_norm") == T_N1.value
+from .base import Layout
 
-#: pointers the device functions take, with their element types. ``x_ptr`` and ``out_ptr`` change
-#: every call and are kernel parameters; the others are fixed at build time and reach the kernel
-#: through one table of addresses (fewer launch arguments: each pointer argument costs the launcher
-#: a driver call, ~1-2 us).
-KERNEL_PTR_TYPES = {
-    "x_ptr": "bf16", "out_ptr": "bf16", "xout_ptr": "bf16", "wtab_ptr": "i64",
-    "n1_ptr": "bf16", "n2_ptr": "bf16", "wq_ptr": "bf16", "wk_ptr": "bf16", "wv_ptr": "bf16", "wo_ptr": "bf16",
-    "wg_ptr": "bf16", "wu_ptr": "bf16", "wd_ptr": "bf16", "kc_ptr": "bf16", "vc_ptr": "bf16",
-    "cos_ptr": "fp32", "sin_ptr": "fp32",
-    "q_ptr": "fp32", "part_o_ptr": "fp32", "part_ml_ptr": "fp32", "attn_ptr": "fp32", "x1_ptr": "fp32",
-    "act_ptr": "fp32", "dpart_ptr": "fp32", "opart_ptr": "fp32",
-    # whole-model decoder (opcodes/embed.py, lm_head.py, argmax.py; scratch in opcodes/decoder.py).
-    # x0_ptr is the decoder's x0 scratch row, which reaches EMBED and layer 0 as the per-call x_ptr
-    "tok_ptr": "i32", "toks_ptr": "i32", "embed_ptr": "bf16", "fnorm_ptr": "bf16", "lmh_ptr": "bf16",
-    "x0_ptr": "bf16", "logits_ptr": "fp32", "amax_ptr": "fp32",
-}
-KERNEL_PTRS = tuple(KERNEL_PTR_TYPES)
-PER_CALL_PTRS = ("x_ptr", "out_ptr")
-#: the build-time pointers, in the order of the address table
-TABLE_PTRS = tuple(p for p in KERNEL_PTRS if p not in PER_CALL_PTRS)
-#: compile-time parameters (model shape and tiling), in kernel-signature order
-KERNEL_CONSTEXPRS = (
-    "NL", "D", "FFN", "NQ", "NKV", "HD", "G", "GP", "MAXS", "EPS", "QSCALE",
-    "QKV_ROWS", "O_ROWS", "O_K", "NOC", "GU_ROWS", "DOWN_ROWS", "DOWN_K", "NKC", "RED_ROWS",
-    "NS", "NSP", "ATTN_BLOCK", "ATTN_STAGES", "BK", "STAGES", "INTERP",
-    "VOCAB", "LM_ROWS", "EMB_COLS", "AM_BLOCK",
-)
-#: scalar runtime parameters every device function may take
-KERNEL_SCALARS = ("pos",)
-
-
-def constexpr_values(lay, interp: bool = False) -> dict:
-    """The values of :data:`KERNEL_CONSTEXPRS` for a :class:`~opcodes.base.Layout`; ``interp``:
-    running under the Triton interpreter (see :func:`mma`)."""
-    import math
-    c, t = lay.cfg, lay.tiling
-    return dict(
-        NL=c.layers, D=c.d, FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd, G=c.group,
-        GP=max(16, triton.next_power_of_2(c.group)), MAXS=lay.max_seq, EPS=float(c.eps),
-        QSCALE=float(1.4426950408889634 / math.sqrt(c.hd)),
-        QKV_ROWS=t.qkv_rows, O_ROWS=t.o_rows, O_K=lay.o_k, NOC=lay.n_o_k, GU_ROWS=t.gu_rows, DOWN_ROWS=t.down_rows,
-        DOWN_K=t.down_k, NKC=lay.n_down_k, RED_ROWS=t.red_rows, NS=t.attn_splits,
-        NSP=triton.next_power_of_2(t.attn_splits), ATTN_BLOCK=t.attn_block, ATTN_STAGES=t.attn_stages, BK=t.bk, STAGES=t.stages,
-        INTERP=interp,
-        # whole-model decoder (opcodes.decoder.DecoderLayout); placeholders for layer-only layouts
-        VOCAB=max(1, c.vocab), LM_ROWS=getattr(lay, "lm_rows", 16), EMB_COLS=getattr(lay, "emb_cols", 16),
-        AM_BLOCK=getattr(lay, "am_block", 16),
-    )
+# Columns of the per-layer offset table (``Layout.TENSORS``): the kernel reaches layer l's copy
+# of a tensor at the layer-0 pointer plus ``wtab[l, column]`` elements.
+NTAB = tl.constexpr(len(Layout.TENSORS))
+T_N1 = tl.constexpr(Layout.column("in_norm"))
+T_N2 = tl.constexpr(Layout.column("post_norm"))
+T_WQ = tl.constexpr(Layout.column("q"))
+T_WK = tl.constexpr(Layout.column("k"))
+T_WV = tl.constexpr(Layout.column("v"))
+T_WO = tl.constexpr(Layout.column("o"))
+T_WG = tl.constexpr(Layout.column("gate"))
+T_WU = tl.constexpr(Layout.column("up"))
+T_WD = tl.constexpr(Layout.column("down"))
+T_KC = tl.constexpr(Layout.column("kc"))
+T_VC = tl.constexpr(Layout.column("vc"))
 
 
 @triton.jit

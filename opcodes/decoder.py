@@ -6,9 +6,9 @@ A decoder program (``schedule/decoder_program.py``) wraps the layers' tiles with
     LM_HEAD(row0) (final RMSNorm + rows of lm_head) -> logits, one (max, argmax) partial per tile
     ARGMAX(nparts) -> the next token (device int32 buffer read by the next call's EMBED)
 
-:class:`DecoderLayout` adds their scratch buffers to :meth:`Layout.buffers` (for the verifier,
-the runtime and the VM) and their tile sizes. It is only used for decoder programs: a layer-only
-program of a config that has a vocabulary keeps the plain :class:`Layout`.
+:class:`DecoderLayout` adds the whole-model tensors (``MODEL_TENSORS``) and the tile sizes of
+those opcodes (their scratch buffers are declared by the opcodes). It is only used for decoder
+programs: a layer-only program of a config that has a vocabulary keeps the plain :class:`Layout`.
 
 Also here: :func:`decoder_shapes` and :func:`decoder_ref`, the eager torch reference of one
 whole-model decode step (embedding, the layers of ``opcodes.reference.model_ref``, final RMSNorm,
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Layout, cdiv, next_pow2
+from .base import Layout, cdiv, next_pow2, register_layout
 from .config import ModelConfig
 from .reference import model_ref, rmsnorm
 
@@ -33,6 +33,7 @@ def _pow2(name: str, v) -> None:
         raise ValueError(f"DecoderLayout.{name} must be a positive power of two, got {v!r}")
 
 
+@register_layout
 @dataclass(frozen=True)
 class DecoderLayout(Layout):
     """A :class:`Layout` for programs that embed the token and end in logits and the next token.
@@ -43,6 +44,8 @@ class DecoderLayout(Layout):
 
     lm_rows: int = 0
     emb_cols: int = 0
+
+    MODEL_TENSORS = (("embed", "embed_ptr"), ("final_norm", "fnorm_ptr"), ("lm_head", "lmh_ptr"))
 
     def __post_init__(self):
         super().__post_init__()
@@ -72,20 +75,8 @@ class DecoderLayout(Layout):
     def n_emb_tiles(self) -> int:
         return cdiv(self.cfg.d, self.emb_cols)
 
-    @property
-    def am_block(self) -> int:
-        """Partials ARGMAX reduces per iteration."""
-        return min(1024, max(16, next_pow2(self.n_lm_tiles)))
-
-    def buffers(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """The layers' buffers plus ``x0`` (the embedded token: the layer-0 input, which the kernel
-        reaches as the per-call ``x_ptr``), ``logits`` (fp32, what ``decode_step`` returns) and
-        ``amax`` (per LM_HEAD tile: [max logit, its index as fp32 (exact below 2^24)])."""
-        b = dict(super().buffers())
-        b["x0"] = ((1, self.cfg.d), "bf16")
-        b["logits"] = ((self.cfg.vocab,), "fp32")
-        b["amax"] = ((self.n_lm_tiles, 2), "fp32")
-        return b
+    def extra(self) -> dict:
+        return {"lm_rows": self.lm_rows, "emb_cols": self.emb_cols}
 
 
 def decoder_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

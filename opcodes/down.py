@@ -20,7 +20,7 @@ from .common import T_WD, gemv_stream, tab_offset
 @triton.jit
 def down_device(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
                 D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
-                NKC: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+                DOWN_CHUNKS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     rows = row0 + tl.arange(0, DOWN_ROWS)
     rm = rows < D
     w_ptr = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
@@ -28,7 +28,7 @@ def down_device(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
                             DOWN_ROWS, BK, STAGES, TWO=False, NORM=False,
                             EVEN=(FFN % DOWN_K == 0) and (DOWN_K % BK == 0) and (D % DOWN_ROWS == 0))
     part = tl.sum(acc, axis=1)
-    tl.store(dpart_ptr + (layer * NKC + kc) * D + rows, part, mask=rm)
+    tl.store(dpart_ptr + (layer * DOWN_CHUNKS + kc) * D + rows, part, mask=rm)
 
 
 @register
@@ -40,8 +40,19 @@ class Down(Instruction):
 
     NAME = "down"
     STAGE = 5
-    ARGS = ("wtab_ptr", "wd_ptr", "act_ptr", "dpart_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "NKC", "BK", "STAGES")
+    ARGS = ("wtab_ptr", "wd_ptr", "act_ptr", "dpart_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS", "BK",
+            "STAGES")
+    CONSTEXPRS = {"DOWN_ROWS": lambda lay: lay.tiling.down_rows, "DOWN_K": lambda lay: lay.tiling.down_k,
+                  "DOWN_CHUNKS": lambda lay: lay.n_down_k}
     device = down_device
+
+    @classmethod
+    def scratch(cls, lay: Layout) -> dict:
+        return {"dpart": ((lay.cfg.layers, lay.n_down_k, lay.cfg.d), "fp32")}
+
+    @classmethod
+    def stream_rows(cls, lay: Layout) -> int:
+        return lay.tiling.down_rows
 
     def check_operands(self, lay: Layout) -> list[str]:
         return (in_range("layer", self.layer, lay.cfg.layers)

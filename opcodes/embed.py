@@ -37,13 +37,26 @@ class Embed(Instruction):
     NAME = "embed"
     STAGE = 0
     ARGS = ("x_ptr", "tok_ptr", "embed_ptr", "D", "VOCAB", "EMB_COLS")
+    CONSTEXPRS = {"VOCAB": lambda lay: lay.cfg.vocab, "EMB_COLS": lambda lay: lay.emb_cols}
     device = embed_device
 
+    @classmethod
+    def applies(cls, lay: Layout) -> bool:
+        return hasattr(lay, "emb_cols")             # a DecoderLayout (opcodes.decoder)
+
+    @classmethod
+    def scratch(cls, lay: Layout) -> dict:
+        # the embedded token: layer 0's input, which reaches the kernel as the per-call x_ptr
+        return {"x0": ((1, lay.cfg.d), "bf16")}
+
+    @classmethod
+    def state(cls, lay: Layout) -> dict:
+        return {"tok": ((1,), "i32")}               # the token this call embeds (ARGMAX's output)
+
     def check_operands(self, lay: Layout) -> list[str]:
-        w = getattr(lay, "emb_cols", None)
-        if w is None:
+        if not self.applies(lay):
             return ["embed needs a DecoderLayout (opcodes.decoder)"]
-        return tile_start("col0", self.col0, w, lay.cfg.d)
+        return tile_start("col0", self.col0, lay.emb_cols, lay.cfg.d)
 
     def _cols(self, lay: Layout) -> tuple[int, int]:
         return self.col0, min(self.col0 + lay.emb_cols, lay.cfg.d)

@@ -46,7 +46,16 @@ class GateUp(Instruction):
     NAME = "gate_up"
     STAGE = 4
     ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "FFN", "EPS", "GU_ROWS", "BK", "STAGES")
+    CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows}
     device = gate_up_device
+
+    @classmethod
+    def scratch(cls, lay: Layout) -> dict:
+        return {"act": ((lay.cfg.layers, lay.cfg.ffn), "fp32")}
+
+    @classmethod
+    def stream_rows(cls, lay: Layout) -> int:
+        return 2 * lay.tiling.gu_rows           # gate and up
 
     def check_operands(self, lay: Layout) -> list[str]:
         return (in_range("layer", self.layer, lay.cfg.layers)

@@ -59,13 +59,26 @@ class LMHead(Instruction):
     STAGE = 7
     ARGS = ("out_ptr", "fnorm_ptr", "lmh_ptr", "logits_ptr", "amax_ptr", "D", "VOCAB", "EPS", "LM_ROWS", "BK",
             "STAGES")
+    CONSTEXPRS = {"VOCAB": lambda lay: lay.cfg.vocab, "LM_ROWS": lambda lay: lay.lm_rows}
     device = lm_head_device
 
+    @classmethod
+    def applies(cls, lay: Layout) -> bool:
+        return hasattr(lay, "lm_rows")              # a DecoderLayout (opcodes.decoder)
+
+    @classmethod
+    def scratch(cls, lay: Layout) -> dict:
+        # fp32 logits (what decode_step returns) and per tile [max logit, its index as fp32 (exact below 2^24)]
+        return {"logits": ((lay.cfg.vocab,), "fp32"), "amax": ((lay.n_lm_tiles, 2), "fp32")}
+
+    @classmethod
+    def stream_rows(cls, lay: Layout) -> int:
+        return lay.lm_rows
+
     def check_operands(self, lay: Layout) -> list[str]:
-        r = getattr(lay, "lm_rows", None)
-        if r is None:
+        if not self.applies(lay):
             return ["lm_head needs a DecoderLayout (opcodes.decoder)"]
-        return tile_start("row0", self.row0, r, lay.cfg.vocab)
+        return tile_start("row0", self.row0, lay.lm_rows, lay.cfg.vocab)
 
     def _rows(self, lay: Layout) -> tuple[int, int]:
         return self.row0, min(self.row0 + lay.lm_rows, lay.cfg.vocab)

@@ -1,9 +1,9 @@
 """O_REDUCE: the first residual add over a split O projection, summing its K chunks in order.
 
-    x1[r] = x[r] + sum_{oc = 0..NOC-1} opart[oc, r]
+    x1[r] = x[r] + sum_{oc = 0..O_CHUNKS-1} opart[oc, r]
 
 Only used when the O projection is split along K (``Tiling.o_k < n_q*hd``). Reads
-``(NOC + 1) * RED_ROWS * 4`` bytes from L2.
+``(O_CHUNKS + 1) * RED_ROWS * 4`` bytes from L2.
 """
 from __future__ import annotations
 
@@ -12,20 +12,21 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import Cost, Layout, Region, register
+from .base import Cost, Layout, Region, Timing, register
+from .oproj import OProj
 from .common import layer_input
 from .residual import RowBlock
 
 
 @triton.jit
 def o_reduce_device(layer, row0, x_ptr, xout_ptr, opart_ptr, x1_ptr,
-                    D: tl.constexpr, NOC: tl.constexpr, RED_ROWS: tl.constexpr):
+                    D: tl.constexpr, O_CHUNKS: tl.constexpr, RED_ROWS: tl.constexpr):
     rows = row0 + tl.arange(0, RED_ROWS)
     rm = rows < D
     xin = layer_input(x_ptr, xout_ptr, layer, D)
     y = tl.load(xin + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
-    for oc in range(NOC):
-        y += tl.load(opart_ptr + (layer * NOC + oc) * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
+    for oc in range(O_CHUNKS):
+        y += tl.load(opart_ptr + (layer * O_CHUNKS + oc) * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
     tl.store(x1_ptr + layer * D + rows, y, mask=rm)
 
 
@@ -37,8 +38,15 @@ class OReduce(RowBlock):
 
     NAME = "o_reduce"
     STAGE = 3
-    ARGS = ("x_ptr", "xout_ptr", "opart_ptr", "x1_ptr", "D", "NOC", "RED_ROWS")
+    ARGS = ("x_ptr", "xout_ptr", "opart_ptr", "x1_ptr", "D", "O_CHUNKS", "RED_ROWS")
+    CONSTEXPRS = {"RED_ROWS": lambda lay: lay.tiling.red_rows, "O_CHUNKS": lambda lay: lay.n_o_k}
+    TIMING = Timing.FIXED
+    FIXED_S = 1.5e-6          # measured on the H200 (bench/NOTES.md v7)
     device = o_reduce_device
+
+    @classmethod
+    def scratch(cls, lay: Layout) -> dict:
+        return OProj.scratch(lay)      # x1 and the O partials (OPROJ owns them; declared alike)
 
     def reads(self, lay: Layout) -> list[Region]:
         c = lay.cfg

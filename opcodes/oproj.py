@@ -22,7 +22,7 @@ from .common import T_WO, gemv_stream, layer_input, tab_offset
 @triton.jit
 def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_ptr, opart_ptr,
                  D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, O_ROWS: tl.constexpr, O_K: tl.constexpr,
-                 NOC: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+                 O_CHUNKS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     QD: tl.constexpr = NQ * HD
     rows = row0 + tl.arange(0, O_ROWS)
     rm = rows < D
@@ -31,12 +31,12 @@ def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x
                             O_ROWS, BK, STAGES, TWO=False, NORM=False,
                             EVEN=(QD % O_K == 0) and (O_K % BK == 0) and (D % O_ROWS == 0))
     y = tl.sum(acc, axis=1)
-    if NOC == 1:
+    if O_CHUNKS == 1:
         xin = layer_input(x_ptr, xout_ptr, layer, D)
         xr = tl.load(xin + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(x1_ptr + layer * D + rows, xr + y, mask=rm)
     else:
-        tl.store(opart_ptr + (layer * NOC + oc) * D + rows, y, mask=rm)
+        tl.store(opart_ptr + (layer * O_CHUNKS + oc) * D + rows, y, mask=rm)
 
 
 @register
@@ -49,8 +49,21 @@ class OProj(Instruction):
     NAME = "oproj"
     STAGE = 3
     ARGS = ("x_ptr", "xout_ptr", "wtab_ptr", "wo_ptr", "attn_ptr", "x1_ptr", "opart_ptr",
-            "D", "NQ", "HD", "O_ROWS", "O_K", "NOC", "BK", "STAGES")
+            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "BK", "STAGES")
+    CONSTEXPRS = {"O_ROWS": lambda lay: lay.tiling.o_rows, "O_K": lambda lay: lay.o_k,
+                  "O_CHUNKS": lambda lay: lay.n_o_k}
     device = oproj_device
+
+    @classmethod
+    def scratch(cls, lay: Layout) -> dict:
+        # x1 = x + attn . Wo^T (written here, or by O_REDUCE from the per-chunk partials ``opart``)
+        c = lay.cfg
+        return {"x1": ((c.layers, c.d), "fp32"),
+                "opart": ((c.layers, lay.n_o_k if lay.n_o_k > 1 else 0, c.d), "fp32")}
+
+    @classmethod
+    def stream_rows(cls, lay: Layout) -> int:
+        return lay.tiling.o_rows
 
     def check_operands(self, lay: Layout) -> list[str]:
         return (in_range("layer", self.layer, lay.cfg.layers)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, register
+from .reference import rope_tables
 from .common import T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, gemv_stream, layer_input, tab_offset, to_bf16
 
 SECTIONS = ("q", "k", "v")
@@ -38,7 +39,7 @@ def section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr):
 @triton.jit
 def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
                kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
-               D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAXS: tl.constexpr,
+               D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
                EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                INTERP: tl.constexpr):
     HALF: tl.constexpr = QKV_ROWS // 2
@@ -69,7 +70,7 @@ def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_p
             cb = kc_ptr + tab_offset(wtab_ptr, layer, T_KC)
         else:
             cb = vc_ptr + tab_offset(wtab_ptr, layer, T_VC)
-        cb = cb + head * (MAXS * HD) + pos * HD
+        cb = cb + head * (MAX_SEQ * HD) + pos * HD
         tl.store(cb + dims, to_bf16(o1, INTERP))
         tl.store(cb + HD // 2 + dims, to_bf16(o2, INTERP))
 
@@ -86,8 +87,27 @@ class QKV(Instruction):
     STAGE = 0
     ARGS = ("pos", "x_ptr", "xout_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr",
             "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
-            "D", "NQ", "HD", "MAXS", "EPS", "QKV_ROWS", "BK", "STAGES", "INTERP")
+            "D", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "BK", "STAGES", "INTERP")
+    CONSTEXPRS = {"QKV_ROWS": lambda lay: lay.tiling.qkv_rows}
+    TABLES = {"cos_ptr": "fp32", "sin_ptr": "fp32"}
+    # the new K/V rows live in the caller's cache (row ``pos``): tracked by the verifier, not allocated
+    VIRTUAL = ("kv_new_k", "kv_new_v")
     device = qkv_device
+
+    @classmethod
+    def scratch(cls, lay: Layout) -> dict:
+        c = lay.cfg
+        return {"q": ((c.layers, c.q_dim), "fp32"), "kv_new_k": ((c.layers, c.kv_dim), "bf16"),
+                "kv_new_v": ((c.layers, c.kv_dim), "bf16")}
+
+    @classmethod
+    def tables(cls, lay: Layout, device) -> dict:
+        cos, sin = rope_tables(lay.cfg, lay.max_seq, device=device)
+        return {"cos_ptr": cos, "sin_ptr": sin}
+
+    @classmethod
+    def stream_rows(cls, lay: Layout) -> int:
+        return lay.tiling.qkv_rows
 
     def check_operands(self, lay: Layout) -> list[str]:
         c = lay.cfg
@@ -139,7 +159,7 @@ class QKV(Instruction):
         y1 = (w[rows1].float() @ h) * rstd
         y2 = (w[rows2].float() @ h) * rstd
         if self.sec < 2:
-            cos, sin = st.cos[st.pos, lo:hi], st.sin[st.pos, lo:hi]
+            cos, sin = st.tables["cos_ptr"][st.pos, lo:hi], st.tables["sin_ptr"][st.pos, lo:hi]
             y1, y2 = y1 * cos - y2 * sin, y2 * cos + y1 * sin
         if self.sec == 0:
             q = st.buf["q"].view(c.layers, c.n_q, c.hd)

@@ -1,9 +1,9 @@
 """RESIDUAL: the second residual add, summing the down-projection partials in a fixed order.
 
-    out[r] = x1[r] + sum_{kc = 0..NKC-1} dpart[kc, r]      (bf16)
+    out[r] = x1[r] + sum_{kc = 0..DOWN_CHUNKS-1} dpart[kc, r]      (bf16)
 
 The last layer writes the caller's fresh output tensor; other layers write ``xout[layer]``,
-which the next layer reads. Reads ``(NKC + 1) * RED_ROWS * 4`` bytes from L2.
+which the next layer reads. Reads ``(DOWN_CHUNKS + 1) * RED_ROWS * 4`` bytes from L2.
 """
 from __future__ import annotations
 
@@ -13,21 +13,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
+from .base import Cost, Instruction, Layout, Region, Timing, in_range, register, tile_start
 from .common import to_bf16
 
 
 @triton.jit
 def residual_device(layer, row0, out_ptr, xout_ptr, x1_ptr, dpart_ptr,
-                    NL: tl.constexpr, D: tl.constexpr, NKC: tl.constexpr, RED_ROWS: tl.constexpr,
+                    LAYERS: tl.constexpr, D: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RED_ROWS: tl.constexpr,
                     INTERP: tl.constexpr):
     rows = row0 + tl.arange(0, RED_ROWS)
     rm = rows < D
     y = tl.load(x1_ptr + layer * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
-    for kc in range(NKC):
-        y += tl.load(dpart_ptr + (layer * NKC + kc) * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
+    for kc in range(DOWN_CHUNKS):
+        y += tl.load(dpart_ptr + (layer * DOWN_CHUNKS + kc) * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
     # the last layer writes the caller's tensor, the others the next layer's input
-    if layer == NL - 1:
+    if layer == LAYERS - 1:
         dst = out_ptr
     else:
         dst = xout_ptr + layer * D
@@ -60,8 +60,16 @@ class Residual(RowBlock):
 
     NAME = "residual"
     STAGE = 6
-    ARGS = ("out_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "NL", "D", "NKC", "RED_ROWS", "INTERP")
+    ARGS = ("out_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "LAYERS", "D", "DOWN_CHUNKS", "RED_ROWS", "INTERP")
+    CONSTEXPRS = {"RED_ROWS": lambda lay: lay.tiling.red_rows, "DOWN_CHUNKS": lambda lay: lay.n_down_k}
+    TIMING = Timing.FIXED
+    FIXED_S = 0.9e-6          # measured on the H200 (bench/NOTES.md v7)
     device = residual_device
+
+    @classmethod
+    def scratch(cls, lay: Layout) -> dict:
+        # the layers' outputs; the last layer's row stands for the caller's fresh output tensor
+        return {"xout": ((lay.cfg.layers, lay.cfg.d), "bf16")}
 
     def reads(self, lay: Layout) -> list[Region]:
         c = lay.cfg

@@ -17,12 +17,9 @@ import heapq
 import random
 from dataclasses import dataclass, field
 
+from opcodes import Timing
+
 from .program import Program
-
-
-#: an attention split on the H200: (t0, per loaded HBM round trip, per key block) seconds, fitted
-#: to six variants of block size and pipelining depth (bench/NOTES.md v7); see attention_latency
-ATTN_LATENCY_H200 = (2.6e-6, 2.1e-6, 0.2e-6)
 
 
 @dataclass(frozen=True)
@@ -37,28 +34,25 @@ class CostModel:
     hbm_bw: float = 4.18e12         # bytes/s over the whole chip
     l2_bw_sm: float = 100e9         # bytes/s of L2 reads per SM
     overhead: float = 0.6e-6        # s per instruction (fetch, wait, epilogue, signal)
-    # Attention splits are bound by loaded HBM round trips, not bytes: (t0, per round trip, per
-    # key block) seconds, the round trips being the key blocks over the blocks in flight
-    # (attn_stages - 1). Fitted to six H200 variants (bench/NOTES.md v7). None: bytes, as above.
-    attn_latency: tuple | None = ATTN_LATENCY_H200
-    # measured times of latency-bound opcodes that move no weights (H200, bench/NOTES.md v7)
-    fixed: dict = field(default_factory=lambda: {"attn_reduce": 2.1e-6})
+    # True: every instruction timed by its bytes as above. False: the opcodes' timing classes
+    # (opcodes.base.Timing): latency-bound ones by their own H200 fit (attention splits by loaded
+    # HBM round trips), fixed ones by their measured time ``FIXED_S``
+    by_bytes: bool = False
 
     def time(self, prog: Program, i: int, num_sms: int) -> float:
         ins = prog.instrs[i]
+        if not self.by_bytes:
+            if ins.TIMING == Timing.LATENCY:
+                return ins.latency_time(prog.lay)
+            if ins.TIMING == Timing.FIXED and ins.FIXED_S is not None:
+                return ins.FIXED_S
         c = ins.cost(prog.lay)
-        if ins.NAME in self.fixed:
-            t = self.fixed[ins.NAME]
-        elif ins.NAME == "attn_partial" and self.attn_latency is not None:
-            t = attention_latency(prog.lay, c.hbm_bytes // (4 * prog.lay.cfg.hd), *self.attn_latency)
-        else:
-            t = self.overhead + c.hbm_bytes / (self.hbm_bw / num_sms) + c.l2_bytes / self.l2_bw_sm
-        return t
+        return self.overhead + c.hbm_bytes / (self.hbm_bw / num_sms) + c.l2_bytes / self.l2_bw_sm
 
     @classmethod
     def bytes_only(cls) -> "CostModel":
-        """Every instruction timed by its bytes (the model before the H200 attention fit)."""
-        return cls(attn_latency=None, fixed={})
+        """Every instruction timed by its bytes (the model before the H200 fits)."""
+        return cls(by_bytes=True)
 
     def lower_bound(self, prog: Program) -> float:
         """Bytes / bandwidth: no schedule on this chip can beat it."""
@@ -204,15 +198,6 @@ def with_pool(sched: Schedule, model, tail_s: float) -> Schedule:
     check_pool(out)
     sim = getattr(model, "simulate", None)        # a FluidModel simulates itself
     return sim(out) if sim is not None else simulate(out, model)
-
-
-def attention_latency(lay, keys: int, t0: float, rt: float, per_block: float) -> float:
-    """Seconds of one attention split over ``keys`` keys: ``t0 + trips * rt + blocks * per_block``
-    with ``blocks = ceil(keys / attn_block)`` and ``trips = ceil(blocks / (attn_stages - 1))``."""
-    t = lay.tiling
-    blocks = max(1, -(-keys // t.attn_block))
-    trips = -(-blocks // max(1, t.attn_stages - 1))
-    return t0 + trips * rt + blocks * per_block
 
 
 def _queue_consistent_order(sched: Schedule) -> list[int]:

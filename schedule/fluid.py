@@ -21,7 +21,9 @@ import heapq
 import random
 from dataclasses import dataclass, field, replace
 
-from .assign import ATTN_LATENCY_H200, Schedule, _queue_consistent_order, attention_latency
+from opcodes import REGISTRY, Timing
+
+from .assign import Schedule, _queue_consistent_order
 from .program import Program
 
 _EPS = 1e-12
@@ -31,9 +33,10 @@ _EPS = 1e-12
 class FluidModel:
     """Shared-bandwidth timing of the instructions (seconds, bytes/s).
 
-    ``cap``: per-opcode most bytes/s one SM achieves (default ``sm_bw``); ``fixed``: per-opcode
-    fixed time replacing ``overhead`` + L2 time (measured, for opcodes bounded by latency rather
-    than bytes).
+    ``cap``: opcode class -> the most bytes/s one SM streams it at (default ``sm_bw``). Fixed-time
+    opcodes (``Timing.FIXED`` with a measured ``FIXED_S``) take that time instead of ``overhead`` +
+    L2 time; latency-bound ones (``Timing.LATENCY``, attention splits) their own H200 fit, all
+    fixed time (their K/V bytes are left out of the shared bandwidth).
     Defaults: fitted to the H200 profiles of the 70B layer (bench/NOTES.md v7): the default build
     measured 436.3 us, the model says 438.0; 12.3 / 7.4 us attention splits for 64-key blocks
     unpipelined / 128-key blocks 3 stages. (Read-only streaming reaches ~4.2-4.3 TB/s, a little
@@ -45,13 +48,6 @@ class FluidModel:
     overhead: float = 0.3e-6
     l2_bw_sm: float = 100e9
     cap: dict = field(default_factory=dict)
-    fixed: dict = field(default_factory=lambda: {"attn_reduce": 2.1e-6, "residual": 0.9e-6, "o_reduce": 1.5e-6})
-    # an attention split: t0 + (loaded HBM round trips) * rt + (key blocks) * per_block, where the
-    # round trips are the blocks over the blocks in flight (attn_stages - 1). Fitted to six H200
-    # variants (bench/NOTES.md v7: 64/128-key blocks, 1-5 stages): within ~1 us of each.
-    attn_t0: float = ATTN_LATENCY_H200[0]
-    attn_rt: float = ATTN_LATENCY_H200[1]
-    attn_per_block: float = ATTN_LATENCY_H200[2]
     # run-to-run jitter: each instruction's bytes and fixed time are scaled by 1 + N(0, noise) in
     # a noisy draw (H200: sd/median of mid-phase gate/up and down tile times ~0.06, run 23), and
     # each pool instruction pays ``ticket`` seconds for its atomic ticket
@@ -78,31 +74,28 @@ class FluidModel:
 
     def for_layout(self, lay) -> "FluidModel":
         """This model with per-opcode streaming caps from ``lay``'s tiling: (stages - 1) blocks of
-        (rows x bk) bf16 weights in flight per SM (:meth:`sm_cap`)."""
+        (rows x bk) bf16 weights in flight per SM (:meth:`sm_cap`), the rows being each streaming
+        opcode's :meth:`~opcodes.base.Instruction.stream_rows`."""
         t = lay.tiling
-        rows = {"qkv": t.qkv_rows, "oproj": t.o_rows, "gate_up": 2 * t.gu_rows, "down": t.down_rows}
-        if hasattr(lay, "lm_rows"):
-            rows["lm_head"] = lay.lm_rows
         inflight = max(1, t.stages - 1) * t.bk * 2
-        cap = {k: self.sm_cap(r * inflight) for k, r in rows.items()}
+        cap = {cls: self.sm_cap(cls.stream_rows(lay) * inflight) for cls in REGISTRY.values()
+               if cls.applies(lay) and cls.stream_rows(lay) > 0}
         cap.update(self.cap)
         return replace(self, cap=cap)
 
-    def attention_time(self, lay, keys: int) -> float:
-        return attention_latency(lay, keys, self.attn_t0, self.attn_rt, self.attn_per_block)
-
     def parts(self, prog: Program, i: int) -> tuple[float, float, float]:
-        """(fixed seconds, HBM bytes, per-SM cap) of instruction ``i``. Latency-bound attention
-        splits are all fixed time (their ~16 MB of K/V is left out of the shared bandwidth)."""
+        """(fixed seconds, HBM bytes, per-SM cap) of instruction ``i``. Latency-bound opcodes
+        (attention splits) are all fixed time (their ~16 MB of K/V is left out of the shared
+        bandwidth)."""
         ins = prog.instrs[i]
+        if ins.TIMING == Timing.LATENCY:
+            return ins.latency_time(prog.lay), 0.0, self.sm_bw
         c = ins.cost(prog.lay)
-        if ins.NAME == "attn_partial" and ins.NAME not in self.fixed:
-            keys = c.hbm_bytes // (4 * prog.lay.cfg.hd)
-            return self.attention_time(prog.lay, keys), 0.0, self.sm_bw
-        f = self.fixed.get(ins.NAME)
-        if f is None:
+        if ins.TIMING == Timing.FIXED and ins.FIXED_S is not None:
+            f = ins.FIXED_S
+        else:
             f = self.overhead + c.l2_bytes / self.l2_bw_sm
-        return f, float(c.hbm_bytes), self.cap.get(ins.NAME, self.sm_bw)
+        return f, float(c.hbm_bytes), self.cap.get(type(ins), self.sm_bw)
 
     def lower_bound(self, prog: Program) -> float:
         return sum(ins.cost(prog.lay).hbm_bytes for ins in prog.instrs) / self.hbm_bw

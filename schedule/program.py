@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from opcodes import (QKV, AttnPartial, AttnReduce, Down, GateUp, Instruction, Layout, ModelConfig, OProj,
                      OReduce, Residual, Tiling, cdiv)
-from opcodes.base import NO_COUNTER
+from opcodes.base import NO_COUNTER, scratch_buffers
 
 
 @dataclass
@@ -53,6 +53,14 @@ class Program:
 
     def targets(self) -> list[int]:
         return [len(p) for p in self.producers()]
+
+    def classes(self) -> list[type[Instruction]]:
+        """The opcodes the program uses, by opcode number."""
+        return sorted({type(ins) for ins in self.instrs}, key=lambda c: c.OPCODE)
+
+    def buffers(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The scratch buffers its opcodes write: name -> (shape, dtype)."""
+        return scratch_buffers(self.lay, self.classes())
 
     def consumers(self) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in self.counters]

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opcodes import BY_OPCODE, HEADER, MAX_WAITS, NO_COUNTER, WORDS, Instruction, Layout, ModelConfig, Tiling
+from opcodes import (BY_OPCODE, HEADER, MAX_WAITS, NO_COUNTER, WORDS, Instruction, Layout, layout_from_json,
+                     scratch_buffers)
 
 from .assign import Schedule
 
@@ -51,6 +52,18 @@ class Tape:
     @property
     def pool_len(self) -> int:
         return len(self.pool_range())
+
+    def classes(self) -> list[type[Instruction]]:
+        """The opcodes on the tape, by opcode number (what the interpreter kernel must dispatch)."""
+        ops = sorted({int(o) for o in self.words[:, 0].unique().tolist()}) if len(self) else []
+        unknown = [o for o in ops if o not in BY_OPCODE]
+        if unknown:
+            raise ValueError(f"tape: opcodes {unknown} are not registered (known: {sorted(BY_OPCODE)})")
+        return [BY_OPCODE[o] for o in ops]
+
+    def buffers(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The scratch buffers its opcodes write: name -> (shape, dtype)."""
+        return scratch_buffers(self.lay, self.classes())
 
     def tickets_per_call(self) -> int:
         """How far the pool counter advances in one call: every pool instruction is one ticket,
@@ -95,10 +108,7 @@ class Tape:
     def to_json(self) -> dict:
         return {"format": "megatape-tape/2", "words_per_instruction": WORDS,
                 "opcodes": {cls.NAME: op for op, cls in BY_OPCODE.items()},
-                "cfg": self.lay.cfg.to_dict(), "cfg_name": self.lay.cfg.name,
-                "tiling": self.lay.tiling.__dict__, "max_seq": self.lay.max_seq,
-                "layout": type(self.lay).__name__,
-                "layout_extra": {k: getattr(self.lay, k) for k in ("lm_rows", "emb_cols") if hasattr(self.lay, k)},
+                "layout": self.lay.to_json(),
                 "num_sms": self.num_sms, "counters": self.counters,
                 "offsets": self.offsets.tolist(), "words": self.words.tolist(),
                 "prog_index": self.prog_index, "meta": self.meta, "pool_counter": self.pool_counter}
@@ -115,15 +125,14 @@ class Tape:
         ops = {cls_.NAME: op for op, cls_ in BY_OPCODE.items()}
         if obj["opcodes"] != ops:
             raise ValueError(f"tape was written with opcodes {obj['opcodes']}, this build has {ops}")
-        cfg = ModelConfig.from_dict(obj["cfg"], name=obj.get("cfg_name", "custom"))
-        kind = obj.get("layout", "Layout")
-        if kind == "DecoderLayout":          # a whole model: embedding and LM head buffers too
-            from opcodes.decoder import DecoderLayout
-            lay = DecoderLayout(cfg, Tiling(**obj["tiling"]), obj["max_seq"], **obj.get("layout_extra", {}))
-        elif kind == "Layout":
-            lay = Layout(cfg, Tiling(**obj["tiling"]), obj["max_seq"])
-        else:
-            raise ValueError(f"tape: unknown layout kind {kind!r}")
+        lay_obj = obj.get("layout")
+        if not isinstance(lay_obj, dict):     # files before layouts serialised themselves
+            if obj["tiling"].get("fold"):
+                raise ValueError("tape: written with Tiling.fold = 1, which no longer exists; compile it again")
+            lay_obj = {"kind": lay_obj or "Layout", "cfg": obj["cfg"], "cfg_name": obj.get("cfg_name", "custom"),
+                       "tiling": {k: v for k, v in obj["tiling"].items() if k != "fold"},
+                       "max_seq": obj["max_seq"], "extra": obj.get("layout_extra", {})}
+        lay = layout_from_json(lay_obj)
         words = torch.tensor(obj["words"], dtype=torch.int32).reshape(-1, WORDS)
         offsets = list(obj["offsets"])
         if fmt == "megatape-tape/1":          # no pool: an empty pool range after the queues

@@ -15,6 +15,8 @@ Checks, in order:
 """
 from __future__ import annotations
 
+import math
+
 import bisect
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -125,7 +127,7 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
     for d in decoded:
         for r in d.ins.writes(lay):
             writes[r.buf].append((r.lo, r.hi, d))
-    bufs = lay.buffers()
+    bufs = tape.buffers()
     for b in writes:
         if b not in bufs:
             problems.append(f"{_name(tape, writes[b][0][2])}: writes unknown buffer {b!r}")
@@ -139,7 +141,7 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
             elif lo > pos:
                 problems.append(f"{b}[{pos}:{lo}] is never written (the instruction writing it is missing?)")
             pos = max(pos, hi)
-        numel = lay.buffer_numel(b)
+        numel = math.prod(bufs[b][0])
         if pos < numel:
             problems.append(f"{b}[{pos}:{numel}] is never written (the instruction writing it is missing?)")
     if problems:

@@ -8,12 +8,12 @@ result instead of passing.
 """
 from __future__ import annotations
 
+import math
 import random
 
 import torch
 
-from opcodes import Layout
-from opcodes.reference import rope_tables
+from opcodes import Layout, scratch_buffers
 
 from .tape import Tape, decode
 
@@ -25,17 +25,18 @@ class DeadlockError(RuntimeError):
 class VMState:
     """Buffers of one call: the caller's weights, cache and x, plus the scratch buffers."""
 
-    def __init__(self, lay: Layout, weights: dict, kv_cache: list, x: torch.Tensor, pos: int):
+    def __init__(self, lay: Layout, weights: dict, kv_cache: list, x: torch.Tensor, pos: int, classes=()):
         self.lay = lay
         self.model = weights          # the whole dict: a decoder's embed / final_norm / lm_head
         self.weights = weights["layers"]
         self.kv = kv_cache
         self.x = x.reshape(-1)
         self.pos = pos
-        self.cos, self.sin = rope_tables(lay.cfg, lay.max_seq)
+        # the opcodes' build-time tables (e.g. RoPE's cos / sin), by kernel pointer name
+        self.tables = {k: v for cls in classes for k, v in cls.tables(lay, "cpu").items()}
         dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
-        self.buf = {name: torch.full((lay.buffer_numel(name),), float("nan"), dtype=dt[t])
-                    for name, (shape, t) in lay.buffers().items()}
+        self.buf = {name: torch.full((math.prod(shape),), float("nan"), dtype=dt[t])
+                    for name, (shape, t) in scratch_buffers(lay, classes).items()}
 
     def layer_input(self, layer: int) -> torch.Tensor:
         if layer == 0:
@@ -59,7 +60,7 @@ def run_tape(tape: Tape, weights: dict, kv_cache: list, x: torch.Tensor, pos: in
     output (``buf["logits"]``, ``next_token``; see ``schedule.decoder_program.run_decoder_vm``)."""
     if not 0 <= pos < tape.lay.max_seq:
         raise ValueError(f"pos must be in [0, {tape.lay.max_seq}), got {pos}")
-    st = VMState(tape.lay, weights, kv_cache, x, pos)
+    st = VMState(tape.lay, weights, kv_cache, x, pos, tape.classes())
     queues: dict[int, list] = {s: [] for s in range(tape.num_sms)}
     pool: list = []
     for d in decode(tape):

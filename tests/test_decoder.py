@@ -120,9 +120,9 @@ def test_new_opcodes_are_appended():
 def test_decoder_program_structure():
     lay = DecoderLayout(CFG, Tiling.for_config(CFG), MAX_SEQ, lm_rows=16, emb_cols=16)
     assert (lay.n_lm_tiles, lay.n_emb_tiles) == (13, 4)
-    bufs = lay.buffers()
-    assert bufs["x0"] == ((1, CFG.d), "bf16") and bufs["logits"] == ((200,), "fp32") and bufs["amax"] == ((13, 2), "fp32")
     p = lower_decoder(lay)
+    bufs = p.buffers()
+    assert bufs["x0"] == ((1, CFG.d), "bf16") and bufs["logits"] == ((200,), "fp32") and bufs["amax"] == ((13, 2), "fp32")
     assert isinstance(p.lay, DecoderLayout)
     idx = {n: [i for i, ins in enumerate(p.instrs) if ins.NAME == n] for n in ("embed", "lm_head", "argmax", "qkv",
                                                                              "residual")}

@@ -15,7 +15,7 @@ import networkx as nx
 import pytest
 import torch
 
-from opcodes import (BY_OPCODE, HEADER, NO_COUNTER, PRESETS, REGISTRY, WORDS, Layout, ModelConfig, Tiling,
+from opcodes import (QKV, BY_OPCODE, HEADER, NO_COUNTER, PRESETS, REGISTRY, WORDS, Layout, ModelConfig, Tiling,
                      cdiv)
 from schedule import (CostModel, Schedule, Tape, compile_model, decode, encode, list_schedule, lower,
                       random_schedule, round_robin, simulate, verify)
@@ -318,8 +318,8 @@ def test_sm_cap_follows_bytes_in_flight():
     assert caps == sorted(caps) and caps[-1] < FluidModel.SM_FILL
     lay = layout("small-gqa4", stages=4)
     m = FluidModel.h200(lay)
-    assert m.cap["qkv"] == pytest.approx(FluidModel.sm_cap(3 * lay.tiling.qkv_rows * lay.tiling.bk * 2))
-    assert FluidModel.h200(layout("small-gqa4", stages=6)).cap["qkv"] > m.cap["qkv"]
+    assert m.cap[QKV] == pytest.approx(FluidModel.sm_cap(3 * lay.tiling.qkv_rows * lay.tiling.bk * 2))
+    assert FluidModel.h200(layout("small-gqa4", stages=6)).cap[QKV] > m.cap[QKV]
 
 
 # ---- tape encoding ----------------------------------------------------------------------------
@@ -513,7 +513,7 @@ def test_fluid_many_instructions_share_the_chip():
 
 
 def test_attention_latency_model_counts_round_trips():
-    from schedule.assign import attention_latency
+    from opcodes.attn_partial import attention_latency
     lay1 = layout(L70, max_seq=4224, attn_block=64, attn_stages=1)
     lay3 = layout(L70, max_seq=4224, attn_block=128, attn_stages=3)
     # 274 keys: 5 blocks of 64, one trip each unpipelined; 3 blocks of 128, 2 in flight -> 2 trips
@@ -524,7 +524,7 @@ def test_attention_latency_model_counts_round_trips():
     i = next(k for k, ins in enumerate(prog.instrs) if ins.NAME == "attn_partial")
     keys = prog.instrs[i].cost(lay3).hbm_bytes // (4 * lay3.cfg.hd)
     assert keys == 282                    # max_seq 4224: 4223 prefix keys over 15 splits, rounded up
-    assert CostModel().time(prog, i, 132) == pytest.approx(attention_latency(lay3, keys, *CostModel().attn_latency))
+    assert CostModel().time(prog, i, 132) == pytest.approx(attention_latency(lay3, keys))
     assert CostModel.bytes_only().time(prog, i, 132) != pytest.approx(CostModel().time(prog, i, 132))
 
 
