@@ -292,7 +292,8 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
         raise _err(ValueError, "num_sms", f"an int in [1, {dev_sms}] (SMs that can be co-resident on {device})", num_sms)
     if tape is None:
         comp = compile_model(mc, num_sms, max_seq=max_seq_len, tiling=tiling, policy=policy, model=cost_model,
-                             seed=seed, sequential=(device.type == "cpu"), lowering=lowering, pool_us=pool_us)
+                             seed=seed, sequential=(device.type == "cpu"), lowering=lowering, pool_us=pool_us,
+                             decoder=False)   # build_layer / build_model: the layers alone, whatever cfg.vocab
         tape = comp.tape
         predicted = comp.expected_makespan() if device.type == "cuda" else comp.sched.makespan
     else:

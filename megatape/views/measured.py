@@ -1,6 +1,6 @@
 """Views of a MEASURED timeline (a profiling launch of the kernel), beside the plan.
 
-``interp.profile.records`` gives per tape slot ``(slot, program index, opcode, sm, wait_start_ns,
+``interp.profile.records`` (the kernel's profile buffer, read) gives per tape slot ``(slot, program index, opcode, sm, wait_start_ns,
 exec_start_ns, end_ns)``; :func:`write_views` turns that into the same views as the plan: a Perfetto
 trace, a per-SM Gantt chart, and a summary of planned against measured time per opcode, with the
 critical path as it actually ran.
@@ -11,9 +11,10 @@ import json
 import pathlib
 from collections import defaultdict
 
+from schedule.assign import Schedule
+from schedule.program import Program
+
 from . import trace as T
-from .assign import Schedule
-from .program import Program
 
 
 def to_records(raw) -> list[tuple]:
@@ -84,7 +85,7 @@ def main_from_files(records_json, tiling: dict, preset: str, num_sms: int, out_d
     """Rebuild the plan for a saved profile (CPU) and write the views."""
     from opcodes import ModelConfig, Tiling
 
-    from .compile import compile_model
+    from schedule.compile import compile_model
     cfg = ModelConfig.from_name(preset)
     comp = compile_model(cfg, num_sms, max_seq=max_seq, tiling=Tiling(**tiling))
     raw = json.loads(pathlib.Path(records_json).read_text())

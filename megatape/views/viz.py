@@ -1,6 +1,6 @@
-"""``megatape viz``: pictures of a compiled tape, the tile DAG and the planned schedule.
+"""Pictures of a compiled tape: the tile DAG and the planned schedule (``megatape viz``).
 
-Writes into ``--out``:
+:func:`render` writes into its output directory (``megatape viz --out``):
 
 ``dag.png`` / ``dag.svg``  the DAG, aggregated so that a 70B layer (thousands of tiles) reads at
     a glance: one box per (layer, opcode, counter the tiles signal) with its tile count, one grey box per
@@ -13,14 +13,13 @@ Writes into ``--out``:
     DOT (pydot) and GraphML writers; ``dag_agg.dot`` the aggregated one.
 ``plan_gantt.png``  the planned schedule, one row per SM, coloured by opcode, the critical path
     outlined.
-``plan_trace.json``  the planned schedule as a Chrome / Perfetto trace (see :mod:`schedule.trace`).
+``plan_trace.json``  the planned schedule as a Chrome / Perfetto trace (see :mod:`megatape.views.trace`).
 
 Pictures are drawn by matplotlib (Agg) through networkx's drawing functions; layouts are
 networkx's ``multipartite_layout``; graph files are networkx's writers.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import pathlib
@@ -40,8 +39,9 @@ from matplotlib.patches import Patch  # noqa: E402
 from opcodes import BY_OPCODE, REGISTRY, ModelConfig  # noqa: E402
 from opcodes.base import NO_COUNTER  # noqa: E402
 
-from .program import Program  # noqa: E402
-from .dag import build_dag  # noqa: E402,F401  (re-exported: viz users call viz.build_dag)
+from schedule.dag import build_dag  # noqa: E402,F401  (re-exported: viz users call viz.build_dag)
+from schedule.program import Program  # noqa: E402
+
 from . import trace as T  # noqa: E402
 
 COUNTER_COLOR = "#d9d9d9"
@@ -427,7 +427,7 @@ def draw_dag(G: nx.DiGraph, title: str, paths: list, font_size: float | None = N
 
 def gantt(records, prog: Program, num_sms: int, path, title: str, critical=None,
           lower_bound: float | None = None) -> None:
-    """Per-SM Gantt chart of a timeline (``schedule.trace`` records, seconds), time in µs."""
+    """Per-SM Gantt chart of a timeline (``megatape.views.trace`` records, seconds), time in µs."""
     colors = opcode_colors()
     recs = [T.Record(*r) for r in records]
     t0 = min(r.start if r.wait_start is None else min(r.start, r.wait_start) for r in recs)
@@ -568,56 +568,27 @@ def write_graph(G: nx.DiGraph, stem, graphml: bool = False) -> list[pathlib.Path
     return [dot]
 
 
-# ---- CLI ----------------------------------------------------------------------------------------
-def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="megatape viz", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", required=True, help="model preset (opcodes.PRESETS)")
-    ap.add_argument("--sms", type=int, required=True, help="number of SMs to schedule for")
-    ap.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
-    ap.add_argument("--max-seq", type=int, default=None, help="KV cache length (default: compile_model's)")
-    ap.add_argument("--policy", default="cost", choices=("cost", "round-robin"))
-    ap.add_argument("--out", required=True, help="output directory (created)")
-    ap.add_argument("--stage", default=None, help="zoom: tiles of one stage (opcode name or stage number)")
-    ap.add_argument("--layer", type=int, default=None, help="zoom: tiles of one layer")
-    ap.add_argument("--sm", type=int, default=None, help="zoom: tiles on one SM, in queue order")
-    ap.add_argument("--max-nodes", type=int, default=120, help="zoom: most tiles drawn (default 120)")
-    ap.add_argument("--aggregate", default="auto", choices=("auto", "signal", "opcode"),
-                    help="aggregate DAG: group tiles by (layer, opcode, counter signalled) or (layer, opcode)")
-    ap.add_argument("--no-svg", action="store_true", help="skip the SVGs")
-    return ap.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    a = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        return run(a)
-    except ValueError as e:     # bad preset, stage, SM, layer count...: a message, not a traceback
-        print(f"megatape viz: {e}", file=sys.stderr)
-        return 2
-
-
-def run(a: argparse.Namespace) -> int:
-    """``main`` after argument parsing."""
+# ---- everything at once (``megatape viz``) ------------------------------------------------------
+def render(cfg: ModelConfig, num_sms: int, out, max_seq: int | None = None, policy: str = "cost",
+           stage=None, layer: int | None = None, sm: int | None = None, max_nodes: int = 120,
+           aggregate: str = "auto", svg: bool = True) -> list[pathlib.Path]:
+    """Compile ``cfg`` for ``num_sms`` SMs (a whole-model config gets the decoder lowering, as
+    :func:`schedule.compile_model` decides) and write every picture, graph file and the planned
+    trace described in the module docstring into ``out`` (created). ``stage`` / ``layer`` / ``sm``
+    select a zoom. Prints one ``wrote PATH (N KiB)`` line per file and a timing line; returns the
+    paths. A selection that matches nothing raises ValueError before anything is written."""
     t_start = time.perf_counter()
-    from .compile import compile_model
+    from schedule.compile import compile_model
 
-    cfg = ModelConfig.from_name(a.preset)
-    if a.layers is not None:
-        cfg = cfg.with_layers(a.layers)
-    if a.max_nodes <= 0:
-        raise ValueError(f"--max-nodes must be positive, got {a.max_nodes}")
-    out = pathlib.Path(a.out)
-    lowering = None
-    if cfg.vocab:                # a whole model: embedding, the layers, final norm, LM head, argmax
-        from .decoder_program import decoder_lowering
-        lowering = decoder_lowering()
-    comp = compile_model(cfg, a.sms, max_seq=a.max_seq, policy=a.policy, lowering=lowering)
+    if max_nodes <= 0:
+        raise ValueError(f"--max-nodes must be positive, got {max_nodes}")
+    out = pathlib.Path(out)
+    comp = compile_model(cfg, num_sms, max_seq=max_seq, policy=policy)
     prog, sched = comp.prog, comp.sched
     written: list[pathlib.Path] = []
     timings: dict[str, float] = {"compile": comp.seconds}
-    exts = (".png",) if a.no_svg else (".png", ".svg")
-    head = (f"{cfg.name}: {len(prog)} tiles, {len(prog.counters)} counters, {a.sms} SMs, "
+    exts = (".png",) if not svg else (".png", ".svg")
+    head = (f"{cfg.name}: {len(prog)} tiles, {len(prog.counters)} counters, {num_sms} SMs, "
             f"policy {sched.policy}")
 
     def tick(name, t):
@@ -625,15 +596,15 @@ def run(a: argparse.Namespace) -> int:
 
     # the zoom first: a selection that matches nothing fails before any file is written
     zoom = None
-    if a.stage is not None or a.layer is not None or a.sm is not None:
+    if stage is not None or layer is not None or sm is not None:
         t = time.perf_counter()
-        zoom = zoom_dag(prog, sched, a.stage, a.layer, a.sm, a.max_nodes)
+        zoom = zoom_dag(prog, sched, stage, layer, sm, max_nodes)
         tick("zoom picture", t)
     out.mkdir(parents=True, exist_ok=True)
 
     # aggregate DAG picture
     t = time.perf_counter()
-    agg = aggregate_dag(prog, a.aggregate)
+    agg = aggregate_dag(prog, aggregate)
     by = agg.graph["by"]
     what = ("one box per (layer, opcode, counter signalled)" if by == "signal"
             else "one box per (layer, opcode), one grey box per (layer, counter family)")
@@ -646,8 +617,8 @@ def run(a: argparse.Namespace) -> int:
     if zoom is not None:
         t = time.perf_counter()
         zg, note = zoom
-        parts = [f"stage-{a.stage}" if a.stage is not None else "", f"layer-{a.layer}" if a.layer is not None else "",
-                 f"sm-{a.sm}" if a.sm is not None else ""]
+        parts = [f"stage-{stage}" if stage is not None else "", f"layer-{layer}" if layer is not None else "",
+                 f"sm-{sm}" if sm is not None else ""]
         stem = "dag_zoom_" + "_".join(p for p in parts if p)
         paths = [out / f"{stem}{e}" for e in exts]
         draw_dag(zg, f"tiles of {head}\n{note}", paths)
@@ -656,7 +627,7 @@ def run(a: argparse.Namespace) -> int:
 
     # graph files
     t = time.perf_counter()
-    G = build_dag(prog, counters_as_nodes=True, model=comp.model, num_sms=a.sms)
+    G = build_dag(prog, counters_as_nodes=True, model=comp.model, num_sms=num_sms)
     written += write_graph(G, out / "dag", graphml=True)
     written += write_graph(agg, out / "dag_agg")
     tick("graph files", t)
@@ -667,15 +638,15 @@ def run(a: argparse.Namespace) -> int:
     crit = T.critical_path(recs, prog)
     lb = comp.model.lower_bound(prog)
     gpath = out / "plan_gantt.png"
-    gantt(recs, prog, a.sms, gpath,
+    gantt(recs, prog, num_sms, gpath,
           f"planned schedule of {head}\nmakespan {sched.makespan * 1e6:.1f} µs, bytes/bandwidth bound "
           f"{lb * 1e6:.1f} µs, critical path {len(crit)} tiles", critical=crit, lower_bound=lb)
     written.append(gpath)
     tick("gantt", t)
 
     t = time.perf_counter()
-    tr = T.to_trace_events(recs, prog, process_name=f"megatape plan: {head}", num_sms=a.sms, critical=crit,
-                           metadata={"kind": "planned", "preset": cfg.name, "num_sms": a.sms,
+    tr = T.to_trace_events(recs, prog, process_name=f"megatape plan: {head}", num_sms=num_sms, critical=crit,
+                           metadata={"kind": "planned", "preset": cfg.name, "num_sms": num_sms,
                                      "policy": sched.policy, "makespan_us": sched.makespan * 1e6,
                                      "lower_bound_us": lb * 1e6, "max_seq": prog.lay.max_seq})
     tpath = out / "plan_trace.json"
@@ -687,8 +658,4 @@ def run(a: argparse.Namespace) -> int:
         print(f"wrote {p} ({os.path.getsize(p) / 1024:.0f} KiB)")
     total = time.perf_counter() - t_start
     print("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()) + f"; total {total:.2f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return written

@@ -1,10 +1,11 @@
-"""The ``megatape`` command line.
+"""The ``megatape`` command line: every subcommand's arguments are parsed here.
 
     megatape compile --preset NAME --sms N [--layers N] [--max-seq N] [--policy cost|round-robin]
                      [--listing] [-o tape.json]
     megatape run     [--sms N] [-o tape.json] [--no-gpu]
+    megatape viz     --preset NAME --sms N --out DIR ...   (pictures: megatape.views.viz)
     megatape bench   ...      (bench/driver.py, needs a CUDA GPU)
-    megatape viz     ...      (schedule/viz.py)
+    megatape bench-decoder ...   (bench/decoder_bench.py, needs a CUDA GPU)
 
 ``compile`` lowers a preset to tile instructions, schedules them on N SMs with the cost model
 (list scheduling) and with round-robin, encodes and verifies both tapes, and prints what the
@@ -98,12 +99,8 @@ def compile_both(cfg, num_sms: int, max_seq: int | None, progress: _Progress, po
     out = {}
     for pol in POLICIES:
         progress(f"{pol}: lower -> schedule -> encode -> verify ...")
-        lowering = None
-        if cfg.vocab:            # a whole model: embedding, the layers, final norm, LM head, argmax
-            from schedule.decoder_program import decoder_lowering
-            lowering = decoder_lowering()
-        c = compile_model(cfg, num_sms, max_seq=max_seq, policy=pol, lowering=lowering,
-                          pool_us=(pool_us if pol == "cost" else None))
+        # a config with a vocabulary compiles as a whole model (compile_model decides)
+        c = compile_model(cfg, num_sms, max_seq=max_seq, policy=pol, pool_us=(pool_us if pol == "cost" else None))
         progress(f"{pol}: {len(c.tape)} instructions on {num_sms} SMs verified "
                  f"(compile_model took {c.seconds:.2f} s)")
         out[pol] = c
@@ -318,37 +315,124 @@ def cmd_run(a) -> int:
         why = "--no-gpu given" if a.no_gpu else "no CUDA device visible"
         print(f"GPU benchmark not run ({why}); on a GPU machine: megatape bench --preset {MAIN_PRESET}")
         return 0
-    from bench.driver import main as bench_main
     print(f"\nGPU benchmark: megatape bench --preset {MAIN_PRESET} --baselines ''", flush=True)
-    return int(bench_main(["--preset", MAIN_PRESET, "--baselines", ""]) or 0)
+    return main(["bench", "--preset", MAIN_PRESET, "--baselines", ""])
 
 
-# ---- forwarding subcommands -------------------------------------------------------------------
-def cmd_bench(argv: list[str]) -> int:
-    from bench.driver import main as bench_main
-    return int(bench_main(argv) or 0)
-
-
-def cmd_viz(argv: list[str]) -> int:
+# ---- viz, bench, bench-decoder --------------------------------------------------------------------
+def cmd_viz(a, prog: str = "megatape viz") -> int:
+    from opcodes import ModelConfig
     try:
-        from schedule.viz import main as viz_main
+        from megatape.views.viz import render
     except ModuleNotFoundError as e:
-        if e.name == "schedule.viz":
-            print("megatape viz: schedule/viz.py is not part of this checkout", file=sys.stderr)
-        elif e.name == "matplotlib" or (e.name or "").startswith("matplotlib."):
-            print("megatape viz: needs matplotlib (pip install 'megatape[plots]')", file=sys.stderr)
-        else:
-            raise
+        if e.name == "matplotlib" or (e.name or "").startswith("matplotlib."):
+            print(f"{prog}: needs matplotlib (pip install 'megatape[plots]')", file=sys.stderr)
+            return 2
+        raise
+    try:
+        cfg = ModelConfig.from_name(a.preset)
+        if a.layers is not None:
+            cfg = cfg.with_layers(a.layers)
+        render(cfg, a.sms, a.out, max_seq=a.max_seq, policy=a.policy, stage=a.stage, layer=a.layer, sm=a.sm,
+               max_nodes=a.max_nodes, aggregate=a.aggregate, svg=not a.no_svg)
+    except ValueError as e:     # bad stage, SM, layer count...: a message, not a traceback
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
-    return int(viz_main(argv) or 0)
+    return 0
 
 
-def cmd_bench_decoder(argv) -> int:
-    from bench.decoder_bench import main as dec_main
-    return dec_main(argv)
+def _views():
+    import megatape.views
+    return megatape.views
 
 
-FORWARDED = {"bench": cmd_bench, "viz": cmd_viz, "bench-decoder": cmd_bench_decoder}
+def cmd_bench(a) -> int:
+    from bench.driver import run
+    return int(run(a, views=_views()) or 0)
+
+
+def cmd_bench_decoder(a) -> int:
+    from bench.decoder_bench import run
+    return int(run(a, views=_views()) or 0)
+
+
+COMMANDS = {"compile": cmd_compile, "run": cmd_run, "viz": cmd_viz, "bench": cmd_bench,
+            "bench-decoder": cmd_bench_decoder}
+
+
+def _add_viz(sub, presets) -> None:
+    v = sub.add_parser("viz", help="pictures of a schedule: the DAG, zooms, the planned Gantt chart and trace",
+                       description="Compile a preset and write into --out: dag.png/.svg (the tile DAG, "
+                       "aggregated), dag_zoom_*.png/.svg (with --stage/--layer/--sm), dag.dot/.graphml and "
+                       "dag_agg.dot (graph files), plan_gantt.png (the planned schedule, one row per SM) "
+                       "and plan_trace.json (the plan as a Chrome / Perfetto trace).")
+    v.add_argument("--preset", required=True, choices=list(presets), metavar="NAME",
+                   help=f"model preset, one of: {', '.join(presets)}")
+    v.add_argument("--sms", type=_positive_int, required=True, metavar="N", help="number of SMs to schedule for")
+    v.add_argument("--layers", type=_positive_int, default=None, metavar="N", help="override the preset's number of layers")
+    v.add_argument("--max-seq", type=_positive_int, default=None, metavar="N", help="KV cache length (default: compile_model's)")
+    v.add_argument("--policy", default="cost", choices=POLICIES)
+    v.add_argument("--out", required=True, metavar="DIR", help="output directory (created)")
+    v.add_argument("--stage", default=None, help="zoom: tiles of one stage (opcode name or stage number)")
+    v.add_argument("--layer", type=int, default=None, help="zoom: tiles of one layer")
+    v.add_argument("--sm", type=int, default=None, help="zoom: tiles on one SM, in queue order")
+    v.add_argument("--max-nodes", type=_positive_int, default=120, metavar="N", help="zoom: most tiles drawn (default 120)")
+    v.add_argument("--aggregate", default="auto", choices=("auto", "signal", "opcode"),
+                   help="aggregate DAG: group tiles by (layer, opcode, counter signalled) or (layer, opcode)")
+    v.add_argument("--no-svg", action="store_true", help="skip the SVGs")
+
+
+def _add_bench(sub, presets) -> None:
+    from bench import RESULTS
+    b = sub.add_parser("bench", help="GPU benchmark of a layer or a stack: correctness, timing, baselines",
+                       description="Build, check and time megatape on the GPU beside eager torch, torch.compile "
+                       "and cuBLAS (bench/driver.py): every step against the eager reference, the KV rows "
+                       "other than the written ones bitwise untouched, CUDA-event medians, kernels per step, "
+                       f"x the stream-copy floor. Writes <out>/<preset>[-<tag>].json and .md (default {RESULTS}).")
+    b.add_argument("--preset", default=MAIN_PRESET, choices=list(presets), metavar="NAME",
+                   help=f"one of {', '.join(presets)} (default {MAIN_PRESET})")
+    b.add_argument("--layers", type=_positive_int, default=None, metavar="N", help="override the preset's layer count")
+    b.add_argument("--prefill", type=int, default=4096)
+    b.add_argument("--steps", type=_positive_int, default=32)
+    b.add_argument("--max-seq", type=_positive_int, default=4224)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--baselines", default="eager,compile,cublas",
+                   help="comma list of eager, compile, cublas (empty: megatape only)")
+    b.add_argument("--tiling", default="", help="Tiling overrides of the main row, e.g. gu_rows=16,bk=1024")
+    b.add_argument("--variants", default="", help=(
+        "extra builds to check and time, ';'-separated, each a ','-list of Tiling fields (attn_stages=4) and "
+        "build options: policy=cost|round-robin, bytesmodel=1 / attnmodel=1 (the cost model that orders the "
+        "queues), pool=US (the plan's last US microseconds taken by ticket at run time), coop=0 (plain "
+        "launch), fast=0 (Triton's launcher)"))
+    b.add_argument("--profile", action="store_true", help="also run the profiling kernel and summarise it")
+    b.add_argument("--policy", default="cost", choices=POLICIES)
+    b.add_argument("--profile-variants", action="store_true",
+                   help="profile every variant too and print one line of its measured timeline")
+    b.add_argument("--fp32-ref", action="store_true",
+                   help="also compare with an all-fp32 reference (always on for more than one layer)")
+    b.add_argument("--out", default=RESULTS, metavar="DIR", help=f"results directory (default {RESULTS})")
+    b.add_argument("--tag", default="", help="appended to the result files' name: <preset>-<tag>.json")
+
+
+def _add_bench_decoder(sub, presets) -> None:
+    from bench import RESULTS
+    whole = [n for n, c in presets.items() if c.vocab]
+    d = sub.add_parser("bench-decoder", help="whole-model GPU benchmark: logits, greedy tokens, timing",
+                       description="A whole model (embedding, layers, final norm, LM head) on the GPU "
+                       "(bench/decoder_bench.py): logits against the eager reference, greedy tokens of "
+                       "generate, timing beside torch.compile. Writes <out>/decoder-<preset>.json and .md "
+                       f"(default {RESULTS}).")
+    d.add_argument("--preset", default="llama3.2-1b", choices=whole, metavar="NAME",
+                   help=f"a whole-model preset, one of: {', '.join(whole)} (default llama3.2-1b)")
+    d.add_argument("--prefill", type=int, default=1024)
+    d.add_argument("--steps", type=_positive_int, default=32)
+    d.add_argument("--max-seq", type=_positive_int, default=1152)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    d.add_argument("--variants", default="", help="extra tilings/build options to time, ';'-separated "
+                   "(as for megatape bench --variants)")
+    d.add_argument("--profile", action="store_true", help="profile the default build and summarise it")
+    d.add_argument("--out", default=RESULTS, metavar="DIR", help=f"results directory (default {RESULTS})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -382,26 +466,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"SMs to compile for (default: the GPU's, or {DEFAULT_SMS} without one)")
     r.add_argument("-o", "--output", metavar="PATH", help="write the tape with its metadata as JSON")
     r.add_argument("--no-gpu", action="store_true", help="do not run the GPU benchmark even if a GPU is visible")
-    sub.add_parser("bench", add_help=False, help="GPU benchmark (bench/driver.py); 'megatape bench --help'")
-    sub.add_parser("viz", add_help=False, help="plots of a schedule (schedule/viz.py); 'megatape viz --help'")
-    sub.add_parser("bench-decoder", add_help=False,
-                   help="whole-model GPU benchmark (bench/decoder_bench.py); 'megatape bench-decoder --help'")
+    _add_viz(sub, PRESETS)
+    _add_bench(sub, PRESETS)
+    _add_bench_decoder(sub, PRESETS)
     return ap
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in FORWARDED:
-        return FORWARDED[argv[0]](argv[1:])
     ap = build_parser()
     try:
         a = ap.parse_args(argv)
     except SystemExit as e:          # --help, --version, argument errors: return the status
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    if a.cmd == "compile":
-        return cmd_compile(a)
-    if a.cmd == "run":
-        return cmd_run(a)
+    if a.cmd in COMMANDS:
+        return COMMANDS[a.cmd](a)
     ap.print_help(sys.stderr)
     return 2
 

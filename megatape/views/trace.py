@@ -25,8 +25,8 @@ from typing import Iterable, NamedTuple, Sequence
 
 from opcodes.base import NO_COUNTER
 
-from .assign import Schedule
-from .program import Program
+from schedule.assign import Schedule
+from schedule.program import Program
 
 
 class Record(NamedTuple):
