@@ -259,14 +259,14 @@ def run(a, views=None) -> int:
                 print(txt, flush=True)
                 out = pathlib.Path(a.out)
                 out.mkdir(parents=True, exist_ok=True)
-                (out / f"{stem}-profile.md").write_text(txt + "\n")
-                (out / f"{stem}-profile_records.json").write_text(json.dumps(recs))
+                (out / "profile.md").write_text(txt + "\n")
+                (out / "profile_records.json").write_text(json.dumps(recs))
                 try:
                     from schedule.compile import compile_model
                     comp = compile_model(cfg, hp.num_sms, max_seq=a.max_seq, tiling=vt, policy=vpolicy,
                                          model=bkw.get("cost_model"), pool_us=bkw.get("pool_us"))
-                    views.write_views(recs, comp.prog, comp.sched, out, hp.num_sms, tag=f"{stem}-measured")
-                    print((out / f"{stem}-measured_vs_plan.md").read_text(), flush=True)
+                    views.write_views(recs, comp.prog, comp.sched, out, hp.num_sms)
+                    print((out / "measured_vs_plan.md").read_text(), flush=True)
                 except Exception as e:      # the views are extra; never lose the numbers over them
                     log(f"measured views failed: {type(e).__name__}: {e}")
                 # profiling off vs on, same run

@@ -70,7 +70,7 @@ tar -czf "$OUT/results.tar.gz" -C "$RES" .
   echo "=== summary"
   grep -h "PASS\|FAIL" "$RES/gpu_checks.txt" 2>/dev/null | cut -c1-150
   grep -h "ERROR SUMMARY\|hazard" "$RES"/sanitize-*.txt 2>/dev/null
-  for f in $(find "$RES" -name "*.md" ! -name "*profile.md" ! -name "*measured_vs_plan.md" | sort); do
+  for f in $(find "$RES" -name "*.md" ! -name "profile.md" ! -name "measured_vs_plan.md" | sort); do
     echo; echo "$f" | sed "s|$RES/||"; grep -h "^| " "$f" | grep -v "^|---"
   done
 } | tee "$OUT/summary.md"
