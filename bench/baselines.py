@@ -8,7 +8,7 @@ Rows this module can produce (see ``bench_table``):
 * the floor: bytes per step / ``stream_copy_bandwidth`` (read + write counted);
 * ``eager_step``: the spec's unfused eager reference (``opcodes.reference.model_ref``);
 * ``compiled_step``: gpt-fast style ``torch.compile`` with the static KV cache as buffers,
-  ``mode="reduce-overhead"`` (CUDA graphs) or ``"max-autotune"``;
+  ``mode="reduce-overhead"`` (CUDA graphs; the bench rows use this one);
 * ``cublas_gemv_graph``: the seven weight GEMVs of every layer alone in one CUDA graph.
 
 Timing helpers: ``time_step`` (CUDA-event and synchronised wall-clock medians) and
@@ -254,11 +254,8 @@ def eager_step(weights: dict, kv_cache: list, cfg) -> Callable:
 # ---------------------------------------------------------------------------------------
 # 4b. torch.compile, gpt-fast style
 # ---------------------------------------------------------------------------------------
-_ATTN = ("sdpa", "sdpa_gqa", "sdpa_repeat", "math")
-
-
 class _Layer(torch.nn.Module):
-    def __init__(self, lw: dict, kc: torch.Tensor, vc: torch.Tensor, cfg: ModelConfig, attn: str = "sdpa"):
+    def __init__(self, lw: dict, kc: torch.Tensor, vc: torch.Tensor, cfg: ModelConfig):
         super().__init__()
         for name in LAYER_KEYS:
             self.register_buffer(name, lw[name], persistent=False)
@@ -267,9 +264,6 @@ class _Layer(torch.nn.Module):
         self.register_buffer("v_cache", vc, persistent=False)
         self.n_q, self.n_kv, self.hd, self.group = cfg.n_q, cfg.n_kv, cfg.hd, cfg.group
         self.q_dim, self.eps = cfg.q_dim, float(cfg.eps)
-        if attn not in _ATTN:
-            raise ValueError(f"attn must be one of {_ATTN}, got {attn!r}")
-        self.attn = attn
 
     def _rmsnorm(self, x, w):
         xf = x.float()
@@ -285,29 +279,12 @@ class _Layer(torch.nn.Module):
         return (tf * c + rot * s).to(t.dtype)
 
     def _attend(self, q, mask):
-        """q (B, n_q, hd) bf16 -> (B, n_q, hd)-shaped attention output (bf16), over the whole
-        static cache with ``mask`` (1, 1, 1, max_seq) bool, True where key t <= pos."""
-        B, scale = q.shape[0], 1.0 / math.sqrt(self.hd)
-        if self.attn == "sdpa":
-            # GQA without repeat_interleave: a group's query heads are the "query length" axis
-            qg = q.view(B, self.n_kv, self.group, self.hd)
-            return F.scaled_dot_product_attention(qg, self.k_cache, self.v_cache, attn_mask=mask,
-                                                  scale=scale)
-        if self.attn == "sdpa_gqa":
-            qh = q.view(B, self.n_q, 1, self.hd)
-            return F.scaled_dot_product_attention(qh, self.k_cache, self.v_cache, attn_mask=mask,
-                                                  scale=scale, enable_gqa=True)
-        if self.attn == "sdpa_repeat":   # gpt-fast: K/V repeated to every query head
-            qh = q.view(B, self.n_q, 1, self.hd)
-            K = self.k_cache.repeat_interleave(self.group, dim=1)
-            V = self.v_cache.repeat_interleave(self.group, dim=1)
-            return F.scaled_dot_product_attention(qh, K, V, attn_mask=mask, scale=scale)
-        # "math": the reference's fp32 attention, left to the compiler to fuse
-        qg = q.float().view(B, self.n_kv, self.group, self.hd)
-        sc = torch.matmul(qg, self.k_cache.float().transpose(-1, -2)) * scale   # (B, n_kv, g, S)
-        sc = sc.masked_fill(~mask, float("-inf"))
-        p = torch.softmax(sc, dim=-1)
-        return torch.matmul(p, self.v_cache.float()).to(q.dtype)
+        """q (B, n_q, hd) bf16 -> (B, n_q, 1, hd) attention output (bf16) over the whole static
+        cache with ``mask`` (1, 1, 1, max_seq) bool, True where key t <= pos: SDPA with
+        ``enable_gqa=True`` (torch picks cuDNN attention on the H200)."""
+        qh = q.view(q.shape[0], self.n_q, 1, self.hd)
+        return F.scaled_dot_product_attention(qh, self.k_cache, self.v_cache, attn_mask=mask,
+                                              scale=1.0 / math.sqrt(self.hd), enable_gqa=True)
 
     def forward(self, x, input_pos, c, s, mask):
         B = x.shape[0]
@@ -325,11 +302,10 @@ class _Layer(torch.nn.Module):
 
 
 class _Model(torch.nn.Module):
-    def __init__(self, weights: dict, kv_cache: list, cfg: ModelConfig, max_seq_len: int, device,
-                 attn: str = "sdpa"):
+    def __init__(self, weights: dict, kv_cache: list, cfg: ModelConfig, max_seq_len: int, device):
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            _Layer(lw, kc, vc, cfg, attn) for lw, (kc, vc) in zip(weights["layers"], kv_cache))
+            _Layer(lw, kc, vc, cfg) for lw, (kc, vc) in zip(weights["layers"], kv_cache))
         cos, sin = rope_tables(cfg, max_seq_len, device=device)
         self.register_buffer("cos", torch.cat([cos, cos], dim=-1).contiguous(), persistent=False)
         self.register_buffer("sin", torch.cat([sin, sin], dim=-1).contiguous(), persistent=False)
@@ -346,8 +322,7 @@ class _Model(torch.nn.Module):
 
 
 def compiled_step(weights: dict, kv_cache: list, cfg, max_seq_len: int, mode: str | None = "reduce-overhead",
-                  backend: str = "inductor", fullgraph: bool = True, do_compile: bool = True,
-                  attn: str = "sdpa_gqa") -> Callable:
+                  backend: str = "inductor", fullgraph: bool = True, do_compile: bool = True) -> Callable:
     """``step(x, pos) -> x_out`` through ``torch.compile`` in the gpt-fast style.
 
     An ``nn.Module`` holds the weights and the caller's KV cache tensors as buffers (the same
@@ -359,16 +334,12 @@ def compiled_step(weights: dict, kv_cache: list, cfg, max_seq_len: int, mode: st
     ``"eager"`` for a fast CPU smoke test) ignores ``mode``; ``do_compile=False`` runs the module
     uncompiled. The output is cloned, since CUDA graphs reuse their output memory.
 
-    ``attn`` picks the attention over the static cache (all mask ``seq <= pos``; all match the
-    reference to ~4e-3 on the spec layer). Measured on the H200 (torch 2.11, spec layer, pos
-    4096..4127, us/step by CUDA events, reduce-overhead; floor 405 us):
-
-    * ``"sdpa_gqa"`` (default): SDPA on q (B, n_q, 1, hd) with ``enable_gqa=True``; torch picks
-      cuDNN attention (~11 us + a 3 us reduction). 458 us, 20 kernels. max-autotune: 515 us.
-    * ``"sdpa"``: SDPA on q viewed (B, n_kv, group, hd), the group as the query-length axis;
-      cuDNN flash then runs only n_kv CTAs: ~85 us of attention. 534 us.
-    * ``"sdpa_repeat"``: gpt-fast's ``repeat_interleave`` of K/V to every query head. 540 us.
-    * ``"math"``: the reference's fp32 matmul / masked softmax, left to inductor. 556 us.
+    Attention is SDPA on q (B, n_q, 1, hd) with ``enable_gqa=True`` over the static cache (torch
+    picks cuDNN attention on the H200, ~11 us + a 3 us reduction). Measured on the H200 (torch 2.11,
+    spec layer, pos 4096..4127, reduce-overhead): 458 us, 20 kernels (floor 405 us); the other
+    attention formulations tried (K/V repeated to every query head as in gpt-fast, the group as
+    SDPA's query axis, the reference's fp32 matmuls left to inductor) measured 534-556 us and
+    were removed (bench/NOTES.md; the code is in the history, ebe4133).
         """
     cfg = _cfg(cfg)
     kc0 = kv_cache[0][0]
@@ -378,7 +349,7 @@ def compiled_step(weights: dict, kv_cache: list, cfg, max_seq_len: int, mode: st
     if len(weights["layers"]) != cfg.layers or len(kv_cache) != cfg.layers:
         raise ValueError(f"cfg.layers={cfg.layers} but got {len(weights['layers'])} weight layers "
                          f"and {len(kv_cache)} cache layers")
-    model = _Model(weights, kv_cache, cfg, max_seq_len, device, attn).eval()
+    model = _Model(weights, kv_cache, cfg, max_seq_len, device).eval()
     input_pos = torch.zeros(1, dtype=torch.int64, device=device)
     if not do_compile:
         fwd = model

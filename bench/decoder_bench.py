@@ -5,14 +5,16 @@ Random weights in a real shape (default: Llama-3.2-1B, tied embeddings), KV cach
 tokens of ``generate`` (one launch per token, no host round trip) against the reference's, then
 times megatape's decode step and ``torch.compile`` (CUDA graphs) of the same model, and reports
 tokens/s and x floor (bytes per step over the stream-copy bandwidth measured in the same run).
+
+The arguments are parsed by ``megatape.cli`` (``megatape bench-decoder --help``), which calls
+:func:`run`. Results go to ``<out>/decoder-<preset>.json`` and ``.md`` (default
+``bench/results/latest/``).
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
-import os
 import pathlib
 import sys
 import time
@@ -37,13 +39,14 @@ def make_decoder_weights(cfg: ModelConfig, seed: int, device, tied: bool = True)
 
 
 def compiled_decoder(weights, kv_cache, cfg: ModelConfig, max_seq: int, mode="reduce-overhead"):
-    """The whole model in one torch.compile'd module (gpt-fast style, static cache, CUDA graphs)."""
+    """The whole model in one torch.compile'd module (gpt-fast style, static cache, CUDA graphs,
+    the layers of ``bench.baselines.compiled_step``)."""
     from .baselines import _Model
 
     class _Decoder(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.body = _Model(weights, kv_cache, cfg, max_seq, kv_cache[0][0].device, attn="sdpa_gqa")
+            self.body = _Model(weights, kv_cache, cfg, max_seq, kv_cache[0][0].device)
             self.register_buffer("embed", weights["embed"], persistent=False)
             self.register_buffer("fnorm", weights["final_norm"], persistent=False)
             self.register_buffer("lm_head", weights["lm_head"], persistent=False)
@@ -65,19 +68,9 @@ def compiled_decoder(weights, kv_cache, cfg: ModelConfig, max_seq: int, mode="re
     return step
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="megatape bench-decoder", description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="llama3.2-1b")
-    ap.add_argument("--prefill", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--max-seq", type=int, default=1152)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--variants", default="", help="extra tilings/build options to time, ';'-separated "
-                    "(as for megatape bench --variants)")
-    ap.add_argument("--profile", action="store_true", help="profile the default build and summarise it")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    a = ap.parse_args(argv)
+def run(a, views=None) -> int:
+    """``megatape bench-decoder`` after argument parsing (``a``: the namespace of ``megatape.cli``;
+    ``views``: ``megatape.views``, for ``--profile``)."""
     if not torch.cuda.is_available():
         print("megatape bench-decoder needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -142,14 +135,15 @@ def main(argv=None) -> int:
     from interp.decoder import teardown_decoder
     from .driver import parse_variant
     if a.profile:
-        from interp.profile import format_summary, summarize
+        if views is None:
+            raise ValueError("--profile needs the views: run it as 'megatape bench-decoder --profile'")
         from interp.runtime import profile_records
         hp = build_decoder(w, kv, cfg, a.max_seq, profile=True)
         for i in range(3):
             decode_step(hp, toks[i:i + 1].to(torch.int32).to(dev), pos_last)
-        summ = summarize(hp.layer.tape, profile_records(hp.layer), pos=pos_last)
+        summ = views.summarize(hp.layer.tape, profile_records(hp.layer), pos=pos_last)
         summ.pop("records")
-        print(format_summary(summ), flush=True)
+        print(views.format_summary(summ), flush=True)
         rep["profile"] = summ
         teardown_decoder(hp)
     for v in filter(None, (x.strip() for x in a.variants.split(";"))):
@@ -194,11 +188,8 @@ def main(argv=None) -> int:
     txt = "\n".join(md) + "\n"
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{rep['date']}-{cfg.name}-decoder.json").write_text(json.dumps(rep, indent=1, default=str))
-    (out / f"{rep['date']}-{cfg.name}-decoder.md").write_text(txt)
+    (out / f"decoder-{cfg.name}.json").write_text(json.dumps(rep, indent=1, default=str))
+    (out / f"decoder-{cfg.name}.md").write_text(txt)
     print(txt)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

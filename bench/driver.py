@@ -5,13 +5,14 @@ pos = prefill .. prefill+steps-1, a fresh x each step; every step compared with 
 running on its own copy of the cache; the cache compared after the run (written rows close to the
 reference's, every other row bitwise untouched); kernels per step counted with torch.profiler; the
 floor is bytes per step over the stream-copy bandwidth measured in the same run.
+
+The arguments are parsed by ``megatape.cli`` (``megatape bench --help``), which calls :func:`run`.
+Results go to ``<out>/<preset>[-<tag>].json`` and ``.md`` (default ``bench/results/latest/``).
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -19,14 +20,16 @@ import time
 
 import torch
 
-from opcodes import PRESETS, ModelConfig, Tiling
+from opcodes import ModelConfig, Tiling
 from opcodes.reference import make_kv_cache, make_weights, model_ref, model_ref_fp32, rel_err
 from schedule import CostModel
+
 
 from .baselines import count_kernels as _count_kernels
 from .baselines import stream_copy_bandwidth, time_step
 
 TOL = 1.5e-2
+POLICIES = ("cost", "round-robin")
 
 
 def log(msg: str) -> None:
@@ -113,13 +116,16 @@ MODEL_KEYS = {"attnmodel": CostModel, "bytesmodel": CostModel.bytes_only}
 
 
 def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:
-    """'bk=512,stages=3,coop=0,policy=round-robin' -> (Tiling with overrides, build_layer keyword arguments)."""
+    """'bk=512,stages=3,coop=0,policy=round-robin' -> (Tiling with overrides, build_layer keyword
+    arguments)."""
     over, build = {}, {}
     for kv in filter(None, spec.replace(" ", "").split(",")):
         k, _, v = kv.partition("=")
         if not v:
             raise ValueError(f"--tiling/--variants: expected name=value, got {kv!r}")
         if k == "policy":
+            if v not in POLICIES:
+                raise ValueError(f"--tiling/--variants: policy must be one of {', '.join(POLICIES)}, got {v!r}")
             build["policy"] = v
         elif k == "pool":
             build["pool_us"] = float(v)
@@ -158,22 +164,6 @@ def host_breakdown(h, x, pos, n: int = 20) -> dict:
     return out
 
 
-def timeline_line(summ: dict) -> str:
-    """One line of a measured profile: makespan, waiting share, and per opcode its span and median
-    instruction time (us)."""
-    import statistics as _st
-    per: dict = {}
-    for slot, pi, name, sm, tw, te, tend in summ["records"]:
-        d = per.setdefault(name, [float("inf"), 0, []])
-        d[0], d[1] = min(d[0], te), max(d[1], tend)
-        d[2].append(tend - te)
-    tot = summ["total_wait_ns"] + summ["total_busy_ns"]
-    parts = [f"makespan {summ['makespan_ns'] / 1e3:.1f}", f"wait {100 * summ['total_wait_ns'] / max(1, tot):.1f}%"]
-    for name, (a, b, ds) in per.items():
-        parts.append(f"{name} {a / 1e3:.1f}..{b / 1e3:.1f} (med {_st.median(ds) / 1e3:.2f})")
-    return "; ".join(parts)
-
-
 def host_us(fn, args_list) -> float:
     """Median host-side microseconds of one call (launch cost as the caller's thread sees it)."""
     ts = []
@@ -186,30 +176,12 @@ def host_us(fn, args_list) -> float:
     return statistics.median(ts)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="megatape bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="llama70b-layer", help=f"one of {', '.join(PRESETS)}")
-    ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    ap.add_argument("--prefill", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--max-seq", type=int, default=4224)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--baselines", default="eager,compile,cublas",
-                    help="comma list of eager, compile, cublas (empty: megatape only)")
-    ap.add_argument("--tiling", default="", help="Tiling overrides of the main row, e.g. gu_rows=16,bk=1024")
-    ap.add_argument("--variants", default="", help=(
-        "extra builds to check and time, ';'-separated, each a ','-list of Tiling fields (attn_stages=4) and "
-        "build options: policy=cost|round-robin, bytesmodel=1 / attnmodel=1 (the cost model that orders the "
-        "queues), pool=US (the plan's last US microseconds taken by ticket at run time), coop=0 (plain launch)"))
-    ap.add_argument("--profile", action="store_true", help="also run the profiling kernel and summarise it")
-    ap.add_argument("--policy", default="cost")
-    ap.add_argument("--profile-variants", action="store_true",
-                    help="profile every variant too and print one line of its measured timeline")
-    ap.add_argument("--fp32-ref", action="store_true",
-                    help="also compare with an all-fp32 reference (always on for more than one layer)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    ap.add_argument("--tag", default="")
-    a = ap.parse_args(argv)
+def run(a, views=None) -> int:
+    """``megatape bench`` after argument parsing (``a``: the namespace of ``megatape.cli``).
+    ``views``: what turns a profiling launch into summaries and pictures (``megatape.views``,
+    passed in by the command line; needed for ``--profile`` / ``--profile-variants``)."""
+    if (a.profile or a.profile_variants) and views is None:
+        raise ValueError("--profile needs the views: run it as 'megatape bench --profile'")
     if not torch.cuda.is_available():
         print("megatape bench needs a CUDA GPU (none visible)", file=sys.stderr)
         return 2
@@ -219,6 +191,7 @@ def main(argv=None) -> int:
     tiling = parse_tiling(cfg, a.tiling)
     card = torch.cuda.get_device_name()
     log(f"{card}; torch {torch.__version__}; preset {cfg.name}; tiling {tiling}")
+    stem = f"{cfg.name}{('-' + a.tag) if a.tag else ''}"
     rep: dict = {"card": card, "date": datetime.date.today().isoformat(), "preset": cfg.name,
                  "cfg": cfg.to_dict(), "tiling": tiling.__dict__, "torch": torch.__version__}
     bw = stream_copy_bw()
@@ -229,7 +202,6 @@ def main(argv=None) -> int:
     rows = [dict(name="floor (bytes / stream-copy BW)", us_event=floor_us, us_wall=None, kernels=None, dominant=None)]
 
     from interp import build_layer, layer_step, teardown
-    from interp.profile import format_summary, summarize
     weights, kv, kv_before, xs = setup(cfg, a.prefill, a.steps, a.max_seq, a.seed)
     variants = [("megatape", parse_variant(cfg, a.tiling))] + [
         (f"megatape [{v.strip()}]", parse_variant(cfg, v)) for v in a.variants.split(";") if v.strip()]
@@ -242,7 +214,7 @@ def main(argv=None) -> int:
         for i in range(4):
             layer_step(hp, xs[i], a.prefill + a.steps - 1)
         hp.check()
-        return hp, summarize(hp.tape, profile_records(hp), pos=a.prefill + a.steps - 1)
+        return hp, views.summarize(hp.tape, profile_records(hp), pos=a.prefill + a.steps - 1)
 
     for vname, (vt, bkw) in variants:
         vrep: dict = {"tiling": vt.__dict__}
@@ -276,25 +248,25 @@ def main(argv=None) -> int:
             teardown(h)
             if a.profile_variants and not (a.profile and vname == "megatape"):
                 hp, summ = profiled(vt, vpolicy, bkw)
-                vrep["timeline"] = timeline_line(summ)
+                vrep["timeline"] = views.timeline_line(summ)
                 log(f"{vname} profiled: {vrep['timeline']}")
                 teardown(hp)
             if a.profile and vname == "megatape":
                 hp, summ = profiled(vt, vpolicy, bkw)
                 recs = summ.pop("records")
                 vrep["profile"] = summ
-                txt = format_summary(summ)
+                txt = views.format_summary(summ)
                 print(txt, flush=True)
-                pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
-                (pathlib.Path(a.out) / "profile.md").write_text(txt + "\n")
-                (pathlib.Path(a.out) / "profile_records.json").write_text(json.dumps(recs))
+                out = pathlib.Path(a.out)
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "profile.md").write_text(txt + "\n")
+                (out / "profile_records.json").write_text(json.dumps(recs))
                 try:
                     from schedule.compile import compile_model
-                    from schedule.measured import write_views
                     comp = compile_model(cfg, hp.num_sms, max_seq=a.max_seq, tiling=vt, policy=vpolicy,
                                          model=bkw.get("cost_model"), pool_us=bkw.get("pool_us"))
-                    write_views(recs, comp.prog, comp.sched, a.out, hp.num_sms)
-                    print((pathlib.Path(a.out) / "measured_vs_plan.md").read_text(), flush=True)
+                    views.write_views(recs, comp.prog, comp.sched, out, hp.num_sms)
+                    print((out / "measured_vs_plan.md").read_text(), flush=True)
                 except Exception as e:      # the views are extra; never lose the numbers over them
                     log(f"measured views failed: {type(e).__name__}: {e}")
                 # profiling off vs on, same run
@@ -338,7 +310,6 @@ def main(argv=None) -> int:
     md = table(rows, rep)
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{rep['date']}-{cfg.name}{('-' + a.tag) if a.tag else ''}"
     (out / f"{stem}.json").write_text(json.dumps(rep, indent=1, default=str))
     (out / f"{stem}.md").write_text(md)
     print(md)
@@ -360,6 +331,3 @@ def table(rows, rep) -> str:
                      f"{f(r.get('dominant'), '.3f')} | {f(r.get('predicted'), '.1f')} |")
     return "\n".join(lines) + "\n"
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -29,28 +29,29 @@ exec > >(tee "$OUT/run.log") 2>&1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
 if [ -n "${OLD:-}" ]; then
   echo "=== old tree: $OLD"
-  (cd "$OLD" && PYTHONPATH=$PWD python3 -m bench.driver --baselines "" --out "$RES/old" --tag old)
+  if [ -f "$OLD/megatape/cli.py" ]; then old=(python3 -m megatape.cli bench); else old=(python3 -m bench.driver); fi
+  (cd "$OLD" && PYTHONPATH=$PWD "${old[@]}" --baselines "" --out "$RES/old" --tag old)
 fi
 run_part() {
   case "$1" in
   explore)
     python3 -m bench.launch_probe
-    python3 -m bench.driver --baselines "" --profile-variants --out "$RES/explore" --tag explore \
-      --tiling "${TILING:-}" --variants "${VARIANTS:-policy=fluid}" ;;
+    python3 -m megatape.cli bench --baselines "" --profile-variants --out "$RES/explore" --tag explore \
+      --tiling "${TILING:-}" --variants "${VARIANTS:-policy=round-robin}" ;;
   variants)
-    python3 -m bench.driver --baselines cublas --profile --profile-variants --out "$RES/variants" --tag variants \
+    python3 -m megatape.cli bench --baselines cublas --profile --profile-variants --out "$RES/variants" --tag variants \
       --tiling "${TILING:-}" --variants "${VARIANTS:-}" ;;
   bench)
-    python3 -m bench.driver --profile --profile-variants --out "$RES/bench" --tiling "${TILING:-}" --variants "${VARIANTS:-}" ;;
+    python3 -m megatape.cli bench --profile --profile-variants --out "$RES/bench" --tiling "${TILING:-}" --variants "${VARIANTS:-}" ;;
   checks)
     python3 examples/gpu_checks.py | tee "$RES/gpu_checks.txt" ;;
   multi)
-    python3 -m bench.driver --preset llama70b-16 --baselines cublas,compile --out "$RES/multi" --tag 16
-    python3 -m bench.decoder_bench --out "$RES/multi" --variants "${DVARIANTS:-}" ;;
+    python3 -m megatape.cli bench --preset llama70b-16 --baselines cublas,compile --out "$RES/multi"
+    python3 -m megatape.cli bench-decoder --out "$RES/multi" --variants "${DVARIANTS:-}" ;;
   decoder)
-    python3 -m bench.decoder_bench --out "$RES/decoder" --variants "${DVARIANTS:-}" ;;
+    python3 -m megatape.cli bench-decoder --out "$RES/decoder" --variants "${DVARIANTS:-}" ;;
   layers16)
-    python3 -m bench.driver --preset llama70b-16 --baselines "" --out "$RES/layers16" --tag 16 --variants "${MVARIANTS:-}" ;;
+    python3 -m megatape.cli bench --preset llama70b-16 --baselines "" --out "$RES/layers16" --variants "${MVARIANTS:-}" ;;
   refsens)
     python3 -m bench.ref_sensitivity --preset llama70b-layer --layers 16 | tee "$RES/refsens-70b.md"
     python3 -m bench.ref_sensitivity --preset llama3.2-1b --layers 16 --prefill 1024 | tee "$RES/refsens-1b.md" ;;

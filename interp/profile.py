@@ -1,12 +1,11 @@
-"""Measured timelines: turn the kernel's per-instruction timestamps into a summary.
+"""The kernel's profile buffer, read.
 
 A handle built with ``profile=True`` (GPU only: globaltimer is inline PTX) records, per tape slot,
-``[wait start, exec start, end, sm]`` in ns. :func:`summarize` reports per opcode: count, busy time,
-wait time, HBM bytes and the bandwidth achieved while that opcode was running anywhere on the chip.
+``[wait start, exec start, end, sm]`` in ns (``interp.runtime.profile_records(h)``). :func:`records`
+turns that buffer into one tuple per instruction; the summaries, traces and charts of a measured
+timeline are views, in :mod:`megatape.views.profile` and :mod:`megatape.views.measured`.
 """
 from __future__ import annotations
-
-from collections import defaultdict
 
 import torch
 
@@ -27,47 +26,3 @@ def records(tape: Tape, prof: torch.Tensor) -> list[tuple]:
         pi = tape.prog_index[slot] if tape.prog_index else slot
         out.append((slot, pi, op.NAME, int(sm), tw - t0, te - t0, tend - t0))
     return out
-
-
-def summarize(tape: Tape, prof: torch.Tensor, pos: int | None = None) -> dict:
-    lay = tape.lay
-    recs = records(tape, prof)
-    by = defaultdict(lambda: dict(n=0, busy_ns=0, wait_ns=0, hbm_bytes=0, first_ns=float("inf"), last_ns=0))
-    per_sm_wait = defaultdict(int)
-    per_sm_busy = defaultdict(int)
-    from opcodes import AttnPartial
-    for slot, pi, name, sm, tw, te, tend in recs:
-        d = by[name]
-        ins = BY_OPCODE[int(tape.words[slot, 0])].decode(tape.words[slot, 6:].tolist())
-        c = ins.cost(lay, pos + 1) if (isinstance(ins, AttnPartial) and pos is not None) else ins.cost(lay)
-        d["n"] += 1
-        d["busy_ns"] += tend - te
-        d["wait_ns"] += te - tw
-        d["hbm_bytes"] += c.hbm_bytes
-        d["first_ns"] = min(d["first_ns"], te)
-        d["last_ns"] = max(d["last_ns"], tend)
-        per_sm_wait[sm] += te - tw
-        per_sm_busy[sm] += tend - te
-    makespan = max(r[6] for r in recs)
-    ops = {}
-    for name, d in by.items():
-        span = max(1, d["last_ns"] - d["first_ns"])
-        ops[name] = dict(d, span_ns=span,
-                         per_sm_GBps=(d["hbm_bytes"] / max(1, d["busy_ns"])) if d["busy_ns"] else 0.0,
-                         chip_TBps_over_span=d["hbm_bytes"] / span / 1e3)
-    return dict(makespan_ns=makespan, ops=ops, total_wait_ns=sum(per_sm_wait.values()),
-                total_busy_ns=sum(per_sm_busy.values()), num_sms=tape.num_sms,
-                max_sm_wait_ns=max(per_sm_wait.values()), records=recs)
-
-
-def format_summary(s: dict) -> str:
-    lines = [f"measured makespan {s['makespan_ns'] / 1e3:.1f} us on {s['num_sms']} SMs; "
-             f"total wait {s['total_wait_ns'] / 1e3:.0f} SM-us ({s['total_wait_ns'] / (s['makespan_ns'] * s['num_sms']):.1%} "
-             f"of SM time), busy {s['total_busy_ns'] / (s['makespan_ns'] * s['num_sms']):.1%}",
-             "| opcode | n | busy SM-us | wait SM-us | first..last us | GB/s per SM while busy | TB/s over its span |",
-             "|---|---|---|---|---|---|---|"]
-    for name, d in sorted(s["ops"].items(), key=lambda kv: kv[1]["first_ns"]):
-        lines.append(f"| {name} | {d['n']} | {d['busy_ns'] / 1e3:.0f} | {d['wait_ns'] / 1e3:.0f} | "
-                     f"{d['first_ns'] / 1e3:.1f}..{d['last_ns'] / 1e3:.1f} | {d['per_sm_GBps']:.1f} | "
-                     f"{d['chip_TBps_over_span']:.2f} |")
-    return "\n".join(lines)

@@ -278,7 +278,8 @@ def _resolve_tape(mc: ModelConfig, max_seq_len: int, device: torch.device, dev_s
         raise _err(ValueError, "num_sms", f"an int in [1, {dev_sms}] (SMs that can be co-resident on {device})", num_sms)
     if tape is None:
         comp = compile_model(mc, num_sms, max_seq=max_seq_len, tiling=tiling, policy=policy, model=cost_model,
-                             seed=seed, sequential=(device.type == "cpu"), lowering=lowering, pool_us=pool_us)
+                             seed=seed, sequential=(device.type == "cpu"), lowering=lowering, pool_us=pool_us,
+                             decoder=False)   # build_layer / build_model: the layers alone, whatever cfg.vocab
         return comp.tape, (comp.expected_makespan() if device.type == "cuda" else comp.sched.makespan)
     if tape.lay.cfg.to_dict() != mc.to_dict() or tape.lay.max_seq != max_seq_len:
         raise ValueError("tape: compiled for a different cfg or max_seq_len than the one given")
@@ -406,7 +407,7 @@ def _make_control(h: "LayerHandle", profile: bool) -> None:
     if h.status is None:
         h.status = torch.zeros(h.num_sms + 1, STATUS_WORDS, dtype=torch.int32, device=device)
     h.prof = torch.zeros(max(1, len(tape)) * PROF_WORDS if profile else 1, dtype=torch.int64, device=device)
-    h.tape_dev = tape.words.reshape(-1).contiguous().to(device)
+    h.tape_dev = tape.words.reshape(-1).to(device, copy=True)      # never an alias of the host tape
     h.qoff_dev = torch.cat([tape.offsets, torch.tensor([tape.pool_counter], dtype=torch.int32)]).to(device)
     targets = [int(t) for t in tape.words[:, 2].tolist() + tape.words[:, 4].tolist()] if len(tape) else [1]
     targets.append(tape.tickets_per_call())      # the pool's ticket counter grows by this per call

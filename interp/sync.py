@@ -1,7 +1,7 @@
 """Cross-SM synchronisation for the interpreter kernel: bounded acquire waits, release signals.
 
 Producer: every thread's stores -> CTA barrier -> one release atomic (gpu scope).
-Consumer (generated into the kernel by interp/codegen.py, so that it can prefetch while it spins):
+Consumer (generated into the kernel by interp/codegen.py, inside its dispatch loop):
 poll an acquire read of the counter (``ld.global.acquire.gpu``) until it reaches ``target``, giving
 up after ``spin_limit`` polls; data written by other SMs is then read with ``cache_modifier=".cg"``
 (L1 is not coherent across SMs).

@@ -252,6 +252,9 @@ class Instruction:
     VIRTUAL: ClassVar[tuple[str, ...]] = ()   # scratch names that are views of the caller's memory (not allocated)
     TIMING: ClassVar[str] = Timing.STREAM
     FIXED_S: ClassVar[float | None] = None
+    #: how far the device function may be from ``run_torch`` on the same inputs (relative; fp32
+    #: sums in another order). Opcodes that round operands to bf16 on purpose allow more.
+    TORCH_RTOL: ClassVar[float] = 1e-4
     device = None                     # set by subclasses (a triton JITFunction)
 
     # ---- declarations ---------------------------------------------------------------

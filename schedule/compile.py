@@ -47,14 +47,21 @@ class Compiled:
 
 def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, tiling: Tiling | None = None,
                   policy: str = "cost", model: CostModel | None = None, seed: int = 0,
-                  sequential: bool = False, lowering=None, pool_us: float | None = None) -> Compiled:
+                  sequential: bool = False, lowering=None, pool_us: float | None = None,
+                  decoder: bool | None = None) -> Compiled:
     """Compile ``cfg`` for ``num_sms`` SMs. ``policy``: 'cost' (list scheduling), 'round-robin' or
     'random' (a random valid schedule drawn with ``seed``).
     ``lowering``: a function Layout -> Program to use instead of :func:`lower` (e.g. a whole decoder
-    around the layers).
+    around the layers); when given it wins over ``decoder``.
+    ``decoder``: True for the whole-model lowering of :mod:`schedule.decoder_program` (embedding,
+    the layers, final norm, LM head, argmax; needs ``cfg.vocab``), False for the layers alone, None
+    (default): the whole model iff ``cfg.vocab > 0``.
     ``pool_us``: the last ``pool_us`` microseconds of the plan go to a pool that SMs take from at
     run time as they finish their queues (:func:`schedule.assign.with_pool`); 0: queues only;
     None: :data:`DEFAULT_POOL_US` for 'cost', 0 for the round-robin and random baselines."""
+    if lowering is None and (cfg.vocab > 0 if decoder is None else decoder):
+        from .decoder_program import decoder_lowering
+        lowering = decoder_lowering()
     if pool_us is None:
         pool_us = DEFAULT_POOL_US if policy == "cost" else 0.0
     if isinstance(pool_us, bool) or not isinstance(pool_us, (int, float)) or not pool_us >= 0:

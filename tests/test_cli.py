@@ -1,4 +1,4 @@
-"""The ``megatape`` command line (interp/cli.py)."""
+"""The ``megatape`` command line (megatape/cli.py)."""
 from __future__ import annotations
 
 import os
@@ -7,13 +7,12 @@ import re
 import subprocess
 import sys
 import time
-import types
 from collections import Counter
 
 import pytest
 
-from interp import cli
-from interp.cli import main
+from megatape import cli
+from megatape.cli import main
 from opcodes import REGISTRY, ModelConfig
 from schedule import CostModel, Tape, compile_model, verify
 
@@ -140,7 +139,7 @@ def test_bad_arguments_exit_2_with_one_line(capsys, argv, arg):
 
 def test_bad_arguments_through_the_console_entry_point():
     """As a process: exit status 2, one line on stderr, no traceback."""
-    p = subprocess.run([sys.executable, "-m", "interp.cli", "compile", "--preset", "llama-9000", "--sms", "3"],
+    p = subprocess.run([sys.executable, "-m", "megatape.cli", "compile", "--preset", "llama-9000", "--sms", "3"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1 and "--preset" in p.stderr and "Traceback" not in p.stderr
@@ -159,7 +158,7 @@ def test_help_exits_0(capsys):
 # ---- the acceptance timings, as processes (imports included) ----------------------------------
 @pytest.mark.parametrize("layers,limit", [(None, 5.0), (16, 30.0)])
 def test_compile_70b_wall_time(layers, limit):
-    argv = [sys.executable, "-m", "interp.cli", "compile", "--preset", "llama70b-layer", "--sms", "132"]
+    argv = [sys.executable, "-m", "megatape.cli", "compile", "--preset", "llama70b-layer", "--sms", "132"]
     if layers:
         argv += ["--layers", str(layers)]
     t0 = time.perf_counter()
@@ -173,29 +172,80 @@ def test_compile_70b_wall_time(layers, limit):
 
 
 # ---- forwarding and the main job ---------------------------------------------------------------
-def test_bench_forwards_argv(monkeypatch):
+def test_bench_parses_here_and_runs_the_driver(monkeypatch):
+    """megatape.cli parses bench's arguments and calls bench.driver.run with them and the views."""
     import bench.driver
+    import megatape.views
     seen = []
-    monkeypatch.setattr(bench.driver, "main", lambda argv=None: seen.append(argv) or 7)
+    monkeypatch.setattr(bench.driver, "run", lambda a, views=None: seen.append((a, views)) or 7)
     assert main(["bench", "--preset", "tiny", "--baselines", ""]) == 7
-    assert seen == [["--preset", "tiny", "--baselines", ""]]
+    (a, views), = seen
+    assert (a.preset, a.baselines, a.steps, a.policy, a.out) == ("tiny", "", 32, "cost", "bench/results/latest")
+    assert views is megatape.views
 
 
-def test_viz_forwards_argv(monkeypatch):
+def test_bench_decoder_parses_here(monkeypatch):
+    import bench.decoder_bench
     seen = []
-    fake = types.ModuleType("schedule.viz")
-    fake.main = lambda argv=None: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "schedule.viz", fake)
-    import schedule
-    monkeypatch.setattr(schedule, "viz", fake, raising=False)
-    assert main(["viz", "--preset", "tiny", "--sms", "3"]) == 0
-    assert seen == [["--preset", "tiny", "--sms", "3"]]
+    monkeypatch.setattr(bench.decoder_bench, "run", lambda a, views=None: seen.append(a) or 0)
+    assert main(["bench-decoder", "--steps", "4", "--out", "x"]) == 0
+    assert (seen[0].preset, seen[0].steps, seen[0].out) == ("llama3.2-1b", 4, "x")
 
 
-def test_viz_missing_module_is_one_line(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "schedule.viz", None)      # import raises ModuleNotFoundError
-    rc, out, err = run_main(capsys, "viz", "--help")
-    assert rc == 2 and len(err.strip().splitlines()) == 1 and "viz" in err
+@pytest.mark.parametrize("argv,arg", [
+    (["bench", "--policy", "fluid"], "--policy"),                 # removed: fluid is a predictor only
+    (["bench", "--prefetch"], "--prefetch"),                      # removed with the prefetch path
+    (["bench-decoder", "--preset", "tiny"], "--preset"),          # not a whole model
+    (["viz", "--preset", "tiny", "--sms", "0", "--out", "x"], "--sms"),
+])
+def test_bench_and_viz_bad_arguments(capsys, argv, arg):
+    rc, out, err = run_main(capsys, *argv)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and arg in err
+
+
+def test_bench_variant_policy_fluid_is_refused():
+    from bench.driver import parse_variant
+    with pytest.raises(ValueError, match="policy"):
+        parse_variant(ModelConfig.from_name("tiny"), "policy=fluid")
+
+
+def test_viz_calls_render(monkeypatch, tmp_path):
+    import megatape.views.viz as viz
+    seen = []
+    monkeypatch.setattr(viz, "render", lambda cfg, sms, out, **kw: seen.append((cfg.name, sms, out, kw)))
+    assert main(["viz", "--preset", "tiny", "--sms", "3", "--out", str(tmp_path), "--no-svg"]) == 0
+    (name, sms, out, kw), = seen
+    assert (name, sms, out, kw["svg"], kw["policy"]) == ("tiny", 3, str(tmp_path), False, "cost")
+
+
+def test_viz_without_matplotlib_is_one_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.delitem(sys.modules, "megatape.views.viz", raising=False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)        # import raises ModuleNotFoundError
+    rc, out, err = run_main(capsys, "viz", "--preset", "tiny", "--sms", "3", "--out", str(tmp_path))
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "matplotlib" in err
+
+
+def test_help_from_a_clone():
+    """``python -m megatape.cli --help`` from the repository root, no install."""
+    p = subprocess.run([sys.executable, "-m", "megatape.cli", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for cmd in ("compile", "run", "viz", "bench", "bench-decoder"):
+        assert cmd in p.stdout
+
+
+def test_layering_of_the_packages():
+    """opcodes <- schedule <- interp <- (bench, megatape): schedule has no argparse and imports no
+    matplotlib; interp imports nothing from bench or megatape."""
+    import ast
+    for pkg, banned in (("schedule", ("argparse", "matplotlib", "interp", "bench", "megatape")),
+                        ("interp", ("bench", "megatape")), ("opcodes", ("schedule", "interp", "bench", "megatape"))):
+        for f in (ROOT / pkg).glob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                for n in names:
+                    assert n.split(".")[0] not in banned, f"{f.relative_to(ROOT)} imports {n}"
 
 
 def test_run_on_cpu(capsys, monkeypatch, tmp_path):
@@ -215,21 +265,22 @@ def test_run_with_gpu_runs_the_benchmark(capsys, monkeypatch):
     import bench.driver
     seen = []
     monkeypatch.setattr(cli, "_gpu_available", lambda: True)
-    monkeypatch.setattr(bench.driver, "main", lambda argv=None: seen.append(argv) or 0)
+    monkeypatch.setattr(bench.driver, "run", lambda a, views=None: seen.append((a.preset, a.baselines)) or 0)
     rc, out, err = run_main(capsys, "run", "--sms", "16")
     assert rc == 0, err
-    assert seen == [["--preset", "llama70b-layer", "--baselines", ""]]
+    assert seen == [("llama70b-layer", "")]
     assert "16 SMs" in out
 
 
 def test_pyproject_console_script_points_at_main():
     tomllib = pytest.importorskip("tomllib")          # Python >= 3.11
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert meta["project"]["scripts"]["megatape"] == "interp.cli:main"
+    assert meta["project"]["scripts"]["megatape"] == "megatape.cli:main"
     assert meta["project"]["name"] == "megatape"
-    assert set(meta["tool"]["setuptools"]["packages"]) == {"interp", "schedule", "opcodes", "bench"}
+    assert set(meta["tool"]["setuptools"]["packages"]) == {"megatape", "megatape.views", "interp", "schedule",
+                                                           "opcodes", "bench"}
     for pkg in meta["tool"]["setuptools"]["packages"]:
-        assert (ROOT / pkg / "__init__.py").is_file(), pkg
+        assert (ROOT / pkg.replace(".", "/") / "__init__.py").is_file(), pkg
 
 
 def test_conftest_sets_triton_interpret_before_triton_is_imported():
@@ -280,3 +331,19 @@ def test_readme_python_examples_run():
     assert p.returncode == 0, p.stderr[-3000:]
     err = float(re.search(r"rel err vs reference: ([\d.e+-]+)", p.stdout).group(1))
     assert err <= 1.5e-2
+
+
+# ---- compile_model picks the decoder lowering (no copy of that choice in the CLI or the views) --
+def test_compile_model_picks_the_decoder_lowering():
+    from schedule.decoder_program import decoder_lowering
+    cfg = ModelConfig(layers=1, d=64, ffn=160, n_q=4, n_kv=2, hd=16, vocab=256, name="v")
+    names = lambda c: {ins.NAME for ins in c.prog.instrs}          # noqa: E731
+    whole = compile_model(cfg, 3, max_seq=64)                       # decoder=None: vocab > 0 -> whole model
+    assert {"embed", "lm_head", "argmax"} <= names(whole)
+    assert not {"embed", "lm_head", "argmax"} & names(compile_model(cfg, 3, max_seq=64, decoder=False))
+    assert not {"embed"} & names(compile_model(ModelConfig.from_name("tiny"), 3, max_seq=64))
+    explicit = compile_model(cfg, 3, max_seq=64, lowering=decoder_lowering(lm_rows=16, emb_cols=32), decoder=False)
+    assert explicit.tape.lay.lm_rows == 16                          # an explicit lowering wins
+    import inspect
+    src = inspect.getsource(cli) + inspect.getsource(__import__("megatape.views.viz", fromlist=["x"]))
+    assert "decoder_lowering" not in src

@@ -1,4 +1,4 @@
-"""schedule/measured.py: the views of a measured timeline, fed with a synthetic 'measurement' (the plan
+"""megatape/views/measured.py and megatape/views/profile.py: the views of a measured timeline, fed with a synthetic 'measurement' (the plan
 itself, slowed down by a known factor), so every number it prints can be checked."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import matplotlib.image as mpimg
 
 from opcodes import PRESETS
 from schedule import compile_model
-from schedule.measured import compare, to_records, write_views
+from megatape.views.measured import compare, to_records, write_views
 
 
 def _raw_from_plan(comp, slow: float = 1.25):
@@ -48,10 +48,10 @@ def test_write_views_files(tmp_path):
 
 
 def test_profile_summary_of_synthetic_timestamps():
-    """interp.profile.summarize on hand-made timestamps: busy, wait and bytes per opcode add up."""
+    """megatape.views.profile.summarize on hand-made timestamps: busy, wait and bytes per opcode add up."""
     import torch
 
-    from interp.profile import format_summary, summarize
+    from megatape.views.profile import format_summary, summarize, timeline_line
     comp = compile_model(PRESETS["tiny"], 2, max_seq=64, pool_us=0)     # hand-made clocks per queue
     tape = comp.tape
     sm_of = tape.sm_of_slot()
@@ -67,3 +67,4 @@ def test_profile_summary_of_synthetic_timestamps():
     assert sum(d["n"] for d in summ["ops"].values()) == len(tape)
     assert summ["makespan_ns"] == max(clock) - 1000
     assert "measured makespan" in format_summary(summ)
+    assert timeline_line(summ).startswith(f"makespan {summ['makespan_ns'] / 1e3:.1f}; wait 9.1%")

@@ -1,4 +1,4 @@
-"""CPU tests of ``megatape viz`` (schedule/viz.py) and the trace writer (schedule/trace.py)."""
+"""CPU tests of ``megatape viz`` (megatape/views/viz.py) and the trace writer (megatape/views/trace.py)."""
 from __future__ import annotations
 
 import json
@@ -19,8 +19,9 @@ import networkx as nx  # noqa: E402
 
 from opcodes import ModelConfig  # noqa: E402
 from schedule import compile_model  # noqa: E402
-from schedule import trace as T  # noqa: E402
-from schedule import viz  # noqa: E402
+from megatape.cli import main  # noqa: E402
+from megatape.views import trace as T  # noqa: E402
+from megatape.views import viz  # noqa: E402
 
 # pydot's parser uses pyparsing names that pyparsing 3.3 deprecates
 pytestmark = pytest.mark.filterwarnings("ignore:.*deprecated.*:DeprecationWarning")
@@ -83,7 +84,7 @@ def _check_png(path: pathlib.Path) -> tuple[int, int]:
 
 def _run(tmp_path, argv, capsys):
     t0 = time.perf_counter()
-    assert viz.main(argv + ["--out", str(tmp_path)]) == 0
+    assert main(["viz"] + argv + ["--out", str(tmp_path)]) == 0
     dt = time.perf_counter() - t0
     out = capsys.readouterr().out
     written = [pathlib.Path(line.split()[1]) for line in out.splitlines() if line.startswith("wrote ")]
@@ -242,8 +243,9 @@ def test_dot_fallback_without_pydot(tmp_path, monkeypatch, capsys):
 
 
 def test_cli_errors(tmp_path, capsys):
-    assert viz.main(["--preset", "nope", "--sms", "4", "--out", str(tmp_path / "a")]) == 2
-    assert viz.main(["--preset", "tiny", "--sms", "4", "--layer", "5", "--out", str(tmp_path / "b")]) == 2
+    assert main(["viz", "--preset", "nope", "--sms", "4", "--out", str(tmp_path / "a")]) == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+    assert main(["viz", "--preset", "tiny", "--sms", "4", "--layer", "5", "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
-    assert "unknown preset" in err and "no instruction matches layer 5" in err
+    assert "no instruction matches layer 5" in err
     assert not (tmp_path / "b").exists()

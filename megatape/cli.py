@@ -1,0 +1,492 @@
+"""The ``megatape`` command line: every subcommand's arguments are parsed here.
+
+    megatape compile --preset NAME --sms N [--layers N] [--max-seq N] [--policy cost|round-robin]
+                     [--listing] [-o tape.json]
+    megatape run     [--sms N] [-o tape.json] [--no-gpu]
+    megatape viz     --preset NAME --sms N --out DIR ...   (pictures: megatape.views.viz)
+    megatape bench   ...      (bench/driver.py, needs a CUDA GPU)
+    megatape bench-decoder ...   (bench/decoder_bench.py, needs a CUDA GPU)
+
+``compile`` lowers a preset to tile instructions, schedules them on N SMs with the cost model
+(list scheduling) and with round-robin, encodes and verifies both tapes, and prints what the
+tapes hold and how far each predicted makespan is from the bandwidth lower bound. ``run`` is the
+README's main job: the 70B layer's tape and schedule summary on the CPU, a tape-VM check against
+the torch reference on a tiny config, and, when a CUDA device is visible, the GPU benchmark.
+
+Argument errors print one line naming the argument and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+POLICIES = ("cost", "round-robin")
+MAIN_PRESET = "llama70b-layer"
+DEFAULT_SMS = 132            # an H200's SM count: the default when no GPU is visible
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an argument error is one line (no usage block) and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            return version("megatape")
+        except PackageNotFoundError:
+            return "(not installed)"
+    except ImportError:       # pragma: no cover
+        return "(unknown)"
+
+
+class _Progress:
+    """'[  1.2s] message' lines on stderr, timed from construction."""
+
+    def __init__(self, stream=None):
+        self.t0 = time.perf_counter()
+        self.stream = stream
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{self.elapsed():6.1f}s] {msg}", file=self.stream or sys.stderr, flush=True)
+
+
+# ---- compile ----------------------------------------------------------------------------------
+def _check_output_path(prog: str, path: str | None) -> str | None:
+    """An error line if ``-o path`` cannot be written (checked before the work starts)."""
+    if path is None:
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"{prog}: error: argument -o/--output: directory {parent!r} does not exist"
+    if os.path.isdir(path):
+        return f"{prog}: error: argument -o/--output: {path!r} is a directory"
+    return None
+
+
+def compile_both(cfg, num_sms: int, max_seq: int | None, progress: _Progress, pool_us: float | None = None) -> dict:
+    """Compile ``cfg`` under both policies (each verified); returns {policy: Compiled}."""
+    from schedule import compile_model
+    out = {}
+    for pol in POLICIES:
+        progress(f"{pol}: lower -> schedule -> encode -> verify ...")
+        # a config with a vocabulary compiles as a whole model (compile_model decides)
+        c = compile_model(cfg, num_sms, max_seq=max_seq, policy=pol, pool_us=(pool_us if pol == "cost" else None))
+        progress(f"{pol}: {len(c.tape)} instructions on {num_sms} SMs verified "
+                 f"(compile_model took {c.seconds:.2f} s)")
+        out[pol] = c
+    return out
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def summary_lines(comps: dict, selected: str) -> list[str]:
+    """The schedule summary of ``compile_both``'s result, as lines."""
+    from opcodes import REGISTRY
+    from schedule import CostModel
+
+    sel = comps[selected]
+    prog, lay = sel.prog, sel.prog.lay
+    cfg, t = lay.cfg, lay.tiling
+    model = CostModel()
+    lines = []
+    shape = " ".join(f"{k}={v}" for k, v in cfg.to_dict().items())
+    lines.append(f"model   {cfg.name}: {shape}")
+    lines.append(f"layout  max_seq {lay.max_seq}; tiling " +
+                 " ".join(f"{k}={v}" for k, v in t.__dict__.items()))
+    lines.append(f"target  {sel.tape.num_sms} SMs; cost model: HBM {model.hbm_bw / 1e12:.2f} TB/s, "
+                 f"L2 {model.l2_bw_sm / 1e9:.0f} GB/s per SM, {model.overhead * 1e6:.2f} us per instruction")
+    if not model.by_bytes:
+        from opcodes import REGISTRY, Timing
+        from opcodes.attn_partial import ATTN_LATENCY_H200
+        t0, rt, pb = (v * 1e6 for v in ATTN_LATENCY_H200)
+        lines.append(f"        attention splits by loaded HBM round trips: {t0:.1f} + {rt:.1f} x trips + "
+                     f"{pb:.1f} x blocks us (H200 fit); " +
+                     ", ".join(f"{c.NAME} {c.FIXED_S * 1e6:.1f} us" for c in REGISTRY.values()
+                               if c.TIMING == Timing.FIXED and c.FIXED_S is not None) + " (measured)")
+    # instructions per opcode
+    lines.append("")
+    lines.append("instructions per opcode:")
+    lines.append(f"  {'opcode':<14}{'#':>3}  {'count':>8}  {'HBM bytes':>12}  {'share':>6}")
+    counts = {name: 0 for name in REGISTRY}
+    hbm = {name: 0 for name in REGISTRY}
+    for ins in prog.instrs:
+        counts[ins.NAME] += 1
+        hbm[ins.NAME] += ins.cost(lay).hbm_bytes
+    total_hbm = sum(hbm.values()) or 1
+    for name, cls in REGISTRY.items():
+        lines.append(f"  {name:<14}{cls.OPCODE:>3}  {counts[name]:>8}  {_fmt_bytes(hbm[name]):>12}  "
+                     f"{100 * hbm[name] / total_hbm:5.1f}%")
+    lines.append(f"  {'total':<14}{'':>3}  {len(prog):>8}  {_fmt_bytes(total_hbm):>12}")
+    # counters
+    kinds: dict[str, int] = {}
+    for name in prog.counters:
+        k = name.split("[")[0]
+        kinds[k] = kinds.get(k, 0) + 1
+    targets = prog.targets()
+    n_waits = sum(len(w) for w in prog.waits)
+    lines.append("")
+    lines.append(f"counters used: {len(prog.counters)} (" +
+                 ", ".join(f"{k} x{v}" for k, v in kinds.items()) + ")")
+    if targets:
+        lines.append(f"  per-call wait targets (producers per counter): min {min(targets)}, "
+                     f"max {max(targets)}; {n_waits} waits in all, none reset between calls")
+    # verifier
+    lines.append("")
+    lines.append("verifier:")
+    for pol, c in comps.items():
+        lines.append(f"  {pol:<12} {c.report}")
+    # the pool
+    lines.append("")
+    for pol, c in comps.items():
+        if c.sched.pool:
+            lines.append(f"pool    {pol}: the plan's last {c.sched.policy.split('pool(')[-1].rstrip(')')}: "
+                         f"{len(c.sched.pool)} instructions taken by atomic ticket as SMs finish their queues")
+        else:
+            lines.append(f"pool    {pol}: none (static queues only)")
+    # per-SM busy time
+    lines.append("")
+    lines.append("per-SM predicted busy time (us) and instructions per SM, min / median / max over SMs:")
+    for pol, c in comps.items():
+        busy = [b * 1e6 for b in c.sched.busy(model)]
+        n_per = [len(q) for q in c.sched.per_sm()]
+        util = sum(busy) / (len(busy) * c.sched.makespan * 1e6) if c.sched.makespan > 0 else float("nan")
+        lines.append(f"  {pol:<12} busy {min(busy):8.1f} / {statistics.median(busy):8.1f} / {max(busy):8.1f}   "
+                     f"instructions {min(n_per)} / {statistics.median(n_per):g} / {max(n_per)}   "
+                     f"mean utilisation {100 * util:.1f}%")
+    # makespan vs lower bound: the H200 model first (what the tape is expected to take), then the
+    # per-SM model the queues were ordered with
+    from schedule.fluid import FluidModel
+    fm = FluidModel.h200(lay)
+    flb = sel.expected_lower_bound(prog)
+    lines.append("")
+    caps = sorted({round(v / 1e9) for v in fm.cap.values()})
+    lines.append(f"expected makespan (H200 shared-bandwidth model: chip {fm.hbm_bw / 1e12:.2f} TB/s of reads, an SM "
+                 f"streams <= {'/'.join(map(str, caps))} GB/s with {t.stages - 1} blocks in flight, {fm.noise:.0%} "
+                 f"jitter, {fm.ticket * 1e6:.1f} us a ticket;")
+    lines.append(f"  fitted to H200 runs of the 70B layer, bench/NOTES.md v15) vs its bandwidth lower bound "
+                 f"({total_hbm:,} HBM bytes / {fm.hbm_bw / 1e12:.2f} TB/s = {flb * 1e6:.1f} us):")
+    for pol, c in comps.items():
+        mark = "  <- tape" if pol == selected else ""
+        e = c.expected_makespan()
+        lines.append(f"  {pol:<12} expected {e * 1e6:9.1f} us   lower bound {flb * 1e6:9.1f} us   ratio {e / flb:6.3f}{mark}")
+    lb = model.lower_bound(prog)
+    lines.append("")
+    lines.append(f"per-SM plan model (orders the queues; every SM at 1/{sel.tape.num_sms} of the bandwidth) vs "
+                 f"its lower bound ({total_hbm:,} HBM bytes / {model.hbm_bw / 1e12:.2f} TB/s = {lb * 1e6:.1f} us):")
+    for pol, c in comps.items():
+        mark = "  <- tape" if pol == selected else ""
+        lines.append(f"  {pol:<12} makespan {c.sched.makespan * 1e6:9.1f} us   lower bound {lb * 1e6:9.1f} us   "
+                     f"ratio {c.sched.makespan / lb:6.3f}{mark}")
+    return lines
+
+
+def cmd_compile(a, prog: str = "megatape compile") -> int:
+    from opcodes import ModelConfig
+    from schedule import TapeError
+
+    err = _check_output_path(prog, a.output)
+    if err:
+        print(err, file=sys.stderr)
+        return 2
+    progress = _Progress()
+    cfg = ModelConfig.from_name(a.preset)
+    if a.layers:
+        cfg = cfg.with_layers(a.layers)
+    progress(f"{prog}: {cfg.name}, {cfg.layers} layer(s), {a.sms} SMs")
+    try:
+        comps = compile_both(cfg, a.sms, a.max_seq, progress, getattr(a, "pool_us", None))
+    except TapeError as e:
+        print(f"{prog}: the verifier rejected the tape (a compiler bug):\n{e}", file=sys.stderr)
+        return 1
+    except ValueError as e:          # shape/tiling problems of this preset and arguments
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    sel = comps[a.policy]
+    print("\n".join(summary_lines(comps, a.policy)))
+    if a.listing:
+        progress("listing ...")
+        print()
+        print(sel.tape.listing())
+    if a.output:
+        from schedule import CostModel
+        model = CostModel()
+        tape = sel.tape
+        tape.meta.update({
+            "compiler": f"megatape {_version()}", "preset": a.preset, "cfg_name": cfg.name,
+            "num_sms": a.sms, "max_seq": tape.lay.max_seq, "policy": a.policy,
+            "predicted_makespan_us": sel.sched.makespan * 1e6,
+            "expected_makespan_us": sel.expected_makespan() * 1e6,
+            "expected_lower_bound_us": sel.expected_lower_bound(sel.prog) * 1e6,
+            "lower_bound_us": model.lower_bound(sel.prog) * 1e6,
+            "cost_model": {"hbm_bw": model.hbm_bw, "l2_bw_sm": model.l2_bw_sm, "overhead": model.overhead},
+        })
+        tape.save(a.output)
+        progress(f"wrote {a.output} ({os.path.getsize(a.output):,} bytes)")
+    print(f"\ntime taken: {progress.elapsed():.2f} s (both schedules compiled and verified)")
+    return 0
+
+
+# ---- run: the README's main job ---------------------------------------------------------------
+def vm_check(preset: str = "tiny", num_sms: int = 3, seeds=(0, 1, 2), max_seq: int = 64, prefill: int = 37):
+    """Run the ``cost`` tape of ``preset`` in the tape VM under several interleavings; return the
+    largest relative error against the torch reference."""
+    import torch
+
+    from opcodes import ModelConfig
+    from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err
+    from schedule import compile_model
+    from schedule.vm import run_tape
+
+    cfg = ModelConfig.from_name(preset)
+    tape = compile_model(cfg, num_sms, max_seq=max_seq).tape
+    w = make_weights(cfg, seed=0)
+    x = torch.randn(1, cfg.d, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    worst = 0.0
+    for seed in seeds:
+        kv = make_kv_cache(cfg, max_seq, prefill, seed=1)
+        kv_ref = make_kv_cache(cfg, max_seq, prefill, seed=1)
+        out = run_tape(tape, w, kv, x, prefill, seed=seed)
+        ref = model_ref(w, kv_ref, cfg, x, prefill)
+        worst = max(worst, rel_err(out, ref))
+    return worst
+
+
+def _gpu_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def cmd_run(a) -> int:
+    cuda = not a.no_gpu and _gpu_available()
+    sms = a.sms
+    if sms is None:
+        if cuda:
+            import torch
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+        else:
+            sms = DEFAULT_SMS
+    ns = argparse.Namespace(preset=MAIN_PRESET, sms=sms, layers=None, max_seq=None, policy="cost",
+                            listing=False, output=a.output)
+    rc = cmd_compile(ns, prog="megatape run")
+    if rc:
+        return rc
+    tol = 1.5e-2
+    t0 = time.perf_counter()
+    err = vm_check()
+    ok = err <= tol
+    print(f"tape VM check (tiny preset, 3 SMs, 3 random interleavings, pos 37): max rel err {err:.2e} "
+          f"vs the torch reference (tolerance {tol:g}): {'PASS' if ok else 'FAIL'} "
+          f"({time.perf_counter() - t0:.1f} s)")
+    if not ok:
+        return 1
+    if not cuda:
+        why = "--no-gpu given" if a.no_gpu else "no CUDA device visible"
+        print(f"GPU benchmark not run ({why}); on a GPU machine: megatape bench --preset {MAIN_PRESET}")
+        return 0
+    print(f"\nGPU benchmark: megatape bench --preset {MAIN_PRESET} --baselines ''", flush=True)
+    return main(["bench", "--preset", MAIN_PRESET, "--baselines", ""])
+
+
+# ---- viz, bench, bench-decoder --------------------------------------------------------------------
+def cmd_viz(a, prog: str = "megatape viz") -> int:
+    from opcodes import ModelConfig
+    try:
+        from megatape.views.viz import render
+    except ModuleNotFoundError as e:
+        if e.name == "matplotlib" or (e.name or "").startswith("matplotlib."):
+            print(f"{prog}: needs matplotlib (pip install 'megatape[plots]')", file=sys.stderr)
+            return 2
+        raise
+    try:
+        cfg = ModelConfig.from_name(a.preset)
+        if a.layers is not None:
+            cfg = cfg.with_layers(a.layers)
+        render(cfg, a.sms, a.out, max_seq=a.max_seq, policy=a.policy, stage=a.stage, layer=a.layer, sm=a.sm,
+               max_nodes=a.max_nodes, aggregate=a.aggregate, svg=not a.no_svg)
+    except ValueError as e:     # bad stage, SM, layer count...: a message, not a traceback
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _views():
+    import megatape.views
+    return megatape.views
+
+
+def cmd_bench(a) -> int:
+    from bench.driver import run
+    return int(run(a, views=_views()) or 0)
+
+
+def cmd_bench_decoder(a) -> int:
+    from bench.decoder_bench import run
+    return int(run(a, views=_views()) or 0)
+
+
+COMMANDS = {"compile": cmd_compile, "run": cmd_run, "viz": cmd_viz, "bench": cmd_bench,
+            "bench-decoder": cmd_bench_decoder}
+
+
+def _add_viz(sub, presets) -> None:
+    v = sub.add_parser("viz", help="pictures of a schedule: the DAG, zooms, the planned Gantt chart and trace",
+                       description="Compile a preset and write into --out: dag.png/.svg (the tile DAG, "
+                       "aggregated), dag_zoom_*.png/.svg (with --stage/--layer/--sm), dag.dot/.graphml and "
+                       "dag_agg.dot (graph files), plan_gantt.png (the planned schedule, one row per SM) "
+                       "and plan_trace.json (the plan as a Chrome / Perfetto trace).")
+    v.add_argument("--preset", required=True, choices=list(presets), metavar="NAME",
+                   help=f"model preset, one of: {', '.join(presets)}")
+    v.add_argument("--sms", type=_positive_int, required=True, metavar="N", help="number of SMs to schedule for")
+    v.add_argument("--layers", type=_positive_int, default=None, metavar="N", help="override the preset's number of layers")
+    v.add_argument("--max-seq", type=_positive_int, default=None, metavar="N", help="KV cache length (default: compile_model's)")
+    v.add_argument("--policy", default="cost", choices=POLICIES)
+    v.add_argument("--out", required=True, metavar="DIR", help="output directory (created)")
+    v.add_argument("--stage", default=None, help="zoom: tiles of one stage (opcode name or stage number)")
+    v.add_argument("--layer", type=int, default=None, help="zoom: tiles of one layer")
+    v.add_argument("--sm", type=int, default=None, help="zoom: tiles on one SM, in queue order")
+    v.add_argument("--max-nodes", type=_positive_int, default=120, metavar="N", help="zoom: most tiles drawn (default 120)")
+    v.add_argument("--aggregate", default="auto", choices=("auto", "signal", "opcode"),
+                   help="aggregate DAG: group tiles by (layer, opcode, counter signalled) or (layer, opcode)")
+    v.add_argument("--no-svg", action="store_true", help="skip the SVGs")
+
+
+def _add_bench(sub, presets) -> None:
+    from bench import RESULTS
+    b = sub.add_parser("bench", help="GPU benchmark of a layer or a stack: correctness, timing, baselines",
+                       description="Build, check and time megatape on the GPU beside eager torch, torch.compile "
+                       "and cuBLAS (bench/driver.py): every step against the eager reference, the KV rows "
+                       "other than the written ones bitwise untouched, CUDA-event medians, kernels per step, "
+                       f"x the stream-copy floor. Writes <out>/<preset>[-<tag>].json and .md (default {RESULTS}).")
+    b.add_argument("--preset", default=MAIN_PRESET, choices=list(presets), metavar="NAME",
+                   help=f"one of {', '.join(presets)} (default {MAIN_PRESET})")
+    b.add_argument("--layers", type=_positive_int, default=None, metavar="N", help="override the preset's layer count")
+    b.add_argument("--prefill", type=int, default=4096)
+    b.add_argument("--steps", type=_positive_int, default=32)
+    b.add_argument("--max-seq", type=_positive_int, default=4224)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--baselines", default="eager,compile,cublas",
+                   help="comma list of eager, compile, cublas (empty: megatape only)")
+    b.add_argument("--tiling", default="", help="Tiling overrides of the main row, e.g. gu_rows=16,bk=1024")
+    b.add_argument("--variants", default="", help=(
+        "extra builds to check and time, ';'-separated, each a ','-list of Tiling fields (attn_stages=4) and "
+        "build options: policy=cost|round-robin, bytesmodel=1 / attnmodel=1 (the cost model that orders the "
+        "queues), pool=US (the plan's last US microseconds taken by ticket at run time), coop=0 (plain "
+        "launch), fast=0 (Triton's launcher)"))
+    b.add_argument("--profile", action="store_true", help="also run the profiling kernel and summarise it")
+    b.add_argument("--policy", default="cost", choices=POLICIES)
+    b.add_argument("--profile-variants", action="store_true",
+                   help="profile every variant too and print one line of its measured timeline")
+    b.add_argument("--fp32-ref", action="store_true",
+                   help="also compare with an all-fp32 reference (always on for more than one layer)")
+    b.add_argument("--out", default=RESULTS, metavar="DIR", help=f"results directory (default {RESULTS})")
+    b.add_argument("--tag", default="", help="appended to the result files' name: <preset>-<tag>.json")
+
+
+def _add_bench_decoder(sub, presets) -> None:
+    from bench import RESULTS
+    whole = [n for n, c in presets.items() if c.vocab]
+    d = sub.add_parser("bench-decoder", help="whole-model GPU benchmark: logits, greedy tokens, timing",
+                       description="A whole model (embedding, layers, final norm, LM head) on the GPU "
+                       "(bench/decoder_bench.py): logits against the eager reference, greedy tokens of "
+                       "generate, timing beside torch.compile. Writes <out>/decoder-<preset>.json and .md "
+                       f"(default {RESULTS}).")
+    d.add_argument("--preset", default="llama3.2-1b", choices=whole, metavar="NAME",
+                   help=f"a whole-model preset, one of: {', '.join(whole)} (default llama3.2-1b)")
+    d.add_argument("--prefill", type=int, default=1024)
+    d.add_argument("--steps", type=_positive_int, default=32)
+    d.add_argument("--max-seq", type=_positive_int, default=1152)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    d.add_argument("--variants", default="", help="extra tilings/build options to time, ';'-separated "
+                   "(as for megatape bench --variants)")
+    d.add_argument("--profile", action="store_true", help="profile the default build and summarise it")
+    d.add_argument("--out", default=RESULTS, metavar="DIR", help=f"results directory (default {RESULTS})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from opcodes import PRESETS
+
+    ap = _Parser(prog="megatape", description="megatape: compile, verify and run instruction tapes "
+                 "for a persistent Triton decode megakernel.")
+    ap.add_argument("--version", action="version", version=f"megatape {_version()}")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
+    c = sub.add_parser("compile", help="compile a preset to a verified tape and print its schedule summary",
+                       description="Compile a preset to a verified instruction tape for N SMs; print "
+                       "instructions per opcode, counters, the verifier's report, per-SM busy time and the "
+                       "predicted makespan beside the bandwidth lower bound, for the cost-model schedule "
+                       "and for round-robin.")
+    c.add_argument("--preset", required=True, choices=list(PRESETS), metavar="NAME",
+                   help=f"model preset, one of: {', '.join(PRESETS)}")
+    c.add_argument("--sms", required=True, type=_positive_int, metavar="N", help="number of SMs (queues)")
+    c.add_argument("--layers", type=_positive_int, metavar="N", help="override the preset's layer count")
+    c.add_argument("--max-seq", type=_positive_int, metavar="N",
+                   help="KV cache length the tape is compiled for (default: 4224 for d >= 1024, else 256)")
+    c.add_argument("--policy", choices=POLICIES, default="cost",
+                   help="schedule written by --listing / -o (both are always compiled and compared)")
+    c.add_argument("--pool-us", type=_nonneg_float, default=None, metavar="US",
+                   help="the cost schedule's last US microseconds go to a pool taken by ticket at run time "
+                        "(default 60; 0: static queues only)")
+    c.add_argument("--listing", action="store_true", help="print the human-readable tape")
+    c.add_argument("-o", "--output", metavar="PATH", help="write the tape with its metadata as JSON")
+    r = sub.add_parser("run", help=f"the main job: compile {MAIN_PRESET} and summarise it on the CPU, check "
+                       "the tape VM, and benchmark on the GPU when one is visible")
+    r.add_argument("--sms", type=_positive_int, metavar="N",
+                   help=f"SMs to compile for (default: the GPU's, or {DEFAULT_SMS} without one)")
+    r.add_argument("-o", "--output", metavar="PATH", help="write the tape with its metadata as JSON")
+    r.add_argument("--no-gpu", action="store_true", help="do not run the GPU benchmark even if a GPU is visible")
+    _add_viz(sub, PRESETS)
+    _add_bench(sub, PRESETS)
+    _add_bench_decoder(sub, PRESETS)
+    return ap
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = build_parser()
+    try:
+        a = ap.parse_args(argv)
+    except SystemExit as e:          # --help, --version, argument errors: return the status
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if a.cmd in COMMANDS:
+        return COMMANDS[a.cmd](a)
+    ap.print_help(sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

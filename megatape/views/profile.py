@@ -1,0 +1,76 @@
+"""Summaries of a measured timeline (a profiling launch of the kernel).
+
+:func:`summarize` reports per opcode: count, busy time, wait time, HBM bytes and the bandwidth
+achieved while that opcode was running anywhere on the chip; :func:`format_summary` prints it as a
+Markdown table and :func:`timeline_line` as one line. The buffer itself is read by
+:func:`interp.profile.records`.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+import torch
+
+from interp.profile import records
+from opcodes import BY_OPCODE
+from schedule.tape import Tape
+
+
+def summarize(tape: Tape, prof: torch.Tensor, pos: int | None = None) -> dict:
+    lay = tape.lay
+    recs = records(tape, prof)
+    by = defaultdict(lambda: dict(n=0, busy_ns=0, wait_ns=0, hbm_bytes=0, first_ns=float("inf"), last_ns=0))
+    per_sm_wait = defaultdict(int)
+    per_sm_busy = defaultdict(int)
+    from opcodes import AttnPartial
+    for slot, pi, name, sm, tw, te, tend in recs:
+        d = by[name]
+        ins = BY_OPCODE[int(tape.words[slot, 0])].decode(tape.words[slot, 6:].tolist())
+        c = ins.cost(lay, pos + 1) if (isinstance(ins, AttnPartial) and pos is not None) else ins.cost(lay)
+        d["n"] += 1
+        d["busy_ns"] += tend - te
+        d["wait_ns"] += te - tw
+        d["hbm_bytes"] += c.hbm_bytes
+        d["first_ns"] = min(d["first_ns"], te)
+        d["last_ns"] = max(d["last_ns"], tend)
+        per_sm_wait[sm] += te - tw
+        per_sm_busy[sm] += tend - te
+    makespan = max(r[6] for r in recs)
+    ops = {}
+    for name, d in by.items():
+        span = max(1, d["last_ns"] - d["first_ns"])
+        ops[name] = dict(d, span_ns=span,
+                         per_sm_GBps=(d["hbm_bytes"] / max(1, d["busy_ns"])) if d["busy_ns"] else 0.0,
+                         chip_TBps_over_span=d["hbm_bytes"] / span / 1e3)
+    return dict(makespan_ns=makespan, ops=ops, total_wait_ns=sum(per_sm_wait.values()),
+                total_busy_ns=sum(per_sm_busy.values()), num_sms=tape.num_sms,
+                max_sm_wait_ns=max(per_sm_wait.values()), records=recs)
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"measured makespan {s['makespan_ns'] / 1e3:.1f} us on {s['num_sms']} SMs; "
+             f"total wait {s['total_wait_ns'] / 1e3:.0f} SM-us ({s['total_wait_ns'] / (s['makespan_ns'] * s['num_sms']):.1%} "
+             f"of SM time), busy {s['total_busy_ns'] / (s['makespan_ns'] * s['num_sms']):.1%}",
+             "| opcode | n | busy SM-us | wait SM-us | first..last us | GB/s per SM while busy | TB/s over its span |",
+             "|---|---|---|---|---|---|---|"]
+    for name, d in sorted(s["ops"].items(), key=lambda kv: kv[1]["first_ns"]):
+        lines.append(f"| {name} | {d['n']} | {d['busy_ns'] / 1e3:.0f} | {d['wait_ns'] / 1e3:.0f} | "
+                     f"{d['first_ns'] / 1e3:.1f}..{d['last_ns'] / 1e3:.1f} | {d['per_sm_GBps']:.1f} | "
+                     f"{d['chip_TBps_over_span']:.2f} |")
+    return "\n".join(lines)
+
+
+def timeline_line(summ: dict) -> str:
+    """One line of a measured profile: makespan, waiting share, and per opcode its span and median
+    instruction time (us)."""
+    per: dict = {}
+    for slot, pi, name, sm, tw, te, tend in summ["records"]:
+        d = per.setdefault(name, [float("inf"), 0, []])
+        d[0], d[1] = min(d[0], te), max(d[1], tend)
+        d[2].append(tend - te)
+    tot = summ["total_wait_ns"] + summ["total_busy_ns"]
+    parts = [f"makespan {summ['makespan_ns'] / 1e3:.1f}", f"wait {100 * summ['total_wait_ns'] / max(1, tot):.1f}%"]
+    for name, (a, b, ds) in per.items():
+        parts.append(f"{name} {a / 1e3:.1f}..{b / 1e3:.1f} (med {statistics.median(ds) / 1e3:.2f})")
+    return "; ".join(parts)
