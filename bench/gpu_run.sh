@@ -7,7 +7,7 @@
 #   variants: megatape ($TILING) and its variants ($VARIANTS), each checked, timed and profiled,
 #             beside cuBLAS in the same run (no launch probe, no eager / torch.compile)
 #   checks  : pytest -m gpu tests/test_gpu.py (broken tapes, pools, random schedules, repeatability,
-#             compile timings; the 20,000-step soak too with MEGATAPE_SLOW=1)
+#             compile timings, and with MEGATAPE_SLOW=1 the 20,000-step decode soak: ~1 min in all)
 #   multi   : the 16-layer 70B stack (with cuBLAS and torch.compile) and the 1B whole-model decoder
 #             (its variants: $DVARIANTS)
 #   decoder : the 1B whole-model decoder alone (its variants: $DVARIANTS)
@@ -44,7 +44,7 @@ run_part() {
   bench)
     python3 -m bench.driver --profile --profile-variants --out "$RES/bench" --tiling "${TILING:-}" --variants "${VARIANTS:-}" ;;
   checks)
-    python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu_checks.txt" ;;
+    MEGATAPE_SLOW=1 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu_checks.txt" ;;
   multi)
     python3 -m bench.driver --preset llama70b-16 --baselines cublas,compile --out "$RES/multi" --tag 16
     python3 -m bench.decoder_bench --out "$RES/multi" --variants "${DVARIANTS:-}" ;;
