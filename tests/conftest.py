@@ -14,9 +14,10 @@ directory is on ``sys.path`` and this file is the module ``conftest`` while the 
 * fixtures: ``handles`` (build layers / models / decoders, torn down after the test),
   ``runslow`` (whether tests marked ``slow`` run: ``--runslow`` or ``MEGATAPE_SLOW=1``).
 
-Tests marked ``slow`` are skipped unless ``--runslow`` is given or ``MEGATAPE_SLOW=1`` is set; a
-faster test covers what each of them checks (see its docstring). ``-m gpu`` selects GPU tests
-as before; the soak test is ``gpu`` and ``slow``, so ``pytest -m gpu --runslow`` runs it too.
+Tests marked ``slow`` are skipped unless ``--runslow`` is given or ``MEGATAPE_SLOW=1`` is set (so
+the default suite, README's command (b) and ``.ci/run``, stays short). A CPU test is marked slow
+only where faster tests cover what it checks (its comment says which). ``-m gpu`` selects the GPU
+tests as before; the 20,000-step soak is ``gpu`` and ``slow``: ``MEGATAPE_SLOW=1 pytest -m gpu``.
 """
 from __future__ import annotations
 

@@ -228,7 +228,11 @@ def test_compile_70b_layer():
     assert len(c.tape) == len(c.prog) and c.report.n_sms == 132
 
 
+@pytest.mark.slow
 def test_compile_70b_16_layers():
+    """Slow (~5 s): multi-layer lowering and verification are covered at small sizes (small-2layer
+    above, test_cli's --layers 3), the 70B layer on 132 SMs by test_compile_70b_layer, and this
+    16-layer compile with its time limit by tests/test_gpu.py."""
     c = compile_model(ModelConfig.from_name(L70).with_layers(16), 132)
     one, _ = compiled_70b("cost")
     assert len(c.tape) == 16 * len(one.tape)
