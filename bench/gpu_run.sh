@@ -6,7 +6,8 @@
 #   bench   : the five-row `megatape bench --profile` (eager, torch.compile, cuBLAS, megatape)
 #   variants: megatape ($TILING) and its variants ($VARIANTS), each checked, timed and profiled,
 #             beside cuBLAS in the same run (no launch probe, no eager / torch.compile)
-#   checks  : examples/gpu_checks.py (broken tapes, random schedules, repeatability)
+#   checks  : pytest -m gpu tests/test_gpu.py (broken tapes, pools, random schedules, repeatability,
+#             compile timings, and with MEGATAPE_SLOW=1 the 20,000-step decode soak: ~1 min in all)
 #   multi   : the 16-layer 70B stack (with cuBLAS and torch.compile) and the 1B whole-model decoder
 #             (its variants: $DVARIANTS)
 #   decoder : the 1B whole-model decoder alone (its variants: $DVARIANTS)
@@ -44,7 +45,7 @@ run_part() {
   bench)
     python3 -m megatape.cli bench --profile --profile-variants --out "$RES/bench" --tiling "${TILING:-}" --variants "${VARIANTS:-}" ;;
   checks)
-    python3 examples/gpu_checks.py | tee "$RES/gpu_checks.txt" ;;
+    MEGATAPE_SLOW=1 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu_checks.txt" ;;
   multi)
     python3 -m megatape.cli bench --preset llama70b-16 --baselines cublas,compile --out "$RES/multi"
     python3 -m megatape.cli bench-decoder --out "$RES/multi" --variants "${DVARIANTS:-}" ;;
@@ -68,7 +69,7 @@ for p in "${parts[@]}"; do run_part "$p"; done
 tar -czf "$OUT/results.tar.gz" -C "$RES" .
 {
   echo "=== summary"
-  grep -h "PASS\|FAIL" "$RES/gpu_checks.txt" 2>/dev/null | cut -c1-150
+  grep -h "passed\|failed\|FAILED\|ERROR" "$RES/gpu_checks.txt" 2>/dev/null | cut -c1-150
   grep -h "ERROR SUMMARY\|hazard" "$RES"/sanitize-*.txt 2>/dev/null
   for f in $(find "$RES" -name "*.md" ! -name "profile.md" ! -name "measured_vs_plan.md" | sort); do
     echo; echo "$f" | sed "s|$RES/||"; grep -h "^| " "$f" | grep -v "^|---"

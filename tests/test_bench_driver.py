@@ -2,23 +2,22 @@
 interpreter (the numbers are meaningless here; the code paths and the checks are not)."""
 from __future__ import annotations
 
-import interp_guard  # noqa: E402  (first: switches the Triton interpreter on before triton is imported)
+import torch
 
-import torch  # noqa: E402
+from bench.driver import _events_median, check_megatape, count_kernels, parse_variant
+from conftest import clone_cache, require_interpreter
+from interp import build_layer, layer_step, teardown
+from opcodes import PRESETS
+from opcodes.reference import make_kv_cache, make_weights
 
-from bench.driver import _events_median, check_megatape, count_kernels, parse_variant  # noqa: E402
-from interp import build_layer, layer_step, teardown  # noqa: E402
-from opcodes import PRESETS  # noqa: E402
-from opcodes.reference import make_kv_cache, make_weights  # noqa: E402
-
-interp_guard.require_interpreter()
+require_interpreter()
 
 
 def test_check_and_time_a_small_layer():
     cfg = PRESETS["tiny"]
     w = make_weights(cfg)
     kv = make_kv_cache(cfg, 64, 37)
-    kv_before = [tuple(t.clone() for t in p) for p in kv]
+    kv_before = clone_cache(kv)
     xs = [torch.randn(1, cfg.d).to(torch.bfloat16) for _ in range(3)]
     h = build_layer(w, kv, cfg.to_dict(), 64)
     rep: dict = {}
@@ -37,7 +36,7 @@ def test_check_flags_a_corrupted_cache_row(monkeypatch):
     cfg = PRESETS["tiny"]
     w = make_weights(cfg)
     kv = make_kv_cache(cfg, 64, 37)
-    kv_before = [tuple(t.clone() for t in p) for p in kv]
+    kv_before = clone_cache(kv)
     real = interp.layer_step
 
     def corrupting_step(h, x, pos):

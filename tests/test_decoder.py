@@ -12,27 +12,25 @@ and the tape VM.
 from __future__ import annotations
 
 import dataclasses
-import math
 
-import torch  # (torch does not import triton)
+import pytest
+import torch
 
-import interp_guard  # noqa: E402  (first: switches the Triton interpreter on before triton is imported)
+import conftest
+import interp
+import interp.decoder as decoder_mod
+import opcodes
+from conftest import clone_cache, require_interpreter
+from interp import (build_decoder, build_model, decode_step, generate, model_step, teardown)
+from interp.runtime import LayerHandle
+from opcodes import HEADER, REGISTRY, DecoderLayout, ModelConfig, Tiling
+from opcodes.argmax import reduce_partials
+from opcodes.decoder import decoder_ref
+from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err, rope_tables
+from schedule import TapeError, compile_model, lower, make_layout, verify
+from schedule.decoder_program import decoder_lowering, lower_decoder, run_decoder_vm
 
-import pytest  # noqa: E402
-
-import interp  # noqa: E402
-import interp.decoder as decoder_mod  # noqa: E402
-import opcodes  # noqa: E402
-from interp import (build_decoder, build_model, decode_step, generate, model_step, teardown)  # noqa: E402
-from interp.runtime import LayerHandle  # noqa: E402
-from opcodes import HEADER, REGISTRY, DecoderLayout, ModelConfig, Tiling  # noqa: E402
-from opcodes.argmax import reduce_partials  # noqa: E402
-from opcodes.decoder import decoder_ref  # noqa: E402
-from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err, rope_tables  # noqa: E402
-from schedule import TapeError, compile_model, lower, make_layout, verify  # noqa: E402
-from schedule.decoder_program import decoder_lowering, lower_decoder, run_decoder_vm  # noqa: E402
-
-interp_guard.require_interpreter()
+require_interpreter()
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -46,16 +44,7 @@ FAST = dict(attn_splits=2, gu_rows=32)
 
 
 def decoder_weights(cfg: ModelConfig = CFG, seed: int = 0) -> dict:
-    w = make_weights(cfg, seed=seed)
-    g = torch.Generator().manual_seed(100 + seed)
-    w["embed"] = torch.randn(cfg.vocab, cfg.d, generator=g).to(torch.bfloat16)
-    w["final_norm"] = (1.0 + 0.1 * torch.randn(cfg.d, generator=g)).to(torch.bfloat16)
-    w["lm_head"] = (torch.randn(cfg.vocab, cfg.d, generator=g) * (3.0 / math.sqrt(cfg.d))).to(torch.bfloat16)
-    return w
-
-
-def clone_cache(kv):
-    return [tuple(t.clone() for t in pair) for pair in kv]
+    return conftest.decoder_weights(cfg, seed)
 
 
 def count_launches(monkeypatch):
@@ -248,7 +237,7 @@ def test_decode_step_and_generate(monkeypatch):
     w = decoder_weights()
     til = Tiling.for_config(CFG, **FAST)
     prompt = [5, 17, 150]
-    n_new = 5
+    n_new = 3
     cs = rope_tables(CFG, MAX_SEQ)
     # (a) the host drives: decode_step, argmax on the host, feed back
     kv_a = make_kv_cache(CFG, MAX_SEQ, 0)

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import copy
 import json
+import pathlib
 
-import torch  # (torch does not import triton)
+import pytest
+import torch
 
-import interp_guard  # noqa: E402  (first: switches the Triton interpreter on before triton is imported)
-
-import pathlib  # noqa: E402
-
-import pytest  # noqa: E402
+from conftest import require_interpreter
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -36,9 +34,10 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 import opcodes  # noqa: E402
 from interp import build_decoder, decode_step, generate, load_hf_llama, teardown  # noqa: E402
 from opcodes import ModelConfig, Tiling  # noqa: E402
-from opcodes.reference import rel_err  # noqa: E402
+from opcodes.decoder import decoder_ref  # noqa: E402
+from opcodes.reference import rel_err, rope_tables  # noqa: E402
 
-interp_guard.require_interpreter()
+require_interpreter()
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
@@ -51,10 +50,11 @@ N_NEW = 16
 # make the token comparison a coin toss. The generated sequences have 6 distinct tokens each.
 MIN_MARGIN = 0.05
 CONFIGS = {
-    # GQA 2, tied embeddings, one model.safetensors, megatape's default tiling
+    # GQA 2, tied embeddings, one model.safetensors, megatape's default tiling but 4 attention splits
+    # instead of 16 (interpreter time: the default tiling runs through the kernel in test_interp_contract)
     "gqa2-tied": (dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                       rope_theta=10000.0, rms_norm_eps=1e-6), 3, {}, None, [11, 22, 33]),
+                       rope_theta=10000.0, rms_norm_eps=1e-6), 3, {}, dict(attn_splits=4), [11, 22, 33]),
     # GQA 4, untied LM head, sharded (index + 5 files), head_dim 32 != hidden/heads = 16, vocab not a
     # multiple of the LM head tile, Llama-3 theta and eps; fewer attention splits (interpreter time)
     "gqa4-untied-sharded": (dict(vocab_size=250, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -451,10 +451,13 @@ def test_load_llama3_rope_scaling(llama3_checkpoint, tmp_path):
     assert load_hf_llama(d)[1] == LLAMA3_CFG
 
 
+LLAMA3_FIRST = 24       # the first position the kernel decodes (the reference prefills the cache before it)
+
+
 def test_llama3_decode_matches_transformers(llama3_checkpoint):
-    """decode_step over 48 positions (33 prompt tokens, then the greedy ones), past the scaling's
-    original_max_position_embeddings (32): logits within TOL of transformers' at every position, and the
-    same 16 greedy tokens."""
+    """decode_step over positions 24..47 (the prompt's last 9 of 33 tokens, then the greedy ones; the
+    eager reference prefills positions 0..23), past the scaling's original_max_position_embeddings
+    (32): logits within TOL of transformers' at every decoded position, and the same 16 greedy tokens."""
     path, model = llama3_checkpoint
     prompt, P = LLAMA3_PROMPT, len(LLAMA3_PROMPT)
     want_tokens, step_logits = _hf_greedy(model, prompt, N_NEW)
@@ -477,10 +480,17 @@ def test_llama3_decode_matches_transformers(llama3_checkpoint):
     weights, cfg = load_hf_llama(path)
     assert cfg["rope_type"] == "llama3" and cfg["rope_original_max_pos"] < len(seq)
     max_seq = len(seq)
-    til = Tiling.for_config(ModelConfig.from_dict(cfg), attn_splits=2, gu_rows=32)
-    h = build_decoder(weights, _cache(cfg, max_seq), cfg, max_seq, tiling=til)
+    mc = ModelConfig.from_dict(cfg)
+    til = Tiling.for_config(mc, attn_splits=2, gu_rows=32)
+    # positions 0 .. FIRST-1 are prefilled by the eager reference (their K/V rows, RoPE-scaled by the
+    # same tables; interpreter time), the kernel decodes FIRST .. 47, across original_max_pos = 32
+    kv = _cache(cfg, max_seq)
+    cs = rope_tables(mc, max_seq)
+    for p in range(LLAMA3_FIRST):
+        decoder_ref(weights, kv, mc, prompt[p], p, cs)
+    h = build_decoder(weights, kv, cfg, max_seq, tiling=til)
     toks, errs = [], []
-    for p in range(max_seq):
+    for p in range(LLAMA3_FIRST, max_seq):
         t = prompt[p] if p < P else toks[-1]                            # megatape's own greedy token
         lg = decode_step(h, torch.tensor([t]), p)
         errs.append(rel_err(lg[0], want[p]))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from collections import Counter
 from functools import lru_cache
 
@@ -216,27 +215,27 @@ def test_simulate_reproduces_list_schedule_prediction():
 
 
 # ---- the 70B layer on 132 SMs --------------------------------------------------------------
+# (the compile-time limits, 5 s for the layer and 30 s for 16 layers, are measured in tests/test_gpu.py:
+# CPU tests assert no wall-clock times)
 @lru_cache(maxsize=None)
 def compiled_70b(policy: str):
-    t0 = time.perf_counter()
-    c = compile_model(ModelConfig.from_name(L70), 132, policy=policy)
-    return c, time.perf_counter() - t0
+    return compile_model(ModelConfig.from_name(L70), 132, policy=policy), None
 
 
-def test_compile_70b_layer_under_5s():
-    c, wall = compiled_70b("cost")
+def test_compile_70b_layer():
+    c, _ = compiled_70b("cost")
     assert len(c.tape) == len(c.prog) and c.report.n_sms == 132
-    assert wall < 5.0, f"compile_model(llama70b-layer, 132) took {wall:.2f} s"
 
 
-def test_compile_70b_16_layers_under_30s():
-    t0 = time.perf_counter()
+@pytest.mark.slow
+def test_compile_70b_16_layers():
+    """Slow (~5 s): multi-layer lowering and verification are covered at small sizes (small-2layer
+    above, test_cli's --layers 3), the 70B layer on 132 SMs by test_compile_70b_layer, and this
+    16-layer compile with its time limit by tests/test_gpu.py."""
     c = compile_model(ModelConfig.from_name(L70).with_layers(16), 132)
-    wall = time.perf_counter() - t0
     one, _ = compiled_70b("cost")
     assert len(c.tape) == 16 * len(one.tape)
     assert c.report.n_instructions == len(c.tape)
-    assert wall < 30.0, f"compile_model(llama70b-layer x16, 132) took {wall:.2f} s"
 
 
 def test_cost_model_beats_round_robin_70b():

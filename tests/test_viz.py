@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
-import time
 import xml.etree.ElementTree as ET
 from collections import Counter, defaultdict
 
@@ -83,15 +82,13 @@ def _check_png(path: pathlib.Path) -> tuple[int, int]:
 
 
 def _run(tmp_path, argv, capsys):
-    t0 = time.perf_counter()
     assert main(["viz"] + argv + ["--out", str(tmp_path)]) == 0
-    dt = time.perf_counter() - t0
     out = capsys.readouterr().out
     written = [pathlib.Path(line.split()[1]) for line in out.splitlines() if line.startswith("wrote ")]
     assert "total" in out.splitlines()[-1]
     for p in written:
         assert p.exists() and p.stat().st_size > 0, p
-    return written, dt
+    return written
 
 
 def _check_outputs(d: pathlib.Path, comp, num_sms: int, svg: bool = True) -> None:
@@ -116,17 +113,16 @@ def _check_outputs(d: pathlib.Path, comp, num_sms: int, svg: bool = True) -> Non
 
 
 def test_tiny(tmp_path, capsys):
-    written, dt = _run(tmp_path, ["--preset", "tiny", "--sms", "4"], capsys)
+    _run(tmp_path, ["--preset", "tiny", "--sms", "4"], capsys)
     comp = compile_model(ModelConfig.from_name("tiny"), 4)
     _check_outputs(tmp_path, comp, 4)
     if HAVE_PYDOT:   # pydot's parser is slow, so the full DOT file is read back only here
         G = nx.nx_pydot.read_dot(tmp_path / "dag.dot")
         assert G.number_of_nodes() == len(comp.prog) + len(comp.prog.counters)
-    assert dt < 30
 
 
 def test_tiny_zoom(tmp_path, capsys):
-    written, _ = _run(tmp_path, ["--preset", "small-2layer", "--sms", "8", "--policy", "round-robin", "--sm", "3",
+    written = _run(tmp_path, ["--preset", "small-2layer", "--sms", "8", "--policy", "round-robin", "--sm", "3",
                                  "--layer", "1", "--no-svg"], capsys)
     names = {p.name for p in written}
     assert "dag_zoom_layer-1_sm-3.png" in names
@@ -137,8 +133,8 @@ def test_tiny_zoom(tmp_path, capsys):
 
 
 def test_llama70b_layer(tmp_path, capsys):
-    written, dt = _run(tmp_path, ["--preset", "llama70b-layer", "--sms", "132"], capsys)
-    assert dt < 30, f"viz of the 70B layer took {dt:.1f} s"
+    """(Its 30 s limit is measured in tests/test_gpu.py: CPU tests assert no wall-clock times.)"""
+    _run(tmp_path, ["--preset", "llama70b-layer", "--sms", "132"], capsys)
     comp = compile_model(ModelConfig.from_name("llama70b-layer"), 132)
     _check_outputs(tmp_path, comp, 132)
     # the aggregate picture stays small whatever the tile count

@@ -11,6 +11,7 @@ from functools import lru_cache
 import pytest
 import torch
 
+from conftest import clone_cache
 from opcodes import ModelConfig, Tiling
 from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err
 from schedule import Schedule, compile_model, encode, lower, make_layout, verify
@@ -41,10 +42,6 @@ def inputs(name: str, seed: int = 0):
     kv_ref = clone_cache(kv)
     ref = model_ref(w, kv_ref, cfg, x, PREFILL)
     return cfg, w, kv, x, ref, kv_ref
-
-
-def clone_cache(kv):
-    return [tuple(t.clone() for t in pair) for pair in kv]
 
 
 def check_cache(kv_after, kv_before, kv_ref, pos: int) -> None:

@@ -1,0 +1,204 @@
+"""Helpers and fixtures shared by the test modules (the repository-root conftest.py runs first: it
+puts the repository on ``sys.path`` and sets ``TRITON_INTERPRET=1`` on hosts without CUDA).
+
+Plain helpers (used at module level too, e.g. in parametrize tables) are imported by the test
+modules with ``from conftest import ...``: under pytest's default ``prepend`` import mode this
+directory is on ``sys.path`` and this file is the module ``conftest`` while the tests run.
+
+* :func:`require_interpreter`: call after the imports of a module that runs the real kernel through
+  the Triton interpreter (skips the module on a GPU host, fails clearly if triton was imported
+  before ``TRITON_INTERPRET=1`` was set).
+* tensors: :func:`clone_cache`, :func:`clone_weights`, :func:`bits`, :func:`bitwise_equal`,
+  :func:`caches_equal`, :func:`changed_rows`, :func:`rand_x`, :func:`decoder_weights`;
+  messages: :func:`check_message`; broken tapes: :func:`bump_target`, :func:`drop_producer`.
+* fixtures: ``handles`` (build layers / models / decoders, torn down after the test),
+  ``runslow`` (whether tests marked ``slow`` run: ``--runslow`` or ``MEGATAPE_SLOW=1``).
+
+Tests marked ``slow`` are skipped unless ``--runslow`` is given or ``MEGATAPE_SLOW=1`` is set (so
+the default suite, README's command (b) and ``.ci/run``, stays short). A CPU test is marked slow
+only where faster tests cover what it checks (its comment says which). ``-m gpu`` selects the GPU
+tests as before; the 20,000-step soak is ``gpu`` and ``slow``: ``MEGATAPE_SLOW=1 pytest -m gpu``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+
+import pytest
+import torch  # (torch does not import triton)
+
+HAS_CUDA = torch.cuda.is_available()
+
+# Not on a GPU host: there it would turn the GPU tests into interpreter runs (the root conftest.py
+# has already done this on a CPU host; this only repeats it for a run rooted in tests/).
+if not HAS_CUDA and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# ---- pytest options -----------------------------------------------------------------------------
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run tests marked slow (or set MEGATAPE_SLOW=1)")
+
+
+def _slow_enabled(config) -> bool:
+    return bool(config.getoption("--runslow")) or os.environ.get("MEGATAPE_SLOW", "") not in ("", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _slow_enabled(config):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow or MEGATAPE_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def runslow(request) -> bool:
+    return _slow_enabled(request.config)
+
+
+# ---- the Triton interpreter guard ---------------------------------------------------------------
+def require_interpreter() -> None:
+    """Call at module level after the imports of a CPU test module that runs the real kernel."""
+    import opcodes
+    if all(type(c.device).__name__ == "InterpretedFunction" for c in opcodes.REGISTRY.values()):
+        return
+    if HAS_CUDA:
+        pytest.skip("CPU tests of the Triton interpreter: on a GPU host run this module in its own pytest process "
+                    "with TRITON_INTERPRET=1", allow_module_level=True)
+    pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: the opcodes' device functions are not "
+                "interpreted. Run pytest with TRITON_INTERPRET=1 in the environment.", pytrace=False)
+
+
+# ---- tensors -------------------------------------------------------------------------------------
+_INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+           torch.int32: torch.int32, torch.int64: torch.int64}
+
+
+def clone_cache(kv):
+    """A deep copy of a KV cache ``[(k, v)]``."""
+    return [tuple(t.clone() for t in pair) for pair in kv]
+
+
+def clone_weights(w: dict) -> dict:
+    """A deep copy of a weights dict (the layers and any whole-model tensors)."""
+    out = {k: v.clone() for k, v in w.items() if isinstance(v, torch.Tensor)}
+    out["layers"] = [{n: t.clone() for n, t in lw.items()} for lw in w["layers"]]
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(_INT_OF[t.dtype])
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bits (unlike torch.equal, -0.0 != 0.0 and NaN == NaN)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def caches_equal(a, b) -> bool:
+    """Two KV caches (or lists of tensor pairs) bitwise equal."""
+    return len(a) == len(b) and all(bitwise_equal(x, y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
+
+
+def changed_rows(a: torch.Tensor, b: torch.Tensor) -> list[int]:
+    """Sequence positions (dim 2) where two (1, n_kv, S, hd) caches differ bitwise."""
+    diff = (bits(a) != bits(b)).any(dim=3).any(dim=1).any(dim=0)
+    return torch.nonzero(diff).flatten().tolist()
+
+
+def rand_x(d: int, seed: int, device="cpu") -> torch.Tensor:
+    """A (1, d) bf16 layer input drawn from its own generator (the same bits on every device)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, d, generator=g).to(torch.bfloat16).to(device)
+
+
+def decoder_weights(cfg, seed: int = 0, device="cpu") -> dict:
+    """Random whole-model weights: ``make_weights``' layers plus embedding, final norm and LM head."""
+    from opcodes.reference import make_weights
+    w = make_weights(cfg, seed=seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    w["embed"] = torch.randn(cfg.vocab, cfg.d, generator=g).to(torch.bfloat16)
+    w["final_norm"] = (1.0 + 0.1 * torch.randn(cfg.d, generator=g)).to(torch.bfloat16)
+    w["lm_head"] = (torch.randn(cfg.vocab, cfg.d, generator=g) * (3.0 / math.sqrt(cfg.d))).to(torch.bfloat16)
+    if torch.device(device).type != "cpu":
+        w = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in w.items()}
+        w["layers"] = [{n: t.to(device) for n, t in lw.items()} for lw in w["layers"]]
+    return w
+
+
+# ---- messages ------------------------------------------------------------------------------------
+def check_message(exc: BaseException, names: list[str]) -> None:
+    """The message names the argument and what was expected and given: every string in
+    ``names`` occurs in it (case-insensitive)."""
+    msg = str(exc)
+    low = msg.lower()
+    missing = [s for s in names if s.lower() not in low]
+    assert not missing, f"message {msg!r} does not mention {missing}"
+
+
+# ---- broken tapes (the verifier bypassed) --------------------------------------------------------
+def first_waiter(tape, slots=None) -> int:
+    """The first slot (of ``slots``, default all) whose instruction waits on a counter."""
+    return next(k for k in (range(len(tape)) if slots is None else slots) if int(tape.words[k, 1]) >= 0)
+
+
+def bump_target(tape, slots=None):
+    """The first instruction that waits on something waits for one producer more than exist.
+    Returns (broken tape, that slot, its counter)."""
+    w = tape.words.clone()
+    k = first_waiter(tape, slots)
+    w[k, 2] += 1
+    return dataclasses.replace(tape, words=w), k, int(w[k, 1])
+
+
+def drop_producer(tape):
+    """The last producer of the first waiter's counter signals nothing.
+    Returns (broken tape, the waiter's slot, the counter)."""
+    k = first_waiter(tape)
+    c = int(tape.words[k, 1])
+    prod = [j for j in range(len(tape)) if int(tape.words[j, 5]) == c]
+    w = tape.words.clone()
+    w[prod[-1], 5] = -1
+    return dataclasses.replace(tape, words=w), k, c
+
+
+# ---- handles torn down after the test ------------------------------------------------------------
+class Handles:
+    """``handles.layer(...)`` / ``.model(...)`` / ``.decoder(...)`` build as ``interp.build_layer`` /
+    ``build_model`` / ``build_decoder`` do; every handle is torn down when the test ends."""
+
+    def __init__(self):
+        self._all = []
+
+    def _keep(self, h):
+        self._all.append(h)
+        return h
+
+    def layer(self, *a, **kw):
+        from interp import build_layer
+        return self._keep(build_layer(*a, **kw))
+
+    def model(self, *a, **kw):
+        from interp import build_model
+        return self._keep(build_model(*a, **kw))
+
+    def decoder(self, *a, **kw):
+        from interp import build_decoder
+        return self._keep(build_decoder(*a, **kw))
+
+    def close(self):
+        from interp import teardown
+        while self._all:
+            teardown(self._all.pop())
+
+
+@pytest.fixture
+def handles():
+    hs = Handles()
+    yield hs
+    hs.close()
