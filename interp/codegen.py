@@ -93,6 +93,10 @@ def kernel_source(classes, pointers: dict, constexprs) -> str:
         [f"{c}: tl.constexpr" for c in constexprs] + [f"{s}: tl.constexpr" for s in SWITCHES]
     w("def megakernel(" + ", ".join(params) + "):")
     w("    sm = tl.program_id(0)")
+    w("    # build-time buffers: addresses from the table (16-byte aligned, checked by the host)")
+    for k, (name, dt) in enumerate(pointers.items()):
+        ty = _TL_TYPES[dt]
+        w(f"    {name} = tl.multiple_of(tl.load(ptab_ptr + {k}).to(tl.pointer_type({ty})), 16)")
     w("    i = tl.load(qoff_ptr + sm)")
     w("    stop = tl.load(qoff_ptr + sm + 1)")
     w("    failed = sm * 0")
@@ -138,13 +142,6 @@ def kernel_source(classes, pointers: dict, constexprs) -> str:
         kw = "if" if first else "elif"
         first = False
         w(f"            {kw} op == {cls.OPCODE}:  # {cls.NAME}")
-        # build-time buffers: their addresses come from the table where they are used (16-byte
-        # aligned, checked by the host), so no pointer stays live in registers across the loop
-        for name in cls.ARGS:
-            if name in pointers:
-                k = list(pointers).index(name)
-                ty = _TL_TYPES[pointers[name]]
-                w(f"                {name} = tl.multiple_of(tl.load(ptab_ptr + {k}).to(tl.pointer_type({ty})), 16)")
         w(f"                _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS)) + ")")
     w("            sig = tl.load(ins + 5)")
     w("            if sig >= 0:")
