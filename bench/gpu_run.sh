@@ -15,6 +15,8 @@
 #   refsens : how far the bf16 reference drifts from itself with chunked GEMVs (16 layers, 70B and 1B)
 #   sanitize: compute-sanitizer memcheck and racecheck over examples/sanitize_small.py
 #   confirm : bench checks multi
+#   ab      : with OLD=DIR, the 70B layer of the tree in DIR and of this one alternated (old, new,
+#             old, new; megatape only), then this one beside cuBLAS; and the 1B decoder of each
 #   OLD=DIR : also time the tree in DIR (e.g. the previous commit, `git archive`) first, same
 #             machine, megatape only: an A/B of two trees in one lease
 # $OUT receives at most three files (the device tool returns 8): run.log (everything printed),
@@ -29,9 +31,15 @@ parts=("$@")
 exec > >(tee "$OUT/run.log") 2>&1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
 if [ -n "${OLD:-}" ]; then
-  echo "=== old tree: $OLD"
-  if [ -f "$OLD/megatape/cli.py" ]; then old=(python3 -m megatape.cli bench); else old=(python3 -m bench.driver); fi
-  (cd "$OLD" && PYTHONPATH=$PWD "${old[@]}" --baselines "" --out "$RES/old" --tag old)
+  if [ -f "$OLD/megatape/cli.py" ]; then
+    old=(python3 -m megatape.cli bench); old_dec=(python3 -m megatape.cli bench-decoder)
+  else
+    old=(python3 -m bench.driver); old_dec=(python3 -m bench.decoder_bench)
+  fi
+  if [[ " ${parts[*]} " != *" ab "* ]]; then
+    echo "=== old tree: $OLD"
+    (cd "$OLD" && PYTHONPATH=$PWD "${old[@]}" --baselines "" --out "$RES/old" --tag old)
+  fi
 fi
 run_part() {
   case "$1" in
@@ -44,6 +52,19 @@ run_part() {
       --tiling "${TILING:-}" --variants "${VARIANTS:-}" ;;
   bench)
     python3 -m megatape.cli bench --profile --profile-variants --out "$RES/bench" --tiling "${TILING:-}" --variants "${VARIANTS:-}" ;;
+  ab)
+    [ -n "${OLD:-}" ] || { echo "ab needs OLD=DIR" >&2; exit 2; }
+    for k in 1 2; do
+      echo "=== A/B round $k: old tree $OLD"
+      (cd "$OLD" && PYTHONPATH=$PWD "${old[@]}" --baselines "" --out "$RES/ab" --tag old$k)
+      echo "=== A/B round $k: this tree"
+      python3 -m megatape.cli bench --baselines "" --out "$RES/ab" --tag new$k
+    done
+    python3 -m megatape.cli bench --baselines cublas --out "$RES/ab" --tag new-cublas
+    echo "=== 1B decoder: old tree $OLD"
+    (cd "$OLD" && PYTHONPATH=$PWD "${old_dec[@]}" --no-compile --out "$RES/ab-old")
+    echo "=== 1B decoder: this tree"
+    python3 -m megatape.cli bench-decoder --no-compile --out "$RES/ab-new" ;;
   checks)
     MEGATAPE_SLOW=1 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu_checks.txt" ;;
   multi)
@@ -62,7 +83,7 @@ run_part() {
       timeout 240 compute-sanitizer --tool $tool python3 examples/sanitize_small.py 2>&1 | tail -5 | tee "$RES/sanitize-$tool.txt"
     done ;;
   confirm) run_part bench; run_part checks; run_part multi ;;
-  *) echo "unknown part $1 (explore|variants|bench|checks|multi|decoder|layers16|refsens|sanitize|confirm)" >&2; exit 2 ;;
+  *) echo "unknown part $1 (explore|variants|bench|ab|checks|multi|decoder|layers16|refsens|sanitize|confirm)" >&2; exit 2 ;;
   esac
 }
 for p in "${parts[@]}"; do run_part "$p"; done
