@@ -31,16 +31,14 @@ cfg = PRESETS[os.environ.get("MEGATAPE_PRESET", "llama70b-layer")]
 over = dict(kv.split("=") for kv in filter(None, os.environ.get("MEGATAPE_TILING", "").split(",")))
 lay = Layout(cfg, Tiling.for_config(cfg, **{k: int(v) for k, v in over.items()}), 4224)
 from interp.codegen import load_kernel
-try:        # trees before the registry owned the kernel's parameters: one kernel for every opcode
+try:        # trees before the registry owned the kernel's parameters
     from opcodes.common import constexpr_values
     k = load_kernel()
     cx = constexpr_values(lay, interp=False)
-except ImportError:     # the kernel of the opcodes the layer's program uses
+except ImportError:     # the registry declares the kernel's parameters
     from opcodes import kernel_constexprs, kernel_pointers
-    from schedule.program import lower
-    classes = lower(lay).classes()
-    cx = kernel_constexprs(lay, classes, interp=False)
-    k = load_kernel(classes, kernel_pointers(lay, classes), list(cx))
+    cx = kernel_constexprs(lay, interp=False)
+    k = load_kernel(kernel_pointers(lay), list(cx))
 cx.update(PROFILE=False)
 if "PREFETCH" in k.arg_names:   # trees before the prefetch experiment was removed
     cx["PREFETCH"] = False

@@ -324,7 +324,7 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
             tab[l, j] = delta // t.element_size()
     avail = {"wtab_ptr": tab.to(device)}
     avail.update({ptr: ts[0] for ptr, (_, ts) in per_layer.items()})
-    avail.update({ptr: weights[key] for key, ptr in lay.MODEL_TENSORS})
+    avail.update({ptr: weights[key] for key, ptr in lay.MODEL_TENSORS if key in weights})
     virtual = {n for cls in classes for n in cls.VIRTUAL}
     scratch = {name: torch.empty(math.prod(shape), dtype=_TORCH_DTYPES[dt], device=device)
                for name, (shape, dt) in tape.buffers().items() if name not in virtual}
@@ -333,9 +333,22 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
     avail.update({f"{n}_ptr": t for n, t in {**scratch, **state}.items()})
     for cls in classes:
         avail.update(cls.tables(lay, device))
+    # the kernel holds every opcode's branch: a pointer no opcode on this tape takes is never
+    # dereferenced, and points at a small zeroed buffer
+    on_tape = {a for cls in classes for a in cls.ARGS}
+    unused = torch.zeros(16, dtype=torch.int32, device=device)
+    model = {ptr: key for key, ptr in lay.MODEL_TENSORS}
     pointers = {}
-    for name, dt in kernel_pointers(lay, classes).items():
-        t = avail[name]
+    for name, dt in kernel_pointers(lay).items():
+        t = avail.get(name)
+        if t is None:
+            if name in on_tape and name in model:
+                raise _err(ValueError, "weights", f"key {model[name]!r} (the tape's opcodes read it)",
+                           f"keys {sorted(weights)}")
+            if name in on_tape:
+                raise ValueError(f"{name}: an opcode on the tape takes it, but no buffer of this layout provides it")
+            pointers[name] = unused
+            continue
         if t.dtype != _TORCH_DTYPES[dt]:
             raise TypeError(f"{name}: the kernel reads {dt}, the tensor bound to it is {t.dtype}")
         if t.data_ptr() % 16:
@@ -378,10 +391,6 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
         raise _err(ValueError, "spin_limit", "a positive int", spin_limit)
     tape, predicted = _resolve_tape(mc, max_seq_len, device, _device_sms(device), num_sms, tiling, policy, tape,
                                     verify_tape, cost_model, seed, lowering, pool_us)
-    missing = [k for k, _ in tape.lay.MODEL_TENSORS if k not in weights]
-    if missing:
-        raise _err(ValueError, "weights", f"the whole-model tensors {[k for k, _ in tape.lay.MODEL_TENSORS]} "
-                   "(the tape embeds tokens / computes logits)", f"missing {missing}")
     b = bind_buffers(tape, weights, kv_cache, device)
     h = LayerHandle(cfg=mc, lay=tape.lay, tape=tape, device=device, num_sms=tape.num_sms, spin_limit=spin_limit,
                     sync_check=(device.type == "cpu") if sync_check is None else bool(sync_check),
@@ -415,12 +424,12 @@ def _make_control(h: "LayerHandle", profile: bool) -> None:
 
 
 def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
-    """Generate the kernel for the tape's opcodes; on a GPU compile it now (build is untimed) and
-    make the direct launcher."""
-    lay, classes, device = h.lay, h.tape.classes(), h.device
-    cx = kernel_constexprs(lay, classes, interp=(device.type == "cpu"))
+    """Generate the interpreter kernel; on a GPU compile it now (build is untimed) and make the
+    direct launcher."""
+    lay, device = h.lay, h.device
+    cx = kernel_constexprs(lay, interp=(device.type == "cpu"))
     cx["PROFILE"] = bool(profile and device.type == "cuda")
-    h.kernel = load_kernel(classes, kernel_pointers(lay, classes), [k for k in cx if k not in SWITCHES])
+    h.kernel = load_kernel(kernel_pointers(lay), [k for k in cx if k not in SWITCHES])
     h.constexprs = cx
     h.launch_opts = {"num_warps": lay.tiling.num_warps, "num_stages": 1}
     if device.type != "cuda":

@@ -59,9 +59,11 @@ class Argmax(Instruction):
     NAME = "argmax"
     STAGE = 8
     ARGS = ("pos", "amax_ptr", "tok_ptr", "toks_ptr", "VOCAB", "AM_BLOCK")
-    # partials reduced per iteration
-    CONSTEXPRS = {"VOCAB": lambda lay: lay.cfg.vocab,
-                  "AM_BLOCK": lambda lay: min(1024, max(16, triton.next_power_of_2(lay.n_lm_tiles)))}
+    # AM_BLOCK: partials reduced per iteration. The branch is in every kernel; on a layout without
+    # a vocabulary it is never taken and is compiled at the smallest block
+    CONSTEXPRS = {"VOCAB": lambda lay: max(1, lay.cfg.vocab),
+                  "AM_BLOCK": lambda lay: min(1024, max(16, triton.next_power_of_2(lay.n_lm_tiles)))
+                  if Argmax.applies(lay) else 16}
     TIMING = Timing.FIXED
     device = argmax_device
 
@@ -69,10 +71,12 @@ class Argmax(Instruction):
     def applies(cls, lay: Layout) -> bool:
         return hasattr(lay, "n_lm_tiles")           # a DecoderLayout (opcodes.decoder)
 
+    # tok: read by the next call's EMBED; toks[pos]: the token predicted at pos
+    STATE = {"tok": "i32", "toks": "i32"}
+
     @classmethod
-    def state(cls, lay: Layout) -> dict:
-        # tok: read by the next call's EMBED; toks[pos]: the token predicted at pos
-        return {"tok": ((1,), "i32"), "toks": ((lay.max_seq,), "i32")}
+    def state_shapes(cls, lay: Layout) -> dict:
+        return {"tok": (1,), "toks": (lay.max_seq,)}
 
     def check_operands(self, lay: Layout) -> list[str]:
         if not self.applies(lay):

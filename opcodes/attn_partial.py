@@ -106,10 +106,12 @@ class AttnPartial(Instruction):
     TORCH_RTOL = 1e-2         # the tensor-core dots take bf16 q and p; run_torch keeps them fp32
     device = attn_partial_device
 
+    SCRATCH = {"part_o": "fp32", "part_ml": "fp32"}
+
     @classmethod
-    def scratch(cls, lay: Layout) -> dict:
+    def scratch_shapes(cls, lay: Layout) -> dict:
         c, ns = lay.cfg, lay.tiling.attn_splits
-        return {"part_o": ((c.layers, c.n_q, ns, c.hd), "fp32"), "part_ml": ((c.layers, c.n_q, ns, 2), "fp32")}
+        return {"part_o": (c.layers, c.n_q, ns, c.hd), "part_ml": (c.layers, c.n_q, ns, 2)}
 
     def latency_time(self, lay: Layout) -> float:
         """Seconds of this split at ``lay.max_seq`` keys on the H200: bound by loaded HBM round trips."""

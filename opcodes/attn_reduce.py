@@ -51,9 +51,11 @@ class AttnReduce(Instruction):
     FIXED_S = 2.1e-6          # measured on the H200 (bench/NOTES.md v7)
     device = attn_reduce_device
 
+    SCRATCH = {"attn": "fp32"}
+
     @classmethod
-    def scratch(cls, lay: Layout) -> dict:
-        return {"attn": ((lay.cfg.layers, lay.cfg.q_dim), "fp32")}
+    def scratch_shapes(cls, lay: Layout) -> dict:
+        return {"attn": (lay.cfg.layers, lay.cfg.q_dim)}
 
     def check_operands(self, lay: Layout) -> list[str]:
         c = lay.cfg

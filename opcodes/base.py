@@ -130,8 +130,10 @@ class Layout:
     TENSORS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("in_norm", "n1_ptr"), ("post_norm", "n2_ptr"), ("q", "wq_ptr"), ("k", "wk_ptr"), ("v", "wv_ptr"),
         ("o", "wo_ptr"), ("gate", "wg_ptr"), ("up", "wu_ptr"), ("down", "wd_ptr"), ("kc", "kc_ptr"), ("vc", "vc_ptr"))
-    #: whole-model tensors (``weights[key]``, bf16), for layouts that have them
-    MODEL_TENSORS: ClassVar[tuple[tuple[str, str], ...]] = ()
+    #: whole-model tensors (``weights[key]``, bf16): read only by the opcodes of whole-model
+    #: programs (:class:`~opcodes.decoder.DecoderLayout`)
+    MODEL_TENSORS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("embed", "embed_ptr"), ("final_norm", "fnorm_ptr"), ("lm_head", "lmh_ptr"))
 
     def __post_init__(self):
         if isinstance(self.max_seq, bool) or not isinstance(self.max_seq, int) or self.max_seq <= 0:
@@ -232,13 +234,15 @@ class Instruction:
     ``STAGE``       position in the layer's dataflow (plots)
     ``ARGS``        the kernel parameters its device function takes after its operands: pointers
                     (``*_ptr``), constexprs, or ``pos``
-    ``CONSTEXPRS``  the constexprs it introduces: name -> function of the layout
+    ``CONSTEXPRS``  the constexprs it introduces: name -> function of the layout, defined for every
+                    layout (the interpreter kernel holds every opcode's branch, see
+                    :func:`kernel_constexprs`)
     ``TIMING``      its timing class (:class:`Timing`), with ``FIXED_S`` / :meth:`latency_time` /
                     :meth:`stream_rows` as the class needs
     ``device``      the ``@triton.jit`` function: ``device(<operands...>, <ARGS...>)``
-    :meth:`scratch` the scratch buffers it writes (``name -> (shape, dtype)``; kernel pointer
-                    ``<name>_ptr``), :meth:`state` device buffers that persist across calls,
-                    :meth:`tables` read-only tensors it computes at build time
+    ``SCRATCH``     the scratch buffers it writes, name -> dtype (kernel pointer ``<name>_ptr``;
+                    shapes from :meth:`scratch_shapes`); ``STATE`` likewise for device buffers that
+                    persist across calls; ``TABLES`` read-only tensors it builds (:meth:`tables`)
     :meth:`reads` / :meth:`writes`  the regions of scratch buffers it touches (the verifier)
     :meth:`cost`    bytes and flops (the scheduler), :meth:`run_torch` its semantics (the VM)
     """
@@ -248,6 +252,8 @@ class Instruction:
     ARGS: ClassVar[tuple[str, ...]] = ()
     STAGE: ClassVar[int] = 0
     CONSTEXPRS: ClassVar[dict] = {}
+    SCRATCH: ClassVar[dict[str, str]] = {}    # scratch buffers it writes (every call): name -> dtype
+    STATE: ClassVar[dict[str, str]] = {}      # device buffers that persist across calls: name -> dtype
     TABLES: ClassVar[dict[str, str]] = {}     # kernel pointer -> dtype of the tensors :meth:`tables` builds
     VIRTUAL: ClassVar[tuple[str, ...]] = ()   # scratch names that are views of the caller's memory (not allocated)
     TIMING: ClassVar[str] = Timing.STREAM
@@ -264,11 +270,13 @@ class Instruction:
         return True
 
     @classmethod
-    def scratch(cls, lay: Layout) -> dict[str, tuple[tuple[int, ...], str]]:
+    def scratch_shapes(cls, lay: Layout) -> dict[str, tuple[int, ...]]:
+        """The shapes of the :attr:`SCRATCH` buffers for ``lay`` (only asked where it applies)."""
         return {}
 
     @classmethod
-    def state(cls, lay: Layout) -> dict[str, tuple[tuple[int, ...], str]]:
+    def state_shapes(cls, lay: Layout) -> dict[str, tuple[int, ...]]:
+        """The shapes of the :attr:`STATE` buffers for ``lay`` (only asked where it applies)."""
         return {}
 
     @classmethod
@@ -371,24 +379,26 @@ def _merge(into: dict, new: dict, what: str, owner: str) -> None:
 
 def scratch_buffers(lay: Layout, classes) -> dict[str, tuple[tuple[int, ...], str]]:
     """The scratch buffers the opcodes ``classes`` write, by name: (shape, dtype). Two opcodes
-    that write one buffer must declare it alike."""
+    that declare one buffer must declare it alike."""
     out: dict = {}
     for cls in classes:
-        _merge(out, cls.scratch(lay), "scratch buffer", cls.NAME)
+        shapes = cls.scratch_shapes(lay)
+        _merge(out, {n: (tuple(shapes[n]), dt) for n, dt in cls.SCRATCH.items()}, "scratch buffer", cls.NAME)
     return {k: v for k, (_, v) in out.items()}
 
 
 def state_buffers(lay: Layout, classes) -> dict[str, tuple[tuple[int, ...], str]]:
     out: dict = {}
     for cls in classes:
-        _merge(out, cls.state(lay), "state buffer", cls.NAME)
+        shapes = cls.state_shapes(lay)
+        _merge(out, {n: (tuple(shapes[n]), dt) for n, dt in cls.STATE.items()}, "state buffer", cls.NAME)
     return {k: v for k, (_, v) in out.items()}
 
 
-def kernel_constexprs(lay: Layout, classes, interp: bool = False) -> dict:
-    """Values of the layout's constexprs and of every constexpr the opcodes declare."""
+def kernel_constexprs(lay: Layout, interp: bool = False) -> dict:
+    """Values of the layout's constexprs and of every registered opcode's, for ``lay``."""
     out = {k: ("layout", v) for k, v in lay.constexprs(interp).items()}
-    for cls in classes:
+    for cls in REGISTRY.values():
         _merge(out, {k: f(lay) for k, f in cls.CONSTEXPRS.items()}, "constexpr", cls.NAME)
     return {k: v for k, (_, v) in out.items()}
 
@@ -399,28 +409,29 @@ PER_CALL_POINTERS = {"x_ptr": "bf16", "out_ptr": "bf16"}
 TABLE_POINTER = ("wtab_ptr", "i64")
 
 
-def pointer_types(lay: Layout, classes) -> dict[str, str]:
-    """Every kernel pointer an owner declares for ``lay`` and ``classes``, with its element type:
-    the layout's tensors, the opcodes' scratch, state and tables, the offset table."""
+def pointer_types(lay: Layout) -> dict[str, str]:
+    """Every kernel pointer an owner declares, with its element type, in the order of the
+    kernel's address table: the offset table and the layout's tensors, then per opcode (in
+    opcode order) its tables, scratch and state, then the whole-model tensors."""
     out: dict = {TABLE_POINTER[0]: ("runtime", TABLE_POINTER[1])}
-    _merge(out, {p: "bf16" for _, p in lay.TENSORS + lay.MODEL_TENSORS}, "pointer", type(lay).__name__)
-    for cls in classes:
-        own = {f"{n}_ptr": dt for n, (_, dt) in {**cls.scratch(lay), **cls.state(lay)}.items()}
-        _merge(out, {**own, **cls.TABLES}, "pointer", cls.NAME)
+    _merge(out, {p: "bf16" for _, p in lay.TENSORS}, "pointer", type(lay).__name__)
+    for cls in REGISTRY.values():
+        own = {f"{n}_ptr": dt for n, dt in {**cls.SCRATCH, **cls.STATE}.items() if n not in cls.VIRTUAL}
+        _merge(out, {**cls.TABLES, **own}, "pointer", cls.NAME)
+    _merge(out, {p: "bf16" for _, p in lay.MODEL_TENSORS}, "pointer", type(lay).__name__)
     return {k: v for k, (_, v) in out.items()}
 
 
-def kernel_pointers(lay: Layout, classes) -> dict[str, str]:
-    """The build-time pointers the device functions of ``classes`` take, in first-use order, with
-    their element types. A pointer nobody declares is an error naming the opcode."""
-    known = pointer_types(lay, classes)
-    out: dict[str, str] = {}
-    for cls in classes:
+def kernel_pointers(lay: Layout) -> dict[str, str]:
+    """The build-time pointers the registered opcodes' device functions take, with their element
+    types, in address-table order. A pointer nobody declares is an error naming the opcode."""
+    known = pointer_types(lay)
+    used = set()
+    for cls in REGISTRY.values():
         for a in cls.ARGS:
-            if not a.endswith("_ptr") or a in PER_CALL_POINTERS or a in out:
-                continue
-            if a not in known:
-                raise TypeError(f"opcode {cls.NAME} takes pointer {a!r}, which no opcode or layout declares "
-                                f"for {type(lay).__name__} (declared: {sorted(known)})")
-            out[a] = known[a]
-    return out
+            if a.endswith("_ptr") and a not in PER_CALL_POINTERS:
+                if a not in known:
+                    raise TypeError(f"opcode {cls.NAME} takes pointer {a!r}, which no opcode or layout declares "
+                                    f"(declared: {sorted(known)})")
+                used.add(a)
+    return {k: v for k, v in known.items() if k in used}

@@ -45,8 +45,6 @@ class DecoderLayout(Layout):
     lm_rows: int = 0
     emb_cols: int = 0
 
-    MODEL_TENSORS = (("embed", "embed_ptr"), ("final_norm", "fnorm_ptr"), ("lm_head", "lmh_ptr"))
-
     def __post_init__(self):
         super().__post_init__()
         c = self.cfg

@@ -46,9 +46,11 @@ class Down(Instruction):
                   "DOWN_CHUNKS": lambda lay: lay.n_down_k}
     device = down_device
 
+    SCRATCH = {"dpart": "fp32"}
+
     @classmethod
-    def scratch(cls, lay: Layout) -> dict:
-        return {"dpart": ((lay.cfg.layers, lay.n_down_k, lay.cfg.d), "fp32")}
+    def scratch_shapes(cls, lay: Layout) -> dict:
+        return {"dpart": (lay.cfg.layers, lay.n_down_k, lay.cfg.d)}
 
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:

@@ -37,21 +37,26 @@ class Embed(Instruction):
     NAME = "embed"
     STAGE = 0
     ARGS = ("x_ptr", "tok_ptr", "embed_ptr", "D", "VOCAB", "EMB_COLS")
-    CONSTEXPRS = {"VOCAB": lambda lay: lay.cfg.vocab, "EMB_COLS": lambda lay: lay.emb_cols}
+    # the branch is in every kernel; on a layout without a vocabulary it is never taken and is
+    # compiled at the smallest tile
+    CONSTEXPRS = {"VOCAB": lambda lay: max(1, lay.cfg.vocab),
+                  "EMB_COLS": lambda lay: lay.emb_cols if Embed.applies(lay) else 16}
     device = embed_device
 
     @classmethod
     def applies(cls, lay: Layout) -> bool:
         return hasattr(lay, "emb_cols")             # a DecoderLayout (opcodes.decoder)
 
-    @classmethod
-    def scratch(cls, lay: Layout) -> dict:
-        # the embedded token: layer 0's input, which reaches the kernel as the per-call x_ptr
-        return {"x0": ((1, lay.cfg.d), "bf16")}
+    SCRATCH = {"x0": "bf16"}     # the embedded token: layer 0's input, reaching the kernel as x_ptr
+    STATE = {"tok": "i32"}       # the token this call embeds (ARGMAX's output)
 
     @classmethod
-    def state(cls, lay: Layout) -> dict:
-        return {"tok": ((1,), "i32")}               # the token this call embeds (ARGMAX's output)
+    def scratch_shapes(cls, lay: Layout) -> dict:
+        return {"x0": (1, lay.cfg.d)}
+
+    @classmethod
+    def state_shapes(cls, lay: Layout) -> dict:
+        return {"tok": (1,)}
 
     def check_operands(self, lay: Layout) -> list[str]:
         if not self.applies(lay):

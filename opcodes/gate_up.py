@@ -49,9 +49,11 @@ class GateUp(Instruction):
     CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows}
     device = gate_up_device
 
+    SCRATCH = {"act": "fp32"}
+
     @classmethod
-    def scratch(cls, lay: Layout) -> dict:
-        return {"act": ((lay.cfg.layers, lay.cfg.ffn), "fp32")}
+    def scratch_shapes(cls, lay: Layout) -> dict:
+        return {"act": (lay.cfg.layers, lay.cfg.ffn)}
 
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:

@@ -59,17 +59,22 @@ class LMHead(Instruction):
     STAGE = 7
     ARGS = ("out_ptr", "fnorm_ptr", "lmh_ptr", "logits_ptr", "amax_ptr", "D", "VOCAB", "EPS", "LM_ROWS", "BK",
             "STAGES")
-    CONSTEXPRS = {"VOCAB": lambda lay: lay.cfg.vocab, "LM_ROWS": lambda lay: lay.lm_rows}
+    # the branch is in every kernel; on a layout without a vocabulary it is never taken and is
+    # compiled at the smallest tile
+    CONSTEXPRS = {"VOCAB": lambda lay: max(1, lay.cfg.vocab),
+                  "LM_ROWS": lambda lay: lay.lm_rows if LMHead.applies(lay) else 16}
     device = lm_head_device
 
     @classmethod
     def applies(cls, lay: Layout) -> bool:
         return hasattr(lay, "lm_rows")              # a DecoderLayout (opcodes.decoder)
 
+    # fp32 logits (what decode_step returns) and per tile [max logit, its index as fp32 (exact below 2^24)]
+    SCRATCH = {"logits": "fp32", "amax": "fp32"}
+
     @classmethod
-    def scratch(cls, lay: Layout) -> dict:
-        # fp32 logits (what decode_step returns) and per tile [max logit, its index as fp32 (exact below 2^24)]
-        return {"logits": ((lay.cfg.vocab,), "fp32"), "amax": ((lay.n_lm_tiles, 2), "fp32")}
+    def scratch_shapes(cls, lay: Layout) -> dict:
+        return {"logits": (lay.cfg.vocab,), "amax": (lay.n_lm_tiles, 2)}
 
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:

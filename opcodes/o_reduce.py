@@ -44,9 +44,11 @@ class OReduce(RowBlock):
     FIXED_S = 1.5e-6          # measured on the H200 (bench/NOTES.md v7)
     device = o_reduce_device
 
+    SCRATCH = OProj.SCRATCH      # x1 and the O partials (OPROJ owns them; declared alike)
+
     @classmethod
-    def scratch(cls, lay: Layout) -> dict:
-        return OProj.scratch(lay)      # x1 and the O partials (OPROJ owns them; declared alike)
+    def scratch_shapes(cls, lay: Layout) -> dict:
+        return OProj.scratch_shapes(lay)
 
     def reads(self, lay: Layout) -> list[Region]:
         c = lay.cfg

@@ -54,12 +54,13 @@ class OProj(Instruction):
                   "O_CHUNKS": lambda lay: lay.n_o_k}
     device = oproj_device
 
+    # x1 = x + attn . Wo^T (written here, or by O_REDUCE from the per-chunk partials ``opart``)
+    SCRATCH = {"x1": "fp32", "opart": "fp32"}
+
     @classmethod
-    def scratch(cls, lay: Layout) -> dict:
-        # x1 = x + attn . Wo^T (written here, or by O_REDUCE from the per-chunk partials ``opart``)
+    def scratch_shapes(cls, lay: Layout) -> dict:
         c = lay.cfg
-        return {"x1": ((c.layers, c.d), "fp32"),
-                "opart": ((c.layers, lay.n_o_k if lay.n_o_k > 1 else 0, c.d), "fp32")}
+        return {"x1": (c.layers, c.d), "opart": (c.layers, lay.n_o_k if lay.n_o_k > 1 else 0, c.d)}
 
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:

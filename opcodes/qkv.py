@@ -94,11 +94,12 @@ class QKV(Instruction):
     VIRTUAL = ("kv_new_k", "kv_new_v")
     device = qkv_device
 
+    SCRATCH = {"q": "fp32", "kv_new_k": "bf16", "kv_new_v": "bf16"}
+
     @classmethod
-    def scratch(cls, lay: Layout) -> dict:
+    def scratch_shapes(cls, lay: Layout) -> dict:
         c = lay.cfg
-        return {"q": ((c.layers, c.q_dim), "fp32"), "kv_new_k": ((c.layers, c.kv_dim), "bf16"),
-                "kv_new_v": ((c.layers, c.kv_dim), "bf16")}
+        return {"q": (c.layers, c.q_dim), "kv_new_k": (c.layers, c.kv_dim), "kv_new_v": (c.layers, c.kv_dim)}
 
     @classmethod
     def tables(cls, lay: Layout, device) -> dict:

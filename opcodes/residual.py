@@ -66,10 +66,11 @@ class Residual(RowBlock):
     FIXED_S = 0.9e-6          # measured on the H200 (bench/NOTES.md v7)
     device = residual_device
 
+    SCRATCH = {"xout": "bf16"}   # the layers' outputs; the last layer's row stands for the caller's tensor
+
     @classmethod
-    def scratch(cls, lay: Layout) -> dict:
-        # the layers' outputs; the last layer's row stands for the caller's fresh output tensor
-        return {"xout": ((lay.cfg.layers, lay.cfg.d), "bf16")}
+    def scratch_shapes(cls, lay: Layout) -> dict:
+        return {"xout": (lay.cfg.layers, lay.cfg.d)}
 
     def reads(self, lay: Layout) -> list[Region]:
         c = lay.cfg

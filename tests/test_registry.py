@@ -47,13 +47,14 @@ class ScaleCopy(Instruction):
     STAGE = 4
     ARGS = ("x1_ptr", "toy_ptr", "toy_gain_ptr", "D", "TOY_SCALE", "TOY_ROWS")
     CONSTEXPRS = {"TOY_SCALE": lambda lay: 0.75, "TOY_ROWS": lambda lay: TOY_ROWS}
+    SCRATCH = {"toy": "fp32"}
     TABLES = {"toy_gain_ptr": "fp32"}
     TIMING = Timing.FIXED
     device = scale_copy_device
 
     @classmethod
-    def scratch(cls, lay):
-        return {"toy": ((lay.cfg.layers, lay.cfg.d), "fp32")}
+    def scratch_shapes(cls, lay):
+        return {"toy": (lay.cfg.layers, lay.cfg.d)}
 
     @classmethod
     def tables(cls, lay, device):
@@ -171,12 +172,10 @@ def test_registration_is_checked():
         unregister(REGISTRY["qkv"])
 
 
-def test_an_undeclared_pointer_is_named(toy_opcode):
+def test_an_undeclared_pointer_is_named():
     """A device function that takes a pointer nobody declares fails at kernel generation, naming it."""
     from opcodes import kernel_pointers
-    from schedule.program import lower as lower_layers
     lay = Layout(CFG, Tiling.for_config(CFG), MAX_SEQ)
-    classes = lower_layers(lay).classes()
 
     @dataclass(frozen=True)
     class Stray(Instruction):
@@ -185,5 +184,9 @@ def test_an_undeclared_pointer_is_named(toy_opcode):
         ARGS = ("nowhere_ptr",)
         device = scale_copy_device
 
-    with pytest.raises(TypeError, match="nowhere_ptr"):
-        kernel_pointers(lay, classes + [Stray])
+    register(Stray)
+    try:
+        with pytest.raises(TypeError, match="nowhere_ptr"):
+            kernel_pointers(lay)
+    finally:
+        unregister(Stray)
