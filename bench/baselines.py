@@ -1,6 +1,6 @@
 """GPU benchmark baselines for megatape: what the megakernel is measured against.
 
-Everything here targets an NVIDIA GPU (the H200 of ``shared/ANCHORS.md``), but every function
+Everything here targets an NVIDIA GPU (the lent H200), but every function
 also runs on CPU with tiny configs so that a smoke test can exercise it without a GPU.
 
 Rows this module can produce (see ``bench_table``):

@@ -57,22 +57,22 @@ class DecoderHandle:
 
 
 def _model_cfg(cfg) -> ModelConfig:
-    mc = runtime.parse_cfg(cfg)
-    if not mc.vocab:
+    cfg = runtime.parse_cfg(cfg)
+    if not cfg.vocab:
         raise ValueError("cfg['vocab']: expected the vocabulary size (> 0) for a whole-model decoder, got "
-                         f"{mc.vocab} (build_layer / build_model run the layers alone)")
-    return mc
+                         f"{cfg.vocab} (build_layer / build_model run the layers alone)")
+    return cfg
 
 
-def _check_decoder_weights(weights, kv_cache, mc: ModelConfig, device: torch.device) -> None:
+def _check_decoder_weights(weights, kv_cache, cfg: ModelConfig, device: torch.device) -> None:
     """The whole-model tensors (``build_layer``'s checks cover the layers and the cache)."""
     missing = [k for k in ("embed", "final_norm", "lm_head") if k not in weights]
     if missing:
         raise _err(ValueError, "weights", "keys 'embed', 'layers', 'final_norm', 'lm_head'", f"missing {missing}")
-    for k, shape in decoder_shapes(mc).items():
+    for k, shape in decoder_shapes(cfg).items():
         _check_tensor(f"weights[{k!r}]", weights[k], shape, torch.bfloat16, device)
     # the KV cache is written in place: it must not share memory with the read-only tensors
-    for k in decoder_shapes(mc):
+    for k in decoder_shapes(cfg):
         t = weights[k]
         a0, a1 = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
         for l, pair in enumerate(kv_cache):
@@ -98,20 +98,20 @@ def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_
     """
     if "lowering" in options:
         raise TypeError("build_decoder: lowering= is set by the decoder itself")
-    mc = _model_cfg(cfg)
-    _, device = runtime.validate_inputs(weights, kv_cache, mc, max_seq_len)
-    _check_decoder_weights(weights, kv_cache, mc, device)
-    h = runtime.build_layer(weights, kv_cache, mc, max_seq_len, lowering=decoder_lowering(lm_rows, emb_cols),
+    cfg = _model_cfg(cfg)
+    _, device = runtime.validate_inputs(weights, kv_cache, cfg, max_seq_len)
+    _check_decoder_weights(weights, kv_cache, cfg, device)
+    h = runtime.build_layer(weights, kv_cache, cfg, max_seq_len, lowering=decoder_lowering(lm_rows, emb_cols),
                             **options)
     lay = h.tape.lay
     if not isinstance(lay, DecoderLayout):
         runtime.teardown(h)
         raise ValueError("tape: not a whole-model decoder tape (compile it with "
                          "lowering=schedule.decoder_program.lower_decoder)")
-    hidden = torch.empty(1, mc.d, dtype=torch.bfloat16, device=device)
-    return DecoderHandle(layer=h, cfg=mc, lay=lay, device=device, tok=h.state["tok"], toks=h.state["toks"],
-                         x0=h.scratch["x0"].view(1, mc.d), hidden=hidden,
-                         logits=h.scratch["logits"].view(1, mc.vocab), weights=weights)
+    hidden = torch.empty(1, cfg.d, dtype=torch.bfloat16, device=device)
+    return DecoderHandle(layer=h, cfg=cfg, lay=lay, device=device, tok=h.state["tok"], toks=h.state["toks"],
+                         x0=h.scratch["x0"].view(1, cfg.d), hidden=hidden,
+                         logits=h.scratch["logits"].view(1, cfg.vocab), weights=weights)
 
 
 def _check_handle(dh) -> None:

@@ -79,7 +79,7 @@ def parse_cfg(cfg) -> ModelConfig:
 
 def validate_inputs(weights, kv_cache, cfg, max_seq_len):
     """Check everything ``build_layer`` is handed; return (ModelConfig, device)."""
-    mc = parse_cfg(cfg)
+    cfg = parse_cfg(cfg)
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
         raise _err(TypeError, "max_seq_len", "a python int", _desc(max_seq_len))
     if max_seq_len <= 0:
@@ -89,17 +89,17 @@ def validate_inputs(weights, kv_cache, cfg, max_seq_len):
     layers = weights["layers"]
     if not isinstance(layers, (list, tuple)):
         raise _err(TypeError, "weights['layers']", "a list of per-layer dicts", _desc(layers))
-    if len(layers) != mc.layers:
-        raise _err(ValueError, "weights['layers']", f"{mc.layers} layer dicts (cfg['layers'])", len(layers))
+    if len(layers) != cfg.layers:
+        raise _err(ValueError, "weights['layers']", f"{cfg.layers} layer dicts (cfg['layers'])", len(layers))
     if not isinstance(kv_cache, (list, tuple)):
         raise _err(TypeError, "kv_cache", "a list of (k, v) pairs", _desc(kv_cache))
-    if len(kv_cache) != mc.layers:
-        raise _err(ValueError, "kv_cache", f"{mc.layers} (k, v) pairs (cfg['layers'])", f"{len(kv_cache)} pairs")
+    if len(kv_cache) != cfg.layers:
+        raise _err(ValueError, "kv_cache", f"{cfg.layers} (k, v) pairs (cfg['layers'])", f"{len(kv_cache)} pairs")
     first = layers[0].get("q") if isinstance(layers[0], dict) else None
     if not isinstance(first, torch.Tensor):
         raise _err(TypeError, "weights['layers'][0]['q']", "a torch.Tensor", _desc(first))
     device = first.device
-    shapes = layer_shapes(mc)
+    shapes = layer_shapes(cfg)
     for l, lw in enumerate(layers):
         if not isinstance(lw, dict):
             raise _err(TypeError, f"weights['layers'][{l}]", "a dict", _desc(lw))
@@ -108,7 +108,7 @@ def validate_inputs(weights, kv_cache, cfg, max_seq_len):
             raise _err(ValueError, f"weights['layers'][{l}]", f"keys {list(shapes)}", f"missing {missing}")
         for k, shape in shapes.items():
             _check_tensor(f"weights['layers'][{l}][{k!r}]", lw[k], shape, torch.bfloat16, device)
-    kv_shape = (1, mc.n_kv, max_seq_len, mc.hd)
+    kv_shape = (1, cfg.n_kv, max_seq_len, cfg.hd)
     for l, pair in enumerate(kv_cache):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise _err(TypeError, f"kv_cache[{l}]", "a (k, v) pair", _desc(pair))
@@ -144,7 +144,7 @@ def validate_inputs(weights, kv_cache, cfg, max_seq_len):
                          "kernel through the Triton interpreter, or move the tensors to a GPU")
     if device.type == "cuda" and interpreter_mode():
         raise ValueError("TRITON_INTERPRET=1 is set but the tensors are on the GPU: unset it to run on the GPU")
-    return mc, device
+    return cfg, device
 
 
 @dataclass
@@ -269,7 +269,7 @@ def _device_sms(device: torch.device) -> int:
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "i32": torch.int32, "i64": torch.int64}
 
 
-def _resolve_tape(mc: ModelConfig, max_seq_len: int, device: torch.device, dev_sms: int, num_sms, tiling,
+def _resolve_tape(cfg: ModelConfig, max_seq_len: int, device: torch.device, dev_sms: int, num_sms, tiling,
                   policy, tape, verify_tape, cost_model, seed, lowering, pool_us):
     """The verified tape for this device (compiled here unless given) and its predicted makespan."""
     if num_sms is None:
@@ -277,11 +277,11 @@ def _resolve_tape(mc: ModelConfig, max_seq_len: int, device: torch.device, dev_s
     if isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 1 <= num_sms <= dev_sms:
         raise _err(ValueError, "num_sms", f"an int in [1, {dev_sms}] (SMs that can be co-resident on {device})", num_sms)
     if tape is None:
-        comp = compile_model(mc, num_sms, max_seq=max_seq_len, tiling=tiling, policy=policy, model=cost_model,
+        comp = compile_model(cfg, num_sms, max_seq=max_seq_len, tiling=tiling, policy=policy, model=cost_model,
                              seed=seed, sequential=(device.type == "cpu"), lowering=lowering, pool_us=pool_us,
                              decoder=False)   # build_layer / build_model: the layers alone, whatever cfg.vocab
         return comp.tape, (comp.expected_makespan() if device.type == "cuda" else comp.sched.makespan)
-    if tape.lay.cfg.to_dict() != mc.to_dict() or tape.lay.max_seq != max_seq_len:
+    if tape.lay.cfg.to_dict() != cfg.to_dict() or tape.lay.max_seq != max_seq_len:
         raise ValueError("tape: compiled for a different cfg or max_seq_len than the one given")
     if tape.num_sms > dev_sms:
         raise _err(ValueError, "tape", f"at most {dev_sms} SM queues", tape.num_sms)
@@ -306,7 +306,7 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
     with the offset table ``wtab`` for the others) and whole-model tensors, the opcodes' scratch,
     state and tables. The caller's weights and KV cache are used in place (no repack)."""
     lay, classes = tape.lay, tape.classes()
-    mc = lay.cfg
+    cfg = lay.cfg
     layers = weights["layers"]
     per_layer = {}
     for key, ptr in lay.TENSORS:
@@ -314,7 +314,7 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
             per_layer[ptr] = (key, [pair[0 if key == "kc" else 1] for pair in kv_cache])
         else:
             per_layer[ptr] = (key, [lw[key] for lw in layers])
-    tab = torch.zeros(mc.layers, len(lay.TENSORS), dtype=torch.int64)
+    tab = torch.zeros(cfg.layers, len(lay.TENSORS), dtype=torch.int64)
     for j, (ptr, (key, ts)) in enumerate(per_layer.items()):
         base = ts[0].data_ptr()
         for l, t in enumerate(ts):
@@ -382,17 +382,17 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     (:func:`bind_buffers`), generate and compile the kernel for the tape's opcodes, make the
     launcher (a direct driver launch on a GPU, Triton's JIT launch under the interpreter).
     """
-    mc, device = validate_inputs(weights, kv_cache, cfg, max_seq_len)
+    cfg, device = validate_inputs(weights, kv_cache, cfg, max_seq_len)
     if spin_limit is None:
         # NOTE: the Triton interpreter runs programs one after another, so a counter cannot move
         # while a program waits on it: one poll decides. On a GPU, 2^20 polls are 0.2-1 s.
         spin_limit = INTERPRETER_SPIN_LIMIT if device.type == "cpu" else DEFAULT_SPIN_LIMIT
     if isinstance(spin_limit, bool) or not isinstance(spin_limit, int) or spin_limit <= 0:
         raise _err(ValueError, "spin_limit", "a positive int", spin_limit)
-    tape, predicted = _resolve_tape(mc, max_seq_len, device, _device_sms(device), num_sms, tiling, policy, tape,
+    tape, predicted = _resolve_tape(cfg, max_seq_len, device, _device_sms(device), num_sms, tiling, policy, tape,
                                     verify_tape, cost_model, seed, lowering, pool_us)
     b = bind_buffers(tape, weights, kv_cache, device)
-    h = LayerHandle(cfg=mc, lay=tape.lay, tape=tape, device=device, num_sms=tape.num_sms, spin_limit=spin_limit,
+    h = LayerHandle(cfg=cfg, lay=tape.lay, tape=tape, device=device, num_sms=tape.num_sms, spin_limit=spin_limit,
                     sync_check=(device.type == "cpu") if sync_check is None else bool(sync_check),
                     predicted_makespan_s=predicted, weights=weights, kv_cache=kv_cache, bindings=b)
     _make_control(h, profile)

@@ -131,7 +131,7 @@ def summary_lines(comps: dict, selected: str) -> list[str]:
     lines.append(f"target  {sel.tape.num_sms} SMs; cost model: HBM {model.hbm_bw / 1e12:.2f} TB/s, "
                  f"L2 {model.l2_bw_sm / 1e9:.0f} GB/s per SM, {model.overhead * 1e6:.2f} us per instruction")
     if not model.by_bytes:
-        from opcodes import REGISTRY, Timing
+        from opcodes import Timing
         from opcodes.attn_partial import ATTN_LATENCY_H200
         t0, rt, pb = (v * 1e6 for v in ATTN_LATENCY_H200)
         lines.append(f"        attention splits by loaded HBM round trips: {t0:.1f} + {rt:.1f} x trips + "

@@ -15,7 +15,6 @@ until ``counter >= target * epoch`` so counters never need a reset between calls
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -61,7 +60,7 @@ class Tiling:
     num_warps: int = 8
     # software-pipelining depth of the GEMV streaming loops (1: off). 6 keeps five 32 KB blocks in
     # flight per SM (shared memory 139 -> 179 KB): an SM streams faster where fewer than ~115 SMs
-    # stream (H200 run 24: 425.9 -> 421.4 us per layer; bench/NOTES.md v14)
+    # stream (faster on the H200 than 4 or 5: bench/NOTES.md v14)
     stages: int = 6
 
     def __post_init__(self):

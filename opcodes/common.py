@@ -2,7 +2,6 @@
 the layer input, bf16 rounding, the interpreter-safe ``tl.dot`` and the GEMV streaming loop."""
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

@@ -27,7 +27,7 @@ class CostModel:
     """Predicted time of one instruction on one SM (seconds).
 
     ``t = overhead + hbm_bytes / (hbm_bw / num_sms) + l2_bytes / l2_bw_sm``. Defaults are the
-    H200's measured stream-copy bandwidth (ANCHORS.md) and a per-instruction overhead that
+    H200's measured stream-copy bandwidth and a per-instruction overhead that
     :func:`calibrate` can refit from a measured run.
     """
 

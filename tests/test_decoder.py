@@ -1,4 +1,4 @@
-"""Multi-layer models and whole-model decode (issue 6, CPU parts), through the Triton interpreter
+"""Multi-layer models and whole-model decode (the CPU parts), through the Triton interpreter
 and the tape VM.
 
 * ``build_model`` / ``model_step`` (N layers, one launch per step) against ``opcodes.reference.model_ref``;

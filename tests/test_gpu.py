@@ -1,4 +1,4 @@
-"""GPU reliability checks (issues 3, 7 and 12), on a CUDA device: ``pytest -m gpu tests/test_gpu.py``
+"""GPU reliability checks, on a CUDA device: ``pytest -m gpu tests/test_gpu.py``
 (skipped without CUDA; the soak test is also ``slow``: add ``--runslow`` or ``MEGATAPE_SLOW=1``).
 
 * broken tapes (a wrong target, a missing producer, a cyclic order across two SMs, a wrong target in
@@ -30,7 +30,7 @@ import time
 import pytest
 import torch
 
-from conftest import bitwise_equal, bump_target, clone_cache, decoder_weights, drop_producer
+from conftest import bump_target, clone_cache, decoder_weights, drop_producer
 from opcodes import PRESETS, ModelConfig
 from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err
 

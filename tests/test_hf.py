@@ -1,4 +1,4 @@
-"""Hugging Face interop (issue 6, parts 3 and 4): ``load_hf_llama`` and whole-model decode against
+"""Hugging Face interop: ``load_hf_llama`` and whole-model decode against
 transformers' own ``LlamaForCausalLM``, through the Triton interpreter.
 
 For each config a randomly initialised small ``LlamaForCausalLM`` (norm weights randomised too, so

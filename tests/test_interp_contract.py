@@ -1,6 +1,6 @@
 """The spec's contract of ``build_layer / layer_step / teardown``, through the Triton interpreter.
 
-Issue 3 (CI part) and issue 7 part 5: the real persistent kernel (every opcode's real device
+The real persistent kernel (every opcode's real device
 function) runs on CPU tensors with ``TRITON_INTERPRET=1``. For each small config, over
 ``STEPS`` decode steps starting at a prefill length that is not a multiple of any tile size:
 
@@ -98,7 +98,7 @@ def test_contract(name, prefill, max_seq, tiling):
             assert bitwise_equal(o, oc), f"step {step} overwrote the output returned by step {j}"
         outs.append(out)
         out_copies.append(out.clone())
-        # issue 7 part 5: only row pos of each K and V changed in this step
+        # only row pos of each K and V changed in this step
         for l in range(cfg.layers):
             for j in range(2):
                 rows = changed_rows(cache[l][j], before[l][j])

@@ -1,4 +1,4 @@
-"""Bad inputs and broken tapes through the interpreter runtime (issues 3 and 7, CPU parts).
+"""Bad inputs and broken tapes through the interpreter runtime (the CPU parts).
 
 * A table of bad inputs to ``build_layer`` and to ``layer_step``: each raises ValueError or
   TypeError whose message names the argument, says what was expected and what was given; a
@@ -265,7 +265,7 @@ def test_layer_step_rejects(handle, case_id, make_x, pos, exc, names):
     exc = exc if isinstance(exc, tuple) else (exc,)
     assert isinstance(ei.value, exc), f"{case_id}: expected {exc}, got {type(ei.value).__name__}: {ei.value}"
     check_message(ei.value, names)
-    # rejected before anything was written (issue 7 part 5), x untouched
+    # rejected before anything was written, x untouched
     assert caches_equal(cache_before, i.kv_cache), f"{case_id}: a rejected layer_step wrote into the KV cache"
     if x_before is not None:
         assert bitwise_equal(x, x_before)

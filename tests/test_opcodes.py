@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from interp.runtime import build_layer, launch, teardown
-from opcodes import HEADER, NO_COUNTER, WORDS, DecoderLayout, Layout, ModelConfig, Tiling
+from opcodes import HEADER, NO_COUNTER, WORDS, Layout, ModelConfig, Tiling
 from opcodes.reference import make_kv_cache, make_weights
 from schedule.decoder_program import lower_decoder
 from schedule.program import lower

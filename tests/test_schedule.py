@@ -259,7 +259,7 @@ def test_no_schedule_beats_the_lower_bound():
 
 
 def test_cost_schedule_within_5_percent_of_lower_bound_70b():
-    """Issue 2: the default tape of the 70B layer on 132 SMs, as the H200 model expects it to run
+    """The default tape of the 70B layer on 132 SMs, as the H200 model expects it to run
     (shared bandwidth, measured jitter and ticket cost; Compiled.expected_makespan), is within 5%
     of that model's bandwidth lower bound, and ahead of round-robin's."""
     cost, _ = compiled_70b("cost")
