@@ -173,14 +173,13 @@ def kernel_source(pointers: dict, constexprs) -> str:
         w("            while (seen < wt) & (n < spin_limit):")
         w("                seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
         w("                n += 1")
-        w("            if seen < wt:")
+        # during call e a counter ends at exactly target * e: below it, a producer never signalled;
+        # beyond it, another launch of the same handle ran beside this one or the call count is out
+        # of step with the counters (never silent). One test on the common path, as before.
+        w("            if seen != wt:")
         w("                failed = sm * 0 + 1")
-        w(f"                _fail(status_ptr, sm, i, op, wc, wt, seen, epoch, {FAIL_TIMEOUT})")
-        # a counter beyond this call's target: another launch of the same handle ran beside this
-        # one, or the call count is out of step with the counters (never silent)
-        w("            if seen > wt:")
-        w("                failed = sm * 0 + 1")
-        w(f"                _fail(status_ptr, sm, i, op, wc, wt, seen, epoch, {FAIL_PAST_TARGET})")
+        w(f"                code = tl.where(seen < wt, {FAIL_TIMEOUT}, {FAIL_PAST_TARGET})")
+        w("                _fail(status_ptr, sm, i, op, wc, wt, seen, epoch, code)")
     w("        if failed == 0:")
     w("            t_exec = _now(PROFILE)")
     first = True

@@ -386,7 +386,7 @@ def test_generate_in_graph_blocks_equals_plain_launches(handles):
         h = handles.decoder(w, kv, cfg.to_dict(), 128)
         toks = generate(h, [5, 17, 3], 70, graph_block=block)
         out.append(toks.cpu())
-        h.check()
+        h.layer.check()
     assert all(torch.equal(t, out[0]) for t in out[1:])
 
 
