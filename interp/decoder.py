@@ -46,7 +46,6 @@ class DecoderHandle:
     logits: torch.Tensor         # (1, vocab) fp32: the last launch's logits
     weights: dict = field(repr=False, default=None)
     closed: bool = False
-    graphs: dict = field(default_factory=dict, repr=False)   # K -> CUDA graph of K launches (generate)
 
     @property
     def tape(self):
@@ -123,8 +122,14 @@ def _check_handle(dh) -> None:
 
 
 def _check_pos(dh: DecoderHandle, pos, what: str = "pos") -> int:
-    """``pos`` in the cache, or -1 for None (the position held on the device)."""
-    return runtime._check_pos(dh.layer, pos, what)
+    if isinstance(pos, torch.Tensor) and pos.numel() == 1 and not pos.dtype.is_floating_point \
+            and pos.dtype != torch.bool:
+        pos = int(pos)
+    if isinstance(pos, bool) or not isinstance(pos, int):
+        raise _err(TypeError, what, "a python int", _desc(pos))
+    if not 0 <= pos < dh.max_seq:
+        raise _err(ValueError, what, f"an int in [0, max_seq_len={dh.max_seq})", pos)
+    return pos
 
 
 def _check_token_range(what: str, t: torch.Tensor, vocab: int) -> None:
@@ -136,27 +141,13 @@ def _check_token_range(what: str, t: torch.Tensor, vocab: int) -> None:
 
 
 def _launch(dh: DecoderHandle, pos: int) -> None:
-    """One launch (inside ``runtime._Stepping``); ``pos`` -1: the position held on the device."""
     h = dh.layer
+    if h.status_host:
+        h.check(sync=False)      # a failure of an earlier launch that has finished since
     h.last_pos = pos
     runtime.launch(h, dh.x0, pos, dh.hidden)
     if h.sync_check:
         h.check(sync=True)
-
-
-def _block_graph(dh: DecoderHandle, k: int):
-    """A CUDA graph of ``k`` launches at the device's position, captured once per handle and ``k``:
-    each launch embeds the token the previous one's ARGMAX left and advances the position, so a
-    replay is ``k`` greedy tokens with no host work between them."""
-    g = dh.graphs.get(k)
-    if g is None:
-        h = dh.layer
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(k):
-                runtime.launch(h, dh.x0, -1, dh.hidden)
-        dh.graphs[k] = g
-    return g
 
 
 def decode_step(handle: DecoderHandle, tokens, pos) -> torch.Tensor:
@@ -164,8 +155,7 @@ def decode_step(handle: DecoderHandle, tokens, pos) -> torch.Tensor:
     into the cache), the final norm and the LM head. One launch.
 
     tokens : (1,) integer tensor on the handle's device (a python int is accepted too)
-    pos    : int, the absolute position being written; None: the position held on the device (the
-             last call's + 1), which a captured CUDA graph of several steps uses
+    pos    : int, the absolute position being written
     returns a fresh (1, vocab) fp32 tensor of logits. The greedy next token is also left on the
     device (``handle.tok``), where a following ``generate`` or launch would read it.
     """
@@ -184,14 +174,13 @@ def decode_step(handle: DecoderHandle, tokens, pos) -> torch.Tensor:
     if tokens.device != handle.device:
         raise _err(ValueError, "tokens", f"a tensor on {handle.device}", _desc(tokens))
     _check_token_range("tokens", tokens, handle.cfg.vocab)
-    with runtime._Stepping(handle.layer):
+    with runtime.Stepping(handle.layer):
         handle.tok.copy_(tokens)
         _launch(handle, pos)
         return handle.logits.clone()
 
 
-def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 0, return_logits: bool = False,
-             graph_block: int | None = None):
+def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 0, return_logits: bool = False):
     """Greedy generation: consume ``prompt_tokens`` at positions ``start_pos, start_pos + 1, ...``
     (one decode step each), then generate ``n_new`` tokens. One launch per position; after the
     prompt the host only launches: each launch's ARGMAX leaves the next token on the device, where
@@ -201,9 +190,6 @@ def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 
     returns the (n_new,) int64 generated tokens on the device (and, with ``return_logits``, the
     (n_new, vocab) fp32 logits that chose them: a device-side copy after each launch).
     Positions used: ``start_pos .. start_pos + len(prompt) + n_new - 2`` (all < max_seq_len).
-    ``graph_block``: on a GPU, the tokens after the prompt run as replays of a CUDA graph of this
-    many launches (no host work between them; the handle keeps the graph); None: 32 on a GPU
-    without ``return_logits``, else 0 (one host launch per token).
     """
     _check_handle(handle)
     if isinstance(prompt_tokens, (list, tuple)):
@@ -219,8 +205,6 @@ def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 
     if isinstance(n_new, bool) or not isinstance(n_new, int) or n_new < 0:
         raise _err(ValueError if isinstance(n_new, int) and not isinstance(n_new, bool) else TypeError,
                    "n_new", "an int >= 0", _desc(n_new))
-    if start_pos is None:
-        raise _err(TypeError, "start_pos", "a python int", _desc(start_pos))
     start_pos = _check_pos(handle, start_pos, "start_pos")
     P = int(prompt_tokens.numel())
     last = start_pos + P - 1 + max(0, n_new - 1)
@@ -228,32 +212,17 @@ def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 
         raise _err(ValueError, "prompt_tokens / n_new", f"positions up to max_seq_len - 1 = {handle.max_seq - 1} "
                    f"(start_pos {start_pos} + {P} prompt tokens + {n_new} new - 1)", f"position {last}")
     _check_token_range("prompt_tokens", prompt_tokens, handle.cfg.vocab)
-    if graph_block is None:
-        graph_block = 32 if (handle.device.type == "cuda" and not return_logits) else 0
-    if isinstance(graph_block, bool) or not isinstance(graph_block, int) or graph_block < 0:
-        raise _err(ValueError, "graph_block", "an int >= 0", _desc(graph_block))
-    if graph_block and (handle.device.type != "cuda" or return_logits or handle.layer.sync_check):
-        raise _err(ValueError, "graph_block", "0 on a CPU, with return_logits, or with sync_check=True "
-                   "(a CUDA graph replays launches with no host work between them)", graph_block)
     prompt = prompt_tokens.to(device=handle.device, dtype=torch.int32, non_blocking=True)
     hist = torch.empty(n_new, handle.cfg.vocab, dtype=torch.float32, device=handle.device) if return_logits else None
-    with runtime._Stepping(handle.layer):
+    with runtime.Stepping(handle.layer):
         for i in range(P):
             handle.tok.copy_(prompt[i:i + 1])          # a device-side copy: no host round trip
             _launch(handle, start_pos + i)
-        if hist is not None:
-            hist[0].copy_(handle.logits[0])
-        # the rest at the device's position (the last call's + 1): EMBED reads the token the
-        # last ARGMAX wrote
-        rest = max(0, n_new - 1)
-        blocks = rest // graph_block if graph_block else 0
-        for _ in range(blocks):
-            _block_graph(handle, graph_block).replay()
-        for j in range(1 + blocks * graph_block, n_new):
-            _launch(handle, -1)
+        for j in range(n_new):
+            if j:
+                _launch(handle, start_pos + P - 1 + j)  # EMBED reads the token the last ARGMAX wrote
             if hist is not None:
                 hist[j].copy_(handle.logits[0])
-        handle.layer.last_pos = start_pos + P - 1 + rest
     first = start_pos + P - 1
     out = handle.toks[first:first + n_new].to(torch.int64)
     return (out, hist) if return_logits else out
@@ -265,7 +234,6 @@ def teardown_decoder(handle: DecoderHandle) -> None:
         raise _err(TypeError, "handle", "a DecoderHandle from build_decoder", _desc(handle))
     if handle.closed:
         return
-    handle.graphs.clear()
     runtime.teardown(handle.layer)
     handle.closed = True
     handle.weights = None

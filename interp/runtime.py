@@ -21,8 +21,7 @@ from opcodes import Layout, ModelConfig, Tiling, kernel_constexprs, kernel_point
 from opcodes.reference import layer_shapes
 from schedule import CostModel, Tape, compile_model, verify
 
-from .codegen import (CTL_POS, CTL_WORDS, FAIL_PAST_TARGET, FAIL_POSITION, PROF_WORDS, STATUS_WORDS,
-                      SWITCHES, load_kernel)
+from .codegen import PROF_WORDS, STATUS_WORDS, SWITCHES, load_kernel
 
 DEFAULT_SPIN_LIMIT = 1 << 20
 INTERPRETER_SPIN_LIMIT = 2
@@ -170,7 +169,7 @@ class LayerHandle:
     counters: torch.Tensor = field(repr=False, default=None)
     status: torch.Tensor = field(repr=False, default=None)
     prof: torch.Tensor = field(repr=False, default=None)
-    ctl: torch.Tensor = field(repr=False, default=None)       # the control block (codegen.CTL_*)
+    max_target: int = 1
     status_flag: object = field(default=None, repr=False)   # the pinned status word, when it is host memory
     # set by _compile_kernel
     kernel: object = field(default=None, repr=False)        # the generated JITFunction
@@ -179,7 +178,8 @@ class LayerHandle:
     launcher: object = field(default=None, repr=False)      # FastLauncher (GPU) or None (JIT launch)
     resources: dict = field(default_factory=dict)           # registers, spills, shared memory (GPU)
     # per call
-    last_pos: int = -1            # the position of the last host-driven call (-1: taken on the device)
+    epoch: int = 0
+    last_pos: int = -1
     next_out: torch.Tensor = field(default=None, repr=False)   # the next call's output, never handed out yet
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -215,37 +215,18 @@ class LayerHandle:
             st = self.status[1:].cpu()
             if not st[:, 0].numpy().any():
                 return
-        rows = st[st[:, 0] != 0].tolist()
         stuck = []
-        for code, sm, slot, op, ctr, tgt, seen, ep in rows:
-            if code == FAIL_POSITION:
-                continue
+        for row in st[st[:, 0] != 0].tolist():
+            _, sm, slot, op, ctr, tgt, seen, ep = row
             cname = self.tape.counters[ctr] if 0 <= ctr < len(self.tape.counters) else str(ctr)
-            stuck.append((sm, slot, self.tape.describe(slot), f"{ctr} ({cname})", tgt, seen, ep, code))
-        bad_pos = [r for r in rows if r[0] == FAIL_POSITION]
-        written = self._kv_written(stuck[0][6]) if stuck else "was not written (the call ran nothing)"
+            stuck.append((sm, slot, self.tape.describe(slot), f"{ctr} ({cname})", tgt, seen, ep))
+        written = self._kv_written(stuck[0][6] if stuck else self.epoch)
         # reset so that the next launch starts clean
         self.status.zero_()
         self.counters.zero_()
-        self.ctl.zero_()
-        if bad_pos:
-            raise MegakernelError(
-                f"megakernel stopped: the position taken from the device ({bad_pos[0][6]}) is outside the KV "
-                f"cache [0, max_seq_len={self.lay.max_seq}); nothing ran. Counters were reset; the next launch "
-                "starts clean (at position 0 unless one is given).", [])
-        past = [x for x in stuck if x[7] == FAIL_PAST_TARGET]
-        if past:
-            lines = [f"  {desc}: counter {c} was already at {s}, past this call's target {t} (call {ep})"
-                     for (_, _, desc, c, t, s, ep, _) in past[:8]]
-            raise MegakernelError(
-                f"megakernel stopped: {len(past)} SM(s) found a counter past its target: another launch of this "
-                "handle ran at the same time (two streams or threads), or the call count is out of step with "
-                "the counters:\n" + "\n".join(lines) +
-                f"\nKV cache position {self.last_pos}: {written}.\n"
-                "Counters were reset; the next launch starts clean. The output of this call is invalid.",
-                stuck)
+        self.epoch = 0
         lines = [f"  {desc}: waited on counter {c} for {t} (call {ep}: {t // max(1, ep)} producers per call), "
-                 f"saw {s}" for (_, _, desc, c, t, s, ep, _) in stuck[:8]]
+                 f"saw {s}" for (_, _, desc, c, t, s, ep) in stuck[:8]]
         raise MegakernelError(
             f"megakernel stopped: {len(stuck)} SM(s) gave up waiting after {self.spin_limit} polls "
             f"(a producer never signalled):\n" + "\n".join(lines) +
@@ -438,13 +419,10 @@ def _make_control(h: "LayerHandle", profile: bool) -> None:
         h.status = torch.zeros(h.num_sms + 1, STATUS_WORDS, dtype=torch.int32, device=device)
     h.prof = torch.zeros(max(1, len(tape)) * PROF_WORDS if profile else 1, dtype=torch.int64, device=device)
     h.tape_dev = tape.words.reshape(-1).to(device, copy=True)      # never an alias of the host tape
+    h.qoff_dev = torch.cat([tape.offsets, torch.tensor([tape.pool_counter], dtype=torch.int32)]).to(device)
     targets = [int(t) for t in tape.words[:, 2].tolist() + tape.words[:, 4].tolist()] if len(tape) else [1]
     targets.append(tape.tickets_per_call())      # the pool's ticket counter grows by this per call
-    # counters reach target x calls: after epoch_limit calls the kernel zeroes them (int32 range)
-    epoch_limit = (2**31 - 1) // max(1, max(targets)) - 1
-    extra = torch.tensor([tape.pool_counter, max(1, tape.n_counters), epoch_limit], dtype=torch.int32)
-    h.qoff_dev = torch.cat([tape.offsets, extra]).to(device)
-    h.ctl = torch.zeros(CTL_WORDS, dtype=torch.int32, device=device)
+    h.max_target = max(1, max(targets))
 
 
 def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
@@ -460,8 +438,8 @@ def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
         return
     h.launch_opts["launch_cooperative_grid"] = bool(cooperative)
     x0 = torch.zeros(1, h.cfg.d, dtype=torch.bfloat16, device=device)
-    ck = h.kernel.warmup(h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.ctl,
-                         h.spin_limit, 0, x0, x0, grid=(h.num_sms,), **cx, **h.launch_opts)
+    ck = h.kernel.warmup(h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, 1, h.spin_limit, 0,
+                         x0, x0, grid=(h.num_sms,), **cx, **h.launch_opts)
     ck._init_handles()
     h.resources = {"n_regs": ck.n_regs, "n_spills": ck.n_spills, "shared": ck.metadata.shared}
     from .fastlaunch import FastLauncher
@@ -469,32 +447,23 @@ def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
         h.launcher = FastLauncher(
             ck, h.num_sms,
             fixed=dict(tape_ptr=h.tape_dev, qoff_ptr=h.qoff_dev, cnt_ptr=h.counters, status_ptr=h.status,
-                       prof_ptr=h.prof, ptab_ptr=h.bindings.table, ctl_ptr=h.ctl, spin_limit=h.spin_limit),
-            dynamic=("pos_arg", "x_ptr", "out_ptr"), cooperative=bool(cooperative))
+                       prof_ptr=h.prof, ptab_ptr=h.bindings.table, spin_limit=h.spin_limit),
+            dynamic=("epoch", "pos", "x_ptr", "out_ptr"), cooperative=bool(cooperative))
     except (OSError, NotImplementedError, ValueError, AttributeError) as e:
         # Triton's JIT launch below still works; it costs tens of microseconds of host time more
         h.resources["fast_launch"] = f"off: {e!r}"
 
 
-def _check_pos(h: LayerHandle, pos, what: str = "pos") -> int:
-    """``pos`` as an int in the cache, or -1 for None (the position the device holds: the last
-    call's position + 1, or what the host set with :func:`set_position`)."""
-    if pos is None:
-        return -1
-    if isinstance(pos, torch.Tensor) and pos.numel() == 1 and not pos.dtype.is_floating_point \
-            and pos.dtype != torch.bool:
-        pos = int(pos)
-    if isinstance(pos, bool) or not isinstance(pos, int):
-        raise _err(TypeError, what, "a python int (or None: the position held on the device)", _desc(pos))
-    if not 0 <= pos < h.lay.max_seq:
-        raise _err(ValueError, what, f"an int in [0, max_seq_len={h.lay.max_seq})", pos)
-    return pos
-
-
-def _check_step_args(h: LayerHandle, x, pos) -> int:
+def _check_step_args(h: LayerHandle, x, pos) -> None:
     if h.closed:
         raise ValueError("handle: teardown() was already called on it")
-    pos = _check_pos(h, pos)
+    if isinstance(pos, bool) or not isinstance(pos, int):
+        if isinstance(pos, torch.Tensor) and pos.numel() == 1 and not pos.dtype.is_floating_point:
+            pos = int(pos)
+        else:
+            raise _err(TypeError, "pos", "a python int", _desc(pos))
+    if not 0 <= pos < h.lay.max_seq:
+        raise _err(ValueError, "pos", f"an int in [0, max_seq_len={h.lay.max_seq})", pos)
     if not isinstance(x, torch.Tensor):
         raise _err(TypeError, "x", f"a (1, {h.cfg.d}) bfloat16 tensor", _desc(x))
     if x.dtype != torch.bfloat16 or tuple(x.shape) != (1, h.cfg.d) or x.device != h.device:
@@ -503,86 +472,67 @@ def _check_step_args(h: LayerHandle, x, pos) -> int:
         raise _err(ValueError, "x", "a contiguous tensor", _desc(x))
     if x.data_ptr() % 16:
         raise _err(ValueError, "x", "a 16-byte aligned tensor", f"data_ptr % 16 = {x.data_ptr() % 16}")
-    return pos
 
 
-def capturing(h: LayerHandle) -> bool:
-    """Whether the current stream of the handle's device is capturing a CUDA graph."""
-    return h.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def launch(h: LayerHandle, x: torch.Tensor, pos: int, out: torch.Tensor) -> None:
+    """One launch of the interpreter kernel (no checks)."""
+    h.epoch += 1
+    if h.epoch * h.max_target >= 2**31 - 1:      # counters would overflow int32: start over
+        h.counters.zero_()
+        h.epoch = 1
+    if h.launcher is not None:
+        h.launcher(torch._C._cuda_getCurrentRawStream(h.device.index), epoch=h.epoch, pos=pos,
+                   x_ptr=x.data_ptr(), out_ptr=out.data_ptr())
+    else:
+        h.kernel[(h.num_sms,)](h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.epoch,
+                               h.spin_limit, pos, x, out, **h.constexprs, **h.launch_opts)
 
 
-class _Stepping:
-    """Holds the handle for one step: a second thread stepping it meanwhile gets a clear error
-    (the counters of one handle serve one launch at a time). Under CUDA-graph capture the
-    host-side checks that need a synchronisation are left to the replays' next ordinary step."""
+class Stepping:
+    """Holds a handle for one step (or a run of steps): a second thread stepping the same handle
+    meanwhile gets a clear error, since its counters serve one launch at a time. Capturing a step
+    in a CUDA graph is refused: the call number is a launch argument the host advances, so a
+    replayed launch would find its counter targets already met and run unsynchronised."""
 
     def __init__(self, h: LayerHandle):
         self.h = h
 
     def __enter__(self):
         h = self.h
+        if h.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("handle: a megatape step cannot be captured in a CUDA graph yet (the call number is "
+                               "advanced by the host, so a replay would run unsynchronised); launch the steps "
+                               "directly")
         if not h.lock.acquire(blocking=False):
             raise RuntimeError("handle: stepped from two threads at once; a handle's counters serve one launch "
                                "at a time: use one handle per thread (or a lock around its steps)")
-        self.capturing = capturing(h)
-        if self.capturing and h.sync_check:
-            h.lock.release()
-            raise ValueError("handle: built with sync_check=True, which synchronises after every step and cannot "
-                             "be captured in a CUDA graph; build it with sync_check=False")
-        if h.status_host and not self.capturing:
-            try:
-                h.check(sync=False)     # a failure of an earlier launch that has finished since
-            except BaseException:
-                h.lock.release()
-                raise
-        return self.capturing
+        return h
 
     def __exit__(self, *exc):
         self.h.lock.release()
         return False
 
 
-def set_position(h: LayerHandle, pos: int) -> None:
-    """Set the position the next ``pos=None`` step takes (a device write, stream-ordered)."""
-    pos = _check_pos(h, pos)
-    h.ctl[CTL_POS].fill_(pos)
-
-
-def launch(h: LayerHandle, x: torch.Tensor, pos: int, out: torch.Tensor) -> None:
-    """One launch of the interpreter kernel (no checks); ``pos`` -1: the position on the device.
-    The call count and the next position live in the control block, which the kernel advances:
-    the launch is the same every time, so it can be captured in a CUDA graph and replayed."""
-    if h.launcher is not None:
-        h.launcher(torch._C._cuda_getCurrentRawStream(h.device.index), pos_arg=pos,
-                   x_ptr=x.data_ptr(), out_ptr=out.data_ptr())
-    else:
-        h.kernel[(h.num_sms,)](h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.ctl,
-                               h.spin_limit, pos, x, out, **h.constexprs, **h.launch_opts)
-
-
-def layer_step(h: LayerHandle, x: torch.Tensor, pos) -> torch.Tensor:
+def layer_step(h: LayerHandle, x: torch.Tensor, pos: int) -> torch.Tensor:
     """Run the layer(s) on one hidden state; append this position's K/V into the cache.
 
     x   : (1, d) bf16, the incoming residual stream (read, never written)
-    pos : int, the absolute position being written; None: the position the device holds (the
-          last call's + 1, or :func:`set_position`'s), which is what a captured CUDA graph of
-          several steps uses
-    returns a fresh (1, d) bf16 tensor: the residual stream after the layer(s) (under CUDA-graph
-    capture: the graph's output tensor, which every replay rewrites)
+    pos : int, the absolute position being written
+    returns a fresh (1, d) bf16 tensor: the residual stream after the layer(s)
     """
-    pos = _check_step_args(h, x, pos)
-    with _Stepping(h) as capture:
+    _check_step_args(h, x, pos)
+    with Stepping(h):
+        if h.status_host:
+            h.check(sync=False)     # a failure of an earlier launch that has finished since
         # NOTE: the output was allocated after the previous launch, while the GPU ran: the
         # allocation (~4 us of host time on the lent VM) stays off the launch path. Each call still
         # returns a tensor of its own that no earlier or later call writes.
-        out = h.next_out if (h.next_out is not None and not capture) else \
-            torch.empty(1, h.cfg.d, dtype=torch.bfloat16, device=h.device)
-        if not capture:
-            h.next_out = None
-        h.last_pos = pos
-        launch(h, x, pos, out)
-        if not capture:
-            h.next_out = torch.empty_like(out)
+        out = h.next_out if h.next_out is not None else torch.empty(1, h.cfg.d, dtype=torch.bfloat16,
+                                                                     device=h.device)
+        h.next_out = None
+        h.last_pos = int(pos)
+        launch(h, x, int(pos), out)
+        h.next_out = torch.empty_like(out)
         if h.sync_check:
             h.check(sync=True)
     return out

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from conftest import bump_target, clone_cache, decoder_weights, drop_producer
-from interp import generate, layer_step
+from interp import layer_step
 from opcodes import PRESETS, ModelConfig
 from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err
 
@@ -316,137 +316,17 @@ def test_viz_70b_layer_under_30s(tmp_path, capsys):
     assert dt < 30, f"viz of the 70B layer took {dt:.1f} s"
 
 
-# ---- CUDA graphs: the call count and the position live on the device -------------------------------
-def _small_model(handles, layers=1, prefill=20, max_seq=64, **kw):
-    cfg = dataclasses.replace(PRESETS[SMALL], layers=layers)
+def test_capturing_a_step_is_refused_not_silently_wrong(handles):
+    """The call number is advanced by the host: a replayed captured launch would run with its
+    counter targets already met. Capture is refused with a clear error; the handle still works."""
+    cfg = PRESETS[SMALL]
     w = make_weights(cfg, seed=21, device=_dev())
-    kv = make_kv_cache(cfg, max_seq, prefill, seed=22, device=_dev())
+    kv = make_kv_cache(cfg, 64, 20, seed=22, device=_dev())
     ref = clone_cache(kv)
-    return cfg, w, kv, ref, handles.model(w, kv, cfg.to_dict(), max_seq, **kw)
-
-
-def _x(cfg, seed):
-    g = torch.Generator(device=_dev()).manual_seed(seed)
-    return torch.randn(1, cfg.d, generator=g, device=_dev()).to(torch.bfloat16)
-
-
-@pytest.mark.parametrize("layers", [1, 2])
-def test_captured_step_replays_mixed_with_ordinary_steps(handles, layers):
-    """A step captured in a CUDA graph replays correctly any number of times, mixed with ordinary
-    steps before and after (the replays once found their counter targets met: a silent wrong answer)."""
-    cfg, w, kv, ref, h = _small_model(handles, layers=layers)
-    x0 = _x(cfg, 1)
-    assert rel_err(layer_step(h, x0, 20), model_ref(w, ref, cfg, x0, 20)) <= TOL
-    xc = _x(cfg, 2)
+    h = handles.layer(w, kv, cfg.to_dict(), 64)
+    x = torch.randn(1, cfg.d, device=_dev()).to(torch.bfloat16)       # made before the capture
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out_c = layer_step(h, xc, 21)                     # captured, not run
-    want = model_ref(w, ref, cfg, xc, 21)
-    for k in range(5):
-        g.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out_c, want) <= TOL, k
-        if k % 2:
-            xo = _x(cfg, 10 + k)                          # an ordinary step in between, at the next position
-            refk = clone_cache(ref)
-            assert rel_err(layer_step(h, xo, 22), model_ref(w, refk, cfg, xo, 22)) <= TOL
-    h.check()
-    xe = _x(cfg, 3)
-    assert rel_err(layer_step(h, xe, 22), model_ref(w, ref, cfg, xe, 22)) <= TOL
-
-
-def test_captured_block_at_the_device_position(handles):
-    """A graph of 4 model steps at the device's position: each replay writes the next 4 positions."""
-    cfg, w, kv, ref, h = _small_model(handles, layers=2)
-    from interp.runtime import set_position
-    xs = [_x(cfg, 30 + k) for k in range(4)]
-    layer_step(h, xs[0], 20)                              # warm: the device now holds position 21
-    model_ref(w, ref, cfg, xs[0], 20)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = [layer_step(h, xs[k], None) for k in range(4)]
-    for start in (21, 25, 21):
-        if start == 21:
-            set_position(h, 21)
-        g.replay()
-        torch.cuda.synchronize()
-        refk = clone_cache(ref)
-        for k in range(4):
-            assert rel_err(outs[k], model_ref(w, refk, cfg, xs[k], start + k)) <= TOL, (start, k)
-        if start == 21:
-            ref = refk
-
-
-def test_generate_in_graph_blocks_equals_plain_launches(handles):
-    cfg = dataclasses.replace(PRESETS[SMALL], layers=2, vocab=1000)
-    w = decoder_weights(cfg, seed=3, device=_dev())
-    out = []
-    for block in (0, 1, 8, 32):
-        kv = make_kv_cache(cfg, 128, 0, device=_dev())
-        h = handles.decoder(w, kv, cfg.to_dict(), 128)
-        toks = generate(h, [5, 17, 3], 70, graph_block=block)
-        out.append(toks.cpu())
-        h.layer.check()
-    assert all(torch.equal(t, out[0]) for t in out[1:])
-
-
-def test_capture_misuse_is_refused(handles):
-    cfg, w, kv, ref, h = _small_model(handles, sync_check=True)
-    g = torch.cuda.CUDAGraph()
-    with pytest.raises(ValueError, match="sync_check"):
+    with pytest.raises(RuntimeError, match="CUDA graph"):
         with torch.cuda.graph(g):
-            layer_step(h, _x(cfg, 4), 20)
-
-
-def test_two_threads_on_one_handle_raise_and_on_two_handles_work(handles):
-    import threading
-    cfg, w, kv, ref, h = _small_model(handles)
-    assert h.lock.acquire(blocking=False)               # a thread is inside a step of h
-    try:
-        with pytest.raises(RuntimeError, match="two threads"):
-            layer_step(h, _x(cfg, 5), 20)
-    finally:
-        h.lock.release()
-    cfg2, w2, kv2, ref2, h2 = _small_model(handles)
-    errs, results = [], {}
-
-    def worker(name, hh, ww, rr):
-        try:
-            for k in range(20):
-                x = _x(cfg, 100 + k)
-                y = layer_step(hh, x, 20 + k)
-                torch.cuda.synchronize()
-                results[(name, k)] = rel_err(y, model_ref(ww, rr, cfg, x, 20 + k))
-        except Exception as e:      # reported below
-            errs.append(repr(e))
-
-    ts = [threading.Thread(target=worker, args=("a", h, w, ref)), threading.Thread(target=worker, args=("b", h2, w2, ref2))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errs and max(results.values()) <= TOL
-
-
-def test_steps_on_other_streams_rollback_and_beside_a_gemm(handles):
-    cfg, w, kv, ref, h = _small_model(handles)
-    s = torch.cuda.Stream()
-    a = torch.randn(8192, 8192, device=_dev(), dtype=torch.bfloat16)
-    x = _x(cfg, 6)
-    with torch.cuda.stream(s):                              # a non-default stream
-        y = layer_step(h, x, 20)
-    s.synchronize()
-    r20 = clone_cache(ref)
-    assert rel_err(y, model_ref(w, ref, cfg, x, 20)) <= TOL
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):                           # a large GEMM on another stream meanwhile
-        big = a @ a
-    y2 = layer_step(h, _x(cfg, 7), 21)
-    torch.cuda.synchronize()
-    assert rel_err(y2, model_ref(w, ref, cfg, _x(cfg, 7), 21)) <= TOL and big.isfinite().all()
-    x3 = _x(cfg, 8)                                         # roll back: position 21 again, another input
-    assert rel_err(layer_step(h, x3, 21), model_ref(w, r20, cfg, x3, 21)) <= TOL
-    from interp import teardown
-    teardown(h)
-    with pytest.raises(ValueError, match="teardown"):
-        layer_step(h, x3, 22)
+            layer_step(h, x, 20)
+    assert rel_err(layer_step(h, x, 20), model_ref(w, ref, cfg, x, 20)) <= TOL

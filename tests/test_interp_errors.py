@@ -235,7 +235,7 @@ STEP_CASES = [
     ("pos-float", lambda: _x(), float(PREFILL), TypeError, ["pos", "int", "float"]),
     ("pos-bool", lambda: _x(), True, TypeError, ["pos", "int", "bool"]),
     ("pos-str", lambda: _x(), str(PREFILL), TypeError, ["pos", "int", "str"]),
-    ("pos-float", lambda: _x(), 1.5, TypeError, ["pos", "int", "1.5"]),
+    ("pos-none", lambda: _x(), None, TypeError, ["pos", "int", "None"]),
     ("pos-float-tensor", lambda: _x(), torch.tensor(float(PREFILL)), TypeError, ["pos", "int", "float"]),
     ("pos-tensor-out-of-range", lambda: _x(), torch.tensor(MAX_SEQ), ValueError, ["pos", f"{MAX_SEQ}"]),
     ("x-fp32", lambda: _x().float(), OK, (TypeError, ValueError), ["x", "bfloat16", "float32"]),
@@ -445,3 +445,23 @@ def test_broken_tape_default_spin_limit_raises(handles):
     with pytest.raises(interp.MegakernelError) as ei:
         layer_step(h, torch.zeros(1, D, dtype=torch.bfloat16), PREFILL)
     check_message(ei.value, _stuck_names(tape, slot, counter) + [f"after {INTERPRETER_SPIN_LIMIT} polls"])
+
+
+def test_a_handle_stepped_from_two_threads_at_once_raises():
+    """A handle's counters serve one launch at a time: a second thread inside a step is refused."""
+    cfg = PRESETS["tiny"]
+    w = make_weights(cfg)
+    kv = make_kv_cache(cfg, 64, 37)
+    h = build_layer(w, kv, cfg.to_dict(), 64)
+    try:
+        x = (torch.randn(1, cfg.d, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16)
+        assert h.lock.acquire(blocking=False)              # another thread is inside a step of h
+        try:
+            with pytest.raises(RuntimeError, match="two threads"):
+                layer_step(h, x, 37)
+        finally:
+            h.lock.release()
+        ref = model_ref(w, make_kv_cache(cfg, 64, 37), cfg, x, 37)
+        assert rel_err(layer_step(h, x, 37), ref) <= 1.5e-2  # and the handle is fine afterwards
+    finally:
+        teardown(h)
