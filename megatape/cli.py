@@ -165,6 +165,9 @@ def summary_lines(comps: dict, selected: str) -> list[str]:
     if targets:
         lines.append(f"  per-call wait targets (producers per counter): min {min(targets)}, "
                      f"max {max(targets)}; {n_waits} waits in all, none reset between calls")
+    q_waits, repeated = sel.tape.repeated_waits()
+    lines.append(f"  {repeated} of the {q_waits} waits on the SM queues repeat a wait of an earlier instruction of "
+                 f"the same SM on the same counter (met before they are polled)")
     # verifier
     lines.append("")
     lines.append("verifier:")

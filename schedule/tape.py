@@ -65,6 +65,21 @@ class Tape:
         """The scratch buffers its opcodes write: name -> (shape, dtype)."""
         return scratch_buffers(self.lay, self.classes())
 
+    def repeated_waits(self) -> tuple[int, int]:
+        """(waits on the SM queues, those that an earlier instruction of the same queue already
+        made on the same counter). Every wait on a counter has the same per-call target, so a
+        repeated one is met before it is polled: an SM could skip its acquire (pool instructions
+        run on any SM and are not counted)."""
+        total = repeated = 0
+        for s in range(self.num_sms):
+            seen: set[int] = set()
+            for k in self.sm_range(s):
+                for c, _ in decode_slot(self, k, s).waits:
+                    total += 1
+                    repeated += c in seen
+                    seen.add(c)
+        return total, repeated
+
     def tickets_per_call(self) -> int:
         """How far the pool counter advances in one call: every pool instruction is one ticket,
         and every SM takes one more ticket, past the end, before it stops."""

@@ -628,3 +628,17 @@ def test_compile_model_pool_us_argument():
         assert len(c.sched.pool) == len(c.prog) and c.tape.pool_len == len(c.prog)
 
 
+
+
+def test_repeated_waits_counts_waits_an_earlier_instruction_of_the_sm_made():
+    """On one SM every wait on a counter after the first is met before it is polled; on more SMs
+    only waits whose counter the same queue already waited on count."""
+    from schedule.tape import decode
+    cfg = ModelConfig.from_name("small-2layer")
+    one = compile_model(cfg, 1, max_seq=64, pool_us=0).tape
+    waits = [c for d in decode(one) for c, _ in d.waits]
+    assert one.repeated_waits() == (len(waits), len(waits) - len(set(waits)))
+    many = compile_model(cfg, 8, max_seq=64, pool_us=0).tape
+    per_sm = [[c for d in decode(many) if d.sm == s for c, _ in d.waits] for s in range(8)]
+    assert many.repeated_waits() == (sum(map(len, per_sm)), sum(len(w) - len(set(w)) for w in per_sm))
+    assert 0 < many.repeated_waits()[1] < one.repeated_waits()[1]
