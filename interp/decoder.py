@@ -110,11 +110,11 @@ def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_
     """
     if "lowering" in options:
         raise TypeError("build_decoder: lowering= is set by the decoder itself")
+    if not isinstance(sampling, bool):
+        raise _err(TypeError, "sampling", "a bool", _desc(sampling))
     cfg = _model_cfg(cfg)
     _, device = runtime.validate_inputs(weights, kv_cache, cfg, max_seq_len)
     _check_decoder_weights(weights, kv_cache, cfg, device)
-    if not isinstance(sampling, bool):
-        raise _err(TypeError, "sampling", "a bool", _desc(sampling))
     h = runtime.build_layer(weights, kv_cache, cfg, max_seq_len,
                             lowering=decoder_lowering(lm_rows, emb_cols, sample=sampling), **options)
     lay = h.tape.lay
