@@ -440,11 +440,16 @@ def cmd_generate(a, prog: str = "megatape generate") -> int:
         print(f"{prog}: note: at most {n_new} new tokens fit the context of {ctx} positions ({src})", file=sys.stderr)
     max_seq = min(ctx, next_pow2(max(len(ids) + n_new, 16)))     # few distinct kernels across runs
     cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
     t0 = time.perf_counter()
     try:
-        h = ck.build(max_seq, sampling=a.temperature > 0)
-    except (FileNotFoundError, ValueError, TypeError) as e:
+        ck.load_weights(device)
+    except (FileNotFoundError, ValueError) as e:       # a missing shard or tensor, a shape config.json contradicts
         return fail(f"argument --model: {e}")
+    try:
+        h = ck.build(max_seq, sampling=a.temperature > 0, device=device)
+    except (ValueError, TypeError) as e:
+        return fail(e)
     t_build = time.perf_counter() - t0
     try:
         gen = generate_text(h, ck.tokenizer, ids, n_new, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,

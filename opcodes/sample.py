@@ -23,8 +23,8 @@ operations that round the same on every IEEE machine (one subtraction, multiplic
 
     z = max((l - max) * scale, -48)            (fp32; exact scaling by 2^20 below)
     q = int(z * 2^20) = n * 2^20 + r           n = q >> 20 in [-48, 0], r in [0, 2^20)
-    w = (T[r >> 10] + (T[r >> 10] >> 20) * (r & 1023) * round(ln 2 * 2^20) >> 20) >> -n
-        with T[j] = round(2^40 * 2^(j / 1024))
+    h, o = r >> 10, r & 1023                   T[j] = round(2^40 * 2^(j / 1024))
+    w = (T[h] + (((T[h] >> 20) * o * round(ln 2 * 2^20)) >> 20)) >> -n
 
 so ``w`` is 2^(40 + z) to within 3e-7 relative plus one unit (the top token weighs 2^40; a token
 below 2^-48 of it weighs 0: with 128k tokens at most 5e-10 of the mass) and every sum of weights is
@@ -41,7 +41,8 @@ implements the same steps in torch, including the blocks the device skips.
     top-k  t_k = the largest logit v with c(v) >= k          (the k-th largest value; ties kept)
     top-p  t_p = the largest logit v >= t_k with s(v) >= ceil(top_p * s(t_k))
 
-(a token is kept by top-p iff the mass strictly above it is < top_p; ``top_p`` is used to 2^-24).
+(a token is kept by top-p iff the mass strictly above it is < top_p; ``top_p`` is used to 2^-24;
+tokens with equal logits are kept or dropped together, where transformers' sort may split them).
 Each threshold is found by a search over logit values that snaps to the data: it evaluates the
 top value first, then gallops down (steps of 1, 2, 4, ... units of log2 weight) until the
 predicate holds, then bisects; every evaluation returns the smallest logit >= the probe and the

@@ -347,6 +347,28 @@ def test_sampled_tokens_follow_the_transformers_distribution(sampler, greedy):
     assert chi2_pvalue(counts, wrong) < 1e-3
 
 
+def test_a_sampling_tape_runs_in_the_vm(sampler, greedy):
+    """The whole sampling tape in the tape VM: the parameters are its STATE, given to run_tape."""
+    from schedule import compile_model
+    from schedule.decoder_program import decoder_lowering, run_decoder_vm
+    from schedule.vm import run_tape
+    c, h = sampler
+    w = c.load_weights()
+    tape = compile_model(h.cfg, 3, max_seq=16, lowering=decoder_lowering(lm_rows=h.lay.lm_rows, sample=True)).tape
+    kv = [tuple(torch.zeros(1, h.cfg.n_kv, 16, h.cfg.hd, dtype=torch.bfloat16) for _ in range(2))
+          for _ in range(h.cfg.layers)]
+    prm = dict(temperature=T, top_k=TOP_K, top_p=TOP_P, seed=5)
+    logits, tok = run_decoder_vm(tape, w, kv, greedy[0][0], 0, seed=1, sampling=prm)
+    st = run_tape(tape, w, [tuple(t.clone() for t in p) for p in kv], torch.tensor([greedy[0][0]]), 0, seed=2,
+                  return_state=True, state=Sample.state_values(**prm))
+    lay = tape.lay
+    assert tok == sample_torch(st.buf["logits"], st.buf["amax"], lay.n_lm_tiles, lay.lm_rows,
+                               Sample.CONSTEXPRS["SMP_BLOCK"](lay), Sample.state_values(**prm)["smp"], 0)
+    assert torch.equal(logits[0], st.buf["logits"])              # another interleaving, the same logits
+    with pytest.raises(ValueError, match="sampling parameters"):
+        run_decoder_vm(tape, w, kv, greedy[0][0], 0)
+
+
 @triton.jit
 def _randint_kernel(seed_ptr, out_ptr, pos):
     tl.store(out_ptr, tl.randint(tl.load(seed_ptr), pos))
