@@ -5,6 +5,9 @@
     new = generate(h, prompt_tokens, n_new)           # greedy; the host only launches
     teardown(h)
 
+    h = build_decoder(weights, kv_cache, cfg, max_seq_len, sampling=True)     # SAMPLE instead of ARGMAX
+    new = generate(h, prompt_tokens, n_new, temperature=0.8, top_k=50, top_p=0.95, seed=1)
+
 ``weights = {"embed": (vocab, d), "layers": [...], "final_norm": (d,), "lm_head": (vocab, d)}``
 (bf16; ``lm_head`` may be the same tensor as ``embed``: tied embeddings), ``kv_cache`` and the
 layers as for ``build_layer``, ``cfg`` the spec's cfg with ``vocab``.
@@ -15,6 +18,10 @@ and the LM head (fp32 logits and a (max, argmax) partial per tile) and ARGMAX wr
 next token into a device int32 buffer, which the next launch's EMBED reads: greedy generation is
 a loop of launches with no host round trip (the token never leaves the device).
 ``decode_step`` copies the caller's token into that buffer on the device first.
+With ``build_decoder(..., sampling=True)`` the tape ends in SAMPLE instead (``opcodes.sample``):
+the token is drawn on the device from softmax(logits / temperature) with top-k and top-p, by a
+counter-based generator seeded with (seed, position), from parameters in a device buffer that
+``generate`` writes once: still one launch per token and no host round trip.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import torch
 
 from opcodes import DecoderLayout, ModelConfig
 from opcodes.decoder import decoder_shapes
+from opcodes.sample import Sample, check_sampling
 from schedule.decoder_program import decoder_lowering
 
 from . import runtime
@@ -46,6 +54,7 @@ class DecoderHandle:
     logits: torch.Tensor         # (1, vocab) fp32: the last launch's logits
     weights: dict = field(repr=False, default=None)
     closed: bool = False
+    sampling: bool = False       # the tape ends in SAMPLE (build_decoder(..., sampling=True)), not ARGMAX
 
     @property
     def tape(self):
@@ -84,7 +93,8 @@ def _check_decoder_weights(weights, kv_cache, cfg: ModelConfig, device: torch.de
                                      "cache is written in place, so each K and V tensor needs memory of its own")
 
 
-def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_cols: int = 0, **options):
+def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_cols: int = 0, sampling: bool = False,
+                  **options):
     """Prepare a whole Llama-family model for ``decode_step`` / ``generate``. Untimed.
 
     weights  : {"embed": (vocab, d), "layers": [per-layer dicts as for build_layer], "final_norm": (d,),
@@ -92,26 +102,48 @@ def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_
     kv_cache : [(k, v)] per layer, each (1, n_kv, max_seq_len, hd) bf16, updated in place
     cfg      : the spec's cfg dict (or a ModelConfig) with ``vocab``
     ``lm_rows`` / ``emb_cols``: vocabulary rows per LM_HEAD tile and d columns per EMBED tile (0: the
-    defaults of ``opcodes.decoder.DecoderLayout``). Other options go to ``build_layer`` (``num_sms``,
+    defaults of ``opcodes.decoder.DecoderLayout``). ``sampling``: the tape ends in SAMPLE (the token
+    drawn on the device; ``generate(..., temperature=...)``) instead of ARGMAX (greedy; the default,
+    which ``generate`` needs for temperature 0). Other options go to ``build_layer`` (``num_sms``,
     ``tiling``, ``policy``, ``tape`` (a tape compiled with ``lower_decoder``), ``spin_limit``,
     ``sync_check``, ``profile``, ...).
     """
     if "lowering" in options:
         raise TypeError("build_decoder: lowering= is set by the decoder itself")
+    if not isinstance(sampling, bool):
+        raise _err(TypeError, "sampling", "a bool", _desc(sampling))
     cfg = _model_cfg(cfg)
     _, device = runtime.validate_inputs(weights, kv_cache, cfg, max_seq_len)
     _check_decoder_weights(weights, kv_cache, cfg, device)
-    h = runtime.build_layer(weights, kv_cache, cfg, max_seq_len, lowering=decoder_lowering(lm_rows, emb_cols),
-                            **options)
+    h = runtime.build_layer(weights, kv_cache, cfg, max_seq_len,
+                            lowering=decoder_lowering(lm_rows, emb_cols, sample=sampling), **options)
     lay = h.tape.lay
     if not isinstance(lay, DecoderLayout):
         runtime.teardown(h)
         raise ValueError("tape: not a whole-model decoder tape (compile it with "
                          "lowering=schedule.decoder_program.lower_decoder)")
+    if sampling != any(c is Sample for c in h.tape.classes()):
+        runtime.teardown(h)
+        raise ValueError(f"tape: {'no' if sampling else 'a'} SAMPLE instruction, but sampling={sampling} (compile "
+                         f"it with lowering=schedule.decoder_program.decoder_lowering(sample={sampling}))")
     hidden = torch.empty(1, cfg.d, dtype=torch.bfloat16, device=device)
-    return DecoderHandle(layer=h, cfg=cfg, lay=lay, device=device, tok=h.state["tok"], toks=h.state["toks"],
-                         x0=h.scratch["x0"].view(1, cfg.d), hidden=hidden,
-                         logits=h.scratch["logits"].view(1, cfg.vocab), weights=weights)
+    dh = DecoderHandle(layer=h, cfg=cfg, lay=lay, device=device, tok=h.state["tok"], toks=h.state["toks"],
+                       x0=h.scratch["x0"].view(1, cfg.d), hidden=hidden,
+                       logits=h.scratch["logits"].view(1, cfg.vocab), weights=weights, sampling=sampling)
+    if sampling:
+        set_sampling(dh)                 # temperature 1, no top-k / top-p, seed 0 until generate sets others
+    return dh
+
+
+def set_sampling(handle, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> None:
+    """Write SAMPLE's parameters into the handle's device buffer (read by every later launch).
+    Errors name the argument; the handle must have been built with ``sampling=True``."""
+    _check_handle(handle)
+    if not handle.sampling:
+        raise ValueError("temperature: sampling (temperature > 0) needs a decoder built with "
+                         "build_decoder(..., sampling=True); this one ends in the greedy ARGMAX")
+    for name, v in Sample.state_values(temperature, top_k, top_p, seed).items():
+        handle.layer.state[name].copy_(v)
 
 
 def _check_handle(dh) -> None:
@@ -180,17 +212,23 @@ def decode_step(handle: DecoderHandle, tokens, pos) -> torch.Tensor:
         return handle.logits.clone()
 
 
-def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 0, return_logits: bool = False):
-    """Greedy generation: consume ``prompt_tokens`` at positions ``start_pos, start_pos + 1, ...``
-    (one decode step each), then generate ``n_new`` tokens. One launch per position; after the
-    prompt the host only launches: each launch's ARGMAX leaves the next token on the device, where
-    the next launch's EMBED reads it.
+def _eos_ids(eos_token_ids) -> frozenset:
+    if eos_token_ids is None:
+        return frozenset()
+    if isinstance(eos_token_ids, int) and not isinstance(eos_token_ids, bool):
+        eos_token_ids = [eos_token_ids]
+    try:
+        ids = list(eos_token_ids)
+    except TypeError:
+        raise _err(TypeError, "eos_token_ids", "an int, a list of ints or None", _desc(eos_token_ids)) from None
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise _err(TypeError, "eos_token_ids", "an int, a list of ints or None", _desc(eos_token_ids))
+    return frozenset(ids)
 
-    prompt_tokens : 1-D integer tensor (any device: copied to the device once) or list of ints, >= 1 token
-    returns the (n_new,) int64 generated tokens on the device (and, with ``return_logits``, the
-    (n_new, vocab) fp32 logits that chose them: a device-side copy after each launch).
-    Positions used: ``start_pos .. start_pos + len(prompt) + n_new - 2`` (all < max_seq_len).
-    """
+
+def _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, top_p, seed, eos_token_ids):
+    """Every check of ``generate`` / ``generate_stream``, before anything runs: returns (the prompt
+    on the device, its length, start_pos, the EOS ids)."""
     _check_handle(handle)
     if isinstance(prompt_tokens, (list, tuple)):
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_tokens):
@@ -212,20 +250,102 @@ def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 
         raise _err(ValueError, "prompt_tokens / n_new", f"positions up to max_seq_len - 1 = {handle.max_seq - 1} "
                    f"(start_pos {start_pos} + {P} prompt tokens + {n_new} new - 1)", f"position {last}")
     _check_token_range("prompt_tokens", prompt_tokens, handle.cfg.vocab)
+    check_sampling(temperature, top_k, top_p, seed)
+    if temperature == 0 and handle.sampling:
+        raise ValueError("temperature: 0 (greedy) needs a decoder that ends in ARGMAX (build_decoder(..., "
+                         "sampling=False)); this one was built with sampling=True")
+    if temperature > 0 and not handle.sampling:
+        raise ValueError(f"temperature: {temperature} (sampling) needs a decoder built with build_decoder(..., "
+                         "sampling=True); this one ends in the greedy ARGMAX")
+    eos = _eos_ids(eos_token_ids)
     prompt = prompt_tokens.to(device=handle.device, dtype=torch.int32, non_blocking=True)
+    return prompt, P, start_pos, eos
+
+
+def _run_prompt(handle, prompt, P: int, start_pos: int, temperature, top_k, top_p, seed) -> None:
+    if temperature > 0:
+        set_sampling(handle, temperature, top_k, top_p, seed)
+    for i in range(P):
+        handle.tok.copy_(prompt[i:i + 1])          # a device-side copy: no host round trip
+        _launch(handle, start_pos + i)
+
+
+def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 0, return_logits: bool = False, *,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_ids=None):
+    """Generation: consume ``prompt_tokens`` at positions ``start_pos, start_pos + 1, ...`` (one
+    decode step each), then generate ``n_new`` tokens. One launch per position; after the prompt
+    the host only launches: each launch's ARGMAX (greedy) or SAMPLE leaves the next token on the
+    device, where the next launch's EMBED reads it.
+
+    prompt_tokens : 1-D integer tensor (any device: copied to the device once) or list of ints, >= 1 token
+    temperature   : 0 (default): greedy, the handle's ARGMAX; > 0: SAMPLE draws each token from
+                    softmax(logits / temperature), after ``top_k`` (0: off) and ``top_p`` (1: off)
+                    as transformers' warpers define them, with Philox seeded by (``seed``, position);
+                    needs ``build_decoder(..., sampling=True)``. Same seed and prompt: same tokens.
+    eos_token_ids : an int or ints: stop after the first of them (it is returned); the host then
+                    reads each token as it is made (``generate_stream``), one step ahead of the device
+    returns the (<= n_new,) int64 generated tokens on the device (and, with ``return_logits``, the
+    (n_new, vocab) fp32 logits that chose them: a device-side copy after each launch; not with
+    ``eos_token_ids``). Errors name the argument and come before anything runs.
+    Positions used: ``start_pos .. start_pos + len(prompt) + n_new - 2`` (all < max_seq_len).
+    """
+    prompt, P, start_pos, eos = _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, top_p,
+                                               seed, eos_token_ids)
+    if eos:
+        if return_logits:
+            raise _err(ValueError, "return_logits", "False when eos_token_ids is given", return_logits)
+        toks = list(_stream(handle, prompt, P, start_pos, n_new, eos, (temperature, top_k, top_p, seed)))
+        return torch.tensor(toks, dtype=torch.int64).to(handle.device)
     hist = torch.empty(n_new, handle.cfg.vocab, dtype=torch.float32, device=handle.device) if return_logits else None
     with runtime.Stepping(handle.layer):
-        for i in range(P):
-            handle.tok.copy_(prompt[i:i + 1])          # a device-side copy: no host round trip
-            _launch(handle, start_pos + i)
+        _run_prompt(handle, prompt, P, start_pos, temperature, top_k, top_p, seed)
         for j in range(n_new):
             if j:
-                _launch(handle, start_pos + P - 1 + j)  # EMBED reads the token the last ARGMAX wrote
+                _launch(handle, start_pos + P - 1 + j)  # EMBED reads the token the last ARGMAX / SAMPLE wrote
             if hist is not None:
                 hist[j].copy_(handle.logits[0])
     first = start_pos + P - 1
     out = handle.toks[first:first + n_new].to(torch.int64)
     return (out, hist) if return_logits else out
+
+
+def generate_stream(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 0, *,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                    eos_token_ids=None):
+    """``generate``, yielding each new token (a python int) as soon as the host has it; stops
+    after ``n_new`` tokens or after an EOS id (yielded). The arguments are checked now, before
+    anything runs; the launches happen as the iterator is consumed. After handing over token j the
+    device is already computing token j + 1 (launched before the host waits for j), so the host
+    never waits for a token it does not hand out; stopping early leaves that one launch done."""
+    prompt, P, start_pos, eos = _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, top_p,
+                                               seed, eos_token_ids)
+    return _stream(handle, prompt, P, start_pos, n_new, eos, (temperature, top_k, top_p, seed))
+
+
+def _stream(handle, prompt, P: int, start_pos: int, n_new: int, eos: frozenset, sampling: tuple):
+    # the handle is held per launch, not across the yields (the caller may step other handles)
+    with runtime.Stepping(handle.layer):
+        _run_prompt(handle, prompt, P, start_pos, *sampling)
+    if n_new == 0:
+        return
+    first = start_pos + P - 1
+    cuda = handle.device.type == "cuda"
+    host = torch.empty(n_new, dtype=torch.int32, pin_memory=cuda)
+    ready = torch.cuda.Event() if cuda else None
+    for j in range(n_new):
+        p = first + j
+        host[j:j + 1].copy_(handle.toks[p:p + 1], non_blocking=cuda)
+        if cuda:
+            ready.record()
+        if j + 1 < n_new:
+            with runtime.Stepping(handle.layer):
+                _launch(handle, p + 1)              # token j + 1 is computed while the host reads token j
+        if cuda:
+            ready.synchronize()
+        t = int(host[j])
+        yield t
+        if t in eos:
+            return
 
 
 def teardown_decoder(handle: DecoderHandle) -> None:

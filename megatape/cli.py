@@ -6,18 +6,23 @@
     megatape viz     --preset NAME --sms N --out DIR ...   (pictures: megatape.views.viz)
     megatape bench   ...      (bench/driver.py, needs a CUDA GPU)
     megatape bench-decoder ...   (bench/decoder_bench.py, needs a CUDA GPU)
+    megatape generate --model DIR [--prompt TEXT | --prompt-file PATH] [--chat] [--max-new-tokens N]
+                     [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop STRING] [--max-seq N]
 
 ``compile`` lowers a preset to tile instructions, schedules them on N SMs with the cost model
 (list scheduling) and with round-robin, encodes and verifies both tapes, and prints what the
 tapes hold and how far each predicted makespan is from the bandwidth lower bound. ``run`` is the
 README's main job: the 70B layer's tape and schedule summary on the CPU, a tape-VM check against
 the torch reference on a tiny config, and, when a CUDA device is visible, the GPU benchmark.
+``generate`` is text in, text out from a Hugging Face Llama checkpoint directory
+(``interp.textgen``): the text streams to stdout, the counts and timings go to stderr.
 
 Argument errors print one line naming the argument and exit with status 2.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -53,6 +58,30 @@ def _positive_int(text: str) -> int:
     if v <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
     return v
+
+
+def _number_in(lo: float, hi: float, lo_open: bool, what: str):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return v
+    return parse
+
+
+def _int_in(lo: int, hi: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
+        return v
+    return parse
 
 
 def _version() -> str:
@@ -362,8 +391,106 @@ def cmd_bench_decoder(a) -> int:
     return int(run(a, views=_views()) or 0)
 
 
+# ---- generate ------------------------------------------------------------------------------------
+def _interpret_if_no_gpu() -> None:
+    """Before triton is first imported: with no CUDA device, kernels run in the Triton interpreter."""
+    import torch
+    if not torch.cuda.is_available() and "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _read_prompt(a) -> tuple[str | None, str | None]:
+    """(the prompt, or None and an error line)."""
+    if a.prompt is not None:
+        return a.prompt, None
+    if a.prompt_file is not None:
+        try:
+            with open(a.prompt_file, encoding="utf-8") as f:
+                return f.read(), None
+        except (OSError, UnicodeDecodeError) as e:
+            return None, f"argument --prompt-file: cannot read {a.prompt_file!r}: {e}"
+    return sys.stdin.read(), None
+
+
+def cmd_generate(a, prog: str = "megatape generate") -> int:
+    import torch
+
+    from interp.runtime import teardown
+    from interp.textgen import Checkpoint, floor_seconds, generate_text
+    from opcodes import next_pow2
+
+    def fail(msg: str) -> int:
+        print(f"{prog}: error: {' '.join(str(msg).split())}", file=sys.stderr)
+        return 2
+
+    text, err = _read_prompt(a)
+    if err:
+        return fail(err)
+    try:
+        ck = Checkpoint.open(a.model)
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        return fail(f"argument --model: {e}")
+    try:
+        ids = ck.encode(text, chat=a.chat)
+    except ValueError as e:
+        return fail(f"argument --chat: {str(e)[len('chat: '):]}" if str(e).startswith("chat:") else f"{e}")
+    ctx = a.max_seq or ck.context or len(ids) + a.max_new_tokens
+    src = "--max-seq" if a.max_seq else ("config.json's max_position_embeddings" if ck.context else "")
+    if len(ids) > ctx:
+        return fail(f"prompt: {len(ids)} tokens, longer than the context of {ctx} positions ({src})")
+    n_new = min(a.max_new_tokens, ctx - len(ids) + 1)
+    if n_new < a.max_new_tokens:
+        print(f"{prog}: note: at most {n_new} new tokens fit the context of {ctx} positions ({src})", file=sys.stderr)
+    max_seq = min(ctx, next_pow2(max(len(ids) + n_new, 16)))     # few distinct kernels across runs
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    t0 = time.perf_counter()
+    try:
+        ck.load_weights(device)
+    except (FileNotFoundError, ValueError) as e:       # a missing shard or tensor, a shape config.json contradicts
+        return fail(f"argument --model: {e}")
+    try:
+        h = ck.build(max_seq, sampling=a.temperature > 0, device=device)
+    except (ValueError, TypeError) as e:
+        return fail(e)
+    t_build = time.perf_counter() - t0
+    try:
+        gen = generate_text(h, ck.tokenizer, ids, n_new, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                            seed=a.seed, eos_token_ids=ck.eos_token_ids, stop=a.stop or ())
+        for piece in gen:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        if sys.stdout.isatty():
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+    finally:
+        teardown(h.layer)
+    st = gen.stats
+    mode = "greedy" if a.temperature == 0 else \
+        f"sampled: temperature {a.temperature:g}, top-k {a.top_k or 'off'}, top-p {a.top_p:g}, seed {a.seed}"
+    reason = {"eos": "an EOS token", "stop": "a --stop string", "max_new_tokens": "--max-new-tokens"}[st.stop_reason]
+    lines = [f"{prog}: {ck.path}: {len(h.tape)} instructions on {h.layer.num_sms} SM(s) "
+             f"{'(GPU)' if cuda else '(CPU, Triton interpreter)'}, built in {t_build:.2f} s; {mode}",
+             f"  prompt tokens {st.prompt_tokens}, new tokens {st.new_tokens} (stopped by {reason})",
+             f"  time to first token {st.first_token_s:.3f} s ({st.prompt_tokens} prompt steps)"]
+    per_token = st.decode_s / (st.new_tokens - 1) if st.new_tokens > 1 else float("nan")
+    tps = st.decode_tokens_per_s
+    lines.append(f"  decode {tps:.2f} tokens/s" + (f" ({1e3 * per_token:.2f} ms/token over {st.new_tokens - 1} "
+                                                  "tokens)" if st.new_tokens > 1 else " (n/a: fewer than 2 tokens)"))
+    if cuda and st.new_tokens > 1:
+        from bench.baselines import stream_copy_bandwidth
+        bw = stream_copy_bandwidth(h.device, nbytes=1 << 30)
+        fl = floor_seconds(ck.cfg, st.last_pos, bw)
+        lines.append(f"  x floor {per_token / fl:.3f} (floor {fl * 1e6:.1f} us/step at position {st.last_pos}: "
+                     f"bytes per step over {bw / 1e12:.3f} TB/s stream copy)")
+    else:
+        lines.append("  x floor n/a (no GPU)" if not cuda else "  x floor n/a (fewer than 2 new tokens)")
+    print("\n".join(lines), file=sys.stderr)
+    return 0
+
+
 COMMANDS = {"compile": cmd_compile, "run": cmd_run, "viz": cmd_viz, "bench": cmd_bench,
-            "bench-decoder": cmd_bench_decoder}
+            "bench-decoder": cmd_bench_decoder, "generate": cmd_generate}
 
 
 def _add_viz(sub, presets) -> None:
@@ -441,6 +568,36 @@ def _add_bench_decoder(sub, presets) -> None:
     d.add_argument("--out", default=RESULTS, metavar="DIR", help=f"results directory (default {RESULTS})")
 
 
+def _add_generate(sub) -> None:
+    g = sub.add_parser("generate", help="text in, text out: generate from a Hugging Face Llama checkpoint",
+                       description="Read config.json, the safetensors and tokenizer.json of a Hugging Face Llama "
+                       "checkpoint directory, run the prompt (--prompt, --prompt-file, or stdin) one launch per "
+                       "token and stream the generated text to stdout; counts, time to first token, decode "
+                       "tokens/s and x floor go to stderr. Greedy by default (the ARGMAX opcode); --temperature "
+                       "> 0 samples on the device (the SAMPLE opcode: top-k, top-p, Philox seeded by --seed and "
+                       "the position). Stops at the checkpoint's EOS tokens, a --stop string (not printed) or "
+                       "--max-new-tokens. Without a GPU it runs in the Triton interpreter (tiny models only).")
+    g.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory (config.json, *.safetensors, "
+                   "tokenizer.json)")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", metavar="TEXT", help="the prompt (default: read stdin)")
+    src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a file")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template (one user "
+                   "message, then the assistant's turn)")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N", help="default 128")
+    g.add_argument("--temperature", type=_number_in(0.0, math.inf, False, "a number >= 0"), default=0.0, metavar="T",
+                   help="0 (default): greedy; > 0: sample from softmax(logits / T)")
+    g.add_argument("--top-k", type=_int_in(0, 2**31 - 1, "an integer >= 0"), default=0, metavar="K",
+                   help="sample among the K largest logits (0, default: off)")
+    g.add_argument("--top-p", type=_number_in(0.0, 1.0, True, "a number in (0, 1]"), default=1.0, metavar="P",
+                   help="sample among the fewest tokens whose probability reaches P (1, default: off)")
+    g.add_argument("--seed", type=_int_in(0, 2**31 - 1, "an integer in [0, 2**31)"), default=0, metavar="S",
+                   help="the sampler's seed (default 0): the same seed and prompt give the same text")
+    g.add_argument("--stop", action="append", metavar="STRING", help="stop before this string (repeatable)")
+    g.add_argument("--max-seq", type=_positive_int, default=None, metavar="N", help="context length in positions "
+                   "(default: config.json's max_position_embeddings)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from opcodes import PRESETS
 
@@ -475,11 +632,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_viz(sub, PRESETS)
     _add_bench(sub, PRESETS)
     _add_bench_decoder(sub, PRESETS)
+    _add_generate(sub)
     return ap
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["generate"]:
+        _interpret_if_no_gpu()
     ap = build_parser()
     try:
         a = ap.parse_args(argv)

@@ -21,6 +21,7 @@ from .o_reduce import OReduce
 from .embed import Embed
 from .lm_head import LMHead
 from .argmax import Argmax
+from .sample import Sample
 from .decoder import DecoderLayout
 
 __all__ = ["BY_OPCODE", "HEADER", "LAYOUTS", "MAX_OPERANDS", "MAX_WAITS", "NO_COUNTER", "REGISTRY", "WORDS", "Cost",
@@ -28,4 +29,4 @@ __all__ = ["BY_OPCODE", "HEADER", "LAYOUTS", "MAX_OPERANDS", "MAX_WAITS", "NO_CO
            "layout_from_json", "next_pow2", "register", "register_layout", "scratch_buffers", "state_buffers",
            "unregister", "PRESETS",
            "ModelConfig", "QKV", "AttnPartial", "AttnReduce", "OProj", "GateUp", "Down", "Residual", "OReduce",
-           "Embed", "LMHead", "Argmax", "DecoderLayout"]
+           "Embed", "LMHead", "Argmax", "Sample", "DecoderLayout"]

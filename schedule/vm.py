@@ -25,13 +25,16 @@ class DeadlockError(RuntimeError):
 class VMState:
     """Buffers of one call: the caller's weights, cache and x, plus the scratch buffers."""
 
-    def __init__(self, lay: Layout, weights: dict, kv_cache: list, x: torch.Tensor, pos: int, classes=()):
+    def __init__(self, lay: Layout, weights: dict, kv_cache: list, x: torch.Tensor, pos: int, classes=(),
+                 state: dict | None = None):
         self.lay = lay
         self.model = weights          # the whole dict: a decoder's embed / final_norm / lm_head
         self.weights = weights["layers"]
         self.kv = kv_cache
         self.x = x.reshape(-1)
         self.pos = pos
+        # device buffers that persist across calls, as the host wrote them (e.g. SAMPLE's parameters)
+        self.state = dict(state or {})
         # the opcodes' build-time tables (e.g. RoPE's cos / sin), by kernel pointer name
         self.tables = {k: v for cls in classes for k, v in cls.tables(lay, "cpu").items()}
         dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -51,16 +54,17 @@ class VMState:
 
 
 def run_tape(tape: Tape, weights: dict, kv_cache: list, x: torch.Tensor, pos: int,
-             seed: int | None = 0, return_state: bool = False):
+             seed: int | None = 0, return_state: bool = False, state: dict | None = None):
     """Run one call of ``tape``; KV rows at ``pos`` are written into ``kv_cache`` in place.
     ``seed`` picks the interleaving (None: SM 0 to the end, then SM 1, ...).
 
     Whole-model decoder tapes (``schedule.decoder_program``): ``weights`` is the whole-model dict,
     ``x`` the (1,) int token; ``return_state=True`` returns the :class:`VMState` instead of the
-    output (``buf["logits"]``, ``next_token``; see ``schedule.decoder_program.run_decoder_vm``)."""
+    output (``buf["logits"]``, ``next_token``; see ``schedule.decoder_program.run_decoder_vm``).
+    ``state``: the STATE buffers the host writes before a call, by name (SAMPLE's parameters)."""
     if not 0 <= pos < tape.lay.max_seq:
         raise ValueError(f"pos must be in [0, {tape.lay.max_seq}), got {pos}")
-    st = VMState(tape.lay, weights, kv_cache, x, pos, tape.classes())
+    st = VMState(tape.lay, weights, kv_cache, x, pos, tape.classes(), state)
     queues: dict[int, list] = {s: [] for s in range(tape.num_sms)}
     pool: list = []
     for d in decode(tape):

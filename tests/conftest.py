@@ -9,7 +9,8 @@ directory is on ``sys.path`` and this file is the module ``conftest`` while the 
   the Triton interpreter (skips the module on a GPU host, fails clearly if triton was imported
   before ``TRITON_INTERPRET=1`` was set).
 * tensors: :func:`clone_cache`, :func:`clone_weights`, :func:`bits`, :func:`bitwise_equal`,
-  :func:`caches_equal`, :func:`changed_rows`, :func:`rand_x`, :func:`decoder_weights`;
+  :func:`caches_equal`, :func:`changed_rows`, :func:`rand_x`, :func:`decoder_weights`,
+  :func:`random_llama` (a transformers Llama with weights drawn here);
   messages: :func:`check_message`; broken tapes: :func:`bump_target`, :func:`drop_producer`.
 * fixtures: ``handles`` (build layers / models / decoders, torn down after the test),
   ``runslow`` (whether tests marked ``slow`` run: ``--runslow`` or ``MEGATAPE_SLOW=1``).
@@ -129,6 +130,21 @@ def decoder_weights(cfg, seed: int = 0, device="cpu") -> dict:
         w = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in w.items()}
         w["layers"] = [{n: t.to(device) for n, t in lw.items()} for lw in w["layers"]]
     return w
+
+
+def random_llama(kw: dict, seed: int, max_position_embeddings: int = 128):
+    """A transformers LlamaForCausalLM (``LlamaConfig(**kw)``) whose every weight is drawn here
+    (not by transformers' init, which may change between versions): matrices N(0, 0.1^2), norm
+    weights 1 + N(0, 0.2^2), rounded to bf16."""
+    import transformers
+    conf = transformers.LlamaConfig(**{"max_position_embeddings": max_position_embeddings, **kw})
+    m = transformers.LlamaForCausalLM(conf)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(m.named_parameters()):
+            r = torch.randn(p.shape, generator=g)
+            p.copy_((1.0 + 0.2 * r) if name.endswith("norm.weight") else 0.1 * r)
+    return m.to(torch.bfloat16).eval()
 
 
 # ---- messages ------------------------------------------------------------------------------------

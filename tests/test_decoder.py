@@ -102,7 +102,7 @@ def test_model_aliases_are_documented():
 # ---- the decoder lowering ------------------------------------------------------------------------
 def test_new_opcodes_are_appended():
     names = list(REGISTRY)
-    assert names[-3:] == ["embed", "lm_head", "argmax"]
+    assert names[-4:] == ["embed", "lm_head", "argmax", "sample"]
     assert [REGISTRY[n].OPCODE for n in names] == list(range(1, len(names) + 1))
 
 

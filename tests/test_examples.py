@@ -59,3 +59,15 @@ def test_03_models():
     assert "'vocab': 256" in out
     m = re.search(r"greedy tokens equal: (\d+)/4", out)
     assert m and m.group(1) == "4", out[-1000:]
+
+
+def test_04_text_generation(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("safetensors")
+    out = _run("04_text_generation.py", "--out", str(tmp_path), "--new-tokens", "2")
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"):
+        assert (tmp_path / f).is_file(), f
+    assert out.count("(exit status 0)") == 2
+    seeds = re.findall(r"^seed (\d): (.*); stopped by (\w+) after (\d) tokens$", out, re.M)
+    assert [s[0] for s in seeds] == ["1", "1", "2"] and seeds[0][1] == seeds[1][1]       # the same seed, the same text

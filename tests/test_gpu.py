@@ -12,6 +12,7 @@
   10 repeated runs of one schedule bitwise identical;
 * a soak: 20,000 whole-model decode steps with no error, repeated (token, position) pairs giving
   bitwise the same logits, next tokens and KV rows;
+* SAMPLE on the GPU draws the token its ``run_torch`` draws from the same logits (4 settings x 16 seeds);
 * the compile-time acceptance timings (the 70B layer in < 5 s, 16 layers in < 30 s, in process and
   through the command line; ``megatape viz`` of the 70B layer in < 30 s), measured on the GPU host
   (CPU tests assert no wall-clock times).
@@ -264,6 +265,31 @@ def test_soak_decode_20000_steps_bitwise_repeatable():
     lg1, toks1, _ = first[1]
     assert torch.equal(toks1[len(prompt) - 1:W].to(torch.int64), lg1.argmax(dim=-1))
     print(f"soak: {steps} steps in {dt:.1f} s ({1e6 * dt / steps:.0f} us/step including host work)")
+
+
+# ---- SAMPLE on the GPU: the token run_torch draws, bit for bit ------------------------------------
+SAMPLE_CFG = ModelConfig(layers=2, d=256, ffn=512, n_q=4, n_kv=2, hd=64, theta=10000.0, vocab=50000, name="sample")
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 50, 1.0), (1.2, 0, 0.9), (0.9, 200, 0.8)])
+def test_sample_on_the_gpu_draws_the_token_of_run_torch(temperature, top_k, top_p):
+    """SAMPLE's weights are exact integers, so the GPU draws what ``opcodes.sample.sample_torch``
+    draws from the same logits, for every seed (49 blocks of logits: the block skipping runs)."""
+    from interp import build_decoder, generate, teardown
+    from opcodes import Sample
+    from opcodes.sample import sample_torch
+    cfg, dev, pos = SAMPLE_CFG, _dev(), 2
+    w = decoder_weights(cfg, seed=5, device=dev)
+    h = build_decoder(w, make_kv_cache(cfg, 16, 0, device=dev), cfg.to_dict(), 16, sampling=True)
+    lay = h.lay
+    try:
+        for seed in range(16):
+            tok = generate(h, [11, 22, 33], 1, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+            want = sample_torch(h.logits[0].cpu(), h.layer.scratch["amax"].cpu(), lay.n_lm_tiles, lay.lm_rows,
+                                Sample.CONSTEXPRS["SMP_BLOCK"](lay), h.layer.state["smp"].cpu(), pos)
+            assert int(tok[0]) == want, (seed, int(tok[0]), want)
+    finally:
+        teardown(h)
 
 
 # ---- compile-time acceptance timings (CPU work, measured on the GPU host) ------------------------

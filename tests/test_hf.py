@@ -26,7 +26,7 @@ import pathlib
 import pytest
 import torch
 
-from conftest import require_interpreter
+from conftest import random_llama, require_interpreter
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -83,22 +83,9 @@ LLAMA3_CFG = {"layers": 2, "d": 64, "ffn": 160, "n_q": 2, "n_kv": 1, "hd": 32, "
               "rope_high_freq_factor": 4.0, "rope_original_max_pos": 32}
 
 
-def _random_llama(kw: dict, seed: int):
-    """A LlamaForCausalLM whose every weight is drawn here (not by transformers' init, which may
-    change between versions): matrices N(0, 0.1^2), norm weights 1 + N(0, 0.2^2), rounded to bf16."""
-    conf = transformers.LlamaConfig(max_position_embeddings=128, **kw)
-    m = transformers.LlamaForCausalLM(conf)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(m.named_parameters()):
-            r = torch.randn(p.shape, generator=g)
-            p.copy_((1.0 + 0.2 * r) if name.endswith("norm.weight") else 0.1 * r)
-    return m.to(torch.bfloat16).eval()
-
-
 def _save(path: pathlib.Path, kw: dict, seed: int, save_kw: dict):
     """A random bf16 LlamaForCausalLM saved to ``path``; returns transformers' fp32 copy of it."""
-    _random_llama(kw, seed).save_pretrained(path, **save_kw)
+    random_llama(kw, seed).save_pretrained(path, **save_kw)
     return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 

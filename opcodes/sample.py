@@ -1,0 +1,445 @@
+"""SAMPLE: the next token drawn from softmax(logits / T), restricted by top-k and top-p, on the device.
+
+    p_i  ~ 2^((l_i - max) * log2(e) / T)        the weights of softmax(logits / T)
+    keep = {i : l_i >= t}                        t: the top-k, then the top-p threshold (below)
+    u    = Philox(seed, pos)                     one 31-bit uniform per position (tl.randint)
+    tok  = the first kept index (in index order) whose running sum of weights exceeds u * sum(kept)
+    tok_ptr[0] = tok, toks_ptr[pos] = tok        as ARGMAX writes them (the next call's EMBED reads tok)
+
+It replaces ARGMAX at the end of a whole-model decoder tape when sampling is asked for
+(``schedule.decoder_program.lower_decoder(..., sample=True)``), so generation stays one launch
+per token with the token never leaving the device. The runtime parameters are a device buffer
+the host writes before generating (``STATE`` ``smp``; :meth:`Sample.state_values`), so one
+compiled kernel serves every temperature, top-k, top-p and seed. It is one int64 buffer (one
+kernel pointer: every pointer of the interpreter kernel is live across its loop):
+
+    smp[0:1024]     T, the table of the integer weights (below)
+    smp[1024:1032]  [scale = log2(e) / temperature, gallop = 1 / scale (both fp32 bits), top_k (0: off),
+                     seed, top_p_q = round(top_p * 2^24) (2^24: off), temperature, top_p (fp32 bits), 0]
+
+**Exact integer weights.** Every weight is an integer computed from the fp32 logit with
+operations that round the same on every IEEE machine (one subtraction, multiplications, a float
+-> int conversion), integer arithmetic and one lookup in the 1024-entry table T:
+
+    z = max((l - max) * scale, -48)            (fp32; exact scaling by 2^20 below)
+    q = int(z * 2^20) = n * 2^20 + r           n = q >> 20 in [-48, 0], r in [0, 2^20)
+    h, o = r >> 10, r & 1023                   T[j] = round(2^40 * 2^(j / 1024))
+    w = (T[h] + (((T[h] >> 20) * o * round(ln 2 * 2^20)) >> 20)) >> -n
+
+so ``w`` is 2^(40 + z) to within 3e-7 relative plus one unit (the top token weighs 2^40; a token
+below 2^-48 of it weighs 0: with 128k tokens at most 5e-10 of the mass) and every sum of weights is
+an exact int64 (at most 2^41 per token: exact up to 2^22 tokens), so nothing depends on the order
+of a reduction.
+The token is therefore a function of the logits' bits, the seed and the position alone, the same
+on a GPU, in the Triton interpreter and in :meth:`Sample.run_torch` (the tape VM), which
+implements the same steps in torch, including the blocks the device skips.
+
+**Thresholds** (transformers' semantics: temperature, then ``TopKLogitsWarper``, then
+``TopPLogitsWarper`` over the renormalised top-k set). With ``c(x) = #{l >= x}`` and
+``s(x) = sum of w over {l >= x}``:
+
+    top-k  t_k = the largest logit v with c(v) >= k          (the k-th largest value; ties kept)
+    top-p  t_p = the largest logit v >= t_k with s(v) >= ceil(top_p * s(t_k))
+
+(a token is kept by top-p iff the mass strictly above it is < top_p; ``top_p`` is used to 2^-24;
+tokens with equal logits are kept or dropped together, where transformers' sort may split them).
+Each threshold is found by a search over logit values that snaps to the data: it evaluates the
+top value first, then gallops down (steps of 1, 2, 4, ... units of log2 weight) until the
+predicate holds, then bisects; every evaluation returns the smallest logit >= the probe and the
+largest one below it, so the search ends on a logit value, exactly, after at most
+``SMP_MAX_EVALS`` evaluations.
+
+**Cost.** One instruction on one SM after the LM head (the other SMs are idle by then); it reads
+the fp32 logits from L2 in blocks of ``SMP_BLOCK`` and skips a block whose largest logit (from
+the LM_HEAD tiles' (max, index) partials) is below the probe. Without top-k / top-p: one pass to
+sum the weights and half a pass (on average) to find the token. Top-k: one evaluation per probe,
+counting only (typically 5-15 probes, each reading only the blocks that hold a logit above it: a
+few blocks for a small k); then the sum over the kept blocks. Top-p: one full pass for the sum,
+then probes that also sum weights (again mostly over the few top blocks for a peaked
+distribution). Per element read: ~15 integer operations and one L1-resident table lookup. For a
+128k vocabulary (512 KB of logits, ~5 us per pass at 100 GB/s from L2 per SM) sampling without
+filters is ~8 us by that estimate (``cost``); not measured on a GPU yet.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from .base import Cost, Instruction, Layout, Region, Timing, register
+
+#: the log2-weight below which a weight is 0, its fixed-point bits, and the table's index bits
+ZMIN, QSCALE, LN2_Q20 = -48.0, 1048576.0, 726817      # 2^20; round(ln 2 * 2^20)
+#: a threshold below every finite logit: "no threshold"
+NONE = -3.0e38
+#: top_p_q when top-p is off
+TOP_P_ONE = 1 << 24
+#: the most threshold evaluations one search makes (a search of finite logits ends long before)
+MAX_EVALS = 160
+SMP_ZMIN, SMP_QSCALE, SMP_LN2_Q20 = tl.constexpr(ZMIN), tl.constexpr(QSCALE), tl.constexpr(LN2_Q20)
+SMP_NONE, SMP_TOP_P_ONE, SMP_MAX_EVALS = tl.constexpr(NONE), tl.constexpr(TOP_P_ONE), tl.constexpr(MAX_EVALS)
+
+TABLE_BITS = 10
+SMP_TABLE = tl.constexpr(1 << TABLE_BITS)    # where the parameters start in ``smp``
+N_PARAMS = 8
+MAX_VOCAB = 1 << 22          # int64 sums of weights < 2^41 stay exact up to here
+
+
+def exp2_table() -> torch.Tensor:
+    """T[j] = round(2^40 * 2^(j / 1024)), int64 (the integer weights' table)."""
+    return torch.tensor([round(2.0 ** (40 + j / (1 << TABLE_BITS))) for j in range(1 << TABLE_BITS)],
+                        dtype=torch.int64)
+
+
+# ---- the device function -------------------------------------------------------------------------
+@triton.jit
+def _smp_weights(l, m, scale, exp2_ptr):
+    """Integer weights ~ 2^(40 + (l - m) * scale) of fp32 logits ``l`` (see the module docstring)."""
+    z = tl.maximum((l - m) * scale, SMP_ZMIN)
+    q = (z * SMP_QSCALE).to(tl.int32)
+    n = q >> 20
+    r = q & 1048575
+    t = tl.load(exp2_ptr + (r >> 10))
+    lo = (r & 1023).to(tl.int64)
+    w = t + (((t >> 20) * (lo * SMP_LN2_Q20)) >> 20)
+    return w >> (-n).to(tl.int64)
+
+
+@triton.jit
+def _smp_block_max(b0, amax_ptr, nparts, LM_ROWS: tl.constexpr, SMP_BLOCK: tl.constexpr):
+    """The largest logit of block [b0, b0 + SMP_BLOCK), from the LM_HEAD tiles' partials."""
+    p = b0 // LM_ROWS + tl.arange(0, SMP_BLOCK // LM_ROWS)
+    v = tl.load(amax_ptr + 2 * p, mask=p < nparts, other=float("-inf"), cache_modifier=".cg")
+    return tl.max(v, axis=0)
+
+
+@triton.jit
+def _smp_eval(x, m, scale, nparts, logits_ptr, amax_ptr, exp2_ptr, MASS: tl.constexpr, VOCAB: tl.constexpr,
+              LM_ROWS: tl.constexpr, SMP_BLOCK: tl.constexpr):
+    """Over the logits >= x: their count, (MASS) the sum of their weights and the smallest of
+    them; and the largest logit < x. Blocks whose largest logit is < x are not read."""
+    cnt = tl.full([], 0, tl.int32)
+    mass = tl.full([], 0, tl.int64)
+    amin = tl.full([], float("inf"), tl.float32)
+    bmax = tl.full([], float("-inf"), tl.float32)
+    for b0 in range(0, VOCAB, SMP_BLOCK):
+        bm = _smp_block_max(b0, amax_ptr, nparts, LM_ROWS, SMP_BLOCK)
+        if bm >= x:
+            idx = b0 + tl.arange(0, SMP_BLOCK)
+            msk = idx < VOCAB
+            l = tl.load(logits_ptr + idx, mask=msk, other=float("-inf"), cache_modifier=".cg")
+            ge = l >= x
+            cnt += tl.sum(ge.to(tl.int32), axis=0)
+            if MASS:
+                w = _smp_weights(tl.where(msk, l, m), m, scale, exp2_ptr)
+                mass += tl.sum(tl.where(ge, w, 0), axis=0)
+            amin = tl.minimum(amin, tl.min(tl.where(ge, l, float("inf")), axis=0))
+            bmax = tl.maximum(bmax, tl.max(tl.where(ge, float("-inf"), l), axis=0))
+        else:
+            bmax = tl.maximum(bmax, bm)
+    return cnt, mass, amin, bmax
+
+
+@triton.jit
+def _smp_search(lo, lo_mass, ph, gal0, need_cnt, need_mass, m, scale, nparts, logits_ptr, amax_ptr, exp2_ptr,
+                MASS: tl.constexpr, VOCAB: tl.constexpr, LM_ROWS: tl.constexpr, SMP_BLOCK: tl.constexpr):
+    """The largest logit value v in [lo, ph] whose count (``need_cnt``) or weight sum (MASS,
+    ``need_mass``) over the logits >= v reaches the need; ``lo``: SMP_NONE or a logit where it
+    does, ``ph``: a logit >= the answer. Returns (v, the weight sum at v)."""
+    gal = gal0 * 0.0
+    it = tl.full([], 0, tl.int32)
+    done = (lo == ph).to(tl.int32)
+    while (done == 0) & (it < SMP_MAX_EVALS):
+        if it == 0:
+            mid = ph                                   # the top value first
+        elif lo == SMP_NONE:
+            gal = tl.maximum(gal * 2.0, gal0)          # gallop down from the top
+            mid = tl.maximum(ph - gal, SMP_NONE)
+        else:
+            mid = lo + (ph - lo) * 0.5                 # bisect
+            if mid <= lo:
+                mid = ph
+        cnt, mass, a, b = _smp_eval(mid, m, scale, nparts, logits_ptr, amax_ptr, exp2_ptr, MASS, VOCAB, LM_ROWS,
+                                    SMP_BLOCK)
+        if MASS:
+            ok = mass >= need_mass
+        else:
+            ok = cnt >= need_cnt
+        if ok:
+            lo = a
+            lo_mass = mass
+        else:
+            ph = b
+        done = (lo == ph).to(tl.int32)
+        it += 1
+    return lo, lo_mass
+
+
+@triton.jit
+def _smp_locate(t, r, m, scale, nparts, logits_ptr, amax_ptr, exp2_ptr, VOCAB: tl.constexpr, LM_ROWS: tl.constexpr,
+                SMP_BLOCK: tl.constexpr):
+    """The first index (in index order) among the logits >= t where the running sum of weights
+    exceeds r (-1 if none)."""
+    run = tl.full([], 0, tl.int64)
+    tok = tl.full([], -1, tl.int32)
+    for b0 in range(0, VOCAB, SMP_BLOCK):
+        if tok < 0:
+            bm = _smp_block_max(b0, amax_ptr, nparts, LM_ROWS, SMP_BLOCK)
+            if bm >= t:
+                idx = b0 + tl.arange(0, SMP_BLOCK)
+                msk = idx < VOCAB
+                l = tl.load(logits_ptr + idx, mask=msk, other=float("-inf"), cache_modifier=".cg")
+                w = tl.where(l >= t, _smp_weights(tl.where(msk, l, m), m, scale, exp2_ptr), 0)
+                s = tl.sum(w, axis=0)
+                if run + s > r:
+                    c = tl.cumsum(w, axis=0) + run
+                    tok = tl.min(tl.where(c > r, idx, VOCAB), axis=0)
+                run += s
+    return tok
+
+
+@triton.jit
+def sample_device(nparts, pos, logits_ptr, amax_ptr, smp_ptr, tok_ptr, toks_ptr, VOCAB: tl.constexpr,
+                  LM_ROWS: tl.constexpr, SMP_BLOCK: tl.constexpr):
+    smp_exp2_ptr = smp_ptr                           # the table; the parameters follow it
+    scale = tl.load(smp_ptr + SMP_TABLE).to(tl.int32).to(tl.float32, bitcast=True)
+    gal0 = tl.load(smp_ptr + SMP_TABLE + 1).to(tl.int32).to(tl.float32, bitcast=True)
+    top_k = tl.load(smp_ptr + SMP_TABLE + 2).to(tl.int32)
+    seed = tl.load(smp_ptr + SMP_TABLE + 3).to(tl.int32)
+    top_pq = tl.load(smp_ptr + SMP_TABLE + 4)
+    # the largest logit, from the LM_HEAD tiles' partials
+    m = tl.full([], float("-inf"), tl.float32)
+    for p0 in range(0, nparts, SMP_BLOCK // LM_ROWS):
+        m = tl.maximum(m, _smp_block_max(p0 * LM_ROWS, amax_ptr, nparts, LM_ROWS, SMP_BLOCK))
+    zero = tl.full([], 0, tl.int64)
+    t = tl.full([], SMP_NONE, tl.float32)
+    if (top_k > 0) & (top_k < VOCAB):
+        t, _ = _smp_search(t, zero, m, gal0, top_k, zero, m, scale, nparts, logits_ptr, amax_ptr, smp_exp2_ptr,
+                           False, VOCAB, LM_ROWS, SMP_BLOCK)
+    _, z, _, _ = _smp_eval(t, m, scale, nparts, logits_ptr, amax_ptr, smp_exp2_ptr, True, VOCAB, LM_ROWS, SMP_BLOCK)
+    if top_pq < SMP_TOP_P_ONE:
+        lp = (z & 16777215) * top_pq                # need = ceil(z * top_pq / 2^24), exactly
+        need = (z >> 24) * top_pq + (lp >> 24) + ((lp & 16777215) != 0).to(tl.int64)
+        t, z = _smp_search(t, z, m, gal0, 0, need, m, scale, nparts, logits_ptr, amax_ptr, smp_exp2_ptr,
+                           True, VOCAB, LM_ROWS, SMP_BLOCK)
+    bits = tl.randint(seed, pos)                    # Philox-4x32-10 of (seed, pos)
+    u = (bits >> 1).to(tl.int64)                    # 31 bits
+    r = u * (z >> 31) + ((u * (z & 2147483647)) >> 31)          # floor(u * z / 2^31) < z
+    tok = _smp_locate(t, r, m, scale, nparts, logits_ptr, amax_ptr, smp_exp2_ptr, VOCAB, LM_ROWS, SMP_BLOCK)
+    tok = tl.minimum(tl.maximum(tok, 0), VOCAB - 1)
+    tl.store(tok_ptr, tok)
+    tl.store(toks_ptr + pos, tok)
+
+
+# ---- the same in torch (the VM) --------------------------------------------------------------------
+_M32 = 0xFFFFFFFF
+
+
+def philox_randint(seed: int, offset: int, rounds: int = 10) -> int:
+    """``tl.randint(seed, offset)`` for one int32 offset: the first word of Philox-4x32-10 with
+    counter (offset, 0, 0, 0) and key (seed mod 2^32, seed >> 32), as an unsigned int."""
+    c0, c1, c2, c3 = offset & _M32, 0, 0, 0
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    for _ in range(rounds):
+        p0, p2 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = (p2 >> 32) ^ c1 ^ k0, p2 & _M32, (p0 >> 32) ^ c3 ^ k1, p0 & _M32
+        k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+    return c0
+
+
+def weights_torch(l: torch.Tensor, m, scale, table: torch.Tensor) -> torch.Tensor:
+    """:func:`_smp_weights` in torch (bit for bit): int64 weights of fp32 logits ``l``."""
+    m = torch.tensor(np.float32(m))
+    scale = torch.tensor(np.float32(scale))
+    z = torch.clamp_min((l.float() - m) * scale, ZMIN)
+    q = (z * QSCALE).to(torch.int32)
+    n = (q >> 20).to(torch.int64)
+    r = (q & 1048575).to(torch.int64)
+    t = table.to(torch.int64)[r >> 10]
+    w = t + (((t >> 20) * ((r & 1023) * LN2_Q20)) >> 20)
+    return w >> (-n)
+
+
+def _f32(bits: int) -> np.float32:
+    return np.array([bits], dtype=np.int64).astype(np.int32).view(np.float32)[0]
+
+
+def _bits(x: float) -> int:
+    return int(np.array([x], dtype=np.float32).view(np.int32)[0])
+
+
+def unpack_params(smp: torch.Tensor) -> dict:
+    """The parameters in a ``smp`` buffer: temperature, top_k, top_p, seed, and what the device
+    uses (scale, gallop, top_p_q)."""
+    p = smp.reshape(-1)[int(SMP_TABLE):].cpu().tolist()
+    return {"scale": _f32(p[0]), "gallop": _f32(p[1]), "top_k": int(np.int32(np.int64(p[2]))),
+            "seed": int(np.int32(np.int64(p[3]))), "top_p_q": int(p[4]), "temperature": float(_f32(p[5])),
+            "top_p": float(_f32(p[6]))}
+
+
+def sample_torch(logits: torch.Tensor, amax: torch.Tensor, nparts: int, lm_rows: int, block: int, smp: torch.Tensor,
+                 pos: int) -> int:
+    """The device function's token, in torch: ``logits`` (vocab,) fp32, ``amax`` the LM_HEAD
+    partials (nparts (max, index) pairs), ``smp`` the parameter buffer (:meth:`Sample.state_values`).
+    Blocks are skipped (or not) exactly where the device skips them, so the result is the
+    device's for any inputs, consistent partials or not."""
+    prm = unpack_params(smp)
+    scale, gal0 = prm["scale"], prm["gallop"]
+    top_k, seed, top_pq = prm["top_k"], prm["seed"], prm["top_p_q"]
+    table = smp.reshape(-1)[:int(SMP_TABLE)].cpu()
+    l = logits.reshape(-1).float().cpu()
+    vocab = l.numel()
+    nb = -(-vocab // block)
+    npb = block // lm_rows
+    part = torch.full((nb * npb,), float("-inf"))
+    part[:nparts] = amax.reshape(-1)[0:2 * nparts:2].float().cpu()
+    bmax_blk = part.view(nb, npb).max(dim=1).values               # per block, as _smp_block_max
+    blk = torch.arange(vocab) // block
+    m = np.float32(bmax_blk.max().item())
+    w = weights_torch(l, m, scale, table)
+    none = np.float32(NONE)
+
+    def evaluate(x):
+        x = np.float32(x)
+        read = (bmax_blk >= float(x))[blk]
+        ge = read & (l >= float(x))
+        cnt, mass = int(ge.sum()), int(w[ge].sum())
+        amin = np.float32(l[ge].min().item()) if bool(ge.any()) else np.float32(np.inf)
+        below = l[read & ~ge]
+        skipped = bmax_blk[bmax_blk < float(x)]
+        cands = [np.float32(-np.inf)] + ([np.float32(below.max().item())] if below.numel() else []) + \
+            ([np.float32(skipped.max().item())] if skipped.numel() else [])
+        return cnt, mass, amin, max(cands)
+
+    def search(lo, lo_mass, ph, need, use_mass):
+        gal, it = np.float32(0.0), 0
+        while lo != ph and it < MAX_EVALS:
+            if it == 0:
+                mid = ph
+            elif lo == none:
+                gal = max(np.float32(gal * np.float32(2.0)), gal0)
+                mid = max(np.float32(ph - gal), none)
+            else:
+                mid = np.float32(lo + np.float32(np.float32(ph - lo) * np.float32(0.5)))
+                if mid <= lo:
+                    mid = ph
+            cnt, mass, a, b = evaluate(mid)
+            if (mass if use_mass else cnt) >= need:
+                lo, lo_mass = a, mass
+            else:
+                ph = b
+            it += 1
+        return lo, lo_mass
+
+    t = none
+    if 0 < top_k < vocab:
+        t, _ = search(t, 0, m, top_k, False)
+    z = evaluate(t)[1]
+    if top_pq < TOP_P_ONE:
+        lp = (z & 0xFFFFFF) * top_pq
+        need = (z >> 24) * top_pq + (lp >> 24) + int((lp & 0xFFFFFF) != 0)
+        t, z = search(t, z, m, need, True)
+    u = philox_randint(seed, pos) >> 1
+    r = u * (z >> 31) + ((u * (z & 0x7FFFFFFF)) >> 31)
+    keep = (bmax_blk >= float(t))[blk] & (l >= float(t))
+    c = torch.cumsum(torch.where(keep, w, torch.zeros_like(w)), dim=0)
+    hit = torch.nonzero(c > r)
+    tok = int(hit[0, 0]) if len(hit) else -1
+    return min(max(tok, 0), vocab - 1)
+
+
+# ---- the opcode ----------------------------------------------------------------------------------
+@register
+@dataclass(frozen=True)
+class Sample(Instruction):
+    nparts: int      # LM_HEAD partials (= DecoderLayout.n_lm_tiles), as ARGMAX's
+
+    NAME = "sample"
+    STAGE = 8
+    ARGS = ("pos", "logits_ptr", "amax_ptr", "smp_ptr", "tok_ptr", "toks_ptr", "VOCAB", "LM_ROWS", "SMP_BLOCK")
+    # SMP_BLOCK: logits per block (a power of two, a multiple of LM_ROWS). The branch is in every
+    # kernel; on a layout without a vocabulary it is never taken and is compiled at the smallest block
+    CONSTEXPRS = {"SMP_BLOCK": lambda lay: max(lay.lm_rows, min(1024, triton.next_power_of_2(lay.cfg.vocab)))
+                  if Sample.applies(lay) else 16}
+    TIMING = Timing.FIXED
+    device = sample_device
+    # tok / toks: as ARGMAX's; smp: the weights' table and the runtime parameters (state_values),
+    # written by the host before generating
+    STATE = {"tok": "i32", "toks": "i32", "smp": "i64"}
+
+    @classmethod
+    def applies(cls, lay: Layout) -> bool:
+        return hasattr(lay, "n_lm_tiles")           # a DecoderLayout (opcodes.decoder)
+
+    @classmethod
+    def state_shapes(cls, lay: Layout) -> dict:
+        return {"tok": (1,), "toks": (lay.max_seq,), "smp": (int(SMP_TABLE) + N_PARAMS,)}
+
+    @staticmethod
+    def state_values(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> dict:
+        """``{"smp": the buffer}`` for these parameters (a CPU int64 tensor: the table, then the
+        parameters). Errors name the argument: temperature > 0 (finite), top_k >= 0 (0: off),
+        0 < top_p <= 1 (1: off), 0 <= seed < 2^31."""
+        check_sampling(temperature, top_k, top_p, seed, greedy_ok=False)
+        scale = min(max(math.log2(math.e) / float(temperature), 1e-30), 1e30)
+        scale32 = float(np.float32(scale))
+        gal = max(1.0 / scale32, 1e-30)
+        top_pq = min(max(round(float(top_p) * (1 << 24)), 1), 1 << 24)
+        prm = [_bits(scale32), _bits(gal), min(int(top_k), 2**31 - 1), int(seed), top_pq, _bits(temperature),
+               _bits(top_p), 0]
+        return {"smp": torch.cat([exp2_table(), torch.tensor(prm, dtype=torch.int64)])}
+
+    def check_operands(self, lay: Layout) -> list[str]:
+        if not self.applies(lay):
+            return ["sample needs a DecoderLayout (opcodes.decoder)"]
+        if lay.cfg.vocab > MAX_VOCAB:
+            return [f"sample: vocab {lay.cfg.vocab} > {MAX_VOCAB} (its int64 sums of weights would overflow)"]
+        n = lay.n_lm_tiles
+        if self.nparts != n:
+            return [f"nparts {self.nparts} is not the number of LM head tiles ({n})"]
+        return []
+
+    def reads(self, lay: Layout) -> list[Region]:
+        return [Region("logits", 0, lay.cfg.vocab), Region("amax", 0, 2 * self.nparts)]
+
+    def cost(self, lay: Layout) -> Cost:
+        # no top-k / top-p: the sum pass and half a pass to find the token, over fp32 logits, plus the
+        # partials (twice) and the table; top-k / top-p add probes (data-dependent, module docstring)
+        v = lay.cfg.vocab
+        return Cost(hbm_bytes=0, l2_bytes=6 * v + 16 * self.nparts + (8 << TABLE_BITS), flops=30 * v)
+
+    def run_torch(self, lay: Layout, st) -> None:
+        params = getattr(st, "state", None) or {}
+        if "smp" not in params:
+            raise ValueError("sample: the VM needs the sampling parameters: run_tape(..., state="
+                             "Sample.state_values(temperature, top_k, top_p, seed))")
+        st.next_token = sample_torch(st.buf["logits"], st.buf["amax"], self.nparts, lay.lm_rows,
+                                     Sample.CONSTEXPRS["SMP_BLOCK"](lay), params["smp"], st.pos)
+
+
+def check_sampling(temperature, top_k, top_p, seed, greedy_ok: bool = True) -> None:
+    """Raise ValueError / TypeError naming the argument for a bad sampling parameter.
+    ``greedy_ok``: temperature 0 (greedy) is allowed."""
+    def num(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if not num(temperature):
+        raise TypeError(f"temperature: expected a number >= 0, got {type(temperature).__name__} {temperature!r}")
+    if not (math.isfinite(temperature) and (temperature > 0 or (greedy_ok and temperature == 0))):
+        raise ValueError(f"temperature: expected a finite number {'>= 0' if greedy_ok else '> 0'}, got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"top_k: expected an int >= 0 (0: off), got {type(top_k).__name__} {top_k!r}")
+    if top_k < 0:
+        raise ValueError(f"top_k: expected an int >= 0 (0: off), got {top_k}")
+    if not num(top_p):
+        raise TypeError(f"top_p: expected a number in (0, 1], got {type(top_p).__name__} {top_p!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p: expected a number in (0, 1] (1: off), got {top_p!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed: expected an int in [0, 2**31), got {type(seed).__name__} {seed!r}")
+    if not 0 <= seed < 2**31:
+        raise ValueError(f"seed: expected an int in [0, 2**31), got {seed}")
