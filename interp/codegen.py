@@ -17,7 +17,8 @@ import pathlib
 import sys
 
 import opcodes
-from opcodes import HEADER, REGISTRY, WORDS
+from opcodes import HEADER, WORDS
+from opcodes.base import kernel_classes
 from opcodes.base import PER_CALL_POINTERS
 
 #: runtime parameters of the kernel before the model's buffers
@@ -42,10 +43,12 @@ def _check_args(classes, pointers: dict, constexprs) -> None:
                             f"an entry in some opcode's CONSTEXPRS or in Layout.constexprs")
 
 
-def kernel_source(pointers: dict, constexprs) -> str:
-    """The kernel of every registered opcode: ``pointers`` (name -> element type) reach it through
-    the address table, in this order; ``constexprs`` are the names of its compile-time parameters."""
-    classes = sorted(REGISTRY.values(), key=lambda c: c.OPCODE)
+def kernel_source(pointers: dict, constexprs, used=()) -> str:
+    """The kernel of the opcodes of :func:`opcodes.base.kernel_classes` (every opcode in every
+    kernel, plus those of ``used`` that are not): ``pointers`` (name -> element type) reach it
+    through the address table, in this order; ``constexprs`` are the names of its compile-time
+    parameters."""
+    classes = kernel_classes(used)
     constexprs = sorted(constexprs)
     _check_args(classes, pointers, constexprs)
     n_ops = max(len(c.operand_names()) for c in classes)
@@ -170,10 +173,10 @@ def cache_dir() -> pathlib.Path:
 _LOADED: dict[str, object] = {}
 
 
-def load_kernel(pointers: dict, constexprs):
+def load_kernel(pointers: dict, constexprs, used=()):
     """Generate (if needed) and import the interpreter kernel of :func:`kernel_source`; returns
     its JITFunction."""
-    src = kernel_source(pointers, constexprs)
+    src = kernel_source(pointers, constexprs, used)
     key = hashlib.sha256(src.encode()).hexdigest()[:16]
     if key in _LOADED:
         return _LOADED[key]

@@ -341,7 +341,7 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
     unused = torch.zeros(16, dtype=torch.int32, device=device)
     model = {ptr: key for key, ptr in lay.MODEL_TENSORS}
     pointers = {}
-    for name, dt in kernel_pointers(lay).items():
+    for name, dt in kernel_pointers(lay, classes).items():
         t = avail.get(name)
         if t is None:
             if name in on_tape and name in model:
@@ -429,9 +429,10 @@ def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
     """Generate the interpreter kernel; on a GPU compile it now (build is untimed) and make the
     direct launcher."""
     lay, device = h.lay, h.device
-    cx = kernel_constexprs(lay, interp=(device.type == "cpu"))
+    used = h.tape.classes()
+    cx = kernel_constexprs(lay, interp=(device.type == "cpu"), used=used)
     cx["PROFILE"] = bool(profile and device.type == "cuda")
-    h.kernel = load_kernel(kernel_pointers(lay), [k for k in cx if k not in SWITCHES])
+    h.kernel = load_kernel(kernel_pointers(lay, used), [k for k in cx if k not in SWITCHES], used)
     h.constexprs = cx
     h.launch_opts = {"num_warps": lay.tiling.num_warps, "num_stages": 1}
     if device.type != "cuda":

@@ -256,6 +256,10 @@ class Instruction:
     TABLES: ClassVar[dict[str, str]] = {}     # kernel pointer -> dtype of the tensors :meth:`tables` builds
     VIRTUAL: ClassVar[tuple[str, ...]] = ()   # scratch names that are views of the caller's memory (not allocated)
     TIMING: ClassVar[str] = Timing.STREAM
+    #: True: the opcode's branch is in every interpreter kernel; False: only in the kernels of
+    #: tapes that hold it (every branch changes the register allocation of the whole loop, so a
+    #: rarely used opcode should not tax the kernels that never run it; bench/NOTES.md v21, v25)
+    IN_EVERY_KERNEL: ClassVar[bool] = True
     FIXED_S: ClassVar[float | None] = None
     #: how far the device function may be from ``run_torch`` on the same inputs (relative; fp32
     #: sums in another order). Opcodes that round operands to bf16 on purpose allow more.
@@ -394,10 +398,17 @@ def state_buffers(lay: Layout, classes) -> dict[str, tuple[tuple[int, ...], str]
     return {k: v for k, (_, v) in out.items()}
 
 
-def kernel_constexprs(lay: Layout, interp: bool = False) -> dict:
-    """Values of the layout's constexprs and of every registered opcode's, for ``lay``."""
+def kernel_classes(used=()) -> list[type[Instruction]]:
+    """The opcodes an interpreter kernel dispatches: every registered one with
+    ``IN_EVERY_KERNEL``, and the others in ``used`` (the opcodes of the tape), by opcode number."""
+    used = set(used)
+    return [cls for cls in REGISTRY.values() if cls.IN_EVERY_KERNEL or cls in used]
+
+
+def kernel_constexprs(lay: Layout, interp: bool = False, used=()) -> dict:
+    """Values of the layout's constexprs and of the kernel's opcodes' (:func:`kernel_classes`)."""
     out = {k: ("layout", v) for k, v in lay.constexprs(interp).items()}
-    for cls in REGISTRY.values():
+    for cls in kernel_classes(used):
         _merge(out, {k: f(lay) for k, f in cls.CONSTEXPRS.items()}, "constexpr", cls.NAME)
     return {k: v for k, (_, v) in out.items()}
 
@@ -408,29 +419,30 @@ PER_CALL_POINTERS = {"x_ptr": "bf16", "out_ptr": "bf16"}
 TABLE_POINTER = ("wtab_ptr", "i64")
 
 
-def pointer_types(lay: Layout) -> dict[str, str]:
+def pointer_types(lay: Layout, used=()) -> dict[str, str]:
     """Every kernel pointer an owner declares, with its element type, in the order of the
     kernel's address table: the offset table and the layout's tensors, then per opcode (in
     opcode order) its tables, scratch and state, then the whole-model tensors."""
     out: dict = {TABLE_POINTER[0]: ("runtime", TABLE_POINTER[1])}
     _merge(out, {p: "bf16" for _, p in lay.TENSORS}, "pointer", type(lay).__name__)
-    for cls in REGISTRY.values():
+    for cls in kernel_classes(used):
         own = {f"{n}_ptr": dt for n, dt in {**cls.SCRATCH, **cls.STATE}.items() if n not in cls.VIRTUAL}
         _merge(out, {**cls.TABLES, **own}, "pointer", cls.NAME)
     _merge(out, {p: "bf16" for _, p in lay.MODEL_TENSORS}, "pointer", type(lay).__name__)
     return {k: v for k, (_, v) in out.items()}
 
 
-def kernel_pointers(lay: Layout) -> dict[str, str]:
-    """The build-time pointers the registered opcodes' device functions take, with their element
-    types, in address-table order. A pointer nobody declares is an error naming the opcode."""
-    known = pointer_types(lay)
-    used = set()
-    for cls in REGISTRY.values():
+def kernel_pointers(lay: Layout, used=()) -> dict[str, str]:
+    """The build-time pointers the kernel's opcodes' (:func:`kernel_classes`) device functions take,
+    with their element types, in address-table order. A pointer nobody declares is an error naming
+    the opcode."""
+    known = pointer_types(lay, used)
+    taken = set()
+    for cls in kernel_classes(used):
         for a in cls.ARGS:
             if a.endswith("_ptr") and a not in PER_CALL_POINTERS:
                 if a not in known:
                     raise TypeError(f"opcode {cls.NAME} takes pointer {a!r}, which no opcode or layout declares "
                                     f"(declared: {sorted(known)})")
-                used.add(a)
-    return {k: v for k, v in known.items() if k in used}
+                taken.add(a)
+    return {k: v for k, v in known.items() if k in taken}

@@ -366,6 +366,8 @@ class Sample(Instruction):
     CONSTEXPRS = {"SMP_BLOCK": lambda lay: max(lay.lm_rows, min(1024, triton.next_power_of_2(lay.cfg.vocab)))
                   if Sample.applies(lay) else 16}
     TIMING = Timing.FIXED
+    # only in the kernels of sampling tapes: the greedy and layer kernels stay the ones measured
+    IN_EVERY_KERNEL = False
     device = sample_device
     # tok / toks: as ARGMAX's; smp: the weights' table and the runtime parameters (state_values),
     # written by the host before generating
