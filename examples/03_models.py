@@ -105,7 +105,10 @@ def hf_part(n_new: int) -> None:
     mc = ModelConfig.from_dict(cfg)
     kv = [tuple(torch.zeros(1, mc.n_kv, max_seq, mc.hd, dtype=torch.bfloat16, device=DEV) for _ in range(2))
           for _ in range(mc.layers)]
-    h = build_decoder(weights, kv, cfg, max_seq)
+    # On a CPU the Triton interpreter runs the SMs' programs one after another, so the fewest
+    # instructions is fastest there (interp.textgen.interpreter_options); on a GPU the default tiling.
+    from interp.textgen import interpreter_options
+    h = build_decoder(weights, kv, cfg, max_seq, **({} if CUDA else interpreter_options(cfg)))
     prompt = [11, 22, 33]
     toks = generate(h, torch.tensor(prompt), n_new).tolist()
     teardown(h)
