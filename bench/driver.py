@@ -110,7 +110,7 @@ def check_megatape(cfg: ModelConfig, h, weights, kv, kv_before, xs, prefill: int
         f"other rows untouched: {untouched}")
 
 
-BUILD_KEYS = {"coop": "cooperative"}
+BUILD_KEYS = {"coop": "cooperative", "elide": "elide_waits"}
 #: variant keys that pick the cost model ordering the queues (value 1)
 MODEL_KEYS = {"attnmodel": CostModel, "bytesmodel": CostModel.bytes_only}
 

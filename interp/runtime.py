@@ -272,7 +272,7 @@ _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "i32": torch.int
 
 
 def _resolve_tape(cfg: ModelConfig, max_seq_len: int, device: torch.device, dev_sms: int, num_sms, tiling,
-                  policy, tape, verify_tape, cost_model, seed, lowering, pool_us):
+                  policy, tape, verify_tape, cost_model, seed, lowering, pool_us, elide_waits=False):
     """The verified tape for this device (compiled here unless given) and its predicted makespan."""
     if num_sms is None:
         num_sms = dev_sms
@@ -281,7 +281,7 @@ def _resolve_tape(cfg: ModelConfig, max_seq_len: int, device: torch.device, dev_
     if tape is None:
         comp = compile_model(cfg, num_sms, max_seq=max_seq_len, tiling=tiling, policy=policy, model=cost_model,
                              seed=seed, sequential=(device.type == "cpu"), lowering=lowering, pool_us=pool_us,
-                             decoder=False)   # build_layer / build_model: the layers alone, whatever cfg.vocab
+                             decoder=False, elide_waits=elide_waits)   # build_layer / build_model: the layers alone, whatever cfg.vocab
         return comp.tape, (comp.expected_makespan() if device.type == "cuda" else comp.sched.makespan)
     if tape.lay.cfg.to_dict() != cfg.to_dict() or tape.lay.max_seq != max_seq_len:
         raise ValueError("tape: compiled for a different cfg or max_seq_len than the one given")
@@ -364,7 +364,7 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
                 policy: str = "cost", tape: Tape | None = None, verify_tape: bool = True,
                 spin_limit: int | None = None, sync_check: bool | None = None,
                 cost_model: CostModel | None = None, profile: bool = False, seed: int = 0,
-                cooperative: bool = True, lowering=None, pool_us: float | None = None):
+                cooperative: bool = True, lowering=None, pool_us: float | None = None, elide_waits: bool = False):
     """Prepare one decoder layer (or ``cfg['layers']`` layers) for ``layer_step``. Untimed.
 
     weights  : {"layers": [ {in_norm, post_norm, q, k, v, o, gate, up, down} ]} bf16, row-major
@@ -378,7 +378,8 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     without it, residency rests on the grid being one 1-CTA-per-SM program per SM),
     ``pool_us`` (the plan's last microseconds go to a pool the SMs take from at run time, see
     ``schedule.assign.with_pool``; 0: static queues only; None: ``schedule.compile.DEFAULT_POOL_US``),
-    ``lowering`` (Layout -> Program, see ``schedule.program.lower``; whole-model decoders use it).
+    ``lowering`` (Layout -> Program, see ``schedule.program.lower``; whole-model decoders use it),
+    ``elide_waits`` (``compile_model``'s: drop the waits an earlier instruction of the SM made).
 
     The steps: validate the inputs, compile and verify the tape, bind the buffers
     (:func:`bind_buffers`), generate and compile the kernel for the tape's opcodes, make the
@@ -392,7 +393,7 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     if isinstance(spin_limit, bool) or not isinstance(spin_limit, int) or spin_limit <= 0:
         raise _err(ValueError, "spin_limit", "a positive int", spin_limit)
     tape, predicted = _resolve_tape(cfg, max_seq_len, device, _device_sms(device), num_sms, tiling, policy, tape,
-                                    verify_tape, cost_model, seed, lowering, pool_us)
+                                    verify_tape, cost_model, seed, lowering, pool_us, elide_waits)
     b = bind_buffers(tape, weights, kv_cache, device)
     h = LayerHandle(cfg=cfg, lay=tape.lay, tape=tape, device=device, num_sms=tape.num_sms, spin_limit=spin_limit,
                     sync_check=(device.type == "cpu") if sync_check is None else bool(sync_check),

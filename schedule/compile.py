@@ -48,11 +48,13 @@ class Compiled:
 def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, tiling: Tiling | None = None,
                   policy: str = "cost", model: CostModel | None = None, seed: int = 0,
                   sequential: bool = False, lowering=None, pool_us: float | None = None,
-                  decoder: bool | None = None) -> Compiled:
+                  decoder: bool | None = None, elide_waits: bool = False) -> Compiled:
     """Compile ``cfg`` for ``num_sms`` SMs. ``policy``: 'cost' (list scheduling), 'round-robin' or
     'random' (a random valid schedule drawn with ``seed``).
     ``lowering``: a function Layout -> Program to use instead of :func:`lower` (e.g. a whole decoder
     around the layers); when given it wins over ``decoder``.
+    ``elide_waits``: drop the waits an earlier instruction of the same SM already made
+    (:meth:`Tape.elide_repeated_waits`; not yet measured on a GPU, so off by default).
     ``decoder``: True for the whole-model lowering of :mod:`schedule.decoder_program` (embedding,
     the layers, final norm, LM head, argmax; needs ``cfg.vocab``), False for the layers alone, None
     (default): the whole model iff ``cfg.vocab > 0``.
@@ -91,5 +93,7 @@ def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, ti
         raise ValueError(f"policy must be one of {POLICIES + ('random',)}, got {policy!r}")
     sched = with_pool(sched, model, pool_us * 1e-6)
     tape = encode(sched)
+    if elide_waits:
+        tape = tape.elide_repeated_waits()
     report = verify(tape, prog, sequential=sequential)
     return Compiled(prog, sched, tape, report, model, time.perf_counter() - t0)

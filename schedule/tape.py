@@ -80,6 +80,29 @@ class Tape:
                     seen.add(c)
         return total, repeated
 
+    def elide_repeated_waits(self) -> "Tape":
+        """This tape without the waits :meth:`repeated_waits` counts: an SM runs its queue in order
+        and a counter only grows during a call, so a wait on a counter that an earlier instruction
+        of the same queue waited on is met before it is polled (its acquire is one L2 round trip
+        for nothing). The data it guarded is visible: the earlier acquire was this SM's, and
+        everything produced on other SMs is read through L2. Pool instructions keep their waits
+        (any SM may run them). The verifier reasons with the same queue order."""
+        words = self.words.clone()
+        for s in range(self.num_sms):
+            seen: set[int] = set()
+            for k in self.sm_range(s):
+                w = words[k].tolist()
+                keep = [(w[1 + 2 * j], w[2 + 2 * j]) for j in range(MAX_WAITS) if w[1 + 2 * j] != NO_COUNTER]
+                new = [(c, t) for c, t in keep if c not in seen]
+                seen.update(c for c, _ in keep)
+                for j in range(MAX_WAITS):
+                    c, t = new[j] if j < len(new) else (NO_COUNTER, 0)
+                    words[k, 1 + 2 * j] = c
+                    words[k, 2 + 2 * j] = t
+        meta = dict(self.meta, elided_waits=self.repeated_waits()[1])
+        return Tape(self.lay, self.num_sms, words, self.offsets.clone(), list(self.counters), list(self.prog_index),
+                    meta, self.pool_counter)
+
     def tickets_per_call(self) -> int:
         """How far the pool counter advances in one call: every pool instruction is one ticket,
         and every SM takes one more ticket, past the end, before it stops."""

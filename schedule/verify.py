@@ -6,7 +6,9 @@ Checks, in order:
   2. completeness: every instruction of the program appears exactly once (when given one);
   3. counters: every wait's per-call target equals the number of producers of that counter;
   4. outputs: every element of every scratch buffer is written exactly once per call;
-  5. dependencies: every read is covered by writes of instructions it (transitively) waits for;
+  5. dependencies: every read is covered by writes of instructions it (transitively) waits for,
+     or that an earlier instruction of its SM queue waited for (an SM runs its queue in order and
+     counters only grow during a call: see ``Tape.elide_repeated_waits``);
   6. liveness: no interleaving of the SMs can deadlock (queue order + counters are acyclic); the
      pool (instructions taken by ticket at run time) is in a topological order, waits only on
      queued or earlier pool instructions, and no queue waits on it;
@@ -147,14 +149,15 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
     if problems:
         raise TapeError(problems)
     # -- 5. reads covered by (transitive) producers -------------------------------------
-    anc = _counter_closure(tape, decoded, producers)
+    eff = _queue_waits(tape, decoded)
+    anc = _counter_closure(tape, decoded, producers, eff)
     sorted_w = {b: sorted(ws, key=lambda t: t[0]) for b, ws in writes.items()}
     starts = {b: [w[0] for w in ws] for b, ws in sorted_w.items()}
     memo: dict[Region, tuple[frozenset, list]] = {}
     n_regions = 0
     for d in decoded:
         waited = 0
-        for c, _ in d.waits:
+        for c in eff[d.slot]:
             waited |= anc.get(c, 0)
         for r in d.ins.reads(lay):
             n_regions += 1
@@ -198,7 +201,22 @@ def _writers_of(r: Region, ws, starts) -> tuple[list, list]:
     return list(sigs.items()), uncovered
 
 
-def _counter_closure(tape: Tape, decoded, producers) -> dict[int, int]:
+def _queue_waits(tape: Tape, decoded) -> dict[int, frozenset]:
+    """Per slot, the counters complete when the instruction starts: its own waits and those of
+    every earlier instruction of its SM queue (pool instructions: their own waits only)."""
+    out: dict[int, frozenset] = {}
+    acc: dict[int, frozenset] = {}
+    for d in decoded:                                   # queues in order, then the pool
+        own = frozenset(c for c, _ in d.waits)
+        if d.sm == Tape.POOL:
+            out[d.slot] = own
+        else:
+            acc[d.sm] = acc.get(d.sm, frozenset()) | own
+            out[d.slot] = acc[d.sm]
+    return out
+
+
+def _counter_closure(tape: Tape, decoded, producers, eff: dict[int, frozenset]) -> dict[int, int]:
     """For each counter, the bitset of counters that must have completed when it completes."""
     memo: dict[int, int] = {}
     on_stack: set[int] = set()
@@ -210,7 +228,7 @@ def _counter_closure(tape: Tape, decoded, producers) -> dict[int, int]:
             if done:
                 bits = 1 << x
                 for p in producers.get(x, []):
-                    for w, _ in p.waits:
+                    for w in eff[p.slot]:
                         bits |= memo.get(w, 0)
                 memo[x] = bits
                 on_stack.discard(x)
@@ -220,7 +238,7 @@ def _counter_closure(tape: Tape, decoded, producers) -> dict[int, int]:
             on_stack.add(x)
             stack.append((x, True))
             for p in producers.get(x, []):
-                for w, _ in p.waits:
+                for w in eff[p.slot]:
                     if w not in memo and w not in on_stack:
                         stack.append((w, False))
         return memo[c]

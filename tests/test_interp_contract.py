@@ -172,3 +172,21 @@ def test_pool_kernel_is_bitwise_the_queued_kernel(name, pools, steps):
         assert all(bitwise_equal(a, b) for pa, pb in zip(cache, cache0) for a, b in zip(pa, pb)), pool_us
 
 
+
+
+def test_elided_waits_kernel_is_bitwise_the_default_kernel():
+    """The real kernel on a tape without the repeated waits (compile_model(elide_waits=True)):
+    the same outputs and KV rows, bit for bit."""
+    cfg = PRESETS["small-2layer"]
+    w = make_weights(cfg)
+    outs = []
+    for elide in (False, True):
+        kv = make_kv_cache(cfg, 64, 41)
+        h = build_layer(w, kv, cfg.to_dict(), 64, elide_waits=elide)
+        assert (h.tape.repeated_waits()[1] == 0) == elide
+        x = torch.randn(1, cfg.d, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+        outs.append((layer_step(h, x, 41), kv))
+        teardown(h)
+    (a, kva), (b, kvb) = outs
+    assert torch.equal(a, b)
+    assert all(torch.equal(p, q) for pa, pb in zip(kva, kvb) for p, q in zip(pa, pb))

@@ -19,6 +19,7 @@ from opcodes import (QKV, BY_OPCODE, HEADER, NO_COUNTER, PRESETS, REGISTRY, WORD
 from schedule import (CostModel, Schedule, Tape, compile_model, decode, encode, list_schedule, lower,
                       random_schedule, round_robin, simulate, verify)
 from schedule.assign import check_pool, with_pool
+from schedule.verify import TapeError
 from schedule.fluid import FluidModel, simulate_fluid
 
 L70 = "llama70b-layer"
@@ -642,3 +643,47 @@ def test_repeated_waits_counts_waits_an_earlier_instruction_of_the_sm_made():
     per_sm = [[c for d in decode(many) if d.sm == s for c, _ in d.waits] for s in range(8)]
     assert many.repeated_waits() == (sum(map(len, per_sm)), sum(len(w) - len(set(w)) for w in per_sm))
     assert 0 < many.repeated_waits()[1] < one.repeated_waits()[1]
+
+
+@pytest.mark.parametrize("name,sms", [("small-2layer", 8), ("small-gqa4", 5), (L70, 132)])
+def test_elided_repeated_waits_verify_and_compute_the_same(name, sms):
+    """Dropping the waits an earlier instruction of the same SM made leaves a tape the verifier
+    proves (reading across the queue order) and, in the VM, bitwise the same results."""
+    cfg = ModelConfig.from_name(name)
+    kw = dict(max_seq=64, pool_us=0) if cfg.d < 1024 else dict(max_seq=4224)   # (a small model's plan is all pool)
+    c = compile_model(cfg, sms, **kw)
+    el = c.tape.elide_repeated_waits()
+    total, repeated = c.tape.repeated_waits()
+    assert repeated > 0 and el.repeated_waits() == (total - repeated, 0)
+    assert sum(len(d.waits) for d in decode(el)) == sum(len(d.waits) for d in decode(c.tape)) - repeated
+    verify(el, c.prog)
+    assert compile_model(cfg, sms, elide_waits=True, **kw).tape.words.equal(el.words)
+    if cfg.d < 1024:
+        from opcodes.reference import make_kv_cache, make_weights
+        from schedule.vm import run_tape
+        w = make_weights(cfg)
+        x = torch.randn(1, cfg.d, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+        outs = [run_tape(t, w, make_kv_cache(cfg, 64, 40), x, 40, seed=s) for t in (c.tape, el) for s in (0, 1)]
+        assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_a_wait_another_sm_made_is_not_enough():
+    """The verifier's queue-order reasoning is per SM: drop a wait whose counter no earlier
+    instruction of that SM waited on, and the read it guarded is named uncovered."""
+    cfg = ModelConfig.from_name("small-2layer")
+    c = compile_model(cfg, 8, max_seq=64, pool_us=0)
+    tape = c.tape
+    seen: dict[int, set] = {}
+    victim = None
+    for d in decode(tape):
+        mine = seen.setdefault(d.sm, set())
+        fresh = [cn for cn, _ in d.waits if cn not in mine]
+        if victim is None and fresh and d.ins.reads(tape.lay) and len(d.waits) == 1:
+            victim = d.slot
+        mine.update(cn for cn, _ in d.waits)
+    assert victim is not None
+    words = tape.words.clone()
+    words[victim, 1], words[victim, 2] = NO_COUNTER, 0
+    broken = Tape(tape.lay, tape.num_sms, words, tape.offsets, tape.counters, tape.prog_index, {}, tape.pool_counter)
+    with pytest.raises(TapeError, match=rf"instruction {victim} .*does not wait for"):
+        verify(broken)
