@@ -199,7 +199,7 @@ def shard_weights(weights: dict, cfg, tp_rank: int, tp_size: int) -> dict:
         _check_shape(f"weights[{k!r}]", weights[k], full[k])
         out[k] = _take(weights[k], MODEL_SPLIT[k], sh.vocab_slice(mc) if MODEL_SPLIT[k] else None)
     if sh.size > 1:
-        out["tp"] = {"rank": sh.rank, "size": sh.size, "full": mc.to_dict()}
+        out["tp"] = {"rank": sh.rank, "size": sh.size, "full": dict(cfg) if isinstance(cfg, dict) else mc.to_dict()}
     return out
 
 
