@@ -31,6 +31,16 @@ transformers v5 config.json, ``rope_scaling`` in a v4 one, with rope_type "llama
 ``rope_high_freq_factor`` and ``rope_original_max_pos`` (its factor, low_freq_factor,
 high_freq_factor and original_max_position_embeddings), from which ``opcodes.reference.rope_tables``
 builds the rescaled cos/sin tables the kernel reads (the kernel itself is unchanged).
+
+Tensor parallel: ``load_hf_llama(path, tp_rank=r, tp_size=T)`` returns rank ``r``'s shard, the same
+tensors as ``opcodes.tp.shard_weights`` of the full load (see ``opcodes/tp.py`` for the split), reading
+only the rank's slices from the safetensors files (``safe_open(...).get_slice(name)[a:b]`` for rows,
+``[:, a:b]`` for columns: a shard of a 70B model never materialises a full projection). ``embed``
+and the norms are read whole (replicated); a tied ``lm_head`` is the rank's vocabulary slice of ``embed``
+(a copy; ``embed`` stays whole). The returned cfg is the shard's (``opcodes.tp.shard_config``:
+``n_q``, ``n_kv``, ``ffn`` per rank; ``vocab`` the full vocabulary), and ``weights["tp"] = {"rank": r,
+"size": T, "full": the full model's cfg dict}``. With ``tp_size=1`` (the default) nothing changes:
+no ``"tp"`` key, every tensor read whole.
 """
 from __future__ import annotations
 
@@ -41,6 +51,7 @@ import torch
 
 from opcodes import ModelConfig
 from opcodes.reference import layer_shapes
+from opcodes.tp import LAYER_SPLIT, check_tp, shard_config
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -214,35 +225,48 @@ class _Reader:
     def has(self, key: str) -> bool:
         return self.locate(key) is not None
 
-    def get(self, key: str, shape: tuple[int, ...], device) -> torch.Tensor:
+    def get(self, key: str, shape: tuple[int, ...], device, rows: tuple[int, int] | None = None,
+            cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor ``key`` (its full shape checked against ``shape``), or only its rows ``rows`` /
+        columns ``cols`` (``(start, stop)``), read through ``get_slice`` so the rest is never read."""
         f = self.locate(key)
         if f is None:
             raise ValueError(f"tensor {key!r} not found in {self.where}")
         h = self._handle(f, key)
         if key not in h.keys():
             raise ValueError(f"{f}: tensor {key!r} is missing ({INDEX} maps it to this file)")
-        got = tuple(h.get_slice(key).get_shape())
+        sl = h.get_slice(key)
+        got = tuple(sl.get_shape())
         if got != tuple(shape):
             raise ValueError(f"{f}: tensor {key!r} has shape {got}, config.json implies {tuple(shape)}")
-        t = h.get_tensor(key)
+        if rows is not None and tuple(rows) != (0, got[0]):
+            t = sl[rows[0]:rows[1]]
+        elif cols is not None and tuple(cols) != (0, got[1]):
+            t = sl[:, cols[0]:cols[1]]
+        else:
+            t = h.get_tensor(key)
         if not t.dtype.is_floating_point:
             raise ValueError(f"{f}: tensor {key!r} has dtype {t.dtype}, expected a floating-point dtype")
         # always a fresh allocation: a tensor read from a bf16 file may alias the file's memory map at an
         # offset that is not 16-byte aligned (the kernel loads 16 bytes at a time)
-        out = torch.empty(got, dtype=torch.bfloat16, device=device)
+        out = torch.empty(t.shape, dtype=torch.bfloat16, device=device)
         out.copy_(t)
         return out
 
 
-def load_hf_llama(path, device="cpu") -> tuple[dict, dict]:
+def load_hf_llama(path, device="cpu", tp_rank: int = 0, tp_size: int = 1) -> tuple[dict, dict]:
     """Read a Hugging Face Llama checkpoint directory; return ``(weights, cfg)`` for
     ``build_decoder`` (``weights["layers"]`` and ``cfg`` also suit ``build_model``).
 
-    path   : the directory (``config.json`` + ``*.safetensors``, sharded or not)
-    device : where the bf16 tensors go
+    path    : the directory (``config.json`` + ``*.safetensors``, sharded or not)
+    device  : where the bf16 tensors go
+    tp_rank, tp_size : read only rank ``tp_rank``'s shard of ``tp_size`` (tensor parallel; the module
+              docstring): cfg is then the shard's, and ``weights["tp"]`` names the rank, the size and the
+              full cfg. The defaults (0, 1) read the whole model.
     cfg is the spec's cfg dict plus ``vocab`` (layers, d, ffn, n_q, n_kv, hd, eps, theta, vocab), and the
     ``rope_*`` keys of the llama3 RoPE scaling when config.json has it.
-    With ``tie_word_embeddings`` (config.json) ``weights["lm_head"] is weights["embed"]``.
+    With ``tie_word_embeddings`` (config.json) ``weights["lm_head"] is weights["embed"]`` (with ``tp_size`` > 1,
+    a copy of the rank's vocabulary slice of it).
     """
     root = pathlib.Path(path)
     if not root.is_dir():
@@ -258,22 +282,29 @@ def load_hf_llama(path, device="cpu") -> tuple[dict, dict]:
     if not isinstance(conf, dict):
         raise ValueError(f"{cpath}: expected a JSON object")
     cfg = config_from_hf(conf, str(cpath))
-    mc = ModelConfig.from_dict(cfg)
+    mc, sh = check_tp(cfg, tp_rank, tp_size)        # errors name tp_rank / tp_size
     device = torch.device(device)
     rd = _Reader(root)
-    shapes = layer_shapes(mc)
+    shapes, slices = layer_shapes(mc), sh.layer_slices(mc)
     embed = rd.get(EMBED, (mc.vocab, mc.d), device)
     layers = []
     for n in range(mc.layers):
-        layers.append({k: rd.get(f"model.layers.{n}.{hf}", shapes[k], device) for k, hf in LAYER_NAMES.items()})
+        layers.append({k: rd.get(f"model.layers.{n}.{hf}", shapes[k], device,
+                                 **({LAYER_SPLIT[k]: slices[k]} if LAYER_SPLIT[k] else {}))
+                       for k, hf in LAYER_NAMES.items()})
     final_norm = rd.get(FINAL_NORM, (mc.d,), device)
     tied = bool(conf.get("tie_word_embeddings", False))
+    va, vb = sh.vocab_slice(mc)
     if tied:
-        lm_head = embed
+        lm_head = embed if (va, vb) == (0, mc.vocab) else embed[va:vb].clone()
     else:
         if not rd.has(LM_HEAD):
             raise ValueError(f"tensor {LM_HEAD!r} not found in {rd.where} (config.json has tie_word_embeddings "
                              "false, so the LM head is a tensor of its own)")
-        lm_head = rd.get(LM_HEAD, (mc.vocab, mc.d), device)
+        lm_head = rd.get(LM_HEAD, (mc.vocab, mc.d), device, rows=(va, vb))
     weights = {"embed": embed, "layers": layers, "final_norm": final_norm, "lm_head": lm_head}
-    return weights, cfg
+    if sh.size == 1:
+        return weights, cfg
+    weights["tp"] = {"rank": sh.rank, "size": sh.size, "full": dict(cfg)}
+    sc = shard_config(mc, sh.rank, sh.size)
+    return weights, {**cfg, "n_q": sc.n_q, "n_kv": sc.n_kv, "ffn": sc.ffn}    # cfg's keys, the shard's sizes
