@@ -88,6 +88,7 @@ run_part() {
     done ;;
   confirm) run_part bench; run_part checks; run_part multi ;;
   pending)
+    mkdir -p "$RES/pending"
     python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu_checks.txt"
     python3 -m megatape.cli bench --baselines cublas --out "$RES/pending" --tag elide --variants "elide=1"
     python3 -m megatape.cli bench-decoder --no-compile --out "$RES/pending" --variants "elide=1"
