@@ -22,11 +22,14 @@ from .embed import Embed
 from .lm_head import LMHead
 from .argmax import Argmax
 from .sample import Sample
+from .tp_push import TPPush
+from .tp_reduce import TPReduce
 from .decoder import DecoderLayout
+from .tp import TPLayout
 
 __all__ = ["BY_OPCODE", "HEADER", "LAYOUTS", "MAX_OPERANDS", "MAX_WAITS", "NO_COUNTER", "REGISTRY", "WORDS", "Cost",
            "Instruction", "Layout", "Region", "Tiling", "Timing", "cdiv", "kernel_constexprs", "kernel_pointers",
            "layout_from_json", "next_pow2", "register", "register_layout", "scratch_buffers", "state_buffers",
            "unregister", "PRESETS",
            "ModelConfig", "QKV", "AttnPartial", "AttnReduce", "OProj", "GateUp", "Down", "Residual", "OReduce",
-           "Embed", "LMHead", "Argmax", "Sample", "DecoderLayout"]
+           "Embed", "LMHead", "Argmax", "Sample", "TPPush", "TPReduce", "DecoderLayout", "TPLayout"]

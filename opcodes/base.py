@@ -168,6 +168,13 @@ class Layout:
     def n_o_k(self) -> int:
         return cdiv(self.cfg.q_dim, self.o_k)
 
+    @property
+    def o_partial(self) -> bool:
+        """Whether OPROJ writes per-chunk partials ``opart`` (another opcode adds them and the
+        residual) instead of ``x1`` itself: with a split O projection, and always in a
+        tensor-parallel layout (``opcodes.tp.TPLayout``), where the ranks' partials are all-reduced."""
+        return self.n_o_k > 1
+
     def constexprs(self, interp: bool = False) -> dict:
         """Kernel constants of the model's shape and of the streaming loops (opcodes add their
         own, :attr:`Instruction.CONSTEXPRS`); ``interp``: running under the Triton interpreter."""
@@ -261,6 +268,15 @@ class Instruction:
     #: rarely used opcode should not tax the kernels that never run it; bench/NOTES.md v21, v25)
     IN_EVERY_KERNEL: ClassVar[bool] = True
     FIXED_S: ClassVar[float | None] = None
+    #: tensor parallel: True where the instruction's signal is a counter of the PEER rank (same
+    #: index in the peer's tape), not of its own rank
+    SIGNALS_PEER: ClassVar[bool] = False
+    #: tensor parallel: True where the regions :meth:`writes` names are in the PEER rank's buffers
+    WRITES_PEER: ClassVar[bool] = False
+    #: scratch buffers allocated as several slots, call ``epoch`` using slot ``epoch % n``:
+    #: name -> n. :meth:`scratch_shapes` gives the whole allocation; :meth:`reads` / :meth:`writes`
+    #: name offsets inside one slot (the verifier checks one slot per call)
+    PARITY_SLOTS: ClassVar[dict[str, int]] = {}
     #: how far the device function may be from ``run_torch`` on the same inputs (relative; fp32
     #: sums in another order). Opcodes that round operands to bf16 on purpose allow more.
     TORCH_RTOL: ClassVar[float] = 1e-4

@@ -2,7 +2,8 @@
 
     y[r] = Wo[r, K_oc] . attn[K_oc]          K_oc = [oc*O_K, (oc+1)*O_K) of n_q*hd
 
-With one K chunk (``O_K = n_q*hd``) the tile adds the residual and writes ``x1[r] = x[r] + y[r]``.
+With one K chunk (``O_K = n_q*hd``), outside tensor parallelism (``Layout.o_partial``), the tile
+adds the residual and writes ``x1[r] = x[r] + y[r]``.
 With several, it writes the partial ``opart[oc, r]`` and O_REDUCE adds the chunks and the
 residual: then a chunk's tiles wait only for the attention of the query heads in that chunk,
 not for the whole attention, so the O projection streams while later KV groups still attend.
@@ -22,7 +23,7 @@ from .common import T_WO, gemv_stream, layer_input, tab_offset
 @triton.jit
 def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_ptr, opart_ptr,
                  D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, O_ROWS: tl.constexpr, O_K: tl.constexpr,
-                 O_CHUNKS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+                 O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     QD: tl.constexpr = NQ * HD
     rows = row0 + tl.arange(0, O_ROWS)
     rm = rows < D
@@ -31,7 +32,7 @@ def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x
                             O_ROWS, BK, STAGES, TWO=False, NORM=False,
                             EVEN=(QD % O_K == 0) and (O_K % BK == 0) and (D % O_ROWS == 0))
     y = tl.sum(acc, axis=1)
-    if O_CHUNKS == 1:
+    if O_PART == 0:
         xin = layer_input(x_ptr, xout_ptr, layer, D)
         xr = tl.load(xin + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(x1_ptr + layer * D + rows, xr + y, mask=rm)
@@ -49,9 +50,9 @@ class OProj(Instruction):
     NAME = "oproj"
     STAGE = 3
     ARGS = ("x_ptr", "xout_ptr", "wtab_ptr", "wo_ptr", "attn_ptr", "x1_ptr", "opart_ptr",
-            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "BK", "STAGES")
+            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "O_PART", "BK", "STAGES")
     CONSTEXPRS = {"O_ROWS": lambda lay: lay.tiling.o_rows, "O_K": lambda lay: lay.o_k,
-                  "O_CHUNKS": lambda lay: lay.n_o_k}
+                  "O_CHUNKS": lambda lay: lay.n_o_k, "O_PART": lambda lay: int(lay.o_partial)}
     device = oproj_device
 
     # x1 = x + attn . Wo^T (written here, or by O_REDUCE from the per-chunk partials ``opart``)
@@ -60,7 +61,7 @@ class OProj(Instruction):
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
         c = lay.cfg
-        return {"x1": (c.layers, c.d), "opart": (c.layers, lay.n_o_k if lay.n_o_k > 1 else 0, c.d)}
+        return {"x1": (c.layers, c.d), "opart": (c.layers, lay.n_o_k if lay.o_partial else 0, c.d)}
 
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:
@@ -82,14 +83,14 @@ class OProj(Instruction):
         c = lay.cfg
         k0, k1 = self._ks(lay)
         out = [Region("attn", self.layer * c.q_dim + k0, self.layer * c.q_dim + k1)]
-        if self.layer > 0 and lay.n_o_k == 1:
+        if self.layer > 0 and not lay.o_partial:
             lo, hi = self._rows(lay)
             out.append(Region("xout", (self.layer - 1) * c.d + lo, (self.layer - 1) * c.d + hi))
         return out
 
     def writes(self, lay: Layout) -> list[Region]:
         lo, hi = self._rows(lay)
-        if lay.n_o_k == 1:
+        if not lay.o_partial:
             base = self.layer * lay.cfg.d
             return [Region("x1", base + lo, base + hi)]
         base = (self.layer * lay.n_o_k + self.oc) * lay.cfg.d
@@ -107,7 +108,7 @@ class OProj(Instruction):
         k0, k1 = self._ks(lay)
         a = st.buf["attn"].view(c.layers, c.q_dim)[self.layer, k0:k1]
         y = st.weights[self.layer]["o"][lo:hi, k0:k1].float() @ a
-        if lay.n_o_k == 1:
+        if not lay.o_partial:
             x = st.layer_input(self.layer)[lo:hi].float()
             st.buf["x1"].view(c.layers, c.d)[self.layer, lo:hi] = x + y
         else:

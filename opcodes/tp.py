@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .base import Layout, Tiling, register_layout
 from .config import ModelConfig
 from .reference import LAYER_KEYS, layer_shapes, rmsnorm, rope, rope_tables
 
@@ -299,3 +300,51 @@ def tp_argmax(rank_logits: list[torch.Tensor]) -> int:
             best, best_id = v, off + i
         off += lg.numel()
     return best_id
+
+
+# ---- the rank's layout (tensor-parallel tapes) -----------------------------------------------------
+
+
+@register_layout
+@dataclass(frozen=True)
+class TPLayout(Layout):
+    """The layout of rank ``tp_rank`` of ``tp_size`` in a tensor-parallel tape: ``cfg`` is the rank's
+    shard (:func:`shard_config` of the full model), the weights and KV cache the tape's opcodes index
+    are the rank's (:func:`shard_weights`, :func:`shard_kv_cache`). The O projection always writes
+    partials (:attr:`o_partial`): TP_PUSH sends the rank's partial of a row block to the peer, and
+    TP_REDUCE adds rank 0's and rank 1's partials in that order to the residual on both ranks.
+    Tapes exist for ``tp_size == 2`` only (one peer)."""
+
+    tp_rank: int = 0
+    tp_size: int = 2
+
+    def __post_init__(self):
+        super().__post_init__()
+        TPShard(self.tp_rank, self.tp_size)          # checks the ints and the range
+        if self.tp_size != 2:
+            raise ValueError(f"TPLayout: tensor-parallel tapes need tp_size = 2 (one peer), got {self.tp_size}")
+
+    @property
+    def o_partial(self) -> bool:
+        return True
+
+    @property
+    def peer(self) -> int:
+        return 1 - self.tp_rank
+
+    @property
+    def full_cfg(self) -> ModelConfig:
+        """The full (unsharded) model's config."""
+        T = self.tp_size
+        name = self.cfg.name.rsplit(f"-tp{self.tp_rank}of{T}", 1)[0]
+        return dataclasses.replace(self.cfg, n_q=self.cfg.n_q * T, n_kv=self.cfg.n_kv * T, ffn=self.cfg.ffn * T,
+                                   name=name)
+
+    def extra(self) -> dict:
+        return {"tp_rank": self.tp_rank, "tp_size": self.tp_size}
+
+    @classmethod
+    def of(cls, cfg, tp_rank: int, tp_size: int, tiling=None, max_seq: int = 256) -> "TPLayout":
+        """Rank ``tp_rank``'s layout of the full model ``cfg`` (the tiling defaults to the shard's)."""
+        sc = shard_config(cfg, tp_rank, tp_size)
+        return cls(sc, tiling or Tiling.for_config(sc), max_seq, tp_rank, tp_size)

@@ -10,7 +10,7 @@ from .assign import CostModel, Schedule, list_schedule, random_schedule, round_r
 from .fluid import FluidModel, expected_makespan
 from .program import Program, lower
 from .tape import Tape, encode
-from .verify import Report, verify
+from .verify import Report, TPReport, verify
 
 POLICIES = ("cost", "round-robin")
 #: microseconds of the plan's tail taken by ticket at run time (H200, bench/NOTES.md v13: 60 us
@@ -48,7 +48,7 @@ class Compiled:
 def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, tiling: Tiling | None = None,
                   policy: str = "cost", model: CostModel | None = None, seed: int = 0,
                   sequential: bool = False, lowering=None, pool_us: float | None = None,
-                  decoder: bool | None = None, elide_waits: bool = False) -> Compiled:
+                  decoder: bool | None = None, elide_waits: bool = False, tp: int | None = None):
     """Compile ``cfg`` for ``num_sms`` SMs. ``policy``: 'cost' (list scheduling), 'round-robin' or
     'random' (a random valid schedule drawn with ``seed``).
     ``lowering``: a function Layout -> Program to use instead of :func:`lower` (e.g. a whole decoder
@@ -60,18 +60,30 @@ def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, ti
     (default): the whole model iff ``cfg.vocab > 0``.
     ``pool_us``: the last ``pool_us`` microseconds of the plan go to a pool that SMs take from at
     run time as they finish their queues (:func:`schedule.assign.with_pool`); 0: queues only;
-    None: :data:`DEFAULT_POOL_US` for 'cost', 0 for the round-robin and random baselines."""
+    None: :data:`DEFAULT_POOL_US` for 'cost', 0 for the round-robin and random baselines.
+    ``tp``: None or 1: one GPU (a :class:`Compiled`); 2: tensor parallel over two GPUs, a
+    :class:`CompiledTP` with one tape per rank (``.tapes``), each of the rank's
+    :class:`opcodes.tp.TPLayout` (``cfg`` is the full model's; the layers only, ``decoder`` must not
+    be True), every rank's tape verified alone and both together (:func:`schedule.verify.verify_tp`)."""
+    if tp not in (None, 1):
+        return _compile_tp(cfg, num_sms, max_seq, tiling, policy, model, seed, sequential, lowering, pool_us,
+                           decoder, elide_waits, tp)
     if lowering is None and (cfg.vocab > 0 if decoder is None else decoder):
         from .decoder_program import decoder_lowering
         lowering = decoder_lowering()
-    if pool_us is None:
-        pool_us = DEFAULT_POOL_US if policy == "cost" else 0.0
-    if isinstance(pool_us, bool) or not isinstance(pool_us, (int, float)) or not pool_us >= 0:
-        raise ValueError(f"pool_us must be a number >= 0 (microseconds), got {pool_us!r}")
     t0 = time.perf_counter()
     if max_seq is None:
         max_seq = 4224 if cfg.d >= 1024 else 256
     lay = Layout(cfg, tiling or Tiling.for_config(cfg), max_seq)
+    return _compile_layout(lay, num_sms, policy, model, seed, sequential, lowering, pool_us, elide_waits, t0)
+
+
+def _compile_layout(lay: Layout, num_sms: int, policy: str, model: CostModel | None, seed: int, sequential: bool,
+                    lowering, pool_us: float | None, elide_waits: bool, t0: float) -> Compiled:
+    if pool_us is None:
+        pool_us = DEFAULT_POOL_US if policy == "cost" else 0.0
+    if isinstance(pool_us, bool) or not isinstance(pool_us, (int, float)) or not pool_us >= 0:
+        raise ValueError(f"pool_us must be a number >= 0 (microseconds), got {pool_us!r}")
     prog = (lowering or lower)(lay)
     if policy == "cost":
         if model is None:
@@ -97,3 +109,38 @@ def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, ti
         tape = tape.elide_repeated_waits()
     report = verify(tape, prog, sequential=sequential)
     return Compiled(prog, sched, tape, report, model, time.perf_counter() - t0)
+
+
+@dataclass
+class CompiledTP:
+    """A tensor-parallel compilation: ``ranks[r]`` rank r's :class:`Compiled` (its program, schedule,
+    tape and per-rank report), ``report`` the cross-rank verification of both tapes together."""
+
+    ranks: list[Compiled]
+    report: "TPReport"
+    seconds: float
+
+    @property
+    def tapes(self) -> list[Tape]:
+        return [c.tape for c in self.ranks]
+
+
+def _compile_tp(cfg, num_sms, max_seq, tiling, policy, model, seed, sequential, lowering, pool_us, decoder,
+                elide_waits, tp) -> CompiledTP:
+    from opcodes.tp import TPLayout, shard_config
+    from .verify import verify_tp
+    if isinstance(tp, bool) or tp != 2:
+        raise ValueError(f"tp must be None, 1 or 2 (tensor-parallel tapes exist for two ranks), got {tp!r}")
+    if decoder:
+        raise NotImplementedError("tensor-parallel tapes cover the layers only (no embedding / LM head yet): "
+                                  "pass decoder=False")
+    t0 = time.perf_counter()
+    if max_seq is None:
+        max_seq = 4224 if cfg.d >= 1024 else 256
+    sc = shard_config(cfg, 0, tp)
+    tiling = tiling or Tiling.for_config(sc)
+    ranks = [_compile_layout(TPLayout(shard_config(cfg, r, tp), tiling, max_seq, r, tp), num_sms, policy, model,
+                             seed, sequential, lowering, pool_us, elide_waits, time.perf_counter())
+             for r in range(tp)]
+    report = verify_tp([c.tape for c in ranks])
+    return CompiledTP(ranks, report, time.perf_counter() - t0)

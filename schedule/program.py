@@ -13,13 +13,24 @@ Dependencies per layer ``l`` (one counter per arrow group):
     GATE_UP(l, rows in K chunk kc) --act[l,kc]--> DOWN(l, *, kc)
     DOWN(l, rows in block rb, *) --dpart[l,rb]--> RESIDUAL(l, rb) --out[l]--> QKV(l+1, *)
 
+Tensor parallel (a :class:`opcodes.tp.TPLayout`: the program of one rank of two; both ranks have
+the same program, on their own shards): the O projection always writes partials, and per row block
+``rb`` of each all-reduced stage (O projection, down projection) O_REDUCE / RESIDUAL become
+
+    OPROJ / DOWN (l, rows in rb, *) --opart[l,rb] / dpart[l,rb]--> TP_PUSH(l, stage, rb)
+    TP_PUSH(l, stage, rb) on the PEER --recv_o[l,rb] / recv_d[l,rb]--> TP_REDUCE(l, stage, rb)
+    (+ opart / dpart[l,rb])  TP_REDUCE(l, 0, rb) --x1[l]-->   TP_REDUCE(l, 1, rb) --out[l]-->
+
+A TP_PUSH's signal is the counter of the same index in the peer's program (``SIGNALS_PEER``): the
+program's producer count of ``recv_*`` is its own pushes, which equal the peer's.
+
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from opcodes import (QKV, AttnPartial, AttnReduce, Down, GateUp, Instruction, Layout, ModelConfig, OProj,
-                     OReduce, Residual, Tiling, cdiv)
+                     OReduce, Residual, Tiling, TPPush, TPReduce, cdiv)
 from opcodes.base import NO_COUNTER, scratch_buffers
 
 
@@ -75,7 +86,7 @@ def check_layout(lay: Layout) -> None:
     if t.down_k % t.gu_rows and t.down_k < lay.cfg.ffn:
         raise ValueError(f"Tiling.down_k = {t.down_k} must be a multiple of gu_rows = {t.gu_rows} "
                          "(a gate/up tile signals the counter of one K chunk)")
-    if lay.n_o_k > 1 and t.red_rows % t.o_rows and t.red_rows < lay.cfg.d:
+    if lay.o_partial and t.red_rows % t.o_rows and t.red_rows < lay.cfg.d:
         raise ValueError(f"Tiling.red_rows = {t.red_rows} must be a multiple of o_rows = {t.o_rows} "
                          "(a split O tile signals the counter of one O_REDUCE block)")
     if t.red_rows % t.down_rows and t.red_rows < lay.cfg.d:
@@ -93,6 +104,7 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
     instructions that consume the final residual stream.
     """
     check_layout(lay)
+    tp = getattr(lay, "tp_size", 1) > 1
     c, t = lay.cfg, lay.tiling
     p = prog if prog is not None else Program(lay)
     prev_out = input_counter
@@ -123,7 +135,7 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
                 p.add(AttnPartial(l, g, s), (cq[g], ckv[g]) if last else (cq[g],), cp[g])
         for h in range(c.n_q):
             p.add(AttnReduce(l, h), (cp[h // c.group],), ca[(h * c.hd) // lay.o_k])
-        if n_oc == 1:
+        if not lay.o_partial:
             for r in range(0, c.d, t.o_rows):
                 p.add(OProj(l, r, 0), (ca[0],), cx)
         else:
@@ -131,17 +143,33 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
             for oc in range(n_oc):
                 for r in range(0, c.d, t.o_rows):
                     p.add(OProj(l, r, oc), (ca[oc],), co[r // t.red_rows])
-            for rb in range(n_rb):
-                p.add(OReduce(l, rb * t.red_rows), (co[rb],), cx)
+            if tp:
+                _all_reduce(p, l, 0, co, cx, n_rb, t.red_rows)
+            else:
+                for rb in range(n_rb):
+                    p.add(OReduce(l, rb * t.red_rows), (co[rb],), cx)
         for r in range(0, c.ffn, t.gu_rows):
             p.add(GateUp(l, r), (cx,), cact[r // t.down_k])
         for kc in range(lay.n_down_k):
             for r in range(0, c.d, t.down_rows):
                 p.add(Down(l, r, kc), (cact[kc],), cd[r // t.red_rows])
-        for rb in range(n_rb):
-            p.add(Residual(l, rb * t.red_rows), (cd[rb],), cout)
+        if tp:
+            _all_reduce(p, l, 1, cd, cout, n_rb, t.red_rows)
+        else:
+            for rb in range(n_rb):
+                p.add(Residual(l, rb * t.red_rows), (cd[rb],), cout)
         prev_out = cout
     return p
+
+
+def _all_reduce(p: Program, l: int, stage: int, cpart: list[int], cdone: int, n_rb: int, red_rows: int) -> None:
+    """Tensor parallel: per row block, TP_PUSH of this rank's partial to the peer (signalling the
+    peer's ``recv`` counter) and TP_REDUCE (rank 0 + rank 1 + the residual), pushes first."""
+    crecv = [p.counter(f"recv_{'od'[stage]}[{l},{rb}]") for rb in range(n_rb)]
+    for rb in range(n_rb):
+        p.add(TPPush(l, stage, rb * red_rows), (cpart[rb],), crecv[rb])
+    for rb in range(n_rb):
+        p.add(TPReduce(l, stage, rb * red_rows), (cpart[rb], crecv[rb]), cdone)
 
 
 def make_layout(cfg: ModelConfig, max_seq: int, tiling: Tiling | None = None) -> Layout:

@@ -14,6 +14,12 @@ Checks, in order:
      queued or earlier pool instructions, and no queue waits on it;
   7. optionally, sequential execution (the Triton interpreter runs programs one by one: SM 0's
      queue, then the whole pool, which SM 0 takes alone, then SM 1's queue, ...).
+
+A tensor-parallel rank's tape alone (:func:`verify`) is checked as if its peer ran the same tape:
+an instruction that signals the peer's counter (``SIGNALS_PEER``) or writes the peer's buffer
+(``WRITES_PEER``) counts as signalling / writing the same counter / buffer here, which is exact when
+both ranks run the same program in the same schedule. :func:`verify_tp` checks the real system: both
+tapes, their 2 x num_sms queues and the cross-rank edges.
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 from opcodes import BY_OPCODE, HEADER, MAX_WAITS, NO_COUNTER, Region
 
 from .program import Program
-from .tape import Decoded, Tape
+from .tape import Decoded, Tape, decode
 
 
 class TapeError(ValueError):
@@ -130,6 +136,7 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
         for r in d.ins.writes(lay):
             writes[r.buf].append((r.lo, r.hi, d))
     bufs = tape.buffers()
+    slots = _parity_slots(tape.classes())
     for b in writes:
         if b not in bufs:
             problems.append(f"{_name(tape, writes[b][0][2])}: writes unknown buffer {b!r}")
@@ -143,7 +150,7 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
             elif lo > pos:
                 problems.append(f"{b}[{pos}:{lo}] is never written (the instruction writing it is missing?)")
             pos = max(pos, hi)
-        numel = math.prod(bufs[b][0])
+        numel = math.prod(bufs[b][0]) // slots.get(b, 1)      # a call writes one slot of a parity buffer
         if pos < numel:
             problems.append(f"{b}[{pos}:{numel}] is never written (the instruction writing it is missing?)")
     if problems:
@@ -181,6 +188,11 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
     if problems:
         raise TapeError(problems)
     return Report(n, tape.n_counters, tape.num_sms, n_regions)
+
+
+def _parity_slots(classes) -> dict[str, int]:
+    """Buffers allocated as several slots, one per call parity (``Instruction.PARITY_SLOTS``)."""
+    return {b: n for cls in classes for b, n in cls.PARITY_SLOTS.items()}
 
 
 def _writers_of(r: Region, ws, starts) -> tuple[list, list]:
@@ -317,3 +329,220 @@ def _deadlocks(tape: Tape, decoded, producers, sequential: bool) -> list[str]:
             out.append(f"deadlock: {_name(tape, d)} waits on {_cname(tape, c)} for {t}, "
                        f"only {done[c]} producers can ever finish{why}")
     return out
+
+
+# ---- tensor parallel: both ranks' tapes together ------------------------------------------------------
+@dataclass
+class TPReport:
+    n_ranks: int
+    n_instructions: int
+    n_sms: int
+    n_cross_edges: int          # waits on counters the peer signals
+    n_regions_checked: int
+
+    def __str__(self) -> str:
+        return (f"verified across {self.n_ranks} ranks: {self.n_instructions} instructions on {self.n_ranks} x "
+                f"{self.n_sms} SMs, {self.n_cross_edges} cross-rank waits, {self.n_regions_checked} read regions "
+                f"proven covered, no deadlock under any interleaving")
+
+
+def verify_tp(tapes: list[Tape]) -> TPReport:
+    """Verify the tapes of a tensor-parallel step (``compile_model(..., tp=2).tapes``) as one system:
+    the 2 x ``num_sms`` queues (and each rank's pool) with the cross-rank edges. An instruction whose
+    class has ``SIGNALS_PEER`` signals the counter of that index on the other rank; one with
+    ``WRITES_PEER`` writes the other rank's buffers. Raises :class:`TapeError` naming the rank, the
+    instruction and its SM, or returns a :class:`TPReport`. Checks:
+
+    1. the tapes are ranks 0 and 1 of one :class:`opcodes.tp.TPLayout` model with the same counters;
+    2. every wait's per-call target equals the number of its producers on both ranks;
+    3. every element of every buffer of every rank is written exactly once per call (a buffer of
+       ``PARITY_SLOTS``: one slot), by its own rank or, for the buffers the peer writes, by the peer;
+       a buffer the peer writes must have two parity slots;
+    4. every read is covered by writes that it (transitively, across ranks) waits for;
+    5. no interleaving of the 2 x ``num_sms`` SMs deadlocks (greedy execution with monotone counters);
+    6. double buffering is safe: each rank waits on at least one counter its peer signals.
+
+    Why two slots suffice (6): calls of one rank run one after another (a kernel launch ends when its
+    queues are done), and call ``e`` writes and reads slot ``e % 2``. Rank r in call ``e + 2`` has
+    finished call ``e + 1``, which waited on a counter the peer signals in call ``e + 1`` (counters
+    reach ``target * epoch`` only with that call's signals, and the peer's call ``e + 1`` starts after
+    its call ``e`` ends): so the peer has finished call ``e``, every read of slot ``e % 2`` included,
+    before rank r writes that slot again. A rank is never more than one call ahead of its peer.
+    """
+    problems: list[str] = []
+    R = len(tapes)
+    if R != 2:
+        raise TapeError([f"verify_tp takes the tapes of 2 ranks, got {R}"])
+    for r, t in enumerate(tapes):
+        lay = t.lay
+        if getattr(lay, "tp_size", None) != R or getattr(lay, "tp_rank", None) != r:
+            problems.append(f"tape {r} has layout {type(lay).__name__} (tp_rank={getattr(lay, 'tp_rank', None)}, "
+                            f"tp_size={getattr(lay, 'tp_size', None)}), not rank {r} of {R}")
+    if problems:
+        raise TapeError(problems)
+    if tapes[0].counters != tapes[1].counters:
+        raise TapeError([f"the ranks' tapes have different counters ({tapes[0].n_counters} vs {tapes[1].n_counters}"
+                         "): a peer's signal names the counter of the same index"])
+    if tapes[0].lay.cfg.to_dict() != tapes[1].lay.cfg.to_dict() or tapes[0].lay.tiling != tapes[1].lay.tiling:
+        raise TapeError(["the ranks' tapes are of different shard configs or tilings"])
+    n_c = tapes[0].n_counters
+    dec = []
+    for t in tapes:
+        try:
+            dec.append(decode(t))
+        except ValueError as e:
+            raise TapeError([str(e)]) from None
+
+    def name(r: int, d: Decoded) -> str:
+        return f"rank {r} {_name(tapes[r], d)}"
+
+    def cname(r: int, c: int) -> str:
+        return f"rank {r}'s {_cname(tapes[r], c)}"
+
+    def gid(r: int, c: int) -> int:
+        return r * n_c + c
+
+    # -- 2. counters across ranks --------------------------------------------------------------
+    producers: dict[int, list[tuple[int, Decoded]]] = defaultdict(list)
+    for r in range(R):
+        for d in dec[r]:
+            if d.signal != NO_COUNTER:
+                producers[gid(1 - r if type(d.ins).SIGNALS_PEER else r, d.signal)].append((r, d))
+    n_cross = 0
+    waits_peer = [False] * R
+    for r in range(R):
+        for d in dec[r]:
+            for c, t in d.waits:
+                ps = producers.get(gid(r, c), [])
+                if any(pr != r for pr, _ in ps):
+                    n_cross += 1
+                    waits_peer[r] = True
+                if len(ps) != t:
+                    src = sorted({pr for pr, _ in ps})
+                    problems.append(f"{name(r, d)}: waits on {cname(r, c)} for {t}, but {len(ps)} instruction(s)"
+                                    f"{' of rank(s) ' + str(src) if src else ''} signal it")
+    # -- 3. every buffer element written once per call, by its rank or its peer ------------------
+    writes: list[dict[str, list]] = [defaultdict(list) for _ in range(R)]
+    for r in range(R):
+        for d in dec[r]:
+            cls = type(d.ins)
+            dst = 1 - r if cls.WRITES_PEER else r
+            for reg in d.ins.writes(tapes[r].lay):
+                writes[dst][reg.buf].append((reg.lo, reg.hi, r, d))
+                if cls.WRITES_PEER and cls.PARITY_SLOTS.get(reg.buf, 1) != 2:
+                    problems.append(f"{name(r, d)}: writes rank {dst}'s {reg.buf}, which is not double-buffered "
+                                    f"(PARITY_SLOTS: 2 slots, one per call parity)")
+    for r in range(R):
+        bufs = tapes[r].buffers()
+        slots = _parity_slots(tapes[r].classes())
+        for b, ws in writes[r].items():
+            if b not in bufs:
+                problems.append(f"{name(ws[0][2], ws[0][3])}: writes unknown buffer {b!r} of rank {r}")
+        for b in bufs:
+            pos = 0
+            for lo, hi, wr, d in sorted(writes[r].get(b, []), key=lambda w: (w[0], w[1])):
+                if lo < pos:
+                    problems.append(f"{name(wr, d)}: writes rank {r}'s {b}[{lo}:{hi}], overlapping an earlier write "
+                                    f"(every element must be written exactly once per call)")
+                elif lo > pos:
+                    problems.append(f"rank {r}'s {b}[{pos}:{lo}] is never written (a missing instruction, or a "
+                                    f"missing push from rank {1 - r}?)")
+                pos = max(pos, hi)
+            numel = math.prod(bufs[b][0]) // slots.get(b, 1)
+            if pos < numel:
+                problems.append(f"rank {r}'s {b}[{pos}:{numel}] is never written (a missing instruction, or a "
+                                f"missing push from rank {1 - r}?)")
+    for r in range(R):
+        if not waits_peer[r]:
+            problems.append(f"rank {r} waits on no counter that rank {1 - r} signals: it could run two calls ahead "
+                            f"and overwrite a parity slot its peer has not read")
+    if problems:
+        raise TapeError(problems)
+    # -- 4. reads covered, with the cross-rank edges -------------------------------------------------
+    eff = {}
+    for r in range(R):
+        for slot, cs in _queue_waits(tapes[r], dec[r]).items():
+            eff[(r, slot)] = [gid(r, c) for c in cs]
+    memo: dict[int, int] = {}
+
+    def closure(g0: int) -> int:
+        stack = [(g0, False)]
+        seen = set()
+        while stack:
+            g, done = stack.pop()
+            if done:
+                bits = 1 << g
+                for pr, p in producers.get(g, []):
+                    for w in eff[(pr, p.slot)]:
+                        bits |= memo.get(w, 0)
+                memo[g] = bits
+                continue
+            if g in memo or g in seen:
+                continue
+            seen.add(g)
+            stack.append((g, True))
+            for pr, p in producers.get(g, []):
+                for w in eff[(pr, p.slot)]:
+                    if w not in memo and w not in seen:
+                        stack.append((w, False))
+        return memo[g0]
+
+    n_regions = 0
+    for r in range(R):
+        ws_sorted = {b: sorted(ws, key=lambda w: w[0]) for b, ws in writes[r].items()}
+        for d in dec[r]:
+            waited = 0
+            for g in eff[(r, d.slot)]:
+                waited |= closure(g)
+            for reg in d.ins.reads(tapes[r].lay):
+                n_regions += 1
+                for lo, hi, wr, w in ws_sorted.get(reg.buf, []):
+                    if hi <= reg.lo or lo >= reg.hi:
+                        continue
+                    g = NO_COUNTER if w.signal == NO_COUNTER else gid(1 - wr if type(w.ins).SIGNALS_PEER else wr,
+                                                                      w.signal)
+                    if g == NO_COUNTER or not (waited >> g) & 1:
+                        why = "signals no counter" if g == NO_COUNTER else f"signals {cname(g // n_c, g % n_c)}"
+                        problems.append(f"{name(r, d)}: reads rank {r}'s {reg.buf}[{reg.lo}:{reg.hi}] written by "
+                                        f"{name(wr, w)}, which it does not wait for ({why})")
+                        break
+    if problems:
+        raise TapeError(problems)
+    # -- 5. liveness of the 2 x num_sms queues (and each rank's pool, in ticket order) -----------------
+    by_q: dict[tuple[int, int], list[Decoded]] = defaultdict(list)
+    for r in range(R):
+        for d in dec[r]:
+            by_q[(r, d.sm)].append(d)
+    order = sorted(by_q, key=lambda q: (q[1] == Tape.POOL, q))
+    done = Counter()
+    heads = {q: 0 for q in by_q}
+    progress = True
+    while progress:
+        progress = False
+        for q in order:
+            r, lst = q[0], by_q[q]
+            while heads[q] < len(lst):
+                d = lst[heads[q]]
+                if any(done[gid(r, c)] < t for c, t in d.waits):
+                    break
+                heads[q] += 1
+                progress = True
+                if d.signal != NO_COUNTER:
+                    done[gid(1 - r if type(d.ins).SIGNALS_PEER else r, d.signal)] += 1
+    for q in order:
+        r, lst = q[0], by_q[q]
+        if heads[q] < len(lst):
+            d = lst[heads[q]]
+            c, t = next((c, t) for c, t in d.waits if done[gid(r, c)] < t)
+            blocked = [(pr, p) for pr, p in producers.get(gid(r, c), [])
+                       if heads[(pr, p.sm)] <= by_q[(pr, p.sm)].index(p)]
+            why = ""
+            if blocked:
+                pr, p = blocked[0]
+                why = (f"; e.g. producer {name(pr, p)} never gets to run (it is queued behind a blocked instruction "
+                       f"of rank {pr} {Tape.where(p.sm)})")
+            problems.append(f"deadlock: {name(r, d)} waits on {cname(r, c)} for {t}, only {done[gid(r, c)]} "
+                            f"producers can ever finish{why}")
+    if problems:
+        raise TapeError(problems)
+    return TPReport(R, sum(len(t) for t in tapes), tapes[0].num_sms, n_cross, n_regions)

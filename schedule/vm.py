@@ -33,6 +33,8 @@ class VMState:
         self.kv = kv_cache
         self.x = x.reshape(-1)
         self.pos = pos
+        self.epoch = 1                # the call's epoch (tensor parallel: its parity picks the receive slot)
+        self.peer_buf: dict = {}      # tensor parallel: the peer's buffers that WRITES_PEER opcodes write
         # device buffers that persist across calls, as the host wrote them (e.g. SAMPLE's parameters)
         self.state = dict(state or {})
         # the opcodes' build-time tables (e.g. RoPE's cos / sin), by kernel pointer name
@@ -108,3 +110,124 @@ def run_tape(tape: Tape, weights: dict, kv_cache: list, x: torch.Tensor, pos: in
             del held[s]
         remaining -= 1
     return st if return_state else st.output()
+
+
+def run_tp(tapes: list[Tape], weights: dict, kv_cache: list, x: torch.Tensor, pos: int, seed: int | None = 0,
+           calls: int = 1, return_all: bool = False):
+    """Run a tensor-parallel step (``compile_model(cfg, ..., tp=2).tapes``) on the CPU: both ranks'
+    tapes in one random interleaving (``seed``; None: the lowest ready (rank, SM) first) of all
+    2 x ``num_sms`` SMs, with the cross-rank edges (a ``SIGNALS_PEER`` instruction bumps the peer's
+    counter, a ``WRITES_PEER`` one writes the peer's buffers, e.g. TP_PUSH into its ``tp_recv``).
+
+    ``weights`` / ``kv_cache`` are the FULL model's (``cfg`` = the layouts' ``full_cfg``): each rank
+    gets its shard (``opcodes.tp.shard_weights`` / ``shard_kv_cache``), and the K/V rows the ranks
+    write are copied back into ``kv_cache`` (each rank its KV heads). ``x``: the (1, d) bf16 input.
+
+    ``calls`` > 1 runs that many calls in a row, at positions ``pos, pos + 1, ...``, each call's input
+    the previous call's output: counters are never reset (waits are for ``target * epoch``), the
+    receive buffers persist and alternate parity slots, and a rank may start its next call as soon as
+    its own previous call is done (so one rank can be a call ahead of the other, as on the GPUs).
+    Returns the last call's output (1, d) (the ranks' outputs are asserted bitwise equal), or with
+    ``return_all`` the list over calls of ``[rank 0's, rank 1's]`` outputs."""
+    from opcodes.tp import shard_kv_cache, shard_weights
+    R = len(tapes)
+    if R != 2:
+        raise ValueError(f"run_tp takes the tapes of 2 ranks, got {R}")
+    lays = [t.lay for t in tapes]
+    for r, lay in enumerate(lays):
+        if getattr(lay, "tp_rank", None) != r or getattr(lay, "tp_size", None) != R:
+            raise ValueError(f"tapes[{r}] is not rank {r} of a tensor-parallel compilation (layout "
+                             f"{type(lay).__name__})")
+    full = lays[0].full_cfg
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+        raise ValueError(f"calls must be an int >= 1, got {calls!r}")
+    if not (0 <= pos and pos + calls <= lays[0].max_seq):
+        raise ValueError(f"pos .. pos + calls - 1 must be in [0, {lays[0].max_seq}), got {pos} and calls={calls}")
+    shards = [shard_weights(weights, full, r, R) for r in range(R)]
+    caches = [shard_kv_cache(kv_cache, full, r, R) for r in range(R)]
+    classes = [t.classes() for t in tapes]
+    # buffers that persist across calls: those with parity slots (the receive buffers)
+    persist = []
+    for r in range(R):
+        bufs = scratch_buffers(lays[r], classes[r])
+        persist.append({n: torch.full((math.prod(bufs[n][0]),), float("nan"), dtype=torch.float32)
+                        for cls in classes[r] for n in cls.PARITY_SLOTS})
+    rng = random.Random(seed) if seed is not None else None
+    counters = [[0] * t.n_counters for t in tapes]
+    outputs: list[list] = [[None] * R for _ in range(calls)]
+
+    class Rank:
+        def __init__(self, r):
+            self.r, self.tape, self.call = r, tapes[r], -1
+            self.queues = {s: [] for s in range(self.tape.num_sms)}
+            self.pool = []
+            for d in decode(self.tape):
+                (self.pool if d.sm == Tape.POOL else self.queues[d.sm]).append(d)
+            self.start(x.reshape(1, -1))
+
+        def start(self, xin):
+            self.call += 1
+            self.st = VMState(lays[self.r], shards[self.r], caches[self.r], xin, pos + self.call, classes[self.r])
+            self.st.buf.update(persist[self.r])
+            self.st.peer_buf = persist[1 - self.r]
+            self.st.epoch = self.call + 1          # the kernel's epoch: 1 for the first call
+            self.heads = {s: 0 for s in self.queues}
+            self.held, self.ticket, self.remaining = {}, 0, len(self.tape)
+
+        def current(self, s):
+            q = self.queues[s]
+            if self.heads[s] < len(q):
+                return q[self.heads[s]]
+            if s not in self.held and self.ticket < len(self.pool):
+                self.held[s] = self.pool[self.ticket]
+                self.ticket += 1
+            return self.held.get(s)
+
+    ranks = [Rank(r) for r in range(R)]
+    while any(k.call < calls for k in ranks):
+        ready, stuck = [], []
+        for k in ranks:
+            if k.call >= calls:
+                continue
+            for s in k.queues:
+                d = k.current(s)
+                if d is None:
+                    continue
+                if all(counters[k.r][c] >= t * k.st.epoch for c, t in d.waits):
+                    ready.append((k, s, d))
+                else:
+                    stuck.append((k, d))
+        if not ready:
+            raise DeadlockError("VM deadlock across ranks: " + "; ".join(
+                f"rank {k.r} call {k.call} {k.tape.describe(d.slot)} waits on "
+                f"{[(k.tape.counters[c], counters[k.r][c], t * k.st.epoch) for c, t in d.waits]}"
+                for k, d in stuck[:4]))
+        k, s, d = rng.choice(ready) if rng is not None else ready[0]
+        d.ins.run_torch(k.tape.lay, k.st)
+        if d.signal >= 0:
+            counters[1 - k.r if type(d.ins).SIGNALS_PEER else k.r][d.signal] += 1
+        if k.heads[s] < len(k.queues[s]):
+            k.heads[s] += 1
+        else:
+            del k.held[s]
+        k.remaining -= 1
+        if k.remaining == 0:                       # the rank's call is done: the next may start
+            out = k.st.output()
+            outputs[k.call][k.r] = out
+            if k.call + 1 < calls:
+                k.start(out)
+            else:
+                k.call += 1
+    for e, outs in enumerate(outputs):
+        if not torch.equal(outs[0], outs[1]):
+            raise AssertionError(f"call {e}: the ranks' outputs differ (max |diff| "
+                                 f"{(outs[0].float() - outs[1].float()).abs().max():.3e}): the all-reduce is not "
+                                 "bitwise identical on both ranks")
+    # the K/V rows the ranks wrote, back into the full caches (each rank its KV heads)
+    for r in range(R):
+        a = r * full.n_kv // R
+        b = a + full.n_kv // R
+        for l, (kc, vc) in enumerate(caches[r]):
+            kv_cache[l][0][:, a:b, pos:pos + calls] = kc[:, :, pos:pos + calls]
+            kv_cache[l][1][:, a:b, pos:pos + calls] = vc[:, :, pos:pos + calls]
+    return outputs if return_all else outputs[-1][0]
