@@ -35,6 +35,7 @@ if not CUDA:                                       # no GPU: the kernel runs in 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from interp import build_decoder, build_model, generate, load_hf_llama, model_step, teardown  # noqa: E402
+from interp.hf import random_llama  # noqa: E402
 from opcodes import ModelConfig  # noqa: E402
 from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err  # noqa: E402
 
@@ -76,18 +77,13 @@ def hf_part(n_new: int) -> None:
     # ----------------------------
     # A tiny Llama (2 layers, GQA 2, tied embeddings) with weights drawn here, saved in bf16 exactly
     # as a downloaded checkpoint directory looks: config.json + model.safetensors.
-    conf = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                    tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-6,
-                                    max_position_embeddings=128)
-    model = transformers.LlamaForCausalLM(conf)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            r = torch.randn(p.shape, generator=gen)
-            p.copy_((1.0 + 0.2 * r) if name.endswith("norm.weight") else 0.1 * r)
+    # (``interp.hf.random_llama`` draws every weight itself, so the model does not depend on
+    # transformers' initialisation.)
+    model = random_llama(dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                              rope_theta=10000.0, rms_norm_eps=1e-6), seed=3)
     path = pathlib.Path(tempfile.mkdtemp(prefix="megatape-03-"))
-    model.to(torch.bfloat16).save_pretrained(path)
+    model.save_pretrained(path)
     print(f"== 2. saved a random LlamaForCausalLM to {path}: {sorted(p.name for p in path.iterdir())}")
 
     # ``load_hf_llama`` returns the weights dict and the cfg (with ``vocab``) that

@@ -45,10 +45,12 @@ def make_checkpoint(out: pathlib.Path, seed: int = 3) -> None:
     # 1. A tiny checkpoint
     # --------------------
     # The tokenizer: byte-level BPE, so any text encodes (a character it never merged is split into
-    # its bytes, which is what streaming has to get right). The model: every weight drawn here,
-    # matrices N(0, 0.1^2), norms 1 + N(0, 0.2^2), in bf16; its vocabulary is the tokenizer's.
+    # its bytes, which is what streaming has to get right). The model: ``interp.hf.random_llama``
+    # draws every weight (matrices N(0, 0.1^2), norms 1 + N(0, 0.2^2), in bf16); its vocabulary is
+    # the tokenizer's.
     import tokenizers
     import transformers
+    from interp.hf import random_llama
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
@@ -58,17 +60,10 @@ def make_checkpoint(out: pathlib.Path, seed: int = 3) -> None:
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
-    conf = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                                    tie_word_embeddings=True, max_position_embeddings=64, bos_token_id=0,
-                                    eos_token_id=1)
-    m = transformers.LlamaForCausalLM(conf)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(m.named_parameters()):
-            r = torch.randn(p.shape, generator=g)
-            p.copy_((1.0 + 0.2 * r) if name.endswith("norm.weight") else 0.1 * r)
-    m.to(torch.bfloat16).save_pretrained(out)
+    m = random_llama(dict(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
+                          bos_token_id=0, eos_token_id=1), seed, max_position_embeddings=64)
+    m.save_pretrained(out)
     print(f"wrote {out}: " + ", ".join(sorted(f.name for f in out.iterdir())))
 
 

@@ -254,6 +254,33 @@ class _Reader:
         return out
 
 
+def read_json(path: pathlib.Path) -> dict:
+    """A JSON object from ``path``; errors name the file."""
+    try:
+        obj = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return obj
+
+
+def random_llama(kw: dict, seed: int, max_position_embeddings: int = 128):
+    """A transformers ``LlamaForCausalLM(LlamaConfig(**kw))`` whose every weight is drawn here (not
+    by transformers' init, which may change between versions): matrices N(0, 0.1^2), norm weights
+    1 + N(0, 0.2^2), rounded to bf16. For tests and tutorials: ``.save_pretrained(dir)`` makes a
+    checkpoint directory that :func:`load_hf_llama` reads. Needs transformers."""
+    import transformers
+    conf = transformers.LlamaConfig(**{"max_position_embeddings": max_position_embeddings, **kw})
+    m = transformers.LlamaForCausalLM(conf)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(m.named_parameters()):
+            r = torch.randn(p.shape, generator=g)
+            p.copy_((1.0 + 0.2 * r) if name.endswith("norm.weight") else 0.1 * r)
+    return m.to(torch.bfloat16).eval()
+
+
 def load_hf_llama(path, device="cpu", tp_rank: int = 0, tp_size: int = 1) -> tuple[dict, dict]:
     """Read a Hugging Face Llama checkpoint directory; return ``(weights, cfg)`` for
     ``build_decoder`` (``weights["layers"]`` and ``cfg`` also suit ``build_model``).
@@ -275,12 +302,7 @@ def load_hf_llama(path, device="cpu", tp_rank: int = 0, tp_size: int = 1) -> tup
     if not cpath.is_file():
         raise FileNotFoundError(f"{cpath}: missing (a Hugging Face checkpoint directory has config.json beside "
                                 "its *.safetensors)")
-    try:
-        conf = json.loads(cpath.read_text())
-    except ValueError as e:
-        raise ValueError(f"{cpath}: not valid JSON: {e}") from None
-    if not isinstance(conf, dict):
-        raise ValueError(f"{cpath}: expected a JSON object")
+    conf = read_json(cpath)
     cfg = config_from_hf(conf, str(cpath))
     mc, sh = check_tp(cfg, tp_rank, tp_size)        # errors name tp_rank / tp_size
     device = torch.device(device)

@@ -21,7 +21,6 @@ transformers (``AutoTokenizer``, reading ``tokenizer.json``) is needed for the t
 """
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import time
@@ -30,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .decoder import DecoderHandle, build_decoder, generate_stream
-from .hf import CONFIG, config_from_hf, load_hf_llama
+from .hf import CONFIG, config_from_hf, load_hf_llama, read_json
 
 TOKENIZER_FILE = "tokenizer.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -46,16 +45,6 @@ def _ids(v) -> list[int]:
     if isinstance(v, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         return list(v)
     return []
-
-
-def _read_json(path: pathlib.Path) -> dict:
-    try:
-        obj = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return obj
 
 
 def load_tokenizer(path):
@@ -95,12 +84,12 @@ class Checkpoint:
         cpath = root / CONFIG
         if not cpath.is_file():
             raise FileNotFoundError(f"{cpath}: missing (a Hugging Face checkpoint directory has config.json)")
-        conf = _read_json(cpath)
+        conf = read_json(cpath)
         cfg = config_from_hf(conf, str(cpath))
         tok = load_tokenizer(root)
         eos: list[int] = []
         gpath = root / GENERATION_CONFIG
-        for v in ((_read_json(gpath).get("eos_token_id") if gpath.is_file() else None), conf.get("eos_token_id"),
+        for v in ((read_json(gpath).get("eos_token_id") if gpath.is_file() else None), conf.get("eos_token_id"),
                   getattr(tok, "eos_token_id", None)):
             eos += [t for t in _ids(v) if t not in eos]
         return cls(root, conf, cfg, tok, eos)

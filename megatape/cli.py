@@ -493,17 +493,24 @@ COMMANDS = {"compile": cmd_compile, "run": cmd_run, "viz": cmd_viz, "bench": cmd
             "bench-decoder": cmd_bench_decoder, "generate": cmd_generate}
 
 
+def _add_tape_args(p, presets) -> None:
+    """What a tape is compiled for: --preset, --sms, --layers, --max-seq (compile and viz)."""
+    p.add_argument("--preset", required=True, choices=list(presets), metavar="NAME",
+                   help=f"model preset, one of: {', '.join(presets)}")
+    p.add_argument("--sms", required=True, type=_positive_int, metavar="N", help="number of SMs (queues)")
+    p.add_argument("--layers", type=_positive_int, default=None, metavar="N",
+                   help="override the preset's layer count")
+    p.add_argument("--max-seq", type=_positive_int, default=None, metavar="N",
+                   help="KV cache length the tape is compiled for (default: 4224 for d >= 1024, else 256)")
+
+
 def _add_viz(sub, presets) -> None:
     v = sub.add_parser("viz", help="pictures of a schedule: the DAG, zooms, the planned Gantt chart and trace",
                        description="Compile a preset and write into --out: dag.png/.svg (the tile DAG, "
                        "aggregated), dag_zoom_*.png/.svg (with --stage/--layer/--sm), dag.dot/.graphml and "
                        "dag_agg.dot (graph files), plan_gantt.png (the planned schedule, one row per SM) "
                        "and plan_trace.json (the plan as a Chrome / Perfetto trace).")
-    v.add_argument("--preset", required=True, choices=list(presets), metavar="NAME",
-                   help=f"model preset, one of: {', '.join(presets)}")
-    v.add_argument("--sms", type=_positive_int, required=True, metavar="N", help="number of SMs to schedule for")
-    v.add_argument("--layers", type=_positive_int, default=None, metavar="N", help="override the preset's number of layers")
-    v.add_argument("--max-seq", type=_positive_int, default=None, metavar="N", help="KV cache length (default: compile_model's)")
+    _add_tape_args(v, presets)
     v.add_argument("--policy", default="cost", choices=POLICIES)
     v.add_argument("--out", required=True, metavar="DIR", help="output directory (created)")
     v.add_argument("--stage", default=None, help="zoom: tiles of one stage (opcode name or stage number)")
@@ -610,12 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "instructions per opcode, counters, the verifier's report, per-SM busy time and the "
                        "predicted makespan beside the bandwidth lower bound, for the cost-model schedule "
                        "and for round-robin.")
-    c.add_argument("--preset", required=True, choices=list(PRESETS), metavar="NAME",
-                   help=f"model preset, one of: {', '.join(PRESETS)}")
-    c.add_argument("--sms", required=True, type=_positive_int, metavar="N", help="number of SMs (queues)")
-    c.add_argument("--layers", type=_positive_int, metavar="N", help="override the preset's layer count")
-    c.add_argument("--max-seq", type=_positive_int, metavar="N",
-                   help="KV cache length the tape is compiled for (default: 4224 for d >= 1024, else 256)")
+    _add_tape_args(c, PRESETS)
     c.add_argument("--policy", choices=POLICIES, default="cost",
                    help="schedule written by --listing / -o (both are always compiled and compared)")
     c.add_argument("--pool-us", type=_nonneg_float, default=None, metavar="US",

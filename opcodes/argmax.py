@@ -65,11 +65,8 @@ class Argmax(Instruction):
                   "AM_BLOCK": lambda lay: min(1024, max(16, triton.next_power_of_2(lay.n_lm_tiles)))
                   if Argmax.applies(lay) else 16}
     TIMING = Timing.FIXED
+    WHOLE_MODEL = True
     device = argmax_device
-
-    @classmethod
-    def applies(cls, lay: Layout) -> bool:
-        return hasattr(lay, "n_lm_tiles")           # a DecoderLayout (opcodes.decoder)
 
     # tok: read by the next call's EMBED; toks[pos]: the token predicted at pos
     STATE = {"tok": "i32", "toks": "i32"}

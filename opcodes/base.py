@@ -131,6 +131,8 @@ class Layout:
         ("o", "wo_ptr"), ("gate", "wg_ptr"), ("up", "wu_ptr"), ("down", "wd_ptr"), ("kc", "kc_ptr"), ("vc", "vc_ptr"))
     #: whole-model tensors (``weights[key]``, bf16): read only by the opcodes of whole-model
     #: programs (:class:`~opcodes.decoder.DecoderLayout`)
+    #: programs of this layout embed the token and end in logits (opcodes.decoder.DecoderLayout)
+    WHOLE_MODEL: ClassVar[bool] = False
     MODEL_TENSORS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("embed", "embed_ptr"), ("final_norm", "fnorm_ptr"), ("lm_head", "lmh_ptr"))
 
@@ -267,6 +269,9 @@ class Instruction:
     #: tapes that hold it (every branch changes the register allocation of the whole loop, so a
     #: rarely used opcode should not tax the kernels that never run it; bench/NOTES.md v21, v25)
     IN_EVERY_KERNEL: ClassVar[bool] = True
+    #: True: the opcode belongs to whole-model programs (it embeds tokens or reads the logits) and
+    #: applies only to a layout with ``Layout.WHOLE_MODEL``
+    WHOLE_MODEL: ClassVar[bool] = False
     FIXED_S: ClassVar[float | None] = None
     #: tensor parallel: True where the instruction's signal is a counter of the PEER rank (same
     #: index in the peer's tape), not of its own rank
@@ -285,8 +290,9 @@ class Instruction:
     # ---- declarations ---------------------------------------------------------------
     @classmethod
     def applies(cls, lay: Layout) -> bool:
-        """Whether programs of this layout can hold the opcode (its buffers exist)."""
-        return True
+        """Whether programs of this layout can hold the opcode (its buffers exist): a
+        ``WHOLE_MODEL`` opcode only those of a whole-model layout."""
+        return lay.WHOLE_MODEL or not cls.WHOLE_MODEL
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict[str, tuple[int, ...]]:

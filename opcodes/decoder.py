@@ -45,6 +45,8 @@ class DecoderLayout(Layout):
     lm_rows: int = 0
     emb_cols: int = 0
 
+    WHOLE_MODEL = True
+
     def __post_init__(self):
         super().__post_init__()
         c = self.cfg

@@ -41,11 +41,8 @@ class Embed(Instruction):
     # compiled at the smallest tile
     CONSTEXPRS = {"VOCAB": lambda lay: max(1, lay.cfg.vocab),
                   "EMB_COLS": lambda lay: lay.emb_cols if Embed.applies(lay) else 16}
+    WHOLE_MODEL = True
     device = embed_device
-
-    @classmethod
-    def applies(cls, lay: Layout) -> bool:
-        return hasattr(lay, "emb_cols")             # a DecoderLayout (opcodes.decoder)
 
     SCRATCH = {"x0": "bf16"}     # the embedded token: layer 0's input, reaching the kernel as x_ptr
     STATE = {"tok": "i32"}       # the token this call embeds (ARGMAX's output)

@@ -63,11 +63,8 @@ class LMHead(Instruction):
     # compiled at the smallest tile
     CONSTEXPRS = {"VOCAB": lambda lay: max(1, lay.cfg.vocab),
                   "LM_ROWS": lambda lay: lay.lm_rows if LMHead.applies(lay) else 16}
+    WHOLE_MODEL = True
     device = lm_head_device
-
-    @classmethod
-    def applies(cls, lay: Layout) -> bool:
-        return hasattr(lay, "lm_rows")              # a DecoderLayout (opcodes.decoder)
 
     # fp32 logits (what decode_step returns) and per tile [max logit, its index as fp32 (exact below 2^24)]
     SCRATCH = {"logits": "fp32", "amax": "fp32"}

@@ -368,14 +368,11 @@ class Sample(Instruction):
     TIMING = Timing.FIXED
     # only in the kernels of sampling tapes: the greedy and layer kernels stay the ones measured
     IN_EVERY_KERNEL = False
+    WHOLE_MODEL = True
     device = sample_device
     # tok / toks: as ARGMAX's; smp: the weights' table and the runtime parameters (state_values),
     # written by the host before generating
     STATE = {"tok": "i32", "toks": "i32", "smp": "i64"}
-
-    @classmethod
-    def applies(cls, lay: Layout) -> bool:
-        return hasattr(lay, "n_lm_tiles")           # a DecoderLayout (opcodes.decoder)
 
     @classmethod
     def state_shapes(cls, lay: Layout) -> dict:

@@ -22,7 +22,7 @@ from .base import Cost, Layout, Region, Timing, register
 from .common import layer_input, to_bf16
 from .oproj import OProj
 from .residual import Residual
-from .tp_push import STAGES, TPRowBlock, recv_slot, tp_partial
+from .tp_push import TPRowBlock, recv_slot, tp_partial
 
 
 @triton.jit

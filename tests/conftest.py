@@ -133,18 +133,9 @@ def decoder_weights(cfg, seed: int = 0, device="cpu") -> dict:
 
 
 def random_llama(kw: dict, seed: int, max_position_embeddings: int = 128):
-    """A transformers LlamaForCausalLM (``LlamaConfig(**kw)``) whose every weight is drawn here
-    (not by transformers' init, which may change between versions): matrices N(0, 0.1^2), norm
-    weights 1 + N(0, 0.2^2), rounded to bf16."""
-    import transformers
-    conf = transformers.LlamaConfig(**{"max_position_embeddings": max_position_embeddings, **kw})
-    m = transformers.LlamaForCausalLM(conf)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(m.named_parameters()):
-            r = torch.randn(p.shape, generator=g)
-            p.copy_((1.0 + 0.2 * r) if name.endswith("norm.weight") else 0.1 * r)
-    return m.to(torch.bfloat16).eval()
+    """``interp.hf.random_llama`` (imported when called: importing interp imports triton)."""
+    from interp.hf import random_llama as make
+    return make(kw, seed, max_position_embeddings)
 
 
 # ---- messages ------------------------------------------------------------------------------------
