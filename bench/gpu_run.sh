@@ -10,7 +10,8 @@
 #             compile timings, and with MEGATAPE_SLOW=1 the 20,000-step decode soak: ~1 min in all)
 #   multi   : the 16-layer 70B stack (with cuBLAS and torch.compile) and the 1B whole-model decoder
 #             (its variants: $DVARIANTS)
-#   decoder : the 1B whole-model decoder alone (its variants: $DVARIANTS)
+#   decoder : the 1B whole-model decoder alone (its variants: $DVARIANTS; at positions $PREFILLS,
+#             default 1024; NOCOMPILE=1: no torch.compile row)
 #   layers16: the 16-layer 70B stack alone, megatape and its variants ($MVARIANTS), no baselines
 #   refsens : how far the bf16 reference drifts from itself with chunked GEMVs (16 layers, 70B and 1B)
 #   sanitize: compute-sanitizer memcheck and racecheck over examples/sanitize_small.py
@@ -75,7 +76,11 @@ run_part() {
     python3 -m megatape.cli bench --preset llama70b-16 --baselines cublas,compile --out "$RES/multi"
     python3 -m megatape.cli bench-decoder --out "$RES/multi" --variants "${DVARIANTS:-}" ;;
   decoder)
-    python3 -m megatape.cli bench-decoder --out "$RES/decoder" --variants "${DVARIANTS:-}" ;;
+    # $PREFILLS: positions to time at (default 1024); $NOCOMPILE=1 skips the torch.compile row
+    for p in ${PREFILLS:-1024}; do
+      python3 -m megatape.cli bench-decoder --prefill "$p" --out "$RES/decoder-pos$p" --variants "${DVARIANTS:-}" \
+        ${NOCOMPILE:+--no-compile}
+    done ;;
   layers16)
     python3 -m megatape.cli bench --preset llama70b-16 --baselines "" --out "$RES/layers16" --variants "${MVARIANTS:-}" ;;
   refsens)

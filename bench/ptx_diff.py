@@ -2,6 +2,7 @@
 
     python3 -m bench.ptx_diff REV_A [REV_B]      (REV_B: the working tree)
     MEGATAPE_TILING=stages=5 python3 -m bench.ptx_diff --resources   (this tree's kernel only)
+    MEGATAPE_PRESET=llama3.2-1b MEGATAPE_DECODER=1 python3 -m bench.ptx_diff be1d810   (the decoder's kernel)
 
 Each tree's generated interpreter kernel is compiled for sm_90 (Triton's bundled ptxas) with the
 70B layer's constexprs, the launch options of ``build_layer`` and 16-byte-aligned pointers, and the
@@ -29,7 +30,12 @@ from triton.compiler import ASTSource
 from opcodes import PRESETS, Layout, Tiling
 cfg = PRESETS[os.environ.get("MEGATAPE_PRESET", "llama70b-layer")]
 over = dict(kv.split("=") for kv in filter(None, os.environ.get("MEGATAPE_TILING", "").split(",")))
-lay = Layout(cfg, Tiling.for_config(cfg, **{k: int(v) for k, v in over.items()}), 4224)
+til = Tiling.for_config(cfg, **{k: int(v) for k, v in over.items()})
+if os.environ.get("MEGATAPE_DECODER"):      # the whole-model kernel (embed, lm_head, argmax)
+    from opcodes.decoder import DecoderLayout
+    lay = DecoderLayout(cfg, til, 1152)
+else:
+    lay = Layout(cfg, til, 4224)
 from interp.codegen import load_kernel
 try:        # trees before the registry owned the kernel's parameters
     from opcodes.common import constexpr_values
@@ -43,7 +49,7 @@ cx.update(PROFILE=False)
 if "PREFETCH" in k.arg_names:   # trees before the prefetch experiment was removed
     cx["PREFETCH"] = False
 ptrs = {"tape_ptr": "*i32", "qoff_ptr": "*i32", "cnt_ptr": "*i32", "status_ptr": "*i32", "prof_ptr": "*i64",
-        "ptab_ptr": "*i64", "x_ptr": "*bf16", "out_ptr": "*bf16"}
+        "ptab_ptr": "*i64", "pf_ptr": "*i64", "x_ptr": "*bf16", "out_ptr": "*bf16"}
 sig = {n: ("constexpr" if n in cx else ptrs.get(n, "i32")) for n in k.arg_names}
 src = ASTSource(fn=k, signature=sig, constexprs={(k.arg_names.index(n),): v for n, v in cx.items() if n in k.arg_names},
                 attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names) if sig[n][0] == "*"})
@@ -73,7 +79,8 @@ def normalised_ptx(tree: pathlib.Path, work: pathlib.Path) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", _COMPILE, str(tree), str(out), str(work / f"cache-{tree.name}")],
                    check=True, env=env)
-    print(f"{tree.name}: {resources(out)}", file=sys.stderr)
+    n_pf = out.read_text().count("cp.async.bulk.prefetch")
+    print(f"{tree.name}: {resources(out)}" + (f", {n_pf} bulk L2 prefetches" if n_pf else ""), file=sys.stderr)
     lines = []
     for ln in out.read_text().splitlines():
         s = ln.strip()

@@ -22,6 +22,7 @@ from opcodes.reference import layer_shapes
 from schedule import CostModel, Tape, compile_model, verify
 
 from .codegen import PROF_WORDS, STATUS_WORDS, SWITCHES, load_kernel
+from .prefetch import prefetch_table
 
 DEFAULT_SPIN_LIMIT = 1 << 20
 INTERPRETER_SPIN_LIMIT = 2
@@ -165,6 +166,7 @@ class LayerHandle:
     predicted_makespan_s: float | None = None
     # set by _make_control: the tape on the device, counters, status block, profile buffer
     tape_dev: torch.Tensor = field(repr=False, default=None)
+    pf: torch.Tensor = field(repr=False, default=None)     # the weights' L2 prefetch table (interp/prefetch.py)
     qoff_dev: torch.Tensor = field(repr=False, default=None)
     counters: torch.Tensor = field(repr=False, default=None)
     status: torch.Tensor = field(repr=False, default=None)
@@ -420,6 +422,9 @@ def _make_control(h: "LayerHandle", profile: bool) -> None:
         h.status = torch.zeros(h.num_sms + 1, STATUS_WORDS, dtype=torch.int32, device=device)
     h.prof = torch.zeros(max(1, len(tape)) * PROF_WORDS if profile else 1, dtype=torch.int64, device=device)
     h.tape_dev = tape.words.reshape(-1).to(device, copy=True)      # never an alias of the host tape
+    # the weights' L2 prefetch table (Tiling.pf_cols); all zero (and never read) when off
+    til = h.lay.tiling
+    h.pf = prefetch_table(tape, h.weights, til.pf_cols if device.type == "cuda" else 0, device, til.pf_ahead)
     h.qoff_dev = torch.cat([tape.offsets, torch.tensor([tape.pool_counter], dtype=torch.int32)]).to(device)
     targets = [int(t) for t in tape.words[:, 2].tolist() + tape.words[:, 4].tolist()] if len(tape) else [1]
     targets.append(tape.tickets_per_call())      # the pool's ticket counter grows by this per call
@@ -440,7 +445,8 @@ def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
         return
     h.launch_opts["launch_cooperative_grid"] = bool(cooperative)
     x0 = torch.zeros(1, h.cfg.d, dtype=torch.bfloat16, device=device)
-    ck = h.kernel.warmup(h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, 1, h.spin_limit, 0,
+    ck = h.kernel.warmup(h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.pf, 1,
+                         h.spin_limit, 0,
                          x0, x0, grid=(h.num_sms,), **cx, **h.launch_opts)
     ck._init_handles()
     h.resources = {"n_regs": ck.n_regs, "n_spills": ck.n_spills, "shared": ck.metadata.shared}
@@ -449,7 +455,8 @@ def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
         h.launcher = FastLauncher(
             ck, h.num_sms,
             fixed=dict(tape_ptr=h.tape_dev, qoff_ptr=h.qoff_dev, cnt_ptr=h.counters, status_ptr=h.status,
-                       prof_ptr=h.prof, ptab_ptr=h.bindings.table, spin_limit=h.spin_limit),
+                       prof_ptr=h.prof, ptab_ptr=h.bindings.table, pf_ptr=h.pf,
+                       spin_limit=h.spin_limit),
             dynamic=("epoch", "pos", "x_ptr", "out_ptr"), cooperative=bool(cooperative))
     except (OSError, NotImplementedError, ValueError, AttributeError) as e:
         # Triton's JIT launch below still works; it costs tens of microseconds of host time more
@@ -486,8 +493,8 @@ def launch(h: LayerHandle, x: torch.Tensor, pos: int, out: torch.Tensor) -> None
         h.launcher(torch._C._cuda_getCurrentRawStream(h.device.index), epoch=h.epoch, pos=pos,
                    x_ptr=x.data_ptr(), out_ptr=out.data_ptr())
     else:
-        h.kernel[(h.num_sms,)](h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.epoch,
-                               h.spin_limit, pos, x, out, **h.constexprs, **h.launch_opts)
+        h.kernel[(h.num_sms,)](h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.pf,
+                               h.epoch, h.spin_limit, pos, x, out, **h.constexprs, **h.launch_opts)
 
 
 class Stepping:
