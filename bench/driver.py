@@ -111,6 +111,8 @@ def check_megatape(cfg: ModelConfig, h, weights, kv, kv_before, xs, prefill: int
 
 
 BUILD_KEYS = {"coop": "cooperative", "elide": "elide_waits"}
+#: variant keys that are integer build options (the decoder's tile sizes)
+INT_BUILD_KEYS = ("lm_rows", "emb_cols")
 #: variant keys that pick the cost model ordering the queues (value 1)
 MODEL_KEYS = {"attnmodel": CostModel, "bytesmodel": CostModel.bytes_only}
 
@@ -134,6 +136,8 @@ def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:
                 build["cost_model"] = MODEL_KEYS[k]()
         elif k in BUILD_KEYS:
             build[BUILD_KEYS[k]] = bool(int(v))
+        elif k in INT_BUILD_KEYS:
+            build[k] = int(v)
         else:
             over[k] = int(v)
     return Tiling.for_config(cfg, **over), build

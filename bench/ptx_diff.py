@@ -49,7 +49,7 @@ cx.update(PROFILE=False)
 if "PREFETCH" in k.arg_names:   # trees before the prefetch experiment was removed
     cx["PREFETCH"] = False
 ptrs = {"tape_ptr": "*i32", "qoff_ptr": "*i32", "cnt_ptr": "*i32", "status_ptr": "*i32", "prof_ptr": "*i64",
-        "ptab_ptr": "*i64", "pf_ptr": "*i64", "x_ptr": "*bf16", "out_ptr": "*bf16"}
+        "ptab_ptr": "*i64", "x_ptr": "*bf16", "out_ptr": "*bf16"}
 sig = {n: ("constexpr" if n in cx else ptrs.get(n, "i32")) for n in k.arg_names}
 src = ASTSource(fn=k, signature=sig, constexprs={(k.arg_names.index(n),): v for n, v in cx.items() if n in k.arg_names},
                 attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names) if sig[n][0] == "*"})
@@ -79,8 +79,7 @@ def normalised_ptx(tree: pathlib.Path, work: pathlib.Path) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", _COMPILE, str(tree), str(out), str(work / f"cache-{tree.name}")],
                    check=True, env=env)
-    n_pf = out.read_text().count("cp.async.bulk.prefetch")
-    print(f"{tree.name}: {resources(out)}" + (f", {n_pf} bulk L2 prefetches" if n_pf else ""), file=sys.stderr)
+    print(f"{tree.name}: {resources(out)}", file=sys.stderr)
     lines = []
     for ln in out.read_text().splitlines():
         s = ln.strip()

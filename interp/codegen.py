@@ -22,8 +22,7 @@ from opcodes.base import kernel_classes
 from opcodes.base import PER_CALL_POINTERS
 
 #: runtime parameters of the kernel before the model's buffers
-FIXED_PARAMS = ("tape_ptr", "qoff_ptr", "cnt_ptr", "status_ptr", "prof_ptr", "ptab_ptr", "pf_ptr", "epoch",
-                "spin_limit")
+FIXED_PARAMS = ("tape_ptr", "qoff_ptr", "cnt_ptr", "status_ptr", "prof_ptr", "ptab_ptr", "epoch", "spin_limit")
 #: scalar runtime parameters every device function may take
 SCALARS = ("pos",)
 _TL_TYPES = {"bf16": "tl.bfloat16", "fp32": "tl.float32", "i64": "tl.int64", "i32": "tl.int32"}
@@ -59,7 +58,6 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("import triton")
     w("import triton.language as tl")
     w("from interp.sync import signal_counter")
-    w("from interp.prefetch import prefetch_row")
     w("from triton.language.extra.cuda import globaltimer as _globaltimer")
     for cls in classes:
         w(f"from {cls.__module__} import {cls.__name__} as _{cls.NAME}_cls")
@@ -111,17 +109,8 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("    in_pool = sm * 0")
     w("    if i >= stop:")
     w("        i, stop, in_pool = _ticket(qoff_ptr, cnt_ptr, epoch, i, stop, in_pool)")
-    # Tiling.pf_cols: weights of the queue's next instructions go to L2 before the waits, as the
-    # host planned (interp/prefetch.py): the queue's first PF_AHEAD here, one more at each slot
-    w("    if PF:")
-    w("        if in_pool == 0:")
-    w("            pf0 = tl.load(qoff_ptr + tl.num_programs(0) + 1) + sm * PF_AHEAD")
-    w("            for a in tl.static_range(PF_AHEAD):")
-    w("                prefetch_row(pf_ptr, pf0 + a)")
     w("    while (i < stop) & (failed == 0):")
     w(f"        ins = tape_ptr + i * {WORDS}")
-    w("        if PF:")
-    w("            prefetch_row(pf_ptr, i)")
     w("        op = tl.load(ins)")
     w("        t_wait = _now(PROFILE)")
     for k in range(n_ops):

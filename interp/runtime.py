@@ -22,7 +22,6 @@ from opcodes.reference import layer_shapes
 from schedule import CostModel, Tape, compile_model, verify
 
 from .codegen import PROF_WORDS, STATUS_WORDS, SWITCHES, load_kernel
-from .prefetch import prefetch_table
 
 DEFAULT_SPIN_LIMIT = 1 << 20
 INTERPRETER_SPIN_LIMIT = 2
@@ -166,7 +165,6 @@ class LayerHandle:
     predicted_makespan_s: float | None = None
     # set by _make_control: the tape on the device, counters, status block, profile buffer
     tape_dev: torch.Tensor = field(repr=False, default=None)
-    pf: torch.Tensor = field(repr=False, default=None)     # the weights' L2 prefetch table (interp/prefetch.py)
     qoff_dev: torch.Tensor = field(repr=False, default=None)
     counters: torch.Tensor = field(repr=False, default=None)
     status: torch.Tensor = field(repr=False, default=None)
@@ -274,7 +272,7 @@ _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "i32": torch.int
 
 
 def _resolve_tape(cfg: ModelConfig, max_seq_len: int, device: torch.device, dev_sms: int, num_sms, tiling,
-                  policy, tape, verify_tape, cost_model, seed, lowering, pool_us, elide_waits=False):
+                  policy, tape, verify_tape, cost_model, seed, lowering, pool_us, elide_waits=True):
     """The verified tape for this device (compiled here unless given) and its predicted makespan."""
     if num_sms is None:
         num_sms = dev_sms
@@ -366,7 +364,7 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
                 policy: str = "cost", tape: Tape | None = None, verify_tape: bool = True,
                 spin_limit: int | None = None, sync_check: bool | None = None,
                 cost_model: CostModel | None = None, profile: bool = False, seed: int = 0,
-                cooperative: bool = True, lowering=None, pool_us: float | None = None, elide_waits: bool = False):
+                cooperative: bool = True, lowering=None, pool_us: float | None = None, elide_waits: bool = True):
     """Prepare one decoder layer (or ``cfg['layers']`` layers) for ``layer_step``. Untimed.
 
     weights  : {"layers": [ {in_norm, post_norm, q, k, v, o, gate, up, down} ]} bf16, row-major
@@ -422,9 +420,6 @@ def _make_control(h: "LayerHandle", profile: bool) -> None:
         h.status = torch.zeros(h.num_sms + 1, STATUS_WORDS, dtype=torch.int32, device=device)
     h.prof = torch.zeros(max(1, len(tape)) * PROF_WORDS if profile else 1, dtype=torch.int64, device=device)
     h.tape_dev = tape.words.reshape(-1).to(device, copy=True)      # never an alias of the host tape
-    # the weights' L2 prefetch table (Tiling.pf_cols); all zero (and never read) when off
-    til = h.lay.tiling
-    h.pf = prefetch_table(tape, h.weights, til.pf_cols if device.type == "cuda" else 0, device, til.pf_ahead)
     h.qoff_dev = torch.cat([tape.offsets, torch.tensor([tape.pool_counter], dtype=torch.int32)]).to(device)
     targets = [int(t) for t in tape.words[:, 2].tolist() + tape.words[:, 4].tolist()] if len(tape) else [1]
     targets.append(tape.tickets_per_call())      # the pool's ticket counter grows by this per call
@@ -445,8 +440,7 @@ def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
         return
     h.launch_opts["launch_cooperative_grid"] = bool(cooperative)
     x0 = torch.zeros(1, h.cfg.d, dtype=torch.bfloat16, device=device)
-    ck = h.kernel.warmup(h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.pf, 1,
-                         h.spin_limit, 0,
+    ck = h.kernel.warmup(h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, 1, h.spin_limit, 0,
                          x0, x0, grid=(h.num_sms,), **cx, **h.launch_opts)
     ck._init_handles()
     h.resources = {"n_regs": ck.n_regs, "n_spills": ck.n_spills, "shared": ck.metadata.shared}
@@ -455,8 +449,7 @@ def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
         h.launcher = FastLauncher(
             ck, h.num_sms,
             fixed=dict(tape_ptr=h.tape_dev, qoff_ptr=h.qoff_dev, cnt_ptr=h.counters, status_ptr=h.status,
-                       prof_ptr=h.prof, ptab_ptr=h.bindings.table, pf_ptr=h.pf,
-                       spin_limit=h.spin_limit),
+                       prof_ptr=h.prof, ptab_ptr=h.bindings.table, spin_limit=h.spin_limit),
             dynamic=("epoch", "pos", "x_ptr", "out_ptr"), cooperative=bool(cooperative))
     except (OSError, NotImplementedError, ValueError, AttributeError) as e:
         # Triton's JIT launch below still works; it costs tens of microseconds of host time more
@@ -493,8 +486,8 @@ def launch(h: LayerHandle, x: torch.Tensor, pos: int, out: torch.Tensor) -> None
         h.launcher(torch._C._cuda_getCurrentRawStream(h.device.index), epoch=h.epoch, pos=pos,
                    x_ptr=x.data_ptr(), out_ptr=out.data_ptr())
     else:
-        h.kernel[(h.num_sms,)](h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.pf,
-                               h.epoch, h.spin_limit, pos, x, out, **h.constexprs, **h.launch_opts)
+        h.kernel[(h.num_sms,)](h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.epoch,
+                               h.spin_limit, pos, x, out, **h.constexprs, **h.launch_opts)
 
 
 class Stepping:

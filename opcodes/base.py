@@ -62,16 +62,11 @@ class Tiling:
     # flight per SM (shared memory 139 -> 179 KB): an SM streams faster where fewer than ~115 SMs
     # stream (faster on the H200 than 4 or 5: bench/NOTES.md v14)
     stages: int = 6
-    # L2 prefetch of the weights of the SM's next ``pf_ahead`` streaming instructions (the first
-    # ``pf_cols`` columns of each row; 0: off), issued by the TMA engine before the current
-    # instruction waits (:class:`Stream`, interp/prefetch.py)
-    pf_cols: int = 0
-    pf_ahead: int = 1
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "pf_cols") and isinstance(v, int) and not isinstance(v, bool) and v == 0:
+            if f.name == "o_k" and isinstance(v, int) and not isinstance(v, bool) and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Tiling.{f.name} must be a positive int, got {v!r}")
@@ -81,8 +76,6 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        if self.pf_cols % 8:
-            raise ValueError(f"Tiling.pf_cols must be a multiple of 8 (16-byte rows), got {self.pf_cols}")
         if self.qkv_rows < 2:
             raise ValueError("Tiling.qkv_rows must be >= 2 (RoPE pairs)")
         if self.attn_splits < 2:
@@ -189,8 +182,7 @@ class Layout:
         own, :attr:`Instruction.CONSTEXPRS`); ``interp``: running under the Triton interpreter."""
         c, t = self.cfg, self.tiling
         return dict(LAYERS=c.layers, D=c.d, FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd, MAX_SEQ=self.max_seq,
-                    EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp),
-                    PF=bool(t.pf_cols) and not interp, PF_AHEAD=t.pf_ahead)
+                    EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp))
 
     # ---- serialisation --------------------------------------------------------------
     def extra(self) -> dict:
@@ -226,21 +218,6 @@ class Region:
     buf: str
     lo: int
     hi: int
-
-
-@dataclass(frozen=True)
-class Stream:
-    """Weights an instruction streams: rows ``[row0, row0 + nrows)``, columns ``[col0, col0 + ncols)``
-    of the row-major bf16 tensor ``tensor`` (a :attr:`Layout.TENSORS` key of layer ``layer``, or a
-    :attr:`Layout.MODEL_TENSORS` key with ``layer`` None). Their addresses do not depend on the
-    step, so the kernel can prefetch them before the instruction's waits (:attr:`Tiling.pf_cols`)."""
-
-    tensor: str
-    layer: int | None
-    row0: int
-    nrows: int
-    col0: int
-    ncols: int
 
 
 @dataclass(frozen=True)
@@ -339,11 +316,6 @@ class Instruction:
 
     def latency_time(self, lay: Layout) -> float:
         raise NotImplementedError
-
-    def weight_streams(self, lay: Layout) -> list[Stream]:
-        """The weights the instruction streams (at most two :class:`Stream` s; none: nothing to
-        prefetch). Their bytes are the weight part of :meth:`cost`'s ``hbm_bytes``."""
-        return []
 
     # ---- encoding -----------------------------------------------------------------
     @classmethod

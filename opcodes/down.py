@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, Stream, in_range, register, tile_start
+from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
 from .common import T_WD, gemv_stream, tab_offset
 
 
@@ -77,11 +77,6 @@ class Down(Instruction):
         lo, hi = self._rows(lay)
         base = (self.layer * lay.n_down_k + self.kc) * lay.cfg.d
         return [Region("dpart", base + lo, base + hi)]
-
-    def weight_streams(self, lay: Layout) -> list[Stream]:
-        lo, hi = self._rows(lay)
-        k0, k1 = self._ks(lay)
-        return [Stream("down", self.layer, lo, hi - lo, k0, k1 - k0)]
 
     def cost(self, lay: Layout) -> Cost:
         lo, hi = self._rows(lay)

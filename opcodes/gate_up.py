@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, Stream, in_range, register, tile_start
+from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
 from .common import T_N2, T_WG, T_WU, gemv_stream, tab_offset
 
 
@@ -74,11 +74,6 @@ class GateUp(Instruction):
         lo, hi = self._rows(lay)
         base = self.layer * lay.cfg.ffn
         return [Region("act", base + lo, base + hi)]
-
-    def weight_streams(self, lay: Layout) -> list[Stream]:
-        lo, hi = self._rows(lay)
-        d = lay.cfg.d
-        return [Stream("gate", self.layer, lo, hi - lo, 0, d), Stream("up", self.layer, lo, hi - lo, 0, d)]
 
     def cost(self, lay: Layout) -> Cost:
         d = lay.cfg.d

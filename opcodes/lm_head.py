@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, Stream, register, tile_start
+from .base import Cost, Instruction, Layout, Region, register, tile_start
 from .common import gemv_stream
 
 
@@ -93,10 +93,6 @@ class LMHead(Instruction):
         lo, hi = self._rows(lay)
         t = self.row0 // lay.lm_rows
         return [Region("logits", lo, hi), Region("amax", 2 * t, 2 * t + 2)]
-
-    def weight_streams(self, lay: Layout) -> list[Stream]:
-        lo, hi = self._rows(lay)
-        return [Stream("lm_head", None, lo, hi - lo, 0, lay.cfg.d)]
 
     def cost(self, lay: Layout) -> Cost:
         d = lay.cfg.d

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, Stream, cdiv, in_range, register, tile_start
+from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
 from .common import T_WO, gemv_stream, layer_input, tab_offset
 
 
@@ -95,11 +95,6 @@ class OProj(Instruction):
             return [Region("x1", base + lo, base + hi)]
         base = (self.layer * lay.n_o_k + self.oc) * lay.cfg.d
         return [Region("opart", base + lo, base + hi)]
-
-    def weight_streams(self, lay: Layout) -> list[Stream]:
-        lo, hi = self._rows(lay)
-        k0, k1 = self._ks(lay)
-        return [Stream("o", self.layer, lo, hi - lo, k0, k1 - k0)]
 
     def cost(self, lay: Layout) -> Cost:
         lo, hi = self._rows(lay)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, Stream, register
+from .base import Cost, Instruction, Layout, Region, register
 from .reference import rope_tables
 from .common import T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, gemv_stream, layer_input, tab_offset, to_bf16
 
@@ -141,13 +141,6 @@ class QKV(Instruction):
             return []
         d = lay.cfg.d
         return [Region("xout", (self.layer - 1) * d, self.layer * d)]
-
-    def weight_streams(self, lay: Layout) -> list[Stream]:
-        lo, hi = self._dims(lay)
-        r1 = self.head * lay.cfg.hd + lo
-        d = lay.cfg.d
-        return [Stream(SECTIONS[self.sec], self.layer, r1, hi - lo, 0, d),
-                Stream(SECTIONS[self.sec], self.layer, r1 + lay.cfg.hd // 2, hi - lo, 0, d)]
 
     def cost(self, lay: Layout) -> Cost:
         d, rows = lay.cfg.d, lay.tiling.qkv_rows

@@ -211,35 +211,6 @@ def test_random_schedules_bitwise_the_default(race_layer, handles):
     assert not bad, f"{r['cfg'].name}: (schedule, sms, pool_us, rel err) that differ: {bad[:4]}"
 
 
-@pytest.mark.parametrize("pf_cols", [2048, 1 << 20])
-def test_l2_prefetch_is_bitwise_the_default(race_layer, handles, pf_cols):
-    """The weights' L2 prefetch (``Tiling.pf_cols``) is a hint: output and KV row bitwise the default."""
-    from opcodes import Tiling
-    r = race_layer
-    hp = handles.layer(r["w"], r["kv"], r["cfg"].to_dict(), r["max_seq"],
-                       tiling=Tiling.for_config(r["cfg"], pf_cols=pf_cols))
-    outs = [layer_step(hp, r["x"], r["prefill"]) for _ in range(3)]
-    hp.check()
-    bad = [k for k, o in enumerate(outs) if not torch.equal(o.view(torch.int16), r["ref"].view(torch.int16))]
-    assert not bad, f"{r['cfg'].name} pf_cols={pf_cols}: steps {bad} differ (rel err {rel_err(outs[-1], r['ref'])})"
-    assert all(torch.equal(p[0][:, :, r["prefill"]], row) for p, row in zip(r["kv"], r["krow"]))
-
-
-def test_l2_prefetch_decoder_bitwise_the_default(handles):
-    """A whole model (LM head included) with the L2 prefetch: logits bitwise the default build's."""
-    from interp import decode_step
-    from opcodes import Tiling
-    cfg, dev = dataclasses.replace(PRESETS["small-2layer"], vocab=1000), _dev()
-    w = decoder_weights(cfg, seed=6, device=dev)
-    toks = torch.tensor([5, 17, 3, 99], dtype=torch.int32, device=dev)
-    logits = []
-    for til in (None, Tiling.for_config(cfg, pf_cols=1 << 20)):
-        h = handles.decoder(w, make_kv_cache(cfg, 16, 0, device=dev), cfg.to_dict(), 16, tiling=til)
-        logits.append(torch.stack([decode_step(h, toks[p:p + 1], p)[0].clone() for p in range(len(toks))]))
-        h.layer.check()
-    assert torch.equal(logits[0].view(torch.int32), logits[1].view(torch.int32))
-
-
 # ---- soak: 20,000 whole-model decode steps -------------------------------------------------------
 SOAK_STEPS = 20_000
 SOAK_WINDOW = 50          # positions 0 .. 49, cycled: 400 cycles
