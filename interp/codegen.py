@@ -43,6 +43,34 @@ def _check_args(classes, pointers: dict, constexprs) -> None:
                             f"an entry in some opcode's CONSTEXPRS or in Layout.constexprs")
 
 
+def _emit_waits(w, ind: str) -> None:
+    """The instruction's waits (bounded polls; a failed one is written to the status block)."""
+    for k in range(opcodes.MAX_WAITS):
+        w(f"{ind}wc = tl.load(ins + {1 + 2 * k})")
+        w(f"{ind}wt = tl.load(ins + {2 + 2 * k}) * epoch")
+        w(f"{ind}if (wc >= 0) & (failed == 0):")
+        w(f"{ind}    seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
+        w(f"{ind}    n = 0")
+        w(f"{ind}    while (seen < wt) & (n < spin_limit):")
+        w(f"{ind}        seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
+        w(f"{ind}        n += 1")
+        w(f"{ind}    if seen < wt:")
+        w(f"{ind}        failed = sm * 0 + 1")
+        # row 0 of the status block is a one-word summary the host polls; SM rows follow
+        w(f"{ind}        st = status_ptr + (sm + 1) * {STATUS_WORDS}")
+        for j, v in enumerate(("sm", "i", "op", "wc", "wt", "seen", "epoch"), start=1):
+            w(f"{ind}        tl.store(st + {j}, {v})")
+        w(f"{ind}        tl.store(st + 0, 1)")
+        w(f"{ind}        tl.store(status_ptr, 1)")
+
+
+def _emit_dispatch(w, classes, ind: str) -> None:
+    for j, cls in enumerate(classes):
+        ops = [f"a{k}" for k in range(len(cls.operand_names()))]
+        w(f"{ind}{'if' if j == 0 else 'elif'} op == {cls.OPCODE}:  # {cls.NAME}")
+        w(f"{ind}    _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS)) + ")")
+
+
 def kernel_source(pointers: dict, constexprs, used=()) -> str:
     """The kernel of the opcodes of :func:`opcodes.base.kernel_classes` (every opcode in every
     kernel, plus those of ``used`` that are not): ``pointers`` (name -> element type) reach it
@@ -115,37 +143,10 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("        t_wait = _now(PROFILE)")
     for k in range(n_ops):
         w(f"        a{k} = tl.load(ins + {HEADER + k})")
-    for k in range(opcodes.MAX_WAITS):
-        w(f"        wc = tl.load(ins + {1 + 2 * k})")
-        w(f"        wt = tl.load(ins + {2 + 2 * k}) * epoch")
-        w("        if (wc >= 0) & (failed == 0):")
-        w("            seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
-        w("            n = 0")
-        w("            while (seen < wt) & (n < spin_limit):")
-        w("                seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
-        w("                n += 1")
-        w("            if seen < wt:")
-        w("                failed = sm * 0 + 1")
-        # row 0 of the status block is a one-word summary the host polls; SM rows follow
-        w(f"                st = status_ptr + (sm + 1) * {STATUS_WORDS}")
-        w("                tl.store(st + 1, sm)")
-        w("                tl.store(st + 2, i)")
-        w("                tl.store(st + 3, op)")
-        w("                tl.store(st + 4, wc)")
-        w("                tl.store(st + 5, wt)")
-        w("                tl.store(st + 6, seen)")
-        w("                tl.store(st + 7, epoch)")
-        w("                tl.store(st + 0, 1)")
-        w("                tl.store(status_ptr, 1)")
+    _emit_waits(w, "        ")
     w("        if failed == 0:")
     w("            t_exec = _now(PROFILE)")
-    first = True
-    for cls in classes:
-        ops = [f"a{k}" for k in range(len(cls.operand_names()))]
-        kw = "if" if first else "elif"
-        first = False
-        w(f"            {kw} op == {cls.OPCODE}:  # {cls.NAME}")
-        w(f"                _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS)) + ")")
+    _emit_dispatch(w, classes, "            ")
     w("            sig = tl.load(ins + 5)")
     w("            if sig >= 0:")
     w("                signal_counter(cnt_ptr + sig)")

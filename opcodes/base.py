@@ -39,6 +39,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+#: bytes per pipeline stage of the row-streaming GEMV loop where ``Tiling.for_config`` picks it
+ROW_BYTES = 32768
+
+
 @dataclass(frozen=True)
 class Tiling:
     """How a layer is cut into instructions. Every field is a kernel constexpr."""
@@ -62,11 +66,16 @@ class Tiling:
     # flight per SM (shared memory 139 -> 179 KB): an SM streams faster where fewer than ~115 SMs
     # stream (faster on the H200 than 4 or 5: bench/NOTES.md v14)
     stages: int = 6
+    # the GEMVs' loop: 0 streams [rows, bk] blocks of a tile and sums over K at its end (the 70B
+    # layer's: long rows, few per tile); > 0 streams whole rows (their K range), about
+    # ``row_bytes`` bytes per pipeline stage, each row summed as it arrives, so a tile can have
+    # any number of rows without more registers (Tiling.for_config: for d <= 4096, with coarser tiles)
+    row_bytes: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "o_k" and isinstance(v, int) and not isinstance(v, bool) and v == 0:
+            if f.name in ("o_k", "row_bytes") and isinstance(v, int) and not isinstance(v, bool) and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Tiling.{f.name} must be a positive int, got {v!r}")
@@ -83,6 +92,14 @@ class Tiling:
         if self.attn_block < 16:
             raise ValueError("Tiling.attn_block must be >= 16 (tl.dot)")
 
+    def rows_per_block(self, k: int, mats: int, rows: int) -> int:
+        """Rows per pipeline stage of a row-streaming GEMV (``row_bytes`` > 0; else 0): ``mats``
+        matrices' rows of ``k`` columns (padded to a power of two), at most the tile's ``rows``."""
+        if not self.row_bytes:
+            return 0
+        per = max(1, self.row_bytes // (2 * mats * next_pow2(k)))
+        return max(1, min(1 << (per.bit_length() - 1), next_pow2(rows)))
+
     @classmethod
     def for_config(cls, cfg: ModelConfig, **overrides) -> "Tiling":
         """The default tiling clamped to the model's dimensions; ``overrides`` win."""
@@ -98,6 +115,11 @@ class Tiling:
             red_rows=min(base.red_rows, next_pow2(d)),
             bk=max(16, min(base.bk, next_pow2(min(d, ffn, cfg.q_dim)))),
         )
+        if d <= 4096:
+            # small d: the row loop with coarse tiles, 4 stages (the 1B decoder 1093 -> 1014 us on the
+            # H200, run 43; bench/NOTES.md v28): one 64-row gate/up tile and one 16-row O tile per SM
+            clamped.update(row_bytes=ROW_BYTES, stages=4, gu_rows=min(64, next_pow2(ffn)),
+                           o_rows=min(16, next_pow2(d)))
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown Tiling fields {sorted(unknown)}")
@@ -181,7 +203,8 @@ class Layout:
         """Kernel constants of the model's shape and of the streaming loops (opcodes add their
         own, :attr:`Instruction.CONSTEXPRS`); ``interp``: running under the Triton interpreter."""
         c, t = self.cfg, self.tiling
-        return dict(LAYERS=c.layers, D=c.d, FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd, MAX_SEQ=self.max_seq,
+        return dict(LAYERS=c.layers, D=c.d, DP=next_pow2(c.d), FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd,
+                    MAX_SEQ=self.max_seq,
                     EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp))
 
     # ---- serialisation --------------------------------------------------------------

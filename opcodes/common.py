@@ -118,3 +118,43 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
         if TWO:
             acc2 += w2.to(tl.float32) * hv
     return acc1, acc2, ss
+
+
+@triton.jit
+def row_vec(x_ptr, nw_ptr, kbase, KLEN: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr):
+    """The vector of a row-streaming GEMV (``Tiling.row_bytes``): ``x[kbase : kbase + KLEN]`` in
+    fp32, zero-padded to ``KP`` (a power of two), times the RMSNorm weight at ``nw_ptr`` with
+    ``NORM``; and the sum of ``x^2`` (the caller's ``rsqrt``, applied after the dots)."""
+    cols = tl.arange(0, KP)
+    if KLEN == KP:
+        xv = tl.load(x_ptr + kbase + cols, cache_modifier=".cg").to(tl.float32)
+    else:
+        xv = tl.load(x_ptr + kbase + cols, mask=cols < KLEN, other=0.0, cache_modifier=".cg").to(tl.float32)
+    ss = tl.sum(xv * xv, axis=0)
+    if NORM:
+        if KLEN == KP:
+            xv = xv * tl.load(nw_ptr + kbase + cols).to(tl.float32)
+        else:
+            xv = xv * tl.load(nw_ptr + kbase + cols, mask=cols < KLEN, other=0.0).to(tl.float32)
+    return xv, ss
+
+
+@triton.jit
+def rows_load(w_ptr, rows, row_mask, kbase, K: tl.constexpr, klen, KP: tl.constexpr, EVEN: tl.constexpr):
+    """``W[rows, kbase : kbase + klen]`` (bf16, zero-padded to ``KP`` columns): one pipeline stage
+    of a row-streaming GEMV (``Tiling.row_bytes``), whole rows read once (evicted first).
+    ``EVEN``: every row is in range and ``klen == KP`` (no masks: plain 16-byte vector loads)."""
+    cols = tl.arange(0, KP)
+    ptrs = w_ptr + rows[:, None] * K + kbase + cols[None, :]
+    if EVEN:
+        w = tl.load(ptrs, eviction_policy="evict_first")
+    else:
+        w = tl.load(ptrs, mask=row_mask[:, None] & (cols < klen)[None, :], other=0.0, eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def rows_dot(w_ptr, rows, row_mask, hv, kbase, K: tl.constexpr, klen, KP: tl.constexpr, EVEN: tl.constexpr):
+    """``W[rows, kbase : kbase + klen] . hv`` (:func:`rows_load`; ``hv`` from :func:`row_vec`)."""
+    w = rows_load(w_ptr, rows, row_mask, kbase, K, klen, KP, EVEN)
+    return tl.sum(w.to(tl.float32) * hv[None, :], axis=1)

@@ -15,26 +15,46 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
-from .common import T_N2, T_WG, T_WU, gemv_stream, tab_offset
+from .common import T_N2, T_WG, T_WU, gemv_stream, row_vec, rows_dot, tab_offset
+
+
+@triton.jit
+def _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_out,
+             D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
+             GU_RB: tl.constexpr, STAGES: tl.constexpr):
+    # whole rows, GU_RB of gate and of up per pipeline stage (Tiling.row_bytes)
+    hv, ss = row_vec(xin, nw_ptr, 0, D, DP, NORM=True)
+    rstd = 1.0 / tl.sqrt(ss / D + EPS)
+    EVEN: tl.constexpr = (D == DP) and (FFN % GU_ROWS == 0)
+    for b in tl.range(0, GU_ROWS // GU_RB, num_stages=STAGES):
+        rows = row0 + b * GU_RB + tl.arange(0, GU_RB)
+        rm = rows < FFN
+        gv = rows_dot(g_ptr, rows, rm, hv, 0, D, D, DP, EVEN) * rstd
+        uv = rows_dot(u_ptr, rows, rm, hv, 0, D, D, DP, EVEN) * rstd
+        tl.store(act_out + rows, gv / (1.0 + tl.exp(-gv)) * uv, mask=rm)
 
 
 @triton.jit
 def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
-                   D: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-                   BK: tl.constexpr, STAGES: tl.constexpr):
-    rows = row0 + tl.arange(0, GU_ROWS)
-    rm = rows < FFN
+                   D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
+                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
     xin = x1_ptr + layer * D
-    accg, accu, ss = gemv_stream(g_ptr, rows, u_ptr, rows, rm, xin, nw_ptr, 0, D, D, GU_ROWS, BK, STAGES,
-                                 TWO=True, NORM=True, EVEN=(D % BK == 0) and (FFN % GU_ROWS == 0))
-    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
-    gv = tl.sum(accg, axis=1) * rstd
-    uv = tl.sum(accu, axis=1) * rstd
-    act = gv / (1.0 + tl.exp(-gv)) * uv
-    tl.store(act_ptr + layer * FFN + rows, act, mask=rm)
+    if GU_RB == 0:
+        rows = row0 + tl.arange(0, GU_ROWS)
+        rm = rows < FFN
+        accg, accu, ss = gemv_stream(g_ptr, rows, u_ptr, rows, rm, xin, nw_ptr, 0, D, D, GU_ROWS, BK, STAGES,
+                                     TWO=True, NORM=True, EVEN=(D % BK == 0) and (FFN % GU_ROWS == 0))
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
+        gv = tl.sum(accg, axis=1) * rstd
+        uv = tl.sum(accu, axis=1) * rstd
+        act = gv / (1.0 + tl.exp(-gv)) * uv
+        tl.store(act_ptr + layer * FFN + rows, act, mask=rm)
+    else:
+        _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, D, DP, FFN, EPS, GU_ROWS,
+                 GU_RB, STAGES)
 
 
 @register
@@ -45,8 +65,10 @@ class GateUp(Instruction):
 
     NAME = "gate_up"
     STAGE = 4
-    ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "FFN", "EPS", "GU_ROWS", "BK", "STAGES")
-    CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows}
+    ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB",
+            "BK", "STAGES")
+    CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
+                  "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows)}
     device = gate_up_device
 
     SCRATCH = {"act": "fp32"}

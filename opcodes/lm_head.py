@@ -18,21 +18,29 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, register, tile_start
-from .common import gemv_stream
+from .common import gemv_stream, row_vec, rows_dot
 
 
 @triton.jit
 def lm_head_device(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, amax_ptr,
-                   D: tl.constexpr, VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr,
-                   BK: tl.constexpr, STAGES: tl.constexpr):
+                   D: tl.constexpr, DP: tl.constexpr, VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr,
+                   LM_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     rows = row0 + tl.arange(0, LM_ROWS)
     rm = rows < VOCAB
-    rows64 = rows.to(tl.int64)                 # vocab x d elements can pass 2^31
-    acc, _, ss = gemv_stream(lmh_ptr, rows64, lmh_ptr, rows64, rm, out_ptr, fnorm_ptr, 0, D, D, LM_ROWS, BK, STAGES,
-                             TWO=False, NORM=True, EVEN=(D % BK == 0) and (VOCAB % LM_ROWS == 0))
-    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
-    y = tl.sum(acc, axis=1) * rstd
-    tl.store(logits_ptr + rows, y, mask=rm)
+    if LM_RB == 0:
+        rows64 = rows.to(tl.int64)                 # vocab x d elements can pass 2^31
+        acc, _, ss = gemv_stream(lmh_ptr, rows64, lmh_ptr, rows64, rm, out_ptr, fnorm_ptr, 0, D, D, LM_ROWS, BK,
+                                 STAGES, TWO=False, NORM=True, EVEN=(D % BK == 0) and (VOCAB % LM_ROWS == 0))
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
+        y = tl.sum(acc, axis=1) * rstd
+        tl.store(logits_ptr + rows, y, mask=rm)
+    else:
+        y = _lm_rows(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, D, DP, VOCAB, EPS, LM_ROWS, LM_RB, STAGES)
+    _lm_tile_max(y, rows, rm, row0, amax_ptr, VOCAB, LM_ROWS)
+
+
+@triton.jit
+def _lm_tile_max(y, rows, rm, row0, amax_ptr, VOCAB: tl.constexpr, LM_ROWS: tl.constexpr):
     # the tile's (max, lowest index attaining it); the index is exact in fp32 below 2^24
     yv = tl.where(rm, y, float("-inf"))
     m = tl.max(yv, axis=0)
@@ -40,6 +48,23 @@ def lm_head_device(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, amax_ptr,
     t = row0 // LM_ROWS
     tl.store(amax_ptr + 2 * t, m)
     tl.store(amax_ptr + 2 * t + 1, idx.to(tl.float32))
+
+
+@triton.jit
+def _lm_rows(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, D: tl.constexpr, DP: tl.constexpr,
+             VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr, LM_RB: tl.constexpr, STAGES: tl.constexpr):
+    # whole rows, LM_RB per pipeline stage (Tiling.row_bytes). Returns the tile's logits, read
+    # back for its (max, argmax).
+    hv, ss = row_vec(out_ptr, fnorm_ptr, 0, D, DP, NORM=True)
+    rstd = 1.0 / tl.sqrt(ss / D + EPS)
+    EVEN: tl.constexpr = (D == DP) and (VOCAB % LM_ROWS == 0)
+    for b in tl.range(0, LM_ROWS // LM_RB, num_stages=STAGES):
+        r = row0 + b * LM_RB + tl.arange(0, LM_RB)
+        m = r < VOCAB
+        tl.store(logits_ptr + r, rows_dot(lmh_ptr, r.to(tl.int64), m, hv, 0, D, D, DP, EVEN) * rstd, mask=m)
+    tl.debug_barrier()                         # this CTA's stores, visible to all its threads
+    rows = row0 + tl.arange(0, LM_ROWS)
+    return tl.load(logits_ptr + rows, mask=rows < VOCAB, other=0.0)
 
 
 def tile_argmax(y: torch.Tensor, row0: int, vocab: int) -> tuple[float, int]:
@@ -57,12 +82,14 @@ class LMHead(Instruction):
 
     NAME = "lm_head"
     STAGE = 7
-    ARGS = ("out_ptr", "fnorm_ptr", "lmh_ptr", "logits_ptr", "amax_ptr", "D", "VOCAB", "EPS", "LM_ROWS", "BK",
-            "STAGES")
+    ARGS = ("out_ptr", "fnorm_ptr", "lmh_ptr", "logits_ptr", "amax_ptr", "D", "DP", "VOCAB", "EPS", "LM_ROWS", "LM_RB",
+            "BK", "STAGES")
     # the branch is in every kernel; on a layout without a vocabulary it is never taken and is
     # compiled at the smallest tile
     CONSTEXPRS = {"VOCAB": lambda lay: max(1, lay.cfg.vocab),
-                  "LM_ROWS": lambda lay: lay.lm_rows if LMHead.applies(lay) else 16}
+                  "LM_ROWS": lambda lay: lay.lm_rows if LMHead.applies(lay) else 16,
+                  "LM_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 1, lay.lm_rows if LMHead.applies(lay)
+                                                                 else 16)}
     WHOLE_MODEL = True
     device = lm_head_device
 
