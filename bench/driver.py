@@ -29,6 +29,7 @@ from .baselines import count_kernels as _count_kernels
 from .baselines import stream_copy_bandwidth, time_step
 
 TOL = 1.5e-2
+ACC_RATIO = 1.1     # multi-layer: error vs fp32 <= ACC_RATIO x the bf16 reference's own, at every step
 POLICIES = ("cost", "round-robin")
 
 
@@ -91,7 +92,6 @@ def check_megatape(cfg: ModelConfig, h, weights, kv, kv_before, xs, prefill: int
         report["bf16_ref_vs_fp32_max"] = max(ref32)
         log(f"vs an all-fp32 reference: megatape max rel err {max(errs32):.2e}, the bf16 reference itself "
             f"{max(ref32):.2e}")
-        del kv32
     report["rel_err_max"] = max(errs)
     report["rel_err_all"] = errs
     untouched, row_err = True, 0.0
@@ -105,6 +105,23 @@ def check_megatape(cfg: ModelConfig, h, weights, kv, kv_before, xs, prefill: int
             row_err = max(row_err, rel_err(a[:, :, rows], r[:, :, rows]))
     report["kv_untouched_bitwise"] = untouched
     report["kv_rows_rel_err"] = row_err
+    if cfg.layers > 1 and fp32_ref:
+        # several layers: the bf16 reference is not reproducible to TOL (bench/NOTES.md, "The 16-layer
+        # accuracy gate"); at every step the error against the all-fp32 reference is at most
+        # ACC_RATIO x the bf16 reference's own, and so are the written KV rows'
+        row32 = max(rel_err(kv[l][j][:, :, rows], kv32[l][j][:, :, rows])
+                    for l in range(cfg.layers) for j in range(2))
+        ref_row32 = max(rel_err(kv_ref[l][j][:, :, rows], kv32[l][j][:, :, rows])
+                        for l in range(cfg.layers) for j in range(2))
+        report.update(kv_rows_rel_err_vs_fp32=row32, bf16_ref_kv_rows_vs_fp32=ref_row32,
+                      criterion=f"vs fp32 <= {ACC_RATIO} x the bf16 reference's own error, every step")
+        report["correct"] = bool(all(e <= ACC_RATIO * r for e, r in zip(errs32, ref32)) and untouched
+                                 and row32 <= ACC_RATIO * ref_row32)
+        log(f"check: vs fp32 at every step <= {ACC_RATIO} x the bf16 reference's: "
+            f"{all(e <= ACC_RATIO * r for e, r in zip(errs32, ref32))}; KV rows vs fp32 {row32:.2e} "
+            f"(bf16 reference {ref_row32:.2e}); other rows untouched: {untouched}")
+        del kv32
+        return
     report["correct"] = bool(max(errs) <= TOL and untouched and row_err <= TOL)
     log(f"check: max rel err {max(errs):.2e} over {steps} steps; KV rows rel err {row_err:.2e}; "
         f"other rows untouched: {untouched}")

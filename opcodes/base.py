@@ -66,10 +66,11 @@ class Tiling:
     # flight per SM (shared memory 139 -> 179 KB): an SM streams faster where fewer than ~115 SMs
     # stream (faster on the H200 than 4 or 5: bench/NOTES.md v14)
     stages: int = 6
-    # the GEMVs' loop: 0 streams [rows, bk] blocks of a tile and sums over K at its end (the 70B
-    # layer's: long rows, few per tile); > 0 streams whole rows (their K range), about
-    # ``row_bytes`` bytes per pipeline stage, each row summed as it arrives, so a tile can have
-    # any number of rows without more registers (Tiling.for_config: for d <= 4096, with coarser tiles)
+    # the loop of GATE_UP and LM_HEAD: 0 streams [rows, bk] blocks of a tile and sums over K at its
+    # end (the loop of every GEMV); > 0 streams whole rows, about ``row_bytes`` bytes per pipeline
+    # stage, each row summed as it arrives, so a tile can have any number of rows without more
+    # registers (Tiling.for_config: for d <= 2048, with coarser tiles). QKV, O and DOWN measured
+    # slower with it (bench/NOTES.md v30) and always use the column loop
     row_bytes: int = 0
 
     def __post_init__(self):
@@ -115,11 +116,11 @@ class Tiling:
             red_rows=min(base.red_rows, next_pow2(d)),
             bk=max(16, min(base.bk, next_pow2(min(d, ffn, cfg.q_dim)))),
         )
-        if d <= 4096:
-            # small d: the row loop with coarse tiles, 4 stages (the 1B decoder 1093 -> 1014 us on the
-            # H200, run 43; bench/NOTES.md v28): one 64-row gate/up tile and one 16-row O tile per SM
-            clamped.update(row_bytes=ROW_BYTES, stages=4, gu_rows=min(64, next_pow2(ffn)),
-                           o_rows=min(16, next_pow2(d)))
+        if d <= 2048:
+            # small d: gate/up and the LM head stream whole rows in coarse tiles (one 64-row gate/up
+            # tile per SM), 4 stages (bench/NOTES.md v28-v30). Not at d 4096: the 8B shape measured
+            # 5018 us with the row loop against 4425 without (run 47)
+            clamped.update(row_bytes=ROW_BYTES, stages=4, gu_rows=min(64, next_pow2(ffn)))
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown Tiling fields {sorted(unknown)}")

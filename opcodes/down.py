@@ -13,42 +13,22 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, in_range, next_pow2, register, tile_start
-from .common import T_WD, gemv_stream, rows_dot, tab_offset
+from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
+from .common import T_WD, gemv_stream, tab_offset
 
 
 @triton.jit
 def down_device(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
                 D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
-                DOWN_KP: tl.constexpr, DOWN_RB: tl.constexpr, DOWN_CHUNKS: tl.constexpr, BK: tl.constexpr,
-                STAGES: tl.constexpr):
+                DOWN_CHUNKS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     w_ptr = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
     out = dpart_ptr + (layer * DOWN_CHUNKS + kc) * D
-    if DOWN_RB == 0:
-        rows = row0 + tl.arange(0, DOWN_ROWS)
-        rm = rows < D
-        acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, act_ptr + layer * FFN, act_ptr, kc * DOWN_K, FFN, DOWN_K,
-                                DOWN_ROWS, BK, STAGES, TWO=False, NORM=False,
-                                EVEN=(FFN % DOWN_K == 0) and (DOWN_K % BK == 0) and (D % DOWN_ROWS == 0))
-        tl.store(out + rows, tl.sum(acc, axis=1), mask=rm)
-    else:
-        _down_rows(layer, row0, kc, w_ptr, act_ptr, out, D, FFN, DOWN_ROWS, DOWN_K, DOWN_KP, DOWN_RB, STAGES)
-
-
-@triton.jit
-def _down_rows(layer, row0, kc, w_ptr, act_ptr, out, D: tl.constexpr, FFN: tl.constexpr,
-               DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr, DOWN_KP: tl.constexpr, DOWN_RB: tl.constexpr,
-               STAGES: tl.constexpr):
-    # whole rows of the K chunk, DOWN_RB per pipeline stage (Tiling.row_bytes); the last chunk may
-    # be short
-    klen = tl.minimum(FFN - kc * DOWN_K, DOWN_K)
-    cols = tl.arange(0, DOWN_KP)
-    av = tl.load(act_ptr + layer * FFN + kc * DOWN_K + cols, mask=cols < klen, other=0.0, cache_modifier=".cg")
-    EVEN: tl.constexpr = (FFN % DOWN_K == 0) and (DOWN_K == DOWN_KP) and (D % DOWN_ROWS == 0)
-    for b in tl.range(0, DOWN_ROWS // DOWN_RB, num_stages=STAGES):
-        rows = row0 + b * DOWN_RB + tl.arange(0, DOWN_RB)
-        rm = rows < D
-        tl.store(out + rows, rows_dot(w_ptr, rows, rm, av, kc * DOWN_K, FFN, klen, DOWN_KP, EVEN), mask=rm)
+    rows = row0 + tl.arange(0, DOWN_ROWS)
+    rm = rows < D
+    acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, act_ptr + layer * FFN, act_ptr, kc * DOWN_K, FFN, DOWN_K,
+                            DOWN_ROWS, BK, STAGES, TWO=False, NORM=False,
+                            EVEN=(FFN % DOWN_K == 0) and (DOWN_K % BK == 0) and (D % DOWN_ROWS == 0))
+    tl.store(out + rows, tl.sum(acc, axis=1), mask=rm)
 
 
 @register
@@ -60,12 +40,9 @@ class Down(Instruction):
 
     NAME = "down"
     STAGE = 5
-    ARGS = ("wtab_ptr", "wd_ptr", "act_ptr", "dpart_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_KP", "DOWN_RB",
-            "DOWN_CHUNKS", "BK", "STAGES")
+    ARGS = ("wtab_ptr", "wd_ptr", "act_ptr", "dpart_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS", "BK",
+            "STAGES")
     CONSTEXPRS = {"DOWN_ROWS": lambda lay: lay.tiling.down_rows, "DOWN_K": lambda lay: lay.tiling.down_k,
-                  "DOWN_KP": lambda lay: next_pow2(min(lay.tiling.down_k, lay.cfg.ffn)),
-                  "DOWN_RB": lambda lay: lay.tiling.rows_per_block(min(lay.tiling.down_k, lay.cfg.ffn), 1,
-                                                                  lay.tiling.down_rows),
                   "DOWN_CHUNKS": lambda lay: lay.n_down_k}
     device = down_device
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, cdiv, in_range, next_pow2, register, tile_start
-from .common import T_WO, gemv_stream, layer_input, rows_dot, tab_offset
+from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
+from .common import T_WO, gemv_stream, layer_input, tab_offset
 
 
 @triton.jit
@@ -34,38 +34,15 @@ def _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr,
 @triton.jit
 def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_ptr, opart_ptr,
                  D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, O_ROWS: tl.constexpr, O_K: tl.constexpr,
-                 O_KP: tl.constexpr, O_RB: tl.constexpr, O_CHUNKS: tl.constexpr, O_PART: tl.constexpr,
-                 BK: tl.constexpr, STAGES: tl.constexpr):
+                 O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     QD: tl.constexpr = NQ * HD
     w_ptr = wo_ptr + tab_offset(wtab_ptr, layer, T_WO)
-    if O_RB == 0:
-        rows = row0 + tl.arange(0, O_ROWS)
-        rm = rows < D
-        acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, attn_ptr + layer * QD, attn_ptr, oc * O_K, QD, O_K,
-                                O_ROWS, BK, STAGES, TWO=False, NORM=False,
-                                EVEN=(QD % O_K == 0) and (O_K % BK == 0) and (D % O_ROWS == 0))
-        _o_store(tl.sum(acc, axis=1), rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, D, O_CHUNKS, O_PART)
-    else:
-        _o_rows(layer, row0, oc, w_ptr, x_ptr, xout_ptr, attn_ptr, x1_ptr, opart_ptr, D, QD, O_ROWS, O_K,
-                O_KP, O_RB, O_CHUNKS, O_PART, STAGES)
-
-
-@triton.jit
-def _o_rows(layer, row0, oc, w_ptr, x_ptr, xout_ptr, attn_ptr, x1_ptr, opart_ptr,
-            D: tl.constexpr, QD: tl.constexpr, O_ROWS: tl.constexpr, O_K: tl.constexpr, O_KP: tl.constexpr,
-            O_RB: tl.constexpr, O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, STAGES: tl.constexpr):
-    # whole rows of the K chunk, O_RB per pipeline stage (Tiling.row_bytes); the last chunk may be
-    # short
-    klen = tl.minimum(QD - oc * O_K, O_K)
-    cols = tl.arange(0, O_KP)
-    av = tl.load(attn_ptr + layer * QD + oc * O_K + cols, mask=cols < klen, other=0.0,
-                 cache_modifier=".cg").to(tl.float32)
-    EVEN: tl.constexpr = (QD % O_K == 0) and (O_K == O_KP) and (D % O_ROWS == 0)
-    for b in tl.range(0, O_ROWS // O_RB, num_stages=STAGES):
-        rows = row0 + b * O_RB + tl.arange(0, O_RB)
-        rm = rows < D
-        y = rows_dot(w_ptr, rows, rm, av, oc * O_K, QD, klen, O_KP, EVEN)
-        _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, D, O_CHUNKS, O_PART)
+    rows = row0 + tl.arange(0, O_ROWS)
+    rm = rows < D
+    acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, attn_ptr + layer * QD, attn_ptr, oc * O_K, QD, O_K,
+                            O_ROWS, BK, STAGES, TWO=False, NORM=False,
+                            EVEN=(QD % O_K == 0) and (O_K % BK == 0) and (D % O_ROWS == 0))
+    _o_store(tl.sum(acc, axis=1), rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, D, O_CHUNKS, O_PART)
 
 
 @register
@@ -78,10 +55,8 @@ class OProj(Instruction):
     NAME = "oproj"
     STAGE = 3
     ARGS = ("x_ptr", "xout_ptr", "wtab_ptr", "wo_ptr", "attn_ptr", "x1_ptr", "opart_ptr",
-            "D", "NQ", "HD", "O_ROWS", "O_K", "O_KP", "O_RB", "O_CHUNKS", "O_PART", "BK", "STAGES")
+            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "O_PART", "BK", "STAGES")
     CONSTEXPRS = {"O_ROWS": lambda lay: lay.tiling.o_rows, "O_K": lambda lay: lay.o_k,
-                  "O_KP": lambda lay: next_pow2(lay.o_k),
-                  "O_RB": lambda lay: lay.tiling.rows_per_block(lay.o_k, 1, lay.tiling.o_rows),
                   "O_CHUNKS": lambda lay: lay.n_o_k, "O_PART": lambda lay: int(lay.o_partial)}
     device = oproj_device
 

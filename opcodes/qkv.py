@@ -19,8 +19,7 @@ import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, register
 from .reference import rope_tables
-from .common import (T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, gemv_stream, layer_input, row_vec, rows_dot,
-                     tab_offset, to_bf16)
+from .common import T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, gemv_stream, layer_input, tab_offset, to_bf16
 
 SECTIONS = ("q", "k", "v")
 
@@ -65,45 +64,23 @@ def _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, c
 @triton.jit
 def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
                kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
-               D: tl.constexpr, DP: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
-               EPS: tl.constexpr, QKV_ROWS: tl.constexpr, QKV_RB: tl.constexpr, BK: tl.constexpr,
-               STAGES: tl.constexpr, INTERP: tl.constexpr):
+               D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
+               EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+               INTERP: tl.constexpr):
     HALF: tl.constexpr = QKV_ROWS // 2
     w_ptr = section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr)
     xin = layer_input(x_ptr, xout_ptr, layer, D)
     nw_ptr = n1_ptr + tab_offset(wtab_ptr, layer, T_N1)
-    if QKV_RB == 0:
-        dims = j * HALF + tl.arange(0, HALF)                       # [HALF] in [0, HD/2)
-        rows1 = head * HD + dims
-        rows2 = rows1 + HD // 2
-        acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xin, nw_ptr, 0, D, D, HALF, BK,
-                                     STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0))
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
-        y1 = tl.sum(acc1, axis=1) * rstd
-        y2 = tl.sum(acc2, axis=1) * rstd
-        _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
-                    NQ, HD, MAX_SEQ, INTERP)
-    else:
-        _qkv_rows(layer, sec, head, j, pos, w_ptr, xin, nw_ptr, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr,
-                  q_ptr, D, DP, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, QKV_RB, STAGES, INTERP)
-
-
-@triton.jit
-def _qkv_rows(layer, sec, head, j, pos, w_ptr, xin, nw_ptr, wtab_ptr, kc_ptr, vc_ptr,
-              cos_ptr, sin_ptr, q_ptr, D: tl.constexpr, DP: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr,
-              MAX_SEQ: tl.constexpr, EPS: tl.constexpr, QKV_ROWS: tl.constexpr, QKV_RB: tl.constexpr,
-              STAGES: tl.constexpr, INTERP: tl.constexpr):
-    # whole rows, QKV_RB of each half per pipeline stage (Tiling.row_bytes)
-    HALF: tl.constexpr = QKV_ROWS // 2
-    hv, ss = row_vec(xin, nw_ptr, 0, D, DP, NORM=True)
-    rstd = 1.0 / tl.sqrt(ss / D + EPS)
-    for b in tl.range(0, HALF // QKV_RB, num_stages=STAGES):
-        dims = j * HALF + b * QKV_RB + tl.arange(0, QKV_RB)
-        rows1 = head * HD + dims
-        y1 = rows_dot(w_ptr, rows1, rows1 >= 0, hv, 0, D, D, DP, EVEN=(D == DP)) * rstd
-        y2 = rows_dot(w_ptr, rows1 + HD // 2, rows1 >= 0, hv, 0, D, D, DP, EVEN=(D == DP)) * rstd
-        _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
-                    NQ, HD, MAX_SEQ, INTERP)
+    dims = j * HALF + tl.arange(0, HALF)                       # [HALF] in [0, HD/2)
+    rows1 = head * HD + dims
+    rows2 = rows1 + HD // 2
+    acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xin, nw_ptr, 0, D, D, HALF, BK, STAGES,
+                                 TWO=True, NORM=True, EVEN=(D % BK == 0))
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
+    y1 = tl.sum(acc1, axis=1) * rstd
+    y2 = tl.sum(acc2, axis=1) * rstd
+    _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
+                NQ, HD, MAX_SEQ, INTERP)
 
 
 @register
@@ -118,9 +95,8 @@ class QKV(Instruction):
     STAGE = 0
     ARGS = ("pos", "x_ptr", "xout_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr",
             "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
-            "D", "DP", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "QKV_RB", "BK", "STAGES", "INTERP")
-    CONSTEXPRS = {"QKV_ROWS": lambda lay: lay.tiling.qkv_rows,
-                  "QKV_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.qkv_rows // 2)}
+            "D", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "BK", "STAGES", "INTERP")
+    CONSTEXPRS = {"QKV_ROWS": lambda lay: lay.tiling.qkv_rows}
     TABLES = {"cos_ptr": "fp32", "sin_ptr": "fp32"}
     # the new K/V rows live in the caller's cache (row ``pos``): tracked by the verifier, not allocated
     VIRTUAL = ("kv_new_k", "kv_new_v")

@@ -28,8 +28,8 @@ _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "i32": torch.int32}
 
 # masks everywhere: d % bk, d % o_rows / down_rows, ffn % down_k, vocab % lm_rows, hd split of O
 ODD = ModelConfig(layers=2, d=80, ffn=176, n_q=4, n_kv=2, hd=16, theta=10000.0, vocab=200, name="odd")
-# the GEMVs' two loops (Tiling.row_bytes): [rows, bk] blocks (0) and whole rows; 256 bytes a
-# stage gives blocks of 1 row (down) to 2 rows (qkv, o) of the 80-column rows
+# gate/up's and the LM head's two loops (Tiling.row_bytes): [rows, bk] blocks (0) and whole rows;
+# 256 bytes a stage gives blocks of 1 row (gate and up) to 2 rows (LM head) of the 80-column rows
 CASES = {
     "layer-masked": (ODD, dict(bk=64, o_rows=32, down_rows=32, gu_rows=16, down_k=128, red_rows=32, row_bytes=0), False),
     "layer-split-o": (ODD, dict(bk=32, o_k=32, o_rows=16, red_rows=32, down_rows=16, row_bytes=0), False),

@@ -17,7 +17,8 @@ from schedule.tape import decode_slot
 
 # several K chunks and residual blocks, two KV heads, 2 layers
 CFG = ModelConfig.from_name("small-2layer")
-LAY = Layout(CFG, Tiling.for_config(CFG, down_k=64, red_rows=64, o_k=64), 64)  # o_k split: every opcode appears
+# o_k split: every opcode appears; 16-row gate/up tiles: a down K chunk waits for several producers
+LAY = Layout(CFG, Tiling.for_config(CFG, down_k=64, red_rows=64, o_k=64, gu_rows=16), 64)
 PROG = lower(LAY)
 
 
