@@ -68,6 +68,37 @@ def compiled_decoder(weights, kv_cache, cfg: ModelConfig, max_seq: int, mode="re
     return step
 
 
+def write_report(rep: dict, rows: list, out: pathlib.Path) -> tuple[pathlib.Path, str]:
+    """Write ``decoder-<preset>-pos<P>.json`` / ``.md`` under ``out``: ``rep`` (``card``, ``date``,
+    ``preset``, ``pos``, ``bytes_per_step``, ``copy_TBps``, ``floor_us``, ``accuracy``, ...) with
+    ``rows`` as objects (``name``, ``us_per_step``, ``us_wall``, ``x_floor``, ``fraction_of_bw``,
+    ``kernels_per_step``); ``rows`` are (name, event us, wall us or None, kernels or None, dominant
+    or None) tuples, the floor first. Returns the JSON path and the Markdown text."""
+    floor = rep["floor_us"]
+    objs = [dict(name=n, us_per_step=e, us_wall=wl, x_floor=e / floor, fraction_of_bw=floor / e,
+                 kernels_per_step=k) for n, e, wl, k, _ in rows]
+    acc = rep["accuracy"]
+    md = [f"{rep['card']}, {rep['date']}, {rep['preset']} (random weights, tied embeddings), pos {rep['pos']}: "
+          f"{rep['bytes_per_step']} bytes/step, stream copy {rep['copy_TBps']:.3f} TB/s; logits max rel err "
+          f"{acc['logits_rel_err_max_vs_bf16_ref']:.2e} (vs the bf16 reference); greedy {acc['greedy_same']}/"
+          f"{acc['greedy_n']}", "",
+          "| what | us/step (events) | us/step (wall) | tokens/s | x floor | fraction of BW | kernels/step |",
+          "|---|---|---|---|---|---|---|"]
+    for o in objs:
+        wl, k = o["us_wall"], o["kernels_per_step"]
+        md.append(f"| {o['name']} | {o['us_per_step']:.1f} | {'-' if wl is None else format(wl, '.1f')} | "
+                  f"{1e6 / o['us_per_step']:.0f} | {o['x_floor']:.3f} | {o['fraction_of_bw']:.1%} | "
+                  f"{'-' if k is None else k} |")
+    txt = "\n".join(md) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"decoder-{rep['preset']}-pos{rep['pos']}"
+    path = out / f"{stem}.json"
+    path.write_text(json.dumps(dict(rep, rows=objs), indent=1, default=str))
+    (out / f"{stem}.md").write_text(txt)
+    print(txt)
+    return path, txt
+
+
 def run(a, views=None) -> int:
     """``megatape bench-decoder`` after argument parsing (``a``: the namespace of ``megatape.cli``;
     ``views``: ``megatape.views``, for ``--profile``)."""
@@ -157,7 +188,9 @@ def run(a, views=None) -> int:
             vargs = [(hv, toks[i:i + 1].to(torch.int32).to(dev), a.prefill + i) for i in range(a.steps)]
             ev_v, wall_v, _ = _events_median(decode_step, vargs)
             hv.layer.check()
-            ok = err_v <= 2.5e-2
+            # deep models drift from the bf16 reference (32 layers of the 8B shape: ~3e-2 for the
+            # default build too): a variant is wrong when it is much further than the default
+            ok = err_v <= max(2.5e-2, 1.5 * errs[0])
             rows.append((f"megatape [{v}]" + ("" if ok else " (WRONG)"), ev_v, wall_v, 1, None))
             log(f"megatape [{v}]: {ev_v:.1f} us/step, {len(hv.layer.tape)} instructions, first-step logits "
                 f"rel err {err_v:.2e}")
@@ -176,20 +209,8 @@ def run(a, views=None) -> int:
             rows.append(("torch.compile reduce-overhead", ev_c, wall_c, nk_c, dom_c))
         except Exception as e:
             log(f"compile baseline failed: {type(e).__name__}: {e}")
-    md = [f"{card}, {rep['date']}, {cfg.name} (random weights, tied embeddings), pos {a.prefill}..{pos_last}: "
-          f"{bytes_step} bytes/step, stream copy {bw / 1e12:.3f} TB/s; logits max rel err {max(errs):.2e}; "
-          f"greedy {same}/{n_new}", "",
-          "| what | us/step (events) | us/step (wall) | tokens/s | x floor | fraction of BW | kernels/step |",
-          "|---|---|---|---|---|---|---|"]
-    for name, e, wl, k, d in rows:
-        md.append(f"| {name} | {e:.1f} | {'-' if wl is None else format(wl, '.1f')} | {1e6 / e:.0f} | "
-                  f"{e / floor_us:.3f} | {floor_us / e:.1%} | {'-' if k is None else k} |")
-    rep["rows"] = rows
-    txt = "\n".join(md) + "\n"
-    out = pathlib.Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"decoder-{cfg.name}.json").write_text(json.dumps(rep, indent=1, default=str))
-    (out / f"decoder-{cfg.name}.md").write_text(txt)
-    print(txt)
+    rep.update(pos=a.prefill, copy_TBps=bw / 1e12,
+               accuracy={"logits_rel_err_max_vs_bf16_ref": max(errs), "greedy_same": same, "greedy_n": n_new})
+    write_report(rep, rows, pathlib.Path(a.out))
     return 0
 

@@ -560,11 +560,12 @@ def _add_bench_decoder(sub, presets) -> None:
     d = sub.add_parser("bench-decoder", help="whole-model GPU benchmark: logits, greedy tokens, timing",
                        description="A whole model (embedding, layers, final norm, LM head) on the GPU "
                        "(bench/decoder_bench.py): logits against the eager reference, greedy tokens of "
-                       "generate, timing beside torch.compile. Writes <out>/decoder-<preset>.json and .md "
+                       "generate, timing beside torch.compile. Writes <out>/decoder-<preset>-pos<P>.json and .md "
                        f"(default {RESULTS}).")
     d.add_argument("--preset", default="llama3.2-1b", choices=whole, metavar="NAME",
                    help=f"a whole-model preset, one of: {', '.join(whole)} (default llama3.2-1b)")
-    d.add_argument("--prefill", type=int, default=1024)
+    d.add_argument("--pos", "--prefill", dest="prefill", type=int, default=1024, metavar="P",
+                   help="the first decode position (the KV cache holds P random rows; default 1024)")
     d.add_argument("--steps", type=_positive_int, default=32)
     d.add_argument("--max-seq", type=_positive_int, default=1152)
     d.add_argument("--seed", type=int, default=0)

@@ -118,9 +118,9 @@ class Tiling:
         )
         if d <= 2048:
             # small d: gate/up and the LM head stream whole rows in coarse tiles (one 64-row gate/up
-            # tile per SM), 4 stages (bench/NOTES.md v28-v30). Not at d 4096: the 8B shape measured
+            # tile per SM), 5 stages (bench/NOTES.md v28-v30). Not at d 4096: the 8B shape measured
             # 5018 us with the row loop against 4425 without (run 47)
-            clamped.update(row_bytes=ROW_BYTES, stages=4, gu_rows=min(64, next_pow2(ffn)))
+            clamped.update(row_bytes=ROW_BYTES, stages=5, gu_rows=min(64, next_pow2(ffn)))
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown Tiling fields {sorted(unknown)}")

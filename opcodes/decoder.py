@@ -38,7 +38,7 @@ def _pow2(name: str, v) -> None:
 class DecoderLayout(Layout):
     """A :class:`Layout` for programs that embed the token and end in logits and the next token.
 
-    ``lm_rows``  vocabulary rows per LM_HEAD tile (0: 128 with the row loop (``Tiling.row_bytes``), else 32,
+    ``lm_rows``  vocabulary rows per LM_HEAD tile (0: 256 with the row loop (``Tiling.row_bytes``), else 32,
                  at most ``next_pow2(vocab)``)
     ``emb_cols`` columns of d per EMBED tile (0: ``min(1024, next_pow2(d))``)
     """
@@ -55,7 +55,7 @@ class DecoderLayout(Layout):
             raise ValueError("a decoder needs cfg['vocab'] > 0 (the embedding and LM head rows)")
         if self.lm_rows == 0:
             # the row loop (Tiling.row_bytes) streams any tile height in 32 KB stages
-            object.__setattr__(self, "lm_rows", min(128 if self.tiling.row_bytes else 32, next_pow2(c.vocab)))
+            object.__setattr__(self, "lm_rows", min(256 if self.tiling.row_bytes else 32, next_pow2(c.vocab)))
         if self.emb_cols == 0:
             object.__setattr__(self, "emb_cols", min(1024, next_pow2(c.d)))
         _pow2("lm_rows", self.lm_rows)

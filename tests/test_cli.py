@@ -172,7 +172,25 @@ def test_bench_decoder_parses_here(monkeypatch):
     seen = []
     monkeypatch.setattr(bench.decoder_bench, "run", lambda a, views=None: seen.append(a) or 0)
     assert main(["bench-decoder", "--steps", "4", "--out", "x"]) == 0
-    assert (seen[0].preset, seen[0].steps, seen[0].out) == ("llama3.2-1b", 4, "x")
+    assert (seen[0].preset, seen[0].steps, seen[0].out, seen[0].prefill) == ("llama3.2-1b", 4, "x", 1024)
+    assert main(["bench-decoder", "--pos", "128"]) == 0 and seen[1].prefill == 128
+
+
+def test_bench_decoder_report_format(tmp_path):
+    """decoder-<preset>-pos<P>.json: the latency issue's top-level keys and row objects."""
+    import json
+    from bench.decoder_bench import write_report
+    rep = dict(card="H", date="2026-11-30", preset="llama3.2-1b", pos=128, bytes_per_step=10, copy_TBps=4.0,
+               floor_us=500.0, accuracy={"logits_rel_err_max_vs_bf16_ref": 0.02, "greedy_same": 16, "greedy_n": 16})
+    rows = [("floor", 500.0, None, None, None), ("megatape", 1000.0, 1020.0, 1, None)]
+    path, txt = write_report(rep, rows, tmp_path)
+    assert path.name == "decoder-llama3.2-1b-pos128.json" and (tmp_path / "decoder-llama3.2-1b-pos128.md").exists()
+    got = json.loads(path.read_text())
+    assert {"card", "date", "preset", "pos", "bytes_per_step", "copy_TBps", "floor_us", "accuracy", "rows"} <= set(got)
+    mt = got["rows"][1]
+    assert (mt["name"], mt["us_per_step"], mt["x_floor"], mt["fraction_of_bw"], mt["kernels_per_step"]) == \
+        ("megatape", 1000.0, 2.0, 0.5, 1)
+    assert "| megatape | 1000.0 | 1020.0 | 1000 | 2.000 | 50.0% | 1 |" in txt
 
 
 @pytest.mark.parametrize("argv,arg", [
