@@ -16,10 +16,9 @@
 #   refsens : how far the bf16 reference drifts from itself with chunked GEMVs (16 layers, 70B and 1B)
 #   sanitize: compute-sanitizer memcheck and racecheck over examples/sanitize_small.py
 #   confirm : bench checks multi
-#   pending : what session 4 could not run for lack of device time (bench/NOTES.md v26 and
-#             issue notes): the GPU tests (SAMPLE on the device, capture refused), the elide=1
-#             variant of the 70B layer (beside cuBLAS) and of the 1B decoder, and the cost of
-#             sampling on the device (bench/sample_bench.py)
+#   pending : what session 5 could not run for lack of device time (bench/NOTES.md v31): the GPU
+#             tests, the folded residual (res_fold=1) on the 1B decoder and on 16 layers, the cost
+#             of sampling on the device (bench/sample_bench.py)
 #   ab      : with OLD=DIR, the 70B layer of the tree in DIR and of this one alternated (old, new,
 #             old, new; megatape only), then this one beside cuBLAS; and the 1B decoder of each
 #   OLD=DIR : also time the tree in DIR (e.g. the previous commit, `git archive`) first, same
@@ -93,10 +92,15 @@ run_part() {
     done ;;
   confirm) run_part bench; run_part checks; run_part multi ;;
   pending)
+    # what session 5 could not run for lack of device time (bench/NOTES.md v31): the folded
+    # residual on the 1B decoder (pos 1024 and 128) and on 16 layers of the 70B shape; the GPU
+    # tests; the cost of sampling on the final tree
     mkdir -p "$RES/pending"
     python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu_checks.txt"
-    python3 -m megatape.cli bench --baselines cublas --out "$RES/pending" --tag elide --variants "elide=1"
-    python3 -m megatape.cli bench-decoder --no-compile --out "$RES/pending" --variants "elide=1"
+    for p in 1024 128; do
+      python3 -m megatape.cli bench-decoder --pos $p --no-compile --out "$RES/pending/pos$p" --variants "res_fold=1;res_fold=0"
+    done
+    python3 -m megatape.cli bench --preset llama70b-16 --baselines "" --out "$RES/pending" --tag fold --variants "res_fold=1"
     python3 -m bench.sample_bench | tee "$RES/pending/sample_bench.md" ;;
   *) echo "unknown part $1 (explore|variants|bench|ab|checks|multi|decoder|layers16|refsens|sanitize|confirm|pending)" >&2; exit 2 ;;
   esac

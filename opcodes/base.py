@@ -72,11 +72,17 @@ class Tiling:
     # registers (Tiling.for_config: for d <= 2048, with coarser tiles). QKV, O and DOWN measured
     # slower with it (bench/NOTES.md v30) and always use the column loop
     row_bytes: int = 0
+    # 1: a layer's RESIDUAL is folded into the next layer's readers: its QKV and O (or O_REDUCE)
+    # tiles sum x1 and the down partials themselves (in RESIDUAL's order, rounded as it rounds), so
+    # the next layer waits on the down projection directly: one dependency hop less per layer but
+    # the last (bench/NOTES.md v31; not measured on a GPU yet, so 0)
+    res_fold: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes") and isinstance(v, int) and not isinstance(v, bool) and v == 0:
+            if f.name in ("o_k", "row_bytes", "res_fold") and isinstance(v, int) and not isinstance(v, bool) \
+                    and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Tiling.{f.name} must be a positive int, got {v!r}")
@@ -86,6 +92,8 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
+        if self.res_fold not in (0, 1):
+            raise ValueError(f"Tiling.res_fold must be 0 or 1, got {self.res_fold}")
         if self.qkv_rows < 2:
             raise ValueError("Tiling.qkv_rows must be >= 2 (RoPE pairs)")
         if self.attn_splits < 2:
@@ -194,6 +202,35 @@ class Layout:
         return cdiv(self.cfg.q_dim, self.o_k)
 
     @property
+    def folds_residual(self) -> bool:
+        """Whether layers but the last have no RESIDUAL: the next layer's QKV and O / O_REDUCE tiles
+        sum ``x1 + dpart`` themselves (``Tiling.res_fold``; never in a tensor-parallel layout, whose
+        RESIDUAL is the cross-rank reduction)."""
+        return bool(self.tiling.res_fold) and getattr(self, "tp_size", 1) == 1
+
+    def xout_row(self, layer: int) -> int:
+        """The row of scratch buffer ``xout`` (RESIDUAL's outputs) holding ``layer``'s output: every
+        layer has one, or with :attr:`folds_residual` only the last (row 0)."""
+        return 0 if self.folds_residual else layer
+
+    @property
+    def n_xout_rows(self) -> int:
+        return 1 if self.folds_residual else self.cfg.layers
+
+    def input_regions(self, layer: int, lo: int, hi: int) -> list:
+        """The scratch regions holding rows ``[lo, hi)`` of the residual stream entering ``layer``
+        (none for layer 0: the caller's x): ``xout`` of the layer before, or with
+        :attr:`folds_residual` its ``x1`` and down partials."""
+        if layer == 0:
+            return []
+        d, L = self.cfg.d, layer - 1
+        if not self.folds_residual:
+            return [Region("xout", L * d + lo, L * d + hi)]
+        n = self.n_down_k
+        return [Region("x1", L * d + lo, L * d + hi)] + \
+            [Region("dpart", (L * n + k) * d + lo, (L * n + k) * d + hi) for k in range(n)]
+
+    @property
     def o_partial(self) -> bool:
         """Whether OPROJ writes per-chunk partials ``opart`` (another opcode adds them and the
         residual) instead of ``x1`` itself: with a split O projection, and always in a
@@ -206,7 +243,8 @@ class Layout:
         c, t = self.cfg, self.tiling
         return dict(LAYERS=c.layers, D=c.d, DP=next_pow2(c.d), FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd,
                     MAX_SEQ=self.max_seq,
-                    EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp))
+                    EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp),
+                    RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k)
 
     # ---- serialisation --------------------------------------------------------------
     def extra(self) -> dict:

@@ -40,6 +40,27 @@ def layer_input(x_ptr, xout_ptr, layer, D: tl.constexpr):
 
 
 @triton.jit
+def layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, rows, rm, D: tl.constexpr, DOWN_CHUNKS: tl.constexpr,
+               RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
+    """Rows ``rows`` of the residual stream entering ``layer``, in fp32: the caller's x, the previous
+    layer's RESIDUAL output, or with ``RES_FOLD`` that output computed here as RESIDUAL does it
+    (``x1 + dpart[0] + dpart[1] + ...`` in fp32, rounded to bf16)."""
+    if RES_FOLD:
+        if layer == 0:
+            v = tl.load(x_ptr + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            y = tl.load(x1_ptr + (layer - 1) * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
+            for kc in tl.static_range(DOWN_CHUNKS):
+                y += tl.load(dpart_ptr + ((layer - 1) * DOWN_CHUNKS + kc) * D + rows, mask=rm, other=0.0,
+                             cache_modifier=".cg")
+            v = to_bf16(y, INTERP).to(tl.float32)
+    else:
+        xin = layer_input(x_ptr, xout_ptr, layer, D)
+        v = tl.load(xin + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return v
+
+
+@triton.jit
 def to_bf16(x, INTERP: tl.constexpr):
     """fp32 -> bf16, rounding to nearest even.
 
@@ -71,7 +92,8 @@ def mma(a, b, INTERP: tl.constexpr):
 @triton.jit
 def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
                 K: tl.constexpr, KLEN: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
-                STAGES: tl.constexpr, TWO: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr):
+                STAGES: tl.constexpr, TWO: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr,
+                xp_ptr=None, XP: tl.constexpr = 0, INTERP: tl.constexpr = False):
     """The streaming loop of every weight GEMV: rows ``rows1`` of the row-major bf16 matrix at
     ``w1_ptr`` (and, with ``TWO``, rows ``rows2`` of ``w2_ptr``), ``K`` columns each, dotted with
     ``x[kbase : kbase + KLEN]`` (bf16 or fp32) in ``BK``-column blocks, pipelined ``STAGES`` deep.
@@ -82,6 +104,8 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
     ``[BK]`` sum of squares (zero without ``NORM``): the caller reduces them over ``BK``.
     ``EVEN``: ``K``, ``KLEN`` and the rows need no masks (the streaming loads are then plain
     16-byte vectors, evicted first: the weights are read once per call).
+    ``XP`` > 0: the vector is ``x + xp[0] + ... + xp[XP-1]`` (fp32 rows ``K`` apart at ``xp_ptr``),
+    rounded to bf16: the previous layer's RESIDUAL folded in (``Tiling.res_fold``).
     NOTE: the loop body has no branch other than on constexprs, so the software pipeliner
     pipelines every load.
     """
@@ -95,6 +119,10 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
         cols = kbase + kk + tl.arange(0, BK)
         if EVEN:
             xv = tl.load(x_ptr + cols, cache_modifier=".cg").to(tl.float32)
+            if XP > 0:
+                for kc in tl.static_range(XP):
+                    xv += tl.load(xp_ptr + kc * K + cols, cache_modifier=".cg")
+                xv = to_bf16(xv, INTERP).to(tl.float32)
             if NORM:
                 nw = tl.load(nw_ptr + cols).to(tl.float32)
             w1 = tl.load(wrow1 + cols[None, :], eviction_policy="evict_first")
@@ -104,6 +132,10 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
             cm = ((kk + tl.arange(0, BK)) < KLEN) & (cols < K)
             m2 = row_mask[:, None] & cm[None, :]
             xv = tl.load(x_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            if XP > 0:
+                for kc in tl.static_range(XP):
+                    xv += tl.load(xp_ptr + kc * K + cols, mask=cm, other=0.0, cache_modifier=".cg")
+                xv = to_bf16(xv, INTERP).to(tl.float32)
             if NORM:
                 nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
             w1 = tl.load(wrow1 + cols[None, :], mask=m2, other=0.0)

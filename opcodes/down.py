@@ -42,8 +42,7 @@ class Down(Instruction):
     STAGE = 5
     ARGS = ("wtab_ptr", "wd_ptr", "act_ptr", "dpart_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS", "BK",
             "STAGES")
-    CONSTEXPRS = {"DOWN_ROWS": lambda lay: lay.tiling.down_rows, "DOWN_K": lambda lay: lay.tiling.down_k,
-                  "DOWN_CHUNKS": lambda lay: lay.n_down_k}
+    CONSTEXPRS = {"DOWN_ROWS": lambda lay: lay.tiling.down_rows, "DOWN_K": lambda lay: lay.tiling.down_k}
     device = down_device
 
     SCRATCH = {"dpart": "fp32"}

@@ -114,7 +114,8 @@ class LMHead(Instruction):
 
     def reads(self, lay: Layout) -> list[Region]:
         d, L = lay.cfg.d, lay.cfg.layers
-        return [Region("xout", (L - 1) * d, L * d)]
+        r = lay.xout_row(L - 1)
+        return [Region("xout", r * d, (r + 1) * d)]
 
     def writes(self, lay: Layout) -> list[Region]:
         lo, hi = self._rows(lay)
@@ -130,7 +131,7 @@ class LMHead(Instruction):
     def run_torch(self, lay: Layout, st) -> None:
         c = lay.cfg
         lo, hi = self._rows(lay)
-        x = st.buf["xout"].view(c.layers, c.d)[c.layers - 1].float()
+        x = st.buf["xout"].view(-1, c.d)[lay.xout_row(c.layers - 1)].float()
         nw = st.model["final_norm"].float()
         rstd = torch.rsqrt((x * x).sum() / c.d + c.eps)
         y = (st.model["lm_head"][lo:hi].float() @ (x * nw)) * rstd

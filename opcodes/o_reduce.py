@@ -14,17 +14,17 @@ import triton.language as tl
 
 from .base import Cost, Layout, Region, Timing, register
 from .oproj import OProj
-from .common import layer_input
+from .common import layer_rows
 from .residual import RowBlock
 
 
 @triton.jit
-def o_reduce_device(layer, row0, x_ptr, xout_ptr, opart_ptr, x1_ptr,
-                    D: tl.constexpr, O_CHUNKS: tl.constexpr, RED_ROWS: tl.constexpr):
+def o_reduce_device(layer, row0, x_ptr, xout_ptr, opart_ptr, x1_ptr, dpart_ptr,
+                    D: tl.constexpr, O_CHUNKS: tl.constexpr, RED_ROWS: tl.constexpr, DOWN_CHUNKS: tl.constexpr,
+                    RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     rows = row0 + tl.arange(0, RED_ROWS)
     rm = rows < D
-    xin = layer_input(x_ptr, xout_ptr, layer, D)
-    y = tl.load(xin + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
+    y = layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, rows, rm, D, DOWN_CHUNKS, RES_FOLD, INTERP)
     for oc in range(O_CHUNKS):
         y += tl.load(opart_ptr + (layer * O_CHUNKS + oc) * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
     tl.store(x1_ptr + layer * D + rows, y, mask=rm)
@@ -38,7 +38,8 @@ class OReduce(RowBlock):
 
     NAME = "o_reduce"
     STAGE = 3
-    ARGS = ("x_ptr", "xout_ptr", "opart_ptr", "x1_ptr", "D", "O_CHUNKS", "RED_ROWS")
+    ARGS = ("x_ptr", "xout_ptr", "opart_ptr", "x1_ptr", "dpart_ptr", "D", "O_CHUNKS", "RED_ROWS", "DOWN_CHUNKS",
+            "RES_FOLD", "INTERP")
     CONSTEXPRS = {"RED_ROWS": lambda lay: lay.tiling.red_rows, "O_CHUNKS": lambda lay: lay.n_o_k}
     TIMING = Timing.FIXED
     FIXED_S = 1.5e-6          # measured on the H200 (bench/NOTES.md v7)
@@ -51,12 +52,8 @@ class OReduce(RowBlock):
         return OProj.scratch_shapes(lay)
 
     def reads(self, lay: Layout) -> list[Region]:
-        c = lay.cfg
         lo, hi = self._rows(lay)
-        out = self._partials(lay, "opart", lay.n_o_k)
-        if self.layer > 0:
-            out.append(Region("xout", (self.layer - 1) * c.d + lo, (self.layer - 1) * c.d + hi))
-        return out
+        return self._partials(lay, "opart", lay.n_o_k) + lay.input_regions(self.layer, lo, hi)
 
     def writes(self, lay: Layout) -> list[Region]:
         lo, hi = self._rows(lay)

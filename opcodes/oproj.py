@@ -17,24 +17,25 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
-from .common import T_WO, gemv_stream, layer_input, tab_offset
+from .common import T_WO, gemv_stream, layer_rows, tab_offset
 
 
 @triton.jit
-def _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr,
-             D: tl.constexpr, O_CHUNKS: tl.constexpr, O_PART: tl.constexpr):
+def _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr,
+             D: tl.constexpr, O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, DOWN_CHUNKS: tl.constexpr,
+             RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     if O_PART == 0:
-        xin = layer_input(x_ptr, xout_ptr, layer, D)
-        xr = tl.load(xin + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
+        xr = layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, rows, rm, D, DOWN_CHUNKS, RES_FOLD, INTERP)
         tl.store(x1_ptr + layer * D + rows, xr + y, mask=rm)
     else:
         tl.store(opart_ptr + (layer * O_CHUNKS + oc) * D + rows, y, mask=rm)
 
 
 @triton.jit
-def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_ptr, opart_ptr,
+def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_ptr, opart_ptr, dpart_ptr,
                  D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, O_ROWS: tl.constexpr, O_K: tl.constexpr,
-                 O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+                 O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                 DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     QD: tl.constexpr = NQ * HD
     w_ptr = wo_ptr + tab_offset(wtab_ptr, layer, T_WO)
     rows = row0 + tl.arange(0, O_ROWS)
@@ -42,7 +43,8 @@ def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x
     acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, attn_ptr + layer * QD, attn_ptr, oc * O_K, QD, O_K,
                             O_ROWS, BK, STAGES, TWO=False, NORM=False,
                             EVEN=(QD % O_K == 0) and (O_K % BK == 0) and (D % O_ROWS == 0))
-    _o_store(tl.sum(acc, axis=1), rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, D, O_CHUNKS, O_PART)
+    _o_store(tl.sum(acc, axis=1), rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr, D, O_CHUNKS,
+             O_PART, DOWN_CHUNKS, RES_FOLD, INTERP)
 
 
 @register
@@ -54,8 +56,8 @@ class OProj(Instruction):
 
     NAME = "oproj"
     STAGE = 3
-    ARGS = ("x_ptr", "xout_ptr", "wtab_ptr", "wo_ptr", "attn_ptr", "x1_ptr", "opart_ptr",
-            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "O_PART", "BK", "STAGES")
+    ARGS = ("x_ptr", "xout_ptr", "wtab_ptr", "wo_ptr", "attn_ptr", "x1_ptr", "opart_ptr", "dpart_ptr",
+            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "O_PART", "BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD", "INTERP")
     CONSTEXPRS = {"O_ROWS": lambda lay: lay.tiling.o_rows, "O_K": lambda lay: lay.o_k,
                   "O_CHUNKS": lambda lay: lay.n_o_k, "O_PART": lambda lay: int(lay.o_partial)}
     device = oproj_device
@@ -88,9 +90,8 @@ class OProj(Instruction):
         c = lay.cfg
         k0, k1 = self._ks(lay)
         out = [Region("attn", self.layer * c.q_dim + k0, self.layer * c.q_dim + k1)]
-        if self.layer > 0 and not lay.o_partial:
-            lo, hi = self._rows(lay)
-            out.append(Region("xout", (self.layer - 1) * c.d + lo, (self.layer - 1) * c.d + hi))
+        if not lay.o_partial:
+            out += lay.input_regions(self.layer, *self._rows(lay))
         return out
 
     def writes(self, lay: Layout) -> list[Region]:

@@ -62,11 +62,11 @@ def _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, c
 
 
 @triton.jit
-def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
+def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
                kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
                D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
                EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-               INTERP: tl.constexpr):
+               DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     HALF: tl.constexpr = QKV_ROWS // 2
     w_ptr = section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr)
     xin = layer_input(x_ptr, xout_ptr, layer, D)
@@ -74,8 +74,19 @@ def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, wtab_ptr, n1_ptr, wq_p
     dims = j * HALF + tl.arange(0, HALF)                       # [HALF] in [0, HD/2)
     rows1 = head * HD + dims
     rows2 = rows1 + HD // 2
-    acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xin, nw_ptr, 0, D, D, HALF, BK, STAGES,
-                                 TWO=True, NORM=True, EVEN=(D % BK == 0))
+    if RES_FOLD:
+        if layer > 0:
+            # the previous layer's RESIDUAL, folded in: x = bf16(x1 + dpart[0] + ...), as RESIDUAL rounds it
+            acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, x1_ptr + (layer - 1) * D, nw_ptr, 0, D,
+                                         D, HALF, BK, STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0),
+                                         xp_ptr=dpart_ptr + (layer - 1) * DOWN_CHUNKS * D, XP=DOWN_CHUNKS,
+                                         INTERP=INTERP)
+        else:
+            acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xin, nw_ptr, 0, D, D, HALF, BK,
+                                         STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0))
+    else:
+        acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xin, nw_ptr, 0, D, D, HALF, BK, STAGES,
+                                     TWO=True, NORM=True, EVEN=(D % BK == 0))
     rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
     y1 = tl.sum(acc1, axis=1) * rstd
     y2 = tl.sum(acc2, axis=1) * rstd
@@ -93,9 +104,9 @@ class QKV(Instruction):
 
     NAME = "qkv"
     STAGE = 0
-    ARGS = ("pos", "x_ptr", "xout_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr",
+    ARGS = ("pos", "x_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr",
             "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
-            "D", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "BK", "STAGES", "INTERP")
+            "D", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD", "INTERP")
     CONSTEXPRS = {"QKV_ROWS": lambda lay: lay.tiling.qkv_rows}
     TABLES = {"cos_ptr": "fp32", "sin_ptr": "fp32"}
     # the new K/V rows live in the caller's cache (row ``pos``): tracked by the verifier, not allocated
@@ -145,10 +156,7 @@ class QKV(Instruction):
         return [Region(buf, base + lo, base + hi), Region(buf, base + c.hd // 2 + lo, base + c.hd // 2 + hi)]
 
     def reads(self, lay: Layout) -> list[Region]:
-        if self.layer == 0:
-            return []
-        d = lay.cfg.d
-        return [Region("xout", (self.layer - 1) * d, self.layer * d)]
+        return lay.input_regions(self.layer, 0, lay.cfg.d)
 
     def cost(self, lay: Layout) -> Cost:
         d, rows = lay.cfg.d, lay.tiling.qkv_rows

@@ -61,7 +61,7 @@ class Residual(RowBlock):
     NAME = "residual"
     STAGE = 6
     ARGS = ("out_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "LAYERS", "D", "DOWN_CHUNKS", "RED_ROWS", "INTERP")
-    CONSTEXPRS = {"RED_ROWS": lambda lay: lay.tiling.red_rows, "DOWN_CHUNKS": lambda lay: lay.n_down_k}
+    CONSTEXPRS = {"RED_ROWS": lambda lay: lay.tiling.red_rows}
     TIMING = Timing.FIXED
     FIXED_S = 0.9e-6          # measured on the H200 (bench/NOTES.md v7)
     device = residual_device
@@ -70,7 +70,7 @@ class Residual(RowBlock):
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
-        return {"xout": (lay.cfg.layers, lay.cfg.d)}
+        return {"xout": (lay.n_xout_rows, lay.cfg.d)}
 
     def reads(self, lay: Layout) -> list[Region]:
         c = lay.cfg
@@ -79,7 +79,7 @@ class Residual(RowBlock):
 
     def writes(self, lay: Layout) -> list[Region]:
         lo, hi = self._rows(lay)
-        base = self.layer * lay.cfg.d
+        base = lay.xout_row(self.layer) * lay.cfg.d
         return [Region("xout", base + lo, base + hi)]
 
     def cost(self, lay: Layout) -> Cost:
@@ -94,4 +94,4 @@ class Residual(RowBlock):
         dp = st.buf["dpart"].view(c.layers, lay.n_down_k, c.d)
         for kc in range(lay.n_down_k):
             y += dp[self.layer, kc, lo:hi]
-        st.buf["xout"].view(c.layers, c.d)[self.layer, lo:hi] = y.to(torch.bfloat16)
+        st.buf["xout"].view(-1, c.d)[lay.xout_row(self.layer), lo:hi] = y.to(torch.bfloat16)

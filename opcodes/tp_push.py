@@ -107,8 +107,7 @@ class TPPush(TPRowBlock):
     NAME = "tp_push"
     STAGE = 6
     ARGS = ("epoch", "opart_ptr", "dpart_ptr", "peer_recv_ptr", "LAYERS", "D", "O_CHUNKS", "DOWN_CHUNKS", "RED_ROWS")
-    CONSTEXPRS = {"RED_ROWS": lambda lay: lay.tiling.red_rows, "O_CHUNKS": lambda lay: lay.n_o_k,
-                  "DOWN_CHUNKS": lambda lay: lay.n_down_k}
+    CONSTEXPRS = {"RED_ROWS": lambda lay: lay.tiling.red_rows, "O_CHUNKS": lambda lay: lay.n_o_k}
     TIMING = Timing.FIXED
     IN_EVERY_KERNEL = False
     SIGNALS_PEER = True         # its signal is the peer's counter

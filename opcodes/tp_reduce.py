@@ -64,7 +64,7 @@ class TPReduce(TPRowBlock):
     ARGS = ("epoch", "x_ptr", "xout_ptr", "out_ptr", "x1_ptr", "opart_ptr", "dpart_ptr", "tp_recv_ptr", "LAYERS",
             "D", "O_CHUNKS", "DOWN_CHUNKS", "RED_ROWS", "TP_RANK", "INTERP")
     CONSTEXPRS = {"RED_ROWS": lambda lay: lay.tiling.red_rows, "O_CHUNKS": lambda lay: lay.n_o_k,
-                  "DOWN_CHUNKS": lambda lay: lay.n_down_k, "TP_RANK": lambda lay: getattr(lay, "tp_rank", 0)}
+                  "TP_RANK": lambda lay: getattr(lay, "tp_rank", 0)}
     TIMING = Timing.FIXED
     IN_EVERY_KERNEL = False
     device = tp_reduce_device

@@ -25,8 +25,8 @@ from .program import Program, lower
 
 def _final_out_counter(p: Program, lay: Layout) -> int:
     """The counter signalled by the writers of the last layer's output row (exactly one)."""
-    d, L = lay.cfg.d, lay.cfg.layers
-    lo, hi = (L - 1) * d, L * d
+    d, r = lay.cfg.d, lay.xout_row(lay.cfg.layers - 1)
+    lo, hi = r * d, (r + 1) * d
     sigs = {p.signal[i] for i, ins in enumerate(p.instrs)
             if any(r.buf == "xout" and r.lo < hi and r.hi > lo for r in ins.writes(lay))}
     if len(sigs) != 1 or NO_COUNTER in sigs:

@@ -13,6 +13,10 @@ Dependencies per layer ``l`` (one counter per arrow group):
     GATE_UP(l, rows in K chunk kc) --act[l,kc]--> DOWN(l, *, kc)
     DOWN(l, rows in block rb, *) --dpart[l,rb]--> RESIDUAL(l, rb) --out[l]--> QKV(l+1, *)
 
+With ``Tiling.res_fold`` (:attr:`Layout.folds_residual`) layers but the last have no RESIDUAL:
+``DOWN(l, *) --dpart[l]--> QKV(l+1, *)``, whose tiles (and layer l+1's O / O_REDUCE tiles, after
+them) sum ``x1[l] + dpart[l]`` themselves; the last layer's RESIDUAL waits on ``dpart[L-1]``.
+
 Tensor parallel (a :class:`opcodes.tp.TPLayout`: the program of one rank of two; both ranks have
 the same program, on their own shards): the O projection always writes partials, and per row block
 ``rb`` of each all-reduced stage (O projection, down projection) O_REDUCE / RESIDUAL become
@@ -117,8 +121,13 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
         ca = [p.counter(f"attn[{l},{oc}]" if n_oc > 1 else f"attn[{l}]") for oc in range(n_oc)]
         cx = p.counter(f"x1[{l}]")
         cact = [p.counter(f"act[{l},{kc}]") for kc in range(lay.n_down_k)]
-        cd = [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
-        cout = p.counter(f"out[{l}]") if (l + 1 < c.layers or signal_last) else NO_COUNTER
+        last = l + 1 == c.layers
+        fold = lay.folds_residual and not last       # no RESIDUAL: the next layer sums x1 + dpart itself
+        if fold or (lay.folds_residual and last):
+            cd = [p.counter(f"dpart[{l}]")] * n_rb  # the next layer (or the last RESIDUAL) reads every row
+        else:
+            cd = [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
+        cout = p.counter(f"out[{l}]") if (not last or signal_last) and not fold else NO_COUNTER
         w_in = (prev_out,) if prev_out != NO_COUNTER else ()
         # Q tiles first, grouped by KV head: a group's prefix attention starts when its Q is done
         for g in range(c.n_kv):
@@ -155,10 +164,10 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
                 p.add(Down(l, r, kc), (cact[kc],), cd[r // t.red_rows])
         if tp:
             _all_reduce(p, l, 1, cd, cout, n_rb, t.red_rows)
-        else:
+        elif not fold:
             for rb in range(n_rb):
                 p.add(Residual(l, rb * t.red_rows), (cd[rb],), cout)
-        prev_out = cout
+        prev_out = cd[0] if fold else cout
     return p
 
 

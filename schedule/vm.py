@@ -48,11 +48,18 @@ class VMState:
             # a decoder's layer 0 reads the row its EMBED tiles gathered (the kernel's x_ptr there)
             return self.buf["x0"] if "x0" in self.buf else self.x
         d = self.lay.cfg.d
+        if self.lay.folds_residual:      # RESIDUAL folded into this layer's readers: as it computes it
+            n = self.lay.n_down_k
+            y = self.buf["x1"][(layer - 1) * d: layer * d].clone()
+            dp = self.buf["dpart"].view(self.lay.cfg.layers, n, d)
+            for kc in range(n):
+                y += dp[layer - 1, kc]
+            return y.to(torch.bfloat16)
         return self.buf["xout"][(layer - 1) * d: layer * d]
 
     def output(self) -> torch.Tensor:
-        d, L = self.lay.cfg.d, self.lay.cfg.layers
-        return self.buf["xout"][(L - 1) * d:].reshape(1, d).clone()
+        d, r = self.lay.cfg.d, self.lay.xout_row(self.lay.cfg.layers - 1)
+        return self.buf["xout"][r * d:(r + 1) * d].reshape(1, d).clone()
 
 
 def run_tape(tape: Tape, weights: dict, kv_cache: list, x: torch.Tensor, pos: int,
