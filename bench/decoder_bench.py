@@ -172,7 +172,7 @@ def run(a, views=None) -> int:
         hp = build_decoder(w, kv, cfg, a.max_seq, profile=True)
         for i in range(3):
             decode_step(hp, toks[i:i + 1].to(torch.int32).to(dev), pos_last)
-        summ = views.summarize(hp.layer.tape, profile_records(hp.layer), pos=pos_last)
+        summ = views.summarize(hp.layer.tape, profile_records(hp.layer), pos=pos_last, copy_Bps=bw)
         summ.pop("records")
         print(views.format_summary(summ), flush=True)
         rep["profile"] = summ

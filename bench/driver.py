@@ -235,7 +235,7 @@ def run(a, views=None) -> int:
         for i in range(4):
             layer_step(hp, xs[i], a.prefill + a.steps - 1)
         hp.check()
-        return hp, views.summarize(hp.tape, profile_records(hp), pos=a.prefill + a.steps - 1)
+        return hp, views.summarize(hp.tape, profile_records(hp), pos=a.prefill + a.steps - 1, copy_Bps=bw)
 
     for vname, (vt, bkw) in variants:
         vrep: dict = {"tiling": vt.__dict__}

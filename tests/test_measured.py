@@ -3,8 +3,10 @@ itself, slowed down by a known factor), so every number it prints can be checked
 from __future__ import annotations
 
 import json
+import statistics
 
 import matplotlib.image as mpimg
+import torch
 
 from opcodes import PRESETS
 from schedule import compile_model
@@ -68,3 +70,28 @@ def test_profile_summary_of_synthetic_timestamps():
     assert summ["makespan_ns"] == max(clock) - 1000
     assert "measured makespan" in format_summary(summ)
     assert timeline_line(summ).startswith(f"makespan {summ['makespan_ns'] / 1e3:.1f}; wait 9.1%")
+
+
+def test_profile_critical_path_and_fixed_cost():
+    """Per stage of a layer: what it adds after the previous stage's last end, and the hop of its
+    late instructions; per opcode: the time over what the bytes take at an even share."""
+    from megatape.views.profile import critical_path, format_summary, summarize
+    # two layers, stages 0 (a) and 1 (b): b's first waiting instruction starts 2 us after a's end
+    recs = {l: [(0, "a", 0, 0, 10_000 + l), (0, "a", 0, 0, 8_000), (1, "b", 500, 12_000 + l, 15_000 + 3 * l),
+                (1, "b", 9_000, 9_500, 11_000)] for l in (0, 1)}
+    rows = critical_path(recs)
+    assert [r["stage"] for r in rows] == ["b"]
+    assert rows[0]["adds_ns"] == 5_000 + 1                 # median of 5000 and 5002
+    assert rows[0]["hop_ns"] == 2_000                      # 12000 - 10000, both layers
+    comp = compile_model(PRESETS["tiny"], 1, max_seq=64, pool_us=0)
+    tape = comp.tape
+    prof = torch.zeros(len(tape), 4, dtype=torch.int64)
+    for slot in range(len(tape)):
+        prof[slot] = torch.tensor([2000 * slot, 2000 * slot, 2000 * slot + 2000, 0])   # 2 us each
+    summ = summarize(tape, prof, pos=40, copy_Bps=1e12)    # 1 kB/ns on one SM
+    from schedule.tape import decode
+    for name, d in summ["ops"].items():
+        byts = [x.ins.cost(tape.lay).hbm_bytes for x in decode(tape) if x.ins.NAME == name]
+        if name != "attn_partial":
+            assert d["fixed_ns"] == statistics.median(2000 - b / 1e3 for b in byts), name
+    assert "hop us" in format_summary(summ) and summ["stages"]

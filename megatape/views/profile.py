@@ -17,17 +17,25 @@ from opcodes import BY_OPCODE
 from schedule.tape import Tape
 
 
-def summarize(tape: Tape, prof: torch.Tensor, pos: int | None = None) -> dict:
+def summarize(tape: Tape, prof: torch.Tensor, pos: int | None = None, copy_Bps: float | None = None) -> dict:
+    """The summary of a profiled launch (module docstring); ``pos`` times attention at that
+    position, ``copy_Bps`` (the measured copy bandwidth) gives the fixed cost per instruction."""
     lay = tape.lay
     recs = records(tape, prof)
     by = defaultdict(lambda: dict(n=0, busy_ns=0, wait_ns=0, hbm_bytes=0, first_ns=float("inf"), last_ns=0))
     per_sm_wait = defaultdict(int)
     per_sm_busy = defaultdict(int)
+    times = defaultdict(list)                  # opcode -> [(busy ns, hbm bytes)]
+    layer_recs = defaultdict(list)             # layer -> [(stage, name, wait start, exec start, end)]
+    fair = copy_Bps / tape.num_sms / 1e9 if copy_Bps else None      # bytes per ns per SM
     from opcodes import AttnPartial
     for slot, pi, name, sm, tw, te, tend in recs:
         d = by[name]
         ins = BY_OPCODE[int(tape.words[slot, 0])].decode(tape.words[slot, 6:].tolist())
         c = ins.cost(lay, pos + 1) if (isinstance(ins, AttnPartial) and pos is not None) else ins.cost(lay)
+        times[name].append((tend - te, c.hbm_bytes))
+        if hasattr(ins, "layer"):
+            layer_recs[ins.layer].append((type(ins).STAGE, name, tw, te, tend))
         d["n"] += 1
         d["busy_ns"] += tend - te
         d["wait_ns"] += te - tw
@@ -40,12 +48,39 @@ def summarize(tape: Tape, prof: torch.Tensor, pos: int | None = None) -> dict:
     ops = {}
     for name, d in by.items():
         span = max(1, d["last_ns"] - d["first_ns"])
+        ts = times[name]
         ops[name] = dict(d, span_ns=span,
                          per_sm_GBps=(d["hbm_bytes"] / max(1, d["busy_ns"])) if d["busy_ns"] else 0.0,
-                         chip_TBps_over_span=d["hbm_bytes"] / span / 1e3)
+                         chip_TBps_over_span=d["hbm_bytes"] / span / 1e3,
+                         median_ns=statistics.median(t for t, _ in ts),
+                         fixed_ns=statistics.median(t - b / fair for t, b in ts) if fair else None)
     return dict(makespan_ns=makespan, ops=ops, total_wait_ns=sum(per_sm_wait.values()),
                 total_busy_ns=sum(per_sm_busy.values()), num_sms=tape.num_sms,
-                max_sm_wait_ns=max(per_sm_wait.values()), records=recs)
+                max_sm_wait_ns=max(per_sm_wait.values()), stages=critical_path(layer_recs), records=recs)
+
+
+def critical_path(layer_recs: dict) -> list[dict]:
+    """Per stage of a layer (in dataflow order), the medians over layers of what it adds to the
+    layer's critical path (``adds_ns``: its last end after the previous stage's last end) and of
+    the hop (``hop_ns``: from the previous stage's last end to the first start of this stage's
+    instructions that were waiting then; None where none was)."""
+    adds, hops = defaultdict(list), defaultdict(list)
+    order: dict = {}
+    for recs in layer_recs.values():
+        by_stage: dict = defaultdict(list)
+        for stage, name, tw, te, tend in recs:
+            by_stage[(stage, name)].append((tw, te, tend))
+            order[(stage, name)] = None
+        keys = sorted(by_stage)
+        for prev, cur in zip(keys, keys[1:]):
+            prev_end = max(e for _, _, e in by_stage[prev])
+            adds[cur].append(max(e for _, _, e in by_stage[cur]) - prev_end)
+            late = [te for tw, te, _ in by_stage[cur] if tw <= prev_end <= te]
+            if late:
+                hops[cur].append(min(late) - prev_end)
+    return [dict(stage=name, adds_ns=statistics.median(adds[k]),
+                 hop_ns=statistics.median(hops[k]) if hops[k] else None, layers=len(adds[k]))
+            for k in sorted(order) for name in [k[1]] if adds[k]]
 
 
 def format_summary(s: dict) -> str:
@@ -54,10 +89,19 @@ def format_summary(s: dict) -> str:
              f"of SM time), busy {s['total_busy_ns'] / (s['makespan_ns'] * s['num_sms']):.1%}",
              "| opcode | n | busy SM-us | wait SM-us | first..last us | GB/s per SM while busy | TB/s over its span |",
              "|---|---|---|---|---|---|---|"]
+    lines[-2] = lines[-2][:-1] + " median us | fixed us |"
+    lines[-1] += "---|---|"
     for name, d in sorted(s["ops"].items(), key=lambda kv: kv[1]["first_ns"]):
+        fixed = "-" if d.get("fixed_ns") is None else f"{d['fixed_ns'] / 1e3:.2f}"
         lines.append(f"| {name} | {d['n']} | {d['busy_ns'] / 1e3:.0f} | {d['wait_ns'] / 1e3:.0f} | "
                      f"{d['first_ns'] / 1e3:.1f}..{d['last_ns'] / 1e3:.1f} | {d['per_sm_GBps']:.1f} | "
-                     f"{d['chip_TBps_over_span']:.2f} |")
+                     f"{d['chip_TBps_over_span']:.2f} | {d['median_ns'] / 1e3:.2f} | {fixed} |")
+    if s.get("stages"):
+        lines += ["", "per layer (median over layers): what each stage adds to the critical path, and its hop",
+                  "| stage | adds us | hop us | layers |", "|---|---|---|---|"]
+        for r in s["stages"]:
+            hop = "-" if r["hop_ns"] is None else f"{r['hop_ns'] / 1e3:.2f}"
+            lines.append(f"| {r['stage']} | {r['adds_ns'] / 1e3:.2f} | {hop} | {r['layers']} |")
     return "\n".join(lines)
 
 
