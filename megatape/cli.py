@@ -122,14 +122,16 @@ def _check_output_path(prog: str, path: str | None) -> str | None:
     return None
 
 
-def compile_both(cfg, num_sms: int, max_seq: int | None, progress: _Progress, pool_us: float | None = None) -> dict:
+def compile_both(cfg, num_sms: int, max_seq: int | None, progress: _Progress, pool_us: float | None = None,
+                 tiling=None) -> dict:
     """Compile ``cfg`` under both policies (each verified); returns {policy: Compiled}."""
     from schedule import compile_model
     out = {}
     for pol in POLICIES:
         progress(f"{pol}: lower -> schedule -> encode -> verify ...")
         # a config with a vocabulary compiles as a whole model (compile_model decides)
-        c = compile_model(cfg, num_sms, max_seq=max_seq, policy=pol, pool_us=(pool_us if pol == "cost" else None))
+        c = compile_model(cfg, num_sms, max_seq=max_seq, tiling=tiling, policy=pol,
+                          pool_us=(pool_us if pol == "cost" else None))
         progress(f"{pol}: {len(c.tape)} instructions on {num_sms} SMs verified "
                  f"(compile_model took {c.seconds:.2f} s)")
         out[pol] = c
@@ -248,7 +250,7 @@ def summary_lines(comps: dict, selected: str) -> list[str]:
 
 
 def cmd_compile(a, prog: str = "megatape compile") -> int:
-    from opcodes import ModelConfig
+    from opcodes import ModelConfig, Tiling
     from schedule import TapeError
 
     err = _check_output_path(prog, a.output)
@@ -261,7 +263,8 @@ def cmd_compile(a, prog: str = "megatape compile") -> int:
         cfg = cfg.with_layers(a.layers)
     progress(f"{prog}: {cfg.name}, {cfg.layers} layer(s), {a.sms} SMs")
     try:
-        comps = compile_both(cfg, a.sms, a.max_seq, progress, getattr(a, "pool_us", None))
+        tiling = Tiling.from_spec(cfg, a.tiling) if a.tiling else None
+        comps = compile_both(cfg, a.sms, a.max_seq, progress, getattr(a, "pool_us", None), tiling)
     except TapeError as e:
         print(f"{prog}: the verifier rejected the tape (a compiler bug):\n{e}", file=sys.stderr)
         return 1
@@ -332,7 +335,7 @@ def cmd_run(a) -> int:
             sms = torch.cuda.get_device_properties(0).multi_processor_count
         else:
             sms = DEFAULT_SMS
-    ns = argparse.Namespace(preset=MAIN_PRESET, sms=sms, layers=None, max_seq=None, policy="cost",
+    ns = argparse.Namespace(preset=MAIN_PRESET, sms=sms, layers=None, max_seq=None, tiling="", policy="cost",
                             listing=False, output=a.output)
     rc = cmd_compile(ns, prog="megatape run")
     if rc:
@@ -356,7 +359,7 @@ def cmd_run(a) -> int:
 
 # ---- viz, bench, bench-decoder --------------------------------------------------------------------
 def cmd_viz(a, prog: str = "megatape viz") -> int:
-    from opcodes import ModelConfig
+    from opcodes import ModelConfig, Tiling
     try:
         from megatape.views.viz import render
     except ModuleNotFoundError as e:
@@ -368,8 +371,9 @@ def cmd_viz(a, prog: str = "megatape viz") -> int:
         cfg = ModelConfig.from_name(a.preset)
         if a.layers is not None:
             cfg = cfg.with_layers(a.layers)
+        tiling = Tiling.from_spec(cfg, a.tiling) if a.tiling else None
         render(cfg, a.sms, a.out, max_seq=a.max_seq, policy=a.policy, stage=a.stage, layer=a.layer, sm=a.sm,
-               max_nodes=a.max_nodes, aggregate=a.aggregate, svg=not a.no_svg)
+               max_nodes=a.max_nodes, aggregate=a.aggregate, svg=not a.no_svg, tiling=tiling)
     except ValueError as e:     # bad stage, SM, layer count...: a message, not a traceback
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
@@ -502,6 +506,8 @@ def _add_tape_args(p, presets) -> None:
                    help="override the preset's layer count")
     p.add_argument("--max-seq", type=_positive_int, default=None, metavar="N",
                    help="KV cache length the tape is compiled for (default: 4224 for d >= 1024, else 256)")
+    p.add_argument("--tiling", default="", metavar="SPEC",
+                   help="Tiling fields over the preset's defaults, e.g. 'gu_rows=32,res_fold=1' (opcodes.Tiling)")
 
 
 def _add_viz(sub, presets) -> None:

@@ -110,6 +110,21 @@ class Tiling:
         return max(1, min(1 << (per.bit_length() - 1), next_pow2(rows)))
 
     @classmethod
+    def from_spec(cls, cfg: ModelConfig, spec: str) -> "Tiling":
+        """``for_config`` with the overrides of a ``"name=value,name=value"`` string (integers),
+        as the command line's ``--tiling`` takes them."""
+        over = {}
+        for item in filter(None, spec.replace(" ", "").split(",")):
+            k, _, v = item.partition("=")
+            if not v:
+                raise ValueError(f"--tiling: expected name=value, got {item!r}")
+            try:
+                over[k] = int(v)
+            except ValueError:
+                raise ValueError(f"--tiling: {k} must be an integer, got {v!r}") from None
+        return cls.for_config(cfg, **over)
+
+    @classmethod
     def for_config(cls, cfg: ModelConfig, **overrides) -> "Tiling":
         """The default tiling clamped to the model's dimensions; ``overrides`` win."""
         base = cls()

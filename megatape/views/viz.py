@@ -571,11 +571,12 @@ def write_graph(G: nx.DiGraph, stem, graphml: bool = False) -> list[pathlib.Path
 # ---- everything at once (``megatape viz``) ------------------------------------------------------
 def render(cfg: ModelConfig, num_sms: int, out, max_seq: int | None = None, policy: str = "cost",
            stage=None, layer: int | None = None, sm: int | None = None, max_nodes: int = 120,
-           aggregate: str = "auto", svg: bool = True) -> list[pathlib.Path]:
+           aggregate: str = "auto", svg: bool = True, tiling=None) -> list[pathlib.Path]:
     """Compile ``cfg`` for ``num_sms`` SMs (a whole-model config gets the decoder lowering, as
     :func:`schedule.compile_model` decides) and write every picture, graph file and the planned
     trace described in the module docstring into ``out`` (created). ``stage`` / ``layer`` / ``sm``
-    select a zoom. Prints one ``wrote PATH (N KiB)`` line per file and a timing line; returns the
+    select a zoom; ``tiling`` overrides the config's default :class:`opcodes.Tiling`. Prints one
+    ``wrote PATH (N KiB)`` line per file and a timing line; returns the
     paths. A selection that matches nothing raises ValueError before anything is written."""
     t_start = time.perf_counter()
     from schedule.compile import compile_model
@@ -583,7 +584,7 @@ def render(cfg: ModelConfig, num_sms: int, out, max_seq: int | None = None, poli
     if max_nodes <= 0:
         raise ValueError(f"--max-nodes must be positive, got {max_nodes}")
     out = pathlib.Path(out)
-    comp = compile_model(cfg, num_sms, max_seq=max_seq, policy=policy)
+    comp = compile_model(cfg, num_sms, max_seq=max_seq, tiling=tiling, policy=policy)
     prog, sched = comp.prog, comp.sched
     written: list[pathlib.Path] = []
     timings: dict[str, float] = {"compile": comp.seconds}
