@@ -352,6 +352,9 @@ def sample_torch(logits: torch.Tensor, amax: torch.Tensor, nparts: int, lm_rows:
     return min(max(tok, 0), vocab - 1)
 
 
+#: the largest block of logits a pass reads at once (Sample.CONSTEXPRS)
+SMP_MAX_BLOCK = 8192
+
 # ---- the opcode ----------------------------------------------------------------------------------
 @register
 @dataclass(frozen=True)
@@ -361,9 +364,10 @@ class Sample(Instruction):
     NAME = "sample"
     STAGE = 8
     ARGS = ("pos", "logits_ptr", "amax_ptr", "smp_ptr", "tok_ptr", "toks_ptr", "VOCAB", "LM_ROWS", "SMP_BLOCK")
-    # SMP_BLOCK: logits per block (a power of two, a multiple of LM_ROWS). The branch is in every
-    # kernel; on a layout without a vocabulary it is never taken and is compiled at the smallest block
-    CONSTEXPRS = {"SMP_BLOCK": lambda lay: max(lay.lm_rows, min(1024, triton.next_power_of_2(lay.cfg.vocab)))
+    # SMP_BLOCK: logits per block (a power of two, a multiple of LM_ROWS). Each block of a pass is
+    # a dependent L2 round trip on the one SM that samples (its partials, then its logits), so
+    # blocks are large: 8192 (16 for a 128k vocabulary) compiles without spills (bench/NOTES.md v32)
+    CONSTEXPRS = {"SMP_BLOCK": lambda lay: max(lay.lm_rows, min(SMP_MAX_BLOCK, triton.next_power_of_2(lay.cfg.vocab)))
                   if Sample.applies(lay) else 16}
     TIMING = Timing.FIXED
     # only in the kernels of sampling tapes: the greedy and layer kernels stay the ones measured

@@ -456,3 +456,48 @@ def test_api_errors_name_the_argument_and_run_nothing(sampler, greedy):
         teardown(g.layer)
     with pytest.raises(TypeError, match="sampling"):
         build_decoder(c.load_weights(), [], c.cfg, 16, sampling="yes")
+
+
+@pytest.mark.parametrize("block", [1024, 8192])
+def test_sample_device_over_several_blocks(monkeypatch, block):
+    """SAMPLE's device function on a 20000-token vocabulary (several blocks of SMP_BLOCK logits,
+    blocks skipped by their partials' maxima) draws what ``sample_torch`` draws, for temperature
+    alone, top-k and top-p, whatever the block size (the draw does not depend on it)."""
+    import opcodes.sample as smp_mod
+    from conftest import decoder_weights
+    from opcodes import DecoderLayout, ModelConfig, Tiling
+    monkeypatch.setattr(smp_mod, "SMP_MAX_BLOCK", block)
+    cfg = ModelConfig(layers=1, d=64, ffn=128, n_q=2, n_kv=1, hd=32, theta=10000.0, vocab=20000, name="v20k")
+    lay = DecoderLayout(cfg, Tiling.for_config(cfg), 8, lm_rows=256)
+    assert Sample.CONSTEXPRS["SMP_BLOCK"](lay) == block
+    prog = lower_decoder(lay, sample=True)
+    reps = [next(i for i in prog.instrs if isinstance(i, Sample))]
+    reps += [next(i for i in prog.instrs if type(i) is k) for k in prog.classes() if k is not Sample]
+    words = torch.tensor([[i.OPCODE, NO_COUNTER, 0, NO_COUNTER, 0, NO_COUNTER] + list(i.operands()) +
+                          [0] * (WORDS - HEADER - len(i.operands())) for i in reps], dtype=torch.int32)
+    tape = Tape(lay, 1, words, torch.tensor([0, 1, 1], dtype=torch.int32), [])
+    kv = [tuple(torch.zeros(1, 1, 8, 32, dtype=torch.bfloat16) for _ in range(2))]
+    h = build_layer(decoder_weights(cfg, seed=1), kv, cfg, 8, tape=tape, verify_tape=False)
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(cfg.vocab, generator=g) * 2.0
+    logits[torch.randint(0, cfg.vocab, (40,), generator=g)] += 6.0        # a peaked head across blocks
+    parts = [logits[r0:r0 + 256] for r0 in range(0, cfg.vocab, 256)]      # the LM head tiles' partials
+    amax = torch.tensor([[float(p.max()), float(r0 + int(torch.argmax(p)))] for r0, p in
+                         zip(range(0, cfg.vocab, 256), parts)]).reshape(-1)
+    assert amax.numel() == 2 * lay.n_lm_tiles      # the last tile is short (20000 = 78 x 256 + 32)
+    x = torch.zeros(1, cfg.d, dtype=torch.bfloat16)
+    try:
+        for prm in (dict(temperature=0.9), dict(temperature=0.7, top_k=30), dict(temperature=1.1, top_p=0.8),
+                    dict(temperature=1.0, top_k=200, top_p=0.9)):
+            for seed in range(3):
+                smp = Sample.state_values(seed=seed, **prm)["smp"]
+                want = sample_torch(logits, amax, lay.n_lm_tiles, lay.lm_rows, block, smp, 5)
+                assert want == sample_torch(logits, amax, lay.n_lm_tiles, lay.lm_rows, 512, smp, 5), prm
+                h.scratch["logits"].copy_(logits)
+                h.scratch["amax"].copy_(amax)
+                h.state["smp"].copy_(smp)
+                launch(h, x, 5, torch.empty_like(x))
+                h.check()
+                assert int(h.state["tok"][0]) == want, (prm, seed)
+    finally:
+        teardown(h)
