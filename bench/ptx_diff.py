@@ -49,7 +49,7 @@ cx.update(PROFILE=False)
 if "PREFETCH" in k.arg_names:   # trees before the prefetch experiment was removed
     cx["PREFETCH"] = False
 ptrs = {"tape_ptr": "*i32", "qoff_ptr": "*i32", "cnt_ptr": "*i32", "status_ptr": "*i32", "prof_ptr": "*i64",
-        "ptab_ptr": "*i64", "x_ptr": "*bf16", "out_ptr": "*bf16"}
+        "ptab_ptr": "*i64", "x_ptr": "*bf16", "out_ptr": "*bf16", "ctl_ptr": "*i32"}
 sig = {n: ("constexpr" if n in cx else ptrs.get(n, "i32")) for n in k.arg_names}
 src = ASTSource(fn=k, signature=sig, constexprs={(k.arg_names.index(n),): v for n, v in cx.items() if n in k.arg_names},
                 attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names) if sig[n][0] == "*"})
