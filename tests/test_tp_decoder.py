@@ -214,6 +214,14 @@ def test_verify_tp_names_tp_argmax_without_its_wait(policy):
     verify_tp(c.tapes)
 
 
+def test_verify_tp_refuses_a_decoder_rank_with_a_layer_rank():
+    cfg = _cfg(200)
+    whole = _compile(cfg, sms=2).tapes
+    layers = compile_model(cfg, 2, max_seq=MAX_SEQ, tp=2, decoder=False).tapes
+    with pytest.raises(TapeError, match="different layouts \\(TPDecoderLayout and TPLayout\\)"):
+        verify_tp([whole[0], layers[1]])
+
+
 def test_verify_tp_names_a_missing_argmax_push():
     c = _compile(_cfg(200), sms=2, lm_rows=16, pool_us=0.0)
     t0, t1 = c.tapes
