@@ -24,12 +24,14 @@ from .argmax import Argmax
 from .sample import Sample
 from .tp_push import TPPush
 from .tp_reduce import TPReduce
+from .tp_argmax import TPArgmaxPush, TPArgmax
 from .decoder import DecoderLayout
-from .tp import TPLayout
+from .tp import TPDecoderLayout, TPLayout
 
 __all__ = ["BY_OPCODE", "HEADER", "LAYOUTS", "MAX_OPERANDS", "MAX_WAITS", "NO_COUNTER", "REGISTRY", "WORDS", "Cost",
            "Instruction", "Layout", "Region", "Tiling", "Timing", "cdiv", "kernel_constexprs", "kernel_pointers",
            "layout_from_json", "next_pow2", "register", "register_layout", "scratch_buffers", "state_buffers",
            "unregister", "PRESETS",
            "ModelConfig", "QKV", "AttnPartial", "AttnReduce", "OProj", "GateUp", "Down", "Residual", "OReduce",
-           "Embed", "LMHead", "Argmax", "Sample", "TPPush", "TPReduce", "DecoderLayout", "TPLayout"]
+           "Embed", "LMHead", "Argmax", "Sample", "TPPush", "TPReduce", "TPArgmaxPush", "TPArgmax", "DecoderLayout",
+           "TPLayout", "TPDecoderLayout"]

@@ -39,7 +39,10 @@ class DecoderLayout(Layout):
     """A :class:`Layout` for programs that embed the token and end in logits and the next token.
 
     ``lm_rows``  vocabulary rows per LM_HEAD tile (0: 256 with the row loop (``Tiling.row_bytes``), else 32,
-                 at most ``next_pow2(vocab)``)
+                 at most ``next_pow2(lm_vocab)``)
+
+    :attr:`lm_vocab` is the number of vocabulary rows the program's LM head computes: the whole
+    vocabulary here, a rank's slice in a tensor-parallel decoder (``opcodes.tp.TPDecoderLayout``).
     ``emb_cols`` columns of d per EMBED tile (0: ``min(1024, next_pow2(d))``)
     """
 
@@ -55,7 +58,7 @@ class DecoderLayout(Layout):
             raise ValueError("a decoder needs cfg['vocab'] > 0 (the embedding and LM head rows)")
         if self.lm_rows == 0:
             # the row loop (Tiling.row_bytes) streams any tile height in 32 KB stages
-            object.__setattr__(self, "lm_rows", min(256 if self.tiling.row_bytes else 32, next_pow2(c.vocab)))
+            object.__setattr__(self, "lm_rows", min(256 if self.tiling.row_bytes else 32, next_pow2(self.lm_vocab)))
         if self.emb_cols == 0:
             object.__setattr__(self, "emb_cols", min(1024, next_pow2(c.d)))
         _pow2("lm_rows", self.lm_rows)
@@ -70,8 +73,14 @@ class DecoderLayout(Layout):
 
     # ---- derived counts ---------------------------------------------------------------
     @property
+    def lm_vocab(self) -> int:
+        """Rows of the LM head this program computes (its logits, its LM_HEAD tiles' local row
+        indices): the whole vocabulary."""
+        return self.cfg.vocab
+
+    @property
     def n_lm_tiles(self) -> int:
-        return cdiv(self.cfg.vocab, self.lm_rows)
+        return cdiv(self.lm_vocab, self.lm_rows)
 
     @property
     def n_emb_tiles(self) -> int:

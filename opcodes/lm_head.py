@@ -7,6 +7,11 @@
 The per-tile (max, argmax) partial lets ARGMAX reduce ``vocab / LM_ROWS`` pairs instead of the
 whole vocabulary. ``x`` is the last layer's RESIDUAL output (the call's ``out_ptr``); the tiles
 wait on the last layer's ``out`` counter (``lower(..., signal_last=True)``).
+The tiles cover the layout's ``lm_vocab`` rows (kernel constexpr ``LM_VOCAB``, the device
+function's ``VOCAB``): the whole vocabulary on one GPU; in a tensor-parallel decoder
+(``opcodes.tp.TPDecoderLayout``) the rank's vocabulary slice, its ``lm_head`` shard's rows, so
+``logits`` and the partials' indices are local to the slice (TP_ARGMAX_PUSH / TP_ARGMAX make them
+global: ``opcodes/tp_argmax.py``).
 Streams ``LM_ROWS * d * 2`` bytes of ``lm_head`` (which may be the embedding table: tied).
 """
 from __future__ import annotations
@@ -82,11 +87,14 @@ class LMHead(Instruction):
 
     NAME = "lm_head"
     STAGE = 7
-    ARGS = ("out_ptr", "fnorm_ptr", "lmh_ptr", "logits_ptr", "amax_ptr", "D", "DP", "VOCAB", "EPS", "LM_ROWS", "LM_RB",
-            "BK", "STAGES")
+    # the device function's VOCAB parameter is LM_VOCAB, the rows of this program's LM head (on one
+    # GPU the vocabulary: the same value as VOCAB)
+    ARGS = ("out_ptr", "fnorm_ptr", "lmh_ptr", "logits_ptr", "amax_ptr", "D", "DP", "LM_VOCAB", "EPS", "LM_ROWS",
+            "LM_RB", "BK", "STAGES")
     # the branch is in every kernel; on a layout without a vocabulary it is never taken and is
     # compiled at the smallest tile
     CONSTEXPRS = {"VOCAB": lambda lay: max(1, lay.cfg.vocab),
+                  "LM_VOCAB": lambda lay: lay.lm_vocab if LMHead.applies(lay) else max(1, lay.cfg.vocab),
                   "LM_ROWS": lambda lay: lay.lm_rows if LMHead.applies(lay) else 16,
                   "LM_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 1, lay.lm_rows if LMHead.applies(lay)
                                                                  else 16)}
@@ -98,7 +106,7 @@ class LMHead(Instruction):
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
-        return {"logits": (lay.cfg.vocab,), "amax": (lay.n_lm_tiles, 2)}
+        return {"logits": (lay.lm_vocab,), "amax": (lay.n_lm_tiles, 2)}
 
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:
@@ -107,10 +115,10 @@ class LMHead(Instruction):
     def check_operands(self, lay: Layout) -> list[str]:
         if not self.applies(lay):
             return ["lm_head needs a DecoderLayout (opcodes.decoder)"]
-        return tile_start("row0", self.row0, lay.lm_rows, lay.cfg.vocab)
+        return tile_start("row0", self.row0, lay.lm_rows, lay.lm_vocab)
 
     def _rows(self, lay: Layout) -> tuple[int, int]:
-        return self.row0, min(self.row0 + lay.lm_rows, lay.cfg.vocab)
+        return self.row0, min(self.row0 + lay.lm_rows, lay.lm_vocab)
 
     def reads(self, lay: Layout) -> list[Region]:
         d, L = lay.cfg.d, lay.cfg.layers
@@ -136,7 +144,7 @@ class LMHead(Instruction):
         rstd = torch.rsqrt((x * x).sum() / c.d + c.eps)
         y = (st.model["lm_head"][lo:hi].float() @ (x * nw)) * rstd
         st.buf["logits"][lo:hi] = y
-        m, idx = tile_argmax(y, lo, c.vocab)
+        m, idx = tile_argmax(y, lo, lay.lm_vocab)
         t = self.row0 // lay.lm_rows
         st.buf["amax"][2 * t] = m
         st.buf["amax"][2 * t + 1] = float(idx)

@@ -46,6 +46,7 @@ import torch
 
 from .base import Layout, Tiling, register_layout
 from .config import ModelConfig
+from .decoder import DecoderLayout
 from .reference import LAYER_KEYS, layer_shapes, rmsnorm, rope, rope_tables
 
 #: per-layer key -> how it is split: "rows" (output rows), "cols" (input columns) or None (replicated)
@@ -348,3 +349,43 @@ class TPLayout(Layout):
         """Rank ``tp_rank``'s layout of the full model ``cfg`` (the tiling defaults to the shard's)."""
         sc = shard_config(cfg, tp_rank, tp_size)
         return cls(sc, tiling or Tiling.for_config(sc), max_seq, tp_rank, tp_size)
+
+
+@register_layout
+@dataclass(frozen=True)
+class TPDecoderLayout(TPLayout, DecoderLayout):
+    """The layout of rank ``tp_rank`` of a tensor-parallel whole-model decoder: a :class:`TPLayout`
+    (the shard's cfg, whose ``vocab`` is the full vocabulary: the token ids EMBED reads from the
+    replicated embedding) and a :class:`~opcodes.decoder.DecoderLayout` (``lm_rows``, ``emb_cols``),
+    whose LM head covers the rank's vocabulary slice: :attr:`lm_vocab` = ``vocab / tp_size`` rows
+    (its ``lm_head`` shard), global id ``vocab0 + local row``. The program ends in TP_ARGMAX_PUSH and
+    TP_ARGMAX (``opcodes/tp_argmax.py``) instead of ARGMAX. Built by ``schedule.decoder_program``'s
+    ``lower_decoder`` from a :class:`TPLayout`."""
+
+    WHOLE_MODEL = True
+
+    def __post_init__(self):
+        TPShard(self.tp_rank, self.tp_size)          # the ints and the range, before lm_vocab divides
+        if self.cfg.vocab % self.tp_size:
+            raise ValueError(f"TPDecoderLayout: tp_size = {self.tp_size} must divide cfg['vocab'] = {self.cfg.vocab}")
+        super().__post_init__()
+
+    @property
+    def lm_vocab(self) -> int:
+        """Rows of the rank's LM head: its vocabulary slice."""
+        return self.cfg.vocab // self.tp_size
+
+    @property
+    def vocab0(self) -> int:
+        """The global vocabulary id of the rank's first LM head row."""
+        return self.tp_rank * self.lm_vocab
+
+    def extra(self) -> dict:
+        return {**DecoderLayout.extra(self), **TPLayout.extra(self)}
+
+    @classmethod
+    def of(cls, lay: TPLayout, **tiles) -> "TPDecoderLayout":
+        """The decoder layout of a rank's layer layout (same shard cfg, tiling, cache length, rank)."""
+        if isinstance(lay, TPDecoderLayout) and not tiles:
+            return lay
+        return cls(lay.cfg, lay.tiling, lay.max_seq, tp_rank=lay.tp_rank, tp_size=lay.tp_size, **tiles)

@@ -64,8 +64,10 @@ def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, ti
     None: :data:`DEFAULT_POOL_US` for 'cost', 0 for the round-robin and random baselines.
     ``tp``: None or 1: one GPU (a :class:`Compiled`); 2: tensor parallel over two GPUs, a
     :class:`CompiledTP` with one tape per rank (``.tapes``), each of the rank's
-    :class:`opcodes.tp.TPLayout` (``cfg`` is the full model's; the layers only, ``decoder`` must not
-    be True), every rank's tape verified alone and both together (:func:`schedule.verify.verify_tp`)."""
+    :class:`opcodes.tp.TPLayout` (``cfg`` is the full model's), every rank's tape verified alone and both
+    together (:func:`schedule.verify.verify_tp`); ``decoder`` as for one GPU: the whole model (the rank's
+    :class:`opcodes.tp.TPDecoderLayout`: EMBED, the TP layers, LM_HEAD over the rank's vocabulary slice,
+    the cross-rank argmax TP_ARGMAX_PUSH / TP_ARGMAX) iff ``cfg.vocab > 0`` unless given."""
     if tp not in (None, 1):
         return _compile_tp(cfg, num_sms, max_seq, tiling, policy, model, seed, sequential, lowering, pool_us,
                            decoder, elide_waits, tp)
@@ -132,9 +134,9 @@ def _compile_tp(cfg, num_sms, max_seq, tiling, policy, model, seed, sequential, 
     from .verify import verify_tp
     if isinstance(tp, bool) or tp != 2:
         raise ValueError(f"tp must be None, 1 or 2 (tensor-parallel tapes exist for two ranks), got {tp!r}")
-    if decoder:
-        raise NotImplementedError("tensor-parallel tapes cover the layers only (no embedding / LM head yet): "
-                                  "pass decoder=False")
+    if lowering is None and (cfg.vocab > 0 if decoder is None else decoder):
+        from .decoder_program import decoder_lowering
+        lowering = decoder_lowering()
     t0 = time.perf_counter()
     if max_seq is None:
         max_seq = 4224 if cfg.d >= 1024 else 256

@@ -12,12 +12,20 @@ QKV tiles wait for the embedding; ``signal_last``: the last layer's output gets 
 LM head), so a change of the layer lowering carries over. Use it as ``compile_model(...,
 lowering=lower_decoder)`` or ``build_layer(..., lowering=lower_decoder)``; the program's layout is
 a :class:`~opcodes.decoder.DecoderLayout` (the decoder's scratch buffers).
+
+Tensor parallel (a :class:`opcodes.tp.TPLayout`, one rank of two; ``compile_model(..., tp=2)``): the
+program's layout is the rank's :class:`opcodes.tp.TPDecoderLayout`; EMBED is the same on both ranks
+(the embedding is replicated), the layers are the TP layers of :func:`schedule.program.lower`, the
+LM_HEAD tiles cover the rank's vocabulary slice (``lm_vocab = vocab / 2`` rows), and ARGMAX becomes
+
+    LM_HEAD(row0) x n_lm --logits--> TP_ARGMAX_PUSH(n_lm) --recv_am (the PEER's counter)-->
+    TP_ARGMAX(n_lm) (+ logits)      the token of both ranks (``opcodes/tp_argmax.py``)
 """
 from __future__ import annotations
 
 import torch
 
-from opcodes import Argmax, DecoderLayout, Embed, Layout, LMHead, Sample
+from opcodes import Argmax, DecoderLayout, Embed, Layout, LMHead, Sample, TPArgmax, TPArgmaxPush, TPDecoderLayout
 from opcodes.base import NO_COUNTER
 
 from .program import Program, lower
@@ -38,9 +46,14 @@ def _final_out_counter(p: Program, lay: Layout) -> int:
 def lower_decoder(lay: Layout, lm_rows: int = 0, emb_cols: int = 0, sample: bool = False) -> Program:
     """The program of one whole-model decode step for ``lay.cfg`` (which needs ``vocab > 0``).
     ``lm_rows`` / ``emb_cols``: LM head rows and embedding columns per tile (0: defaults);
-    ``sample``: end in SAMPLE (a token drawn on the device) instead of ARGMAX (greedy)."""
-    dl = DecoderLayout.of(lay, lm_rows=lm_rows or getattr(lay, "lm_rows", 0),
-                          emb_cols=emb_cols or getattr(lay, "emb_cols", 0))
+    ``sample``: end in SAMPLE (a token drawn on the device) instead of ARGMAX (greedy).
+    A tensor-parallel rank's layout (``tp_size`` 2) gets the rank's program (module docstring)."""
+    tp = getattr(lay, "tp_size", 1) > 1
+    if tp and sample:
+        raise NotImplementedError("tensor-parallel decoder tapes end in the greedy cross-rank argmax; sampling "
+                                  "across vocabulary slices is not built")
+    tiles = dict(lm_rows=lm_rows or getattr(lay, "lm_rows", 0), emb_cols=emb_cols or getattr(lay, "emb_cols", 0))
+    dl = TPDecoderLayout.of(lay, **tiles) if tp else DecoderLayout.of(lay, **tiles)
     c = dl.cfg
     p = Program(dl)
     ce = p.counter("embed")
@@ -49,9 +62,14 @@ def lower_decoder(lay: Layout, lm_rows: int = 0, emb_cols: int = 0, sample: bool
     lower(dl, prog=p, input_counter=ce, signal_last=True)
     cout = _final_out_counter(p, dl)
     cl = p.counter("logits")
-    for r in range(0, c.vocab, dl.lm_rows):
+    for r in range(0, dl.lm_vocab, dl.lm_rows):
         p.add(LMHead(r), (cout,), cl)
-    p.add((Sample if sample else Argmax)(dl.n_lm_tiles), (cl,), NO_COUNTER)
+    if tp:
+        crecv = p.counter("recv_am")
+        p.add(TPArgmaxPush(dl.n_lm_tiles), (cl,), crecv)       # signals the PEER's recv_am
+        p.add(TPArgmax(dl.n_lm_tiles), (cl, crecv), NO_COUNTER)
+    else:
+        p.add((Sample if sample else Argmax)(dl.n_lm_tiles), (cl,), NO_COUNTER)
     return p
 
 
@@ -70,6 +88,9 @@ def run_decoder_vm(tape, weights: dict, kv_cache: list, token, pos: int, seed: i
     returns (fp32 logits (1, vocab), the next token as an int: greedy, or drawn by SAMPLE with
     ``sampling`` = dict(temperature=, top_k=, top_p=, seed=) for a tape lowered with ``sample=True``)."""
     from .vm import run_tape
+    if getattr(tape.lay, "tp_size", 1) > 1:
+        raise ValueError("run_decoder_vm: a tensor-parallel rank's tape; run both ranks with "
+                         "schedule.vm.run_tp_decoder")
     if not isinstance(tape.lay, DecoderLayout):
         raise ValueError("run_decoder_vm: the tape was not lowered by lower_decoder (no DecoderLayout)")
     tok = torch.as_tensor(token).reshape(1)

@@ -353,7 +353,8 @@ def verify_tp(tapes: list[Tape]) -> TPReport:
     ``WRITES_PEER`` writes the other rank's buffers. Raises :class:`TapeError` naming the rank, the
     instruction and its SM, or returns a :class:`TPReport`. Checks:
 
-    1. the tapes are ranks 0 and 1 of one :class:`opcodes.tp.TPLayout` model with the same counters;
+    1. the tapes are ranks 0 and 1 of one :class:`opcodes.tp.TPLayout` model with the same counters
+       (both the layers, or both whole-model decoders: :class:`opcodes.tp.TPDecoderLayout`);
     2. every wait's per-call target equals the number of its producers on both ranks;
     3. every element of every buffer of every rank is written exactly once per call (a buffer of
        ``PARITY_SLOTS``: one slot), by its own rank or, for the buffers the peer writes, by the peer;
@@ -380,6 +381,9 @@ def verify_tp(tapes: list[Tape]) -> TPReport:
                             f"tp_size={getattr(lay, 'tp_size', None)}), not rank {r} of {R}")
     if problems:
         raise TapeError(problems)
+    if type(tapes[0].lay) is not type(tapes[1].lay):
+        raise TapeError([f"the ranks' tapes are of different layouts ({type(tapes[0].lay).__name__} and "
+                         f"{type(tapes[1].lay).__name__}): both whole-model decoders or both the layers only"])
     if tapes[0].counters != tapes[1].counters:
         raise TapeError([f"the ranks' tapes have different counters ({tapes[0].n_counters} vs {tapes[1].n_counters}"
                          "): a peer's signal names the counter of the same index"])

@@ -121,9 +121,9 @@ def run_tape(tape: Tape, weights: dict, kv_cache: list, x: torch.Tensor, pos: in
 
 def run_tp(tapes: list[Tape], weights: dict, kv_cache: list, x: torch.Tensor, pos: int, seed: int | None = 0,
            calls: int = 1, return_all: bool = False):
-    """Run a tensor-parallel step (``compile_model(cfg, ..., tp=2).tapes``) on the CPU: both ranks'
-    tapes in one random interleaving (``seed``; None: the lowest ready (rank, SM) first) of all
-    2 x ``num_sms`` SMs, with the cross-rank edges (a ``SIGNALS_PEER`` instruction bumps the peer's
+    """Run a tensor-parallel step (``compile_model(cfg, ..., tp=2, decoder=False).tapes``) on the CPU:
+    both ranks' tapes in one random interleaving (``seed``; None: the lowest ready (rank, SM) first) of
+    all 2 x ``num_sms`` SMs, with the cross-rank edges (a ``SIGNALS_PEER`` instruction bumps the peer's
     counter, a ``WRITES_PEER`` one writes the peer's buffers, e.g. TP_PUSH into its ``tp_recv``).
 
     ``weights`` / ``kv_cache`` are the FULL model's (``cfg`` = the layouts' ``full_cfg``): each rank
@@ -135,7 +135,67 @@ def run_tp(tapes: list[Tape], weights: dict, kv_cache: list, x: torch.Tensor, po
     receive buffers persist and alternate parity slots, and a rank may start its next call as soon as
     its own previous call is done (so one rank can be a call ahead of the other, as on the GPUs).
     Returns the last call's output (1, d) (the ranks' outputs are asserted bitwise equal), or with
-    ``return_all`` the list over calls of ``[rank 0's, rank 1's]`` outputs."""
+    ``return_all`` the list over calls of ``[rank 0's, rank 1's]`` outputs.
+    Whole-model tapes (a :class:`opcodes.tp.TPDecoderLayout`): :func:`run_tp_decoder`."""
+    if tapes and getattr(tapes[0].lay, "WHOLE_MODEL", False):
+        raise ValueError("run_tp: these are whole-model decoder tapes (they embed a token); use run_tp_decoder")
+    outputs = _run_tp(tapes, weights, kv_cache, x.reshape(1, -1), pos, seed, calls,
+                      finish=lambda st: st.output(), feed=lambda out: out)
+    for e, outs in enumerate(outputs):
+        _same_residual(e, outs[0], outs[1])
+    return outputs if return_all else outputs[-1][0]
+
+
+def run_tp_decoder(tapes: list[Tape], weights: dict, kv_cache: list, token, pos: int, seed: int | None = 0,
+                   calls: int = 1, return_all: bool = False):
+    """Run a tensor-parallel whole-model decode step (``compile_model(cfg, ..., tp=2).tapes`` of a config
+    with a vocabulary: EMBED, the TP layers, LM_HEAD over each rank's vocabulary slice, TP_ARGMAX_PUSH /
+    TP_ARGMAX) on the CPU, as :func:`run_tp` runs the layers: one random interleaving (``seed``) of both
+    ranks' SMs, from the FULL ``weights`` (with ``embed``, ``final_norm``, ``lm_head``) and ``kv_cache``,
+    sharded here; the K/V rows written are copied back into ``kv_cache``. ``token``: the first call's
+    input token (an int).
+
+    ``calls`` > 1 runs calls at ``pos, pos + 1, ...``, each rank's next call embedding the token ITS
+    previous call produced (on the GPUs each rank's EMBED reads its own ``tok``); the receive buffers
+    (``tp_recv``, ``tp_am_recv``) persist and alternate parity slots. Asserts, per call, that both
+    ranks produced the same token and bitwise the same final residual stream.
+
+    Returns ``(logits, token)`` of the last call: ``logits`` the ranks' fp32 logits slices
+    ``[rank 0's (1, vocab / 2), rank 1's]`` (rank r's covers vocabulary ids ``[r * vocab / 2,
+    (r + 1) * vocab / 2)``), ``token`` the greedy next token (an int); with ``return_all`` the list of
+    those pairs over the calls."""
+    if not (len(tapes) == 2 and all(getattr(t.lay, "WHOLE_MODEL", False) for t in tapes)):
+        raise ValueError("run_tp_decoder takes the 2 ranks' whole-model decoder tapes (opcodes.tp.TPDecoderLayout); "
+                         "for the layers alone use run_tp")
+    tok = torch.as_tensor(token).reshape(1)
+
+    def finish(st):
+        return st.buf["logits"].reshape(1, -1).clone(), int(st.next_token), st.output()
+
+    outputs = _run_tp(tapes, weights, kv_cache, tok, pos, seed, calls, finish=finish,
+                      feed=lambda res: torch.tensor([res[1]]))
+    out = []
+    for e, (r0, r1) in enumerate(outputs):
+        _same_residual(e, r0[2], r1[2])
+        if r0[1] != r1[1]:
+            raise AssertionError(f"call {e}: the ranks' tokens differ ({r0[1]} on rank 0, {r1[1]} on rank 1): the "
+                                 "cross-rank argmax is not the same on both ranks")
+        out.append(([r0[0], r1[0]], r0[1]))
+    return out if return_all else out[-1]
+
+
+def _same_residual(e: int, a: torch.Tensor, b: torch.Tensor) -> None:
+    if not torch.equal(a, b):
+        raise AssertionError(f"call {e}: the ranks' outputs differ (max |diff| "
+                             f"{(a.float() - b.float()).abs().max():.3e}): the all-reduce is not "
+                             "bitwise identical on both ranks")
+
+
+def _run_tp(tapes: list[Tape], weights: dict, kv_cache: list, inp: torch.Tensor, pos: int, seed: int | None,
+            calls: int, finish, feed) -> list[list]:
+    """Both ranks' tapes for ``calls`` calls (see :func:`run_tp`): ``inp`` is the first call's input of
+    both ranks (VMState.x), ``finish(state)`` a rank's result of a call, ``feed(result)`` its next
+    call's input. Returns the results, ``[call][rank]``."""
     from opcodes.tp import shard_kv_cache, shard_weights
     R = len(tapes)
     if R != 2:
@@ -170,7 +230,7 @@ def run_tp(tapes: list[Tape], weights: dict, kv_cache: list, x: torch.Tensor, po
             self.pool = []
             for d in decode(self.tape):
                 (self.pool if d.sm == Tape.POOL else self.queues[d.sm]).append(d)
-            self.start(x.reshape(1, -1))
+            self.start(inp)
 
         def start(self, xin):
             self.call += 1
@@ -219,17 +279,12 @@ def run_tp(tapes: list[Tape], weights: dict, kv_cache: list, x: torch.Tensor, po
             del k.held[s]
         k.remaining -= 1
         if k.remaining == 0:                       # the rank's call is done: the next may start
-            out = k.st.output()
-            outputs[k.call][k.r] = out
+            res = finish(k.st)
+            outputs[k.call][k.r] = res
             if k.call + 1 < calls:
-                k.start(out)
+                k.start(feed(res))
             else:
                 k.call += 1
-    for e, outs in enumerate(outputs):
-        if not torch.equal(outs[0], outs[1]):
-            raise AssertionError(f"call {e}: the ranks' outputs differ (max |diff| "
-                                 f"{(outs[0].float() - outs[1].float()).abs().max():.3e}): the all-reduce is not "
-                                 "bitwise identical on both ranks")
     # the K/V rows the ranks wrote, back into the full caches (each rank its KV heads)
     for r in range(R):
         a = r * full.n_kv // R
@@ -237,4 +292,4 @@ def run_tp(tapes: list[Tape], weights: dict, kv_cache: list, x: torch.Tensor, po
         for l, (kc, vc) in enumerate(caches[r]):
             kv_cache[l][0][:, a:b, pos:pos + calls] = kc[:, :, pos:pos + calls]
             kv_cache[l][1][:, a:b, pos:pos + calls] = vc[:, :, pos:pos + calls]
-    return outputs if return_all else outputs[-1][0]
+    return outputs
