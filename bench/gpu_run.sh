@@ -92,14 +92,16 @@ run_part() {
     done ;;
   confirm) run_part bench; run_part checks; run_part multi ;;
   pending)
-    # what session 5 could not run for lack of device time (bench/NOTES.md v31): the folded
-    # residual on the 1B decoder (pos 1024 and 128) and on 16 layers of the 70B shape; the GPU
-    # tests; the cost of sampling on the final tree
+    # what session 5 could not run for lack of device time (bench/NOTES.md v31, v32): the GPU
+    # tests; the folded residual on the 1B decoder (pos 1024 with the profile's critical-path
+    # view, and 128), the 8B shape and 16 layers of the 70B shape; sampling with 8192-logit blocks
     mkdir -p "$RES/pending"
     python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu_checks.txt"
-    for p in 1024 128; do
-      python3 -m megatape.cli bench-decoder --pos $p --no-compile --out "$RES/pending/pos$p" --variants "res_fold=1;res_fold=0"
-    done
+    python3 -m megatape.cli bench-decoder --pos 1024 --no-compile --profile --out "$RES/pending/pos1024" \
+      --variants "res_fold=1;res_fold=0;res_fold=1"
+    python3 -m megatape.cli bench-decoder --pos 128 --no-compile --out "$RES/pending/pos128" --variants "res_fold=1"
+    python3 -m megatape.cli bench-decoder --preset llama3.1-8b --pos 1024 --no-compile --out "$RES/pending/8b" \
+      --variants "res_fold=1"
     python3 -m megatape.cli bench --preset llama70b-16 --baselines "" --out "$RES/pending" --tag fold --variants "res_fold=1"
     python3 -m bench.sample_bench | tee "$RES/pending/sample_bench.md" ;;
   *) echo "unknown part $1 (explore|variants|bench|ab|checks|multi|decoder|layers16|refsens|sanitize|confirm|pending)" >&2; exit 2 ;;
