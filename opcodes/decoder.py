@@ -22,7 +22,7 @@ import torch
 
 from .base import Layout, cdiv, next_pow2, register_layout
 from .config import ModelConfig
-from .reference import model_ref, rmsnorm
+from .reference import model_ref, model_ref_fp32, rmsnorm
 
 #: extra weights of a whole model beyond ``weights["layers"]``
 DECODER_KEYS = ("embed", "final_norm", "lm_head")
@@ -103,6 +103,29 @@ def decoder_ref(weights: dict, kv_cache: list, cfg: ModelConfig, token: int, pos
     h = model_ref(weights, kv_cache, cfg, x, pos, cos_sin)
     h = rmsnorm(h, weights["final_norm"], cfg.eps)
     return (h.float() @ weights["lm_head"].float().T)
+
+
+def decoder_ref_fp32(weights: dict, kv_cache32: list, cfg: ModelConfig, token: int, pos: int, cos_sin=None):
+    """:func:`decoder_ref` with every tensor in fp32 (the yardstick of the multi-layer accuracy
+    criterion): ``kv_cache32`` is an fp32 copy of the cache, updated in place."""
+    x = weights["embed"][int(token)].reshape(1, -1).float()
+    h = model_ref_fp32(weights, kv_cache32, cfg, x, pos, cos_sin)
+    h = rmsnorm(h, weights["final_norm"].float(), cfg.eps)
+    return h @ weights["lm_head"].float().T
+
+
+def step_accuracy(logits: torch.Tensor, ref: torch.Tensor, ref32: torch.Tensor) -> dict:
+    """One step of the multi-layer criterion: the relative error of ``logits`` and of the bf16
+    reference's ``ref`` against the all-fp32 ``ref32``; the greedy token agrees with ``ref32``'s
+    where its top-2 margin is decisive: more than twice the bf16 reference's largest logit
+    deviation from ``ref32`` (a margin a bf16 implementation cannot be expected to flip)."""
+    from .reference import rel_err
+    l32 = ref32.reshape(-1).float()
+    top2 = torch.topk(l32, 2).values
+    margin = float(top2[0] - top2[1])
+    dev = float((ref.reshape(-1).float() - l32).abs().max())
+    return dict(err=rel_err(logits, ref32), ref_err=rel_err(ref, ref32), margin=margin, decisive=margin > 2 * dev,
+                agree=greedy_token(logits) == greedy_token(ref32))
 
 
 def greedy_token(logits: torch.Tensor) -> int:

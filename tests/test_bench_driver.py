@@ -55,3 +55,39 @@ def test_check_flags_a_corrupted_cache_row(monkeypatch):
 def test_parse_variant():
     t, b = parse_variant(PRESETS["llama70b-layer"], "bk=1024, coop=0 ,stages=2")
     assert (t.bk, t.stages, b) == (1024, 2, {"cooperative": False})
+
+
+def test_decoder_bench_accuracy_criterion():
+    """bench/decoder_bench.check_steps: the kernel's decode steps (the interpreter) against the bf16
+    and the all-fp32 references. A step that is the fp32 reference itself meets the criterion and
+    agrees everywhere; one that adds noise of the bf16 reference's size, several times over, fails it."""
+    import dataclasses
+
+    from bench.decoder_bench import ACC_RATIO, check_steps
+    from conftest import decoder_weights
+    from interp import build_decoder, decode_step
+    from opcodes.decoder import decoder_ref_fp32
+    cfg = dataclasses.replace(PRESETS["small-2layer"], vocab=96)
+    w = decoder_weights(cfg, seed=3)
+    kv = make_kv_cache(cfg, 16, 4, seed=2)
+    toks = torch.tensor([5, 17, 3])
+    h = build_decoder(w, clone_cache(kv), cfg.to_dict(), 16)
+    try:
+        acc = check_steps(lambda tk, p: decode_step(h, tk.to(torch.int32), p), w, clone_cache(kv), cfg, toks, 4)
+    finally:
+        teardown(h)
+    assert acc["steps"] == 3 and len(acc["errs"]) == 3 and acc["criterion"].startswith(f"vs fp32 <= {ACC_RATIO}")
+    assert acc["rel_err_vs_fp32_max"] < 2e-2 and acc["bf16_ref_vs_fp32_max"] > 0
+    assert acc["criterion_met"] and acc["greedy_agree_decisive"] == acc["decisive_steps"] > 0    # the kernel
+    kv32 = [tuple(t.float() for t in p) for p in kv]
+    exact = check_steps(lambda tk, p: decoder_ref_fp32(w, kv32, cfg, int(tk[0]), p), w, clone_cache(kv), cfg, toks, 4)
+    assert exact["criterion_met"] and exact["rel_err_vs_fp32_max"] == 0.0
+    assert exact["greedy_agree_all"] == 3 and exact["greedy_agree_decisive"] == exact["decisive_steps"]
+    kv32 = [tuple(t.float() for t in p) for p in kv]
+    g = torch.Generator().manual_seed(0)
+
+    def noisy(tk, p):
+        lg = decoder_ref_fp32(w, kv32, cfg, int(tk[0]), p)
+        return lg + 0.2 * lg.abs().max() * torch.randn(lg.shape, generator=g)
+
+    assert not check_steps(noisy, w, clone_cache(kv), cfg, toks, 4)["criterion_met"]
