@@ -474,3 +474,49 @@ def bench_table(rows: Sequence[dict]) -> str:
     sep = "|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2))
                          for i, w in enumerate(widths)) + "|"
     return "\n".join([line(header), sep] + [line(b) for b in body])
+
+
+def hf_generate_us(cfg, device, pos: int, n_new: int = 32, compile: bool = True, seed: int = 0) -> float:
+    """transformers' greedy ``generate`` with a static cache (and ``torch.compile`` of the forward,
+    mode reduce-overhead, as transformers documents for it) on a randomly initialised
+    ``LlamaForCausalLM`` of ``cfg``'s shape: microseconds per generated token after a ``pos``-token
+    prompt, by wall clock, as the difference of two runs (``n_new`` and ``2 * n_new`` new tokens,
+    after a warm-up of each) so the prompt and the setup cancel."""
+    import transformers
+
+    from interp.hf import hf_config_kwargs
+    kw = hf_config_kwargs(cfg)
+    kw["max_position_embeddings"] = max(kw["max_position_embeddings"], pos + 2 * n_new + 8)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+    finally:
+        torch.set_default_dtype(old)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    if compile:
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.randint(0, cfg.vocab, (1, pos), generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    cuda = _is_cuda(device)
+
+    def run(n: int) -> float:
+        _sync(cuda)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, cache_implementation="static", pad_token_id=0, eos_token_id=None)
+        _sync(cuda)
+        assert out.shape[1] == pos + n, f"generate made {out.shape[1] - pos} tokens, not {n}"
+        return time.perf_counter() - t0
+
+    for n in (n_new, 2 * n_new):          # warm-up (and compile) for both lengths
+        run(n)
+    short, long = run(n_new), run(2 * n_new)
+    return max(long - short, 0.0) / n_new * 1e6

@@ -241,6 +241,14 @@ def run(a, views=None) -> int:
             rows.append(("torch.compile reduce-overhead", ev_c, wall_c, nk_c, dom_c))
         except Exception as e:
             log(f"compile baseline failed: {type(e).__name__}: {e}")
+        try:
+            from .baselines import hf_generate_us
+            us = hf_generate_us(cfg, dev, a.prefill, n_new=a.steps)
+            # wall clock per generated token (the difference of two generate calls): no event timing
+            rows.append(("transformers generate, static cache + torch.compile (wall, per token)", us, us, None, None))
+            log(f"transformers generate: {us:.1f} us/token")
+        except Exception as e:
+            log(f"transformers generate baseline failed: {type(e).__name__}: {e}")
     rep.update(pos=a.prefill, copy_TBps=bw / 1e12,
                accuracy=dict(acc, logits_rel_err_max_vs_bf16_ref=max(errs), greedy_same=same, greedy_n=n_new))
     write_report(rep, rows, pathlib.Path(a.out))

@@ -82,6 +82,7 @@ import torch  # noqa: E402  (torch does not import triton)
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")   # as megatape generate does: before opcodes imports triton
 
+from interp.hf import hf_config_kwargs  # noqa: E402
 from opcodes import PRESETS, ModelConfig, next_pow2  # noqa: E402
 
 DEFAULT_OUT = "bench/results/latest"
@@ -98,21 +99,6 @@ def log(msg: str) -> None:
 
 
 # ---- 1. the checkpoint -----------------------------------------------------------------------------
-def hf_config_kwargs(cfg: ModelConfig) -> dict:
-    """``transformers.LlamaConfig`` keyword arguments of a whole-model preset (no EOS id: never stops early)."""
-    kw = dict(hidden_size=cfg.d, intermediate_size=cfg.ffn, num_hidden_layers=cfg.layers,
-              num_attention_heads=cfg.n_q, num_key_value_heads=cfg.n_kv, head_dim=cfg.hd, vocab_size=cfg.vocab,
-              tie_word_embeddings=True, rope_theta=cfg.theta, rms_norm_eps=cfg.eps, hidden_act="silu",
-              bos_token_id=0, eos_token_id=None, pad_token_id=None,
-              max_position_embeddings=131072 if cfg.rope_type == "llama3" else 4096)
-    if cfg.rope_type == "llama3":
-        kw["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_factor,
-                              "low_freq_factor": cfg.rope_low_freq_factor,
-                              "high_freq_factor": cfg.rope_high_freq_factor,
-                              "original_max_position_embeddings": cfg.rope_original_max_pos}
-    return kw
-
-
 def make_tokenizer():
     """tests/test_generate.py's tokenizer (byte-level BPE on CORPUS), with a BOS but no EOS token."""
     import tokenizers

@@ -254,6 +254,22 @@ class _Reader:
         return out
 
 
+def hf_config_kwargs(cfg: ModelConfig) -> dict:
+    """``transformers.LlamaConfig`` keyword arguments of a whole-model config (the inverse of
+    :func:`config_from_hf`; no EOS id: a model of these never stops early)."""
+    kw = dict(hidden_size=cfg.d, intermediate_size=cfg.ffn, num_hidden_layers=cfg.layers,
+              num_attention_heads=cfg.n_q, num_key_value_heads=cfg.n_kv, head_dim=cfg.hd, vocab_size=cfg.vocab,
+              tie_word_embeddings=True, rope_theta=cfg.theta, rms_norm_eps=cfg.eps, hidden_act="silu",
+              bos_token_id=0, eos_token_id=None, pad_token_id=None,
+              max_position_embeddings=131072 if cfg.rope_type == "llama3" else 4096)
+    if cfg.rope_type == "llama3":
+        kw["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_factor,
+                              "low_freq_factor": cfg.rope_low_freq_factor,
+                              "high_freq_factor": cfg.rope_high_freq_factor,
+                              "original_max_position_embeddings": cfg.rope_original_max_pos}
+    return kw
+
+
 def read_json(path: pathlib.Path) -> dict:
     """A JSON object from ``path``; errors name the file."""
     try:

@@ -575,7 +575,8 @@ def _add_bench_decoder(sub, presets) -> None:
     d.add_argument("--steps", type=_positive_int, default=32)
     d.add_argument("--max-seq", type=_positive_int, default=1152)
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    d.add_argument("--no-compile", action="store_true",
+                   help="skip the baselines (torch.compile of a static-cache decoder, transformers' generate)")
     d.add_argument("--variants", default="", help="extra tilings/build options to time, ';'-separated "
                    "(as for megatape bench --variants)")
     d.add_argument("--profile", action="store_true", help="profile the default build and summarise it")

@@ -131,3 +131,13 @@ def test_bench_table():
     assert len({len(l) for l in lines}) == 1          # aligned
     assert "eager torch" in lines[3] and "54" in lines[3] and "0.251" in lines[3]
     assert " - " in lines[2]
+
+
+def test_hf_generate_baseline_times_new_tokens():
+    """transformers' generate with a static cache on a random model of a preset's shape (no
+    compile on the CPU): a positive time per new token, the requested number of tokens made."""
+    pytest.importorskip("transformers")
+    import dataclasses
+    cfg = dataclasses.replace(PRESETS["small-2layer"], vocab=96)
+    us = B.hf_generate_us(cfg, "cpu", pos=8, n_new=3, compile=False)
+    assert 0 < us < 5e6
