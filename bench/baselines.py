@@ -482,25 +482,10 @@ def hf_generate_us(cfg, device, pos: int, n_new: int = 32, compile: bool = True,
     ``LlamaForCausalLM`` of ``cfg``'s shape: microseconds per generated token after a ``pos``-token
     prompt, by wall clock, as the difference of two runs (``n_new`` and ``2 * n_new`` new tokens,
     after a warm-up of each) so the prompt and the setup cancel."""
-    import transformers
-
-    from interp.hf import hf_config_kwargs
+    from interp.hf import hf_config_kwargs, random_llama_on
     kw = hf_config_kwargs(cfg)
     kw["max_position_embeddings"] = max(kw["max_position_embeddings"], pos + 2 * n_new + 8)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
-    finally:
-        torch.set_default_dtype(old)
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
+    model = random_llama_on(kw, device, seed)
     if compile:
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     ids = torch.randint(0, cfg.vocab, (1, pos), generator=torch.Generator().manual_seed(seed + 1)).to(device)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from opcodes import ModelConfig
 from opcodes.reference import make_kv_cache, make_weights, rel_err, rmsnorm
 
-from .driver import _events_median, count_kernels, log, stream_copy_bw
+from .driver import ACC_RATIO, CRITERION, _events_median, count_kernels, log, stream_copy_bw
 
 
 def make_decoder_weights(cfg: ModelConfig, seed: int, device, tied: bool = True) -> dict:
@@ -68,9 +68,6 @@ def compiled_decoder(weights, kv_cache, cfg: ModelConfig, max_seq: int, mode="re
     return step
 
 
-ACC_RATIO = 1.1    # every step: error vs fp32 <= ACC_RATIO x the bf16 reference's own (multi-layer criterion)
-
-
 def check_steps(step, weights: dict, kv_ref: list, cfg: ModelConfig, toks: torch.Tensor, prefill: int) -> dict:
     """The accuracy of decode steps ``step(token (1,), pos) -> logits`` at ``prefill + i`` for the
     tokens ``toks``, against the bf16 eager reference (``kv_ref``: its cache, updated) and an
@@ -90,7 +87,7 @@ def check_steps(step, weights: dict, kv_ref: list, cfg: ModelConfig, toks: torch
     dec = [s for s in steps if s["decisive"]]
     return dict(errs=errs, rel_err_vs_fp32_max=max(s["err"] for s in steps),
                 bf16_ref_vs_fp32_max=max(s["ref_err"] for s in steps),
-                criterion=f"vs fp32 <= {ACC_RATIO} x the bf16 reference's own error, every step",
+                criterion=CRITERION,
                 criterion_met=all(s["err"] <= ACC_RATIO * s["ref_err"] for s in steps),
                 decisive_steps=len(dec), greedy_agree_decisive=sum(s["agree"] for s in dec),
                 greedy_agree_all=sum(s["agree"] for s in steps), steps=len(steps))

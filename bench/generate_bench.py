@@ -82,7 +82,7 @@ import torch  # noqa: E402  (torch does not import triton)
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")   # as megatape generate does: before opcodes imports triton
 
-from interp.hf import hf_config_kwargs  # noqa: E402
+from interp.hf import hf_config_kwargs, random_llama_on  # noqa: E402
 from opcodes import PRESETS, ModelConfig, next_pow2  # noqa: E402
 
 DEFAULT_OUT = "bench/results/latest"
@@ -115,7 +115,6 @@ def make_tokenizer():
 def make_checkpoint(path: pathlib.Path, cfg: ModelConfig, seed: int, device: torch.device) -> bool:
     """Write the checkpoint into ``path`` unless a complete one of the same shape and seed is there.
     Returns True if it was (re)written."""
-    import transformers
     kw = hf_config_kwargs(cfg)
     spec = {"hf_config": kw, "seed": seed, "init": "matrices N(0, 0.02^2), norms 1"}
     marker = path / MARKER
@@ -134,20 +133,7 @@ def make_checkpoint(path: pathlib.Path, cfg: ModelConfig, seed: int, device: tor
     path.mkdir(parents=True)
     t0 = time.perf_counter()
     make_tokenizer().save_pretrained(str(path))
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
-    finally:
-        torch.set_default_dtype(old)
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
+    model = random_llama_on(kw, device, seed)
     try:
         model.save_pretrained(str(path), safe_serialization=True)
     except TypeError:            # a transformers without the argument: safetensors is its only format

@@ -297,6 +297,28 @@ def random_llama(kw: dict, seed: int, max_position_embeddings: int = 128):
     return m.to(torch.bfloat16).eval()
 
 
+def random_llama_on(kw: dict, device, seed: int, std: float = 0.02):
+    """A transformers ``LlamaForCausalLM(LlamaConfig(**kw))`` built in bf16 on ``device``, its matrices
+    drawn there from N(0, std^2) and its norm weights 1: for benchmarks of real shapes (fast on a
+    GPU; the values depend on the device's generator, unlike :func:`random_llama`'s)."""
+    import transformers
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    finally:
+        torch.set_default_dtype(old)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=g)
+    return model.eval()
+
+
 def load_hf_llama(path, device="cpu", tp_rank: int = 0, tp_size: int = 1) -> tuple[dict, dict]:
     """Read a Hugging Face Llama checkpoint directory; return ``(weights, cfg)`` for
     ``build_decoder`` (``weights["layers"]`` and ``cfg`` also suit ``build_model``).

@@ -23,32 +23,45 @@ from .base import Cost, Instruction, Layout, Region, Timing, register
 
 
 @triton.jit
-def argmax_device(nparts, pos, amax_ptr, tok_ptr, toks_ptr, VOCAB: tl.constexpr, AM_BLOCK: tl.constexpr):
+def best_partial(nparts, amax_ptr, NONE: tl.constexpr, AM_BLOCK: tl.constexpr):
+    """(largest value, lowest index attaining it) of ``nparts`` (value, index) partials at
+    ``amax_ptr``, ``AM_BLOCK`` at a time (``NONE``: the index when no value is larger than -inf)."""
     best_v = tl.full([], float("-inf"), tl.float32)
-    best_i = tl.full([], VOCAB, tl.float32)
+    best_i = tl.full([], NONE, tl.float32)
     for p0 in range(0, nparts, AM_BLOCK):
         p = p0 + tl.arange(0, AM_BLOCK)
         pm = p < nparts
         v = tl.load(amax_ptr + 2 * p, mask=pm, other=float("-inf"), cache_modifier=".cg")
-        ix = tl.load(amax_ptr + 2 * p + 1, mask=pm, other=VOCAB, cache_modifier=".cg")
+        ix = tl.load(amax_ptr + 2 * p + 1, mask=pm, other=NONE, cache_modifier=".cg")
         m = tl.max(v, axis=0)
-        im = tl.min(tl.where(v == m, ix, VOCAB), axis=0)
+        im = tl.min(tl.where(v == m, ix, NONE), axis=0)
         take = (m > best_v) | ((m == best_v) & (im < best_i))
         best_v = tl.where(take, m, best_v)
         best_i = tl.where(take, im, best_i)
+    return best_v, best_i
+
+
+@triton.jit
+def argmax_device(nparts, pos, amax_ptr, tok_ptr, toks_ptr, VOCAB: tl.constexpr, AM_BLOCK: tl.constexpr):
+    _, best_i = best_partial(nparts, amax_ptr, VOCAB, AM_BLOCK)
     tok = best_i.to(tl.int32)
     tl.store(tok_ptr, tok)
     tl.store(toks_ptr + pos, tok)
 
 
-def reduce_partials(amax, nparts: int, vocab: int) -> int:
-    """The device function's reduction on a flat (value, index) tensor, in torch (for the VM)."""
-    best_v, best_i = float("-inf"), float(vocab)
+def best_pair(amax, nparts: int, none: int) -> tuple[float, float]:
+    """:func:`best_partial` in torch (for the VM): (value, index) of a flat (value, index) tensor."""
+    best_v, best_i = float("-inf"), float(none)
     for p in range(nparts):
         v, i = float(amax[2 * p]), float(amax[2 * p + 1])
         if v > best_v or (v == best_v and i < best_i):
             best_v, best_i = v, i
-    return int(best_i)
+    return best_v, best_i
+
+
+def reduce_partials(amax, nparts: int, vocab: int) -> int:
+    """The device function's reduction on a flat (value, index) tensor, in torch (for the VM)."""
+    return int(best_pair(amax, nparts, vocab)[1])
 
 
 @register

@@ -22,7 +22,7 @@ import torch
 
 from .base import Layout, cdiv, next_pow2, register_layout
 from .config import ModelConfig
-from .reference import model_ref, model_ref_fp32, rmsnorm
+from .reference import model_ref, model_ref_fp32, rel_err, rmsnorm
 
 #: extra weights of a whole model beyond ``weights["layers"]``
 DECODER_KEYS = ("embed", "final_norm", "lm_head")
@@ -119,7 +119,6 @@ def step_accuracy(logits: torch.Tensor, ref: torch.Tensor, ref32: torch.Tensor) 
     reference's ``ref`` against the all-fp32 ``ref32``; the greedy token agrees with ``ref32``'s
     where its top-2 margin is decisive: more than twice the bf16 reference's largest logit
     deviation from ``ref32`` (a margin a bf16 implementation cannot be expected to flip)."""
-    from .reference import rel_err
     l32 = ref32.reshape(-1).float()
     top2 = torch.topk(l32, 2).values
     margin = float(top2[0] - top2[1])

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from .argmax import Argmax
+from .argmax import best_pair, best_partial
 from .base import Cost, Instruction, Layout, Region, Timing, register
 from .lm_head import LMHead
 from .tp_reduce import TPReduce
@@ -45,19 +46,8 @@ from .tp_reduce import TPReduce
 @triton.jit
 def tp_local_best(nparts, amax_ptr, LM_VOCAB: tl.constexpr, AM_BLOCK: tl.constexpr, TP_RANK: tl.constexpr):
     """(largest value, lowest GLOBAL index attaining it) of this rank's ``nparts`` LM head partials:
-    ARGMAX's reduction (``opcodes/argmax.py``), the index then moved to the rank's vocabulary slice."""
-    best_v = tl.full([], float("-inf"), tl.float32)
-    best_i = tl.full([], LM_VOCAB, tl.float32)
-    for p0 in range(0, nparts, AM_BLOCK):
-        p = p0 + tl.arange(0, AM_BLOCK)
-        pm = p < nparts
-        v = tl.load(amax_ptr + 2 * p, mask=pm, other=float("-inf"), cache_modifier=".cg")
-        ix = tl.load(amax_ptr + 2 * p + 1, mask=pm, other=LM_VOCAB, cache_modifier=".cg")
-        m = tl.max(v, axis=0)
-        im = tl.min(tl.where(v == m, ix, LM_VOCAB), axis=0)
-        take = (m > best_v) | ((m == best_v) & (im < best_i))
-        best_v = tl.where(take, m, best_v)
-        best_i = tl.where(take, im, best_i)
+    ARGMAX's reduction, the index then moved to the rank's vocabulary slice."""
+    best_v, best_i = best_partial(nparts, amax_ptr, LM_VOCAB, AM_BLOCK)
     return best_v, best_i + TP_RANK * LM_VOCAB           # exact in fp32 below 2^24
 
 
@@ -88,11 +78,7 @@ def tp_argmax_device(nparts, epoch, pos, amax_ptr, tp_am_recv_ptr, tok_ptr, toks
 
 def local_best(lay: Layout, amax: torch.Tensor, nparts: int) -> tuple[float, int]:
     """The device function's (value, global index) of this rank's partials, in torch (for the VM)."""
-    best_v, best_i = float("-inf"), float(lay.lm_vocab)
-    for p in range(nparts):
-        v, i = float(amax[2 * p]), float(amax[2 * p + 1])
-        if v > best_v or (v == best_v and i < best_i):
-            best_v, best_i = v, i
+    best_v, best_i = best_pair(amax, nparts, lay.lm_vocab)
     return best_v, int(best_i) + lay.tp_rank * lay.lm_vocab
 
 
