@@ -249,7 +249,7 @@ def run(a, views=None) -> int:
             log(f"{vname}: built {len(h.tape)} instructions on {h.num_sms} SMs in {vrep['build_s']:.1f}s; "
                 f"{h.resources}")
             check_megatape(cfg, h, weights, kv, kv_before, xs, a.prefill, vrep,
-                           fp32_ref=(a.fp32_ref or cfg.layers > 1) and vname == "megatape")
+                           fp32_ref=a.fp32_ref or cfg.layers > 1)
             step_args = [(h, xs[i], a.prefill + i) for i in range(a.steps)]
             ev, wall, allev = _events_median(layer_step, step_args)
             h.check()

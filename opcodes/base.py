@@ -75,7 +75,8 @@ class Tiling:
     # 1: a layer's RESIDUAL is folded into the next layer's readers: its QKV and O (or O_REDUCE)
     # tiles sum x1 and the down partials themselves (in RESIDUAL's order, rounded as it rounds), so
     # the next layer waits on the down projection directly: one dependency hop less per layer but
-    # the last (bench/NOTES.md v31; not measured on a GPU yet, so 0)
+    # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
+    # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
 
     def __post_init__(self):
@@ -142,8 +143,9 @@ class Tiling:
         if d <= 2048:
             # small d: gate/up and the LM head stream whole rows in coarse tiles (one 64-row gate/up
             # tile per SM), 5 stages (bench/NOTES.md v28-v30). Not at d 4096: the 8B shape measured
-            # 5018 us with the row loop against 4425 without (run 47)
-            clamped.update(row_bytes=ROW_BYTES, stages=5, gu_rows=min(64, next_pow2(ffn)))
+            # 5018 us with the row loop against 4425 without (run 47). The residual folded into the
+            # next layer's readers: 1B 1005.0 -> 980.0 us at pos 1024 (run 51); the 8B shape +4.0%
+            clamped.update(row_bytes=ROW_BYTES, stages=5, gu_rows=min(64, next_pow2(ffn)), res_fold=1)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown Tiling fields {sorted(unknown)}")

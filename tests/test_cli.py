@@ -351,15 +351,15 @@ def test_compile_model_picks_the_decoder_lowering():
 
 
 def test_compile_tiling_option(tmp_path, capsys):
-    """--tiling overrides the preset's Tiling: the written tape carries it (and the folded residual
-    drops layer 0's RESIDUAL); a malformed or unknown field is one error line naming it, exit 2."""
+    """--tiling overrides the preset's Tiling: the written tape carries it (and unfolding the residual,
+    folded by default at this size, puts layer 0's RESIDUAL back); a malformed or unknown field is one error line naming it, exit 2."""
     out = tmp_path / "t.json"
-    assert main(["compile", "--preset", "small-2layer", "--sms", "4", "--tiling", "res_fold=1, gu_rows=16",
+    assert main(["compile", "--preset", "small-2layer", "--sms", "4", "--tiling", "res_fold=0, gu_rows=16",
                  "-o", str(out)]) == 0
     tape = Tape.load(out)
-    assert (tape.lay.tiling.res_fold, tape.lay.tiling.gu_rows) == (1, 16)
+    assert (tape.lay.tiling.res_fold, tape.lay.tiling.gu_rows) == (0, 16)
     from schedule.tape import decode
-    assert [d.ins.NAME for d in decode(tape)].count("residual") == 1      # the last layer's only
+    assert [d.ins.NAME for d in decode(tape)].count("residual") == 2      # one per layer
     capsys.readouterr()
     for spec, word in (("gu_rows=x", "gu_rows"), ("bogus=3", "bogus"), ("res_fold=2", "res_fold")):
         assert main(["compile", "--preset", "tiny", "--sms", "2", "--tiling", spec]) == 2
