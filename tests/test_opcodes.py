@@ -29,11 +29,14 @@ _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "i32": torch.int32}
 # masks everywhere: d % bk, d % o_rows / down_rows, ffn % down_k, vocab % lm_rows, hd split of O
 ODD = ModelConfig(layers=2, d=80, ffn=176, n_q=4, n_kv=2, hd=16, theta=10000.0, vocab=200, name="odd")
 # gate/up's and the LM head's two loops (Tiling.row_bytes): [rows, bk] blocks (0) and whole rows;
-# 256 bytes a stage gives blocks of 1 row (gate and up) to 2 rows (LM head) of the 80-column rows
+# 256 bytes a stage gives blocks of 1 row (gate and up) to 2 rows (LM head) of the 80-column rows.
+# The column-loop cases keep every layer's RESIDUAL (res_fold 0); the row-loop ones fold it into the
+# next layer's QKV and O / O_REDUCE (Tiling.for_config's default at this size)
 CASES = {
-    "layer-masked": (ODD, dict(bk=64, o_rows=32, down_rows=32, gu_rows=16, down_k=128, red_rows=32, row_bytes=0), False),
-    "layer-split-o": (ODD, dict(bk=32, o_k=32, o_rows=16, red_rows=32, down_rows=16, row_bytes=0), False),
-    "decoder": (ODD, dict(bk=64, row_bytes=0), True),
+    "layer-masked": (ODD, dict(bk=64, o_rows=32, down_rows=32, gu_rows=16, down_k=128, red_rows=32, row_bytes=0,
+                               res_fold=0), False),
+    "layer-split-o": (ODD, dict(bk=32, o_k=32, o_rows=16, red_rows=32, down_rows=16, row_bytes=0, res_fold=0), False),
+    "decoder": (ODD, dict(bk=64, row_bytes=0, res_fold=0), True),
     "rows-layer-masked": (ODD, dict(o_rows=32, down_rows=32, gu_rows=16, down_k=128, red_rows=32), False),
     "rows-split-o": (ODD, dict(o_k=32, o_rows=16, red_rows=32, down_rows=16, row_bytes=256), False),
     "rows-decoder": (ODD, dict(row_bytes=256), True),
@@ -96,7 +99,8 @@ class OneInstruction:
         if "x0" in h.scratch:                        # a decoder's layer 0 reads the embedded row
             x = h.scratch["x0"].view(1, cfg.d)
         st.x = st.x if "tok" in h.state else x.reshape(-1).clone()
-        out = st.buf["xout"].view(cfg.layers, cfg.d)[cfg.layers - 1:].clone()  # the last layer's row
+        last = lay.xout_row(cfg.layers - 1)         # the last layer's row
+        out = st.buf["xout"].view(lay.n_xout_rows, cfg.d)[last:last + 1].clone()
         h.tape_dev[:WORDS] = torch.tensor(_words(ins), dtype=torch.int32)
         launch(h, x, POS, out)
         h.check()
@@ -137,8 +141,8 @@ def test_every_opcode_alone_matches_run_torch(harness):
                     head, lo = divmod(rest, cfg.hd)
                     hi = lo + (r.hi - r.lo)
                     _close(kv[layer][j][0, head, POS, lo:hi], st.kv[layer][j][0, head, POS, lo:hi], ins, str(r))
-                elif r.buf == "xout" and r.lo >= (cfg.layers - 1) * cfg.d:   # the caller's output tensor
-                    o = (cfg.layers - 1) * cfg.d
+                elif r.buf == "xout" and r.lo >= lay.xout_row(cfg.layers - 1) * cfg.d:   # the caller's output
+                    o = lay.xout_row(cfg.layers - 1) * cfg.d
                     _close(got["xout_last"][r.lo - o:r.hi - o], st.buf["xout"][r.lo:r.hi], ins, str(r))
                 else:
                     _close(got[r.buf][r.lo:r.hi], st.buf[r.buf][r.lo:r.hi], ins, str(r))

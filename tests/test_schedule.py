@@ -40,11 +40,13 @@ def expected_counts(lay: Layout) -> dict[str, int]:
         "o_reduce": cdiv(c.d, t.red_rows) if lay.n_o_k > 1 else 0,
         "gate_up": cdiv(c.ffn, t.gu_rows),
         "down": cdiv(c.d, t.down_rows) * cdiv(c.ffn, t.down_k),
-        "residual": cdiv(c.d, t.red_rows),
     }
     # the attention merge is per query head or per KV group depending on the opcode's operands
     per_layer["attn_reduce"] = c.n_q if "h" in REGISTRY["attn_reduce"].operand_names() else c.n_kv
-    return {k: v * c.layers for k, v in per_layer.items() if v}
+    counts = {k: v * c.layers for k, v in per_layer.items() if v}
+    # RESIDUAL in every layer, or with the residual folded (Tiling.res_fold) in the last one only
+    counts["residual"] = cdiv(c.d, t.red_rows) * (1 if lay.folds_residual else c.layers)
+    return counts
 
 
 # configs for lowering: the 70B layer, a multi-layer model, non-power-of-two d/ffn with several
@@ -56,6 +58,7 @@ LOWER_CASES = [
     ("small-gqa4", dict(gu_rows=16, down_k=128, red_rows=64)),
     ("small-2layer", dict(o_k=32, red_rows=64, down_k=64)),            # O projection split along K
     ("llama3.2-1b", {}),
+    ("llama3.2-1b", dict(res_fold=0)),                                # every layer's RESIDUAL
 ]
 
 
@@ -93,6 +96,7 @@ def test_lowering_70b_layer_tiles_cover_the_weights():
 
 GRANULAR_CASES = [
     ("small-2layer", dict(down_k=64, red_rows=64)),
+    ("small-2layer", dict(down_k=64, red_rows=64, res_fold=0)),
     ("tiny-gqa8", dict(down_k=64, red_rows=32, down_rows=32)),
     ("small-gqa4", dict(gu_rows=16, down_k=128, red_rows=64)),
     ("small-2layer", dict(o_k=32, red_rows=64, down_k=64)),            # O projection split along K
@@ -121,9 +125,18 @@ def test_dependencies_are_tile_granular(name, tiling):
         elif ins.NAME == "residual":
             (cnt,) = prog.waits[i]
             prods = [prog.instrs[j] for j in producers[cnt]]
-            r1 = min(ins.row0 + t.red_rows, c.d)
+            # its own rows' down tiles; with the residual folded, the (last) layer's down tiles signal
+            # one counter, which the next layer's QKV would read whole
+            r0, r1 = (0, c.d) if lay.folds_residual else (ins.row0, min(ins.row0 + t.red_rows, c.d))
+            assert all(p.NAME == "down" and p.layer == ins.layer for p in prods)
             assert {(p.row0, p.kc) for p in prods} == {
-                (r, kc) for r in range(ins.row0, r1, t.down_rows) for kc in range(cdiv(c.ffn, t.down_k))}
+                (r, kc) for r in range(r0, r1, t.down_rows) for kc in range(cdiv(c.ffn, t.down_k))}
+        elif ins.NAME == "qkv" and ins.layer > 0:
+            # the layer before's output: its RESIDUAL blocks, or folded, its down tiles themselves
+            prods = [prog.instrs[j] for cnt in prog.waits[i] for j in producers[cnt]]
+            want = "down" if lay.folds_residual else "residual"
+            assert prods and all(p.NAME == want and p.layer == ins.layer - 1 for p in prods), ins
+            assert len(prods) == sum(1 for p in prog.instrs if p.NAME == want and p.layer == ins.layer - 1)
         elif ins.NAME == "attn_partial":
             # prefix splits wait only for the group's Q tiles; the last split (the key at pos) also
             # for the K and V tiles of its KV head

@@ -112,7 +112,7 @@ def test_dropped_instruction_that_signals_nothing():
     ins = decode_slot(tape, k).ins
     msgs = problems(delete_slot(tape, k), PROG)
     assert f"{ins} is missing from the tape (1 of 1 absent)" in msgs
-    base = ins.layer * CFG.d
+    base = LAY.xout_row(ins.layer) * CFG.d
     assert f"xout[{base + ins.row0}:{base + ins.row0 + LAY.tiling.red_rows}] is never written " \
            f"(the instruction writing it is missing?)" in msgs
 
