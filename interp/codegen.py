@@ -22,9 +22,19 @@ from opcodes.base import kernel_classes
 from opcodes.base import PER_CALL_POINTERS
 
 #: runtime parameters of the kernel before the model's buffers
-FIXED_PARAMS = ("tape_ptr", "qoff_ptr", "cnt_ptr", "status_ptr", "prof_ptr", "ptab_ptr", "epoch", "spin_limit")
-#: scalar runtime parameters every device function may take
-SCALARS = ("pos",)
+FIXED_PARAMS = ("tape_ptr", "qoff_ptr", "cnt_ptr", "status_ptr", "prof_ptr", "ptab_ptr", "ctl_ptr", "spin_limit")
+#: the position parameter: this call's position, or -1 to take it from the control block
+SCALARS = ("pos_arg",)
+#: the control block (int32, on the device): calls completed, SMs arrived at the end of this call,
+#: the next position. The kernel advances it itself, so a launch is the same every time (a CUDA
+#: graph can replay it): call ``e = calls + 1`` waits for ``target * e``.
+CTL_CALLS, CTL_ARRIVED, CTL_POS = 0, 1, 2
+CTL_WORDS = 4
+#: the words of ``qoff`` after the queue and pool offsets: the pool's ticket counter, the number of
+#: counters, and the call after which the counters start over from zero (before int32 overflows)
+QOFF_EXTRA = ("pool_counter", "n_counters", "epoch_limit")
+#: status codes of a failed SM (status row word 0)
+FAIL_TIMEOUT, FAIL_PAST_TARGET, FAIL_POSITION = 1, 2, 3
 _TL_TYPES = {"bf16": "tl.bfloat16", "fp32": "tl.float32", "i64": "tl.int64", "i32": "tl.int32"}
 #: compile-time switches of the kernel itself
 SWITCHES = ("PROFILE",)
@@ -34,7 +44,7 @@ PROF_WORDS = 4       # per slot (int64): [wait start, exec start, end, sm]
 
 def _check_args(classes, pointers: dict, constexprs) -> None:
     """Every parameter a device function takes has a declaration."""
-    known = set(pointers) | set(constexprs) | set(SCALARS) | set(PER_CALL_POINTERS)
+    known = set(pointers) | set(constexprs) | {"pos"} | set(PER_CALL_POINTERS)
     for cls in classes:
         bad = [a for a in cls.ARGS if a not in known]
         if bad:
@@ -44,7 +54,15 @@ def _check_args(classes, pointers: dict, constexprs) -> None:
 
 
 def _emit_waits(w, ind: str) -> None:
-    """The instruction's waits (bounded polls; a failed one is written to the status block)."""
+    """The instruction's waits (bounded polls; a failed one is written to the status block).
+    During call ``e`` a counter ends at exactly ``target * e`` (the verifier: every wait's target is
+    the number of its producers): below it after ``spin_limit`` polls, a producer never signalled;
+    beyond it, another launch of the same handle ran beside this one or the call count is out of
+    step with the counters (never silent). One test per wait on the common path (``seen != wt``),
+    the two told apart on the failure path. (Not so for a tensor-parallel kernel: there the peer may
+    signal a counter for its next call while this rank still waits on it, ``schedule.verify.verify_tp``
+    point 6, so waits on counters the peer signals would need ``seen < wt``; TP tapes run only in
+    the VM so far.)"""
     for k in range(opcodes.MAX_WAITS):
         w(f"{ind}wc = tl.load(ins + {1 + 2 * k})")
         w(f"{ind}wt = tl.load(ins + {2 + 2 * k}) * epoch")
@@ -54,14 +72,10 @@ def _emit_waits(w, ind: str) -> None:
         w(f"{ind}    while (seen < wt) & (n < spin_limit):")
         w(f"{ind}        seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
         w(f"{ind}        n += 1")
-        w(f"{ind}    if seen < wt:")
+        w(f"{ind}    if seen != wt:")
         w(f"{ind}        failed = sm * 0 + 1")
-        # row 0 of the status block is a one-word summary the host polls; SM rows follow
-        w(f"{ind}        st = status_ptr + (sm + 1) * {STATUS_WORDS}")
-        for j, v in enumerate(("sm", "i", "op", "wc", "wt", "seen", "epoch"), start=1):
-            w(f"{ind}        tl.store(st + {j}, {v})")
-        w(f"{ind}        tl.store(st + 0, 1)")
-        w(f"{ind}        tl.store(status_ptr, 1)")
+        w(f"{ind}        code = tl.where(seen < wt, {FAIL_TIMEOUT}, {FAIL_PAST_TARGET})")
+        w(f"{ind}        _fail(status_ptr, sm, i, op, wc, wt, seen, epoch, code)")
 
 
 def _emit_dispatch(w, classes, ind: str) -> None:
@@ -109,6 +123,40 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("")
     w("")
     w("@triton.jit")
+    w("def _fail(status_ptr, sm, i, op, wc, wt, seen, epoch, code):")
+    w("    # row 0 of the status block is a one-word summary the host polls; SM rows follow")
+    w(f"    st = status_ptr + (sm + 1) * {STATUS_WORDS}")
+    w("    tl.store(st + 1, sm)")
+    w("    tl.store(st + 2, i)")
+    w("    tl.store(st + 3, op)")
+    w("    tl.store(st + 4, wc)")
+    w("    tl.store(st + 5, wt)")
+    w("    tl.store(st + 6, seen)")
+    w("    tl.store(st + 7, epoch)")
+    w("    tl.store(st + 0, code)")
+    w("    tl.store(status_ptr, 1)")
+    w("")
+    w("")
+    w("@triton.jit")
+    w("def _end_of_call(ctl_ptr, cnt_ptr, qoff_ptr, epoch, pos):")
+    w("    # the last SM to arrive advances the call count and the position (and, every")
+    w("    # epoch_limit calls, zeroes the counters and starts the count over)")
+    w("    nsm = tl.num_programs(0)")
+    w(f"    arrived = tl.atomic_add(ctl_ptr + {CTL_ARRIVED}, 1, sem=\"acq_rel\", scope=\"gpu\")")
+    w("    if arrived == nsm - 1:")
+    w(f"        tl.store(ctl_ptr + {CTL_ARRIVED}, 0)")
+    w("        calls = epoch")
+    w("        if epoch >= tl.load(qoff_ptr + nsm + 4):")
+    w("            ncnt = tl.load(qoff_ptr + nsm + 3)")
+    w("            for c0 in range(0, ncnt, 1024):")
+    w("                cs = c0 + tl.arange(0, 1024)")
+    w("                tl.store(cnt_ptr + cs, tl.zeros([1024], dtype=tl.int32), mask=cs < ncnt)")
+    w("            calls = epoch * 0")
+    w(f"        tl.store(ctl_ptr + {CTL_CALLS}, calls)")
+    w(f"        tl.store(ctl_ptr + {CTL_POS}, pos + 1)")
+    w("")
+    w("")
+    w("@triton.jit")
     w("def _now(PROFILE: tl.constexpr):")
     w("    if PROFILE:")
     w("        t = _globaltimer()")
@@ -118,8 +166,8 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("")
     w("")
     # NOTE: no value specialisation of the per-call scalars: the compiled kernel is launched directly
-    # (runtime.launch), so it must be valid for every epoch, spin limit and position.
-    w('@triton.jit(do_not_specialize=["epoch", "spin_limit", "pos"])')
+    # (runtime.launch), so it must be valid for every spin limit and position.
+    w('@triton.jit(do_not_specialize=["spin_limit", "pos_arg"])')
     params = list(FIXED_PARAMS) + list(SCALARS) + list(PER_CALL_POINTERS) + \
         [f"{c}: tl.constexpr" for c in constexprs] + [f"{s}: tl.constexpr" for s in SWITCHES]
     w("def megakernel(" + ", ".join(params) + "):")
@@ -131,6 +179,14 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("    i = tl.load(qoff_ptr + sm)")
     w("    stop = tl.load(qoff_ptr + sm + 1)")
     w("    failed = sm * 0")
+    w("    # this call's number and position come from the control block (written by the last call)")
+    w(f"    epoch = tl.load(ctl_ptr + {CTL_CALLS}, volatile=True) + 1")
+    w("    pos = pos_arg")
+    w("    if pos_arg < 0:")
+    w(f"        pos = tl.load(ctl_ptr + {CTL_POS}, volatile=True)")
+    w("    if (pos < 0) | (pos >= MAX_SEQ):      # a device-side position outside the cache: run nothing")
+    w("        failed = sm * 0 + 1")
+    w(f"        _fail(status_ptr, sm, i, 0, -1, MAX_SEQ, pos, epoch, {FAIL_POSITION})")
     # the pool: qoff[nsm], qoff[nsm + 1] bound it, qoff[nsm + 2] is its ticket counter, which
     # advances by (pool length + SMs) per call: each SM takes one ticket past the end, then stops.
     # The bounds are reloaded at each ticket rather than held in registers across the loop.
@@ -160,6 +216,7 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("        i += 1")
     w("        if ((in_pool == 1) | (i >= stop)) & (failed == 0):  # queue done: the next pool ticket")
     w("            i, stop, in_pool = _ticket(qoff_ptr, cnt_ptr, epoch, i, stop, in_pool)")
+    w("    _end_of_call(ctl_ptr, cnt_ptr, qoff_ptr, epoch, pos)")
     w("")
     return "\n".join(L) + "\n"
 

@@ -22,6 +22,9 @@ With ``build_decoder(..., sampling=True)`` the tape ends in SAMPLE instead (``op
 the token is drawn on the device from softmax(logits / temperature) with top-k and top-p, by a
 counter-based generator seeded with (seed, position), from parameters in a device buffer that
 ``generate`` writes once: still one launch per token and no host round trip.
+The call count and the position live on the device (the kernel's control block), so on a GPU
+``generate`` replays the tokens after the prompt as CUDA graphs of ``graph_block`` launches at the
+device's position, greedy or sampled; ``decode_step(h, tokens, None)`` steps there too.
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ class DecoderHandle:
     weights: dict = field(repr=False, default=None)
     closed: bool = False
     sampling: bool = False       # the tape ends in SAMPLE (build_decoder(..., sampling=True)), not ARGMAX
+    graphs: dict = field(default_factory=dict, repr=False)   # K -> CUDA graph of K launches (generate)
 
     @property
     def tape(self):
@@ -154,14 +158,8 @@ def _check_handle(dh) -> None:
 
 
 def _check_pos(dh: DecoderHandle, pos, what: str = "pos") -> int:
-    if isinstance(pos, torch.Tensor) and pos.numel() == 1 and not pos.dtype.is_floating_point \
-            and pos.dtype != torch.bool:
-        pos = int(pos)
-    if isinstance(pos, bool) or not isinstance(pos, int):
-        raise _err(TypeError, what, "a python int", _desc(pos))
-    if not 0 <= pos < dh.max_seq:
-        raise _err(ValueError, what, f"an int in [0, max_seq_len={dh.max_seq})", pos)
-    return pos
+    """``pos`` in the cache, or -1 for None (the position held on the device)."""
+    return runtime._check_pos(dh.layer, pos, what)
 
 
 def _check_token_range(what: str, t: torch.Tensor, vocab: int) -> None:
@@ -173,8 +171,9 @@ def _check_token_range(what: str, t: torch.Tensor, vocab: int) -> None:
 
 
 def _launch(dh: DecoderHandle, pos: int) -> None:
+    """One launch (inside ``runtime.Stepping``); ``pos`` -1: the position held on the device."""
     h = dh.layer
-    if h.status_host:
+    if h.status_host and not h.in_capture:
         h.check(sync=False)      # a failure of an earlier launch that has finished since
     h.last_pos = pos
     runtime.launch(h, dh.x0, pos, dh.hidden)
@@ -182,12 +181,31 @@ def _launch(dh: DecoderHandle, pos: int) -> None:
         h.check(sync=True)
 
 
+def _block_graph(dh: DecoderHandle, k: int):
+    """A CUDA graph of ``k`` launches at the device's position, captured once per handle and ``k``:
+    each launch embeds the token the previous one's ARGMAX / SAMPLE left and advances the position
+    (SAMPLE reads its parameters and the position from the device too), so a replay is ``k`` tokens
+    with no host work between them."""
+    g = dh.graphs.get(k)
+    if g is None:
+        h = dh.layer
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(k):
+                runtime.launch(h, dh.x0, -1, dh.hidden)
+        dh.graphs[k] = g
+    return g
+
+
 def decode_step(handle: DecoderHandle, tokens, pos) -> torch.Tensor:
     """One whole-model decode step: embed ``tokens``, run every layer at ``pos`` (appending K/V
     into the cache), the final norm and the LM head. One launch.
 
-    tokens : (1,) integer tensor on the handle's device (a python int is accepted too)
-    pos    : int, the absolute position being written
+    tokens : (1,) integer tensor on the handle's device (a python int is accepted too, but not
+             under CUDA-graph capture: its copy to the device is a host transfer)
+    pos    : int, the absolute position being written; None: the position held on the device (the
+             last call's + 1, or ``runtime.set_position``'s), which a captured CUDA graph of several
+             steps uses
     returns a fresh (1, vocab) fp32 tensor of logits. The greedy next token is also left on the
     device (``handle.tok``), where a following ``generate`` or launch would read it.
     """
@@ -243,6 +261,8 @@ def _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, 
     if isinstance(n_new, bool) or not isinstance(n_new, int) or n_new < 0:
         raise _err(ValueError if isinstance(n_new, int) and not isinstance(n_new, bool) else TypeError,
                    "n_new", "an int >= 0", _desc(n_new))
+    if start_pos is None:
+        raise _err(TypeError, "start_pos", "a python int", _desc(start_pos))
     start_pos = _check_pos(handle, start_pos, "start_pos")
     P = int(prompt_tokens.numel())
     last = start_pos + P - 1 + max(0, n_new - 1)
@@ -271,7 +291,8 @@ def _run_prompt(handle, prompt, P: int, start_pos: int, temperature, top_k, top_
 
 
 def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 0, return_logits: bool = False, *,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_ids=None):
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_ids=None,
+             graph_block: int | None = None):
     """Generation: consume ``prompt_tokens`` at positions ``start_pos, start_pos + 1, ...`` (one
     decode step each), then generate ``n_new`` tokens. One launch per position; after the prompt
     the host only launches: each launch's ARGMAX (greedy) or SAMPLE leaves the next token on the
@@ -284,6 +305,13 @@ def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 
                     needs ``build_decoder(..., sampling=True)``. Same seed and prompt: same tokens.
     eos_token_ids : an int or ints: stop after the first of them (it is returned); the host then
                     reads each token as it is made (``generate_stream``), one step ahead of the device
+    graph_block   : on a GPU, the tokens after the prompt run as replays of a CUDA graph of this many
+                    launches at the device's position (no host work between them; the handle keeps
+                    the graph); greedy and sampling alike (SAMPLE reads its parameters and the
+                    position on the device). None: 32 on a GPU, 0 (one host launch per token) on a
+                    CPU, with ``return_logits``, with ``eos_token_ids`` (the host reads each token as
+                    it comes, so graph blocks are off there, as in ``generate_stream``) or with
+                    ``sync_check=True``; a number > 0 in those cases is an error. Same tokens either way.
     returns the (<= n_new,) int64 generated tokens on the device (and, with ``return_logits``, the
     (n_new, vocab) fp32 logits that chose them: a device-side copy after each launch; not with
     ``eos_token_ids``). Errors name the argument and come before anything runs.
@@ -291,22 +319,47 @@ def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 
     """
     prompt, P, start_pos, eos = _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, top_p,
                                                seed, eos_token_ids)
+    if eos and return_logits:
+        raise _err(ValueError, "return_logits", "False when eos_token_ids is given", return_logits)
+    block = _graph_block(handle, graph_block, bool(return_logits), bool(eos))
     if eos:
-        if return_logits:
-            raise _err(ValueError, "return_logits", "False when eos_token_ids is given", return_logits)
         toks = list(_stream(handle, prompt, P, start_pos, n_new, eos, (temperature, top_k, top_p, seed)))
         return torch.tensor(toks, dtype=torch.int64).to(handle.device)
     hist = torch.empty(n_new, handle.cfg.vocab, dtype=torch.float32, device=handle.device) if return_logits else None
     with runtime.Stepping(handle.layer):
         _run_prompt(handle, prompt, P, start_pos, temperature, top_k, top_p, seed)
+        # after the prompt: whole blocks as graph replays at the device's position (the last
+        # call's + 1), then the rest one launch each; EMBED reads the token the last ARGMAX / SAMPLE wrote
+        rest = max(0, n_new - 1)
+        blocks = rest // block if block else 0
+        for _ in range(blocks):
+            _block_graph(handle, block).replay()
+        if blocks:
+            handle.layer.last_pos = start_pos + P - 1 + blocks * block
         for j in range(n_new):
+            if j and j <= blocks * block:
+                continue                                 # made by the graph replays
             if j:
-                _launch(handle, start_pos + P - 1 + j)  # EMBED reads the token the last ARGMAX / SAMPLE wrote
+                _launch(handle, start_pos + P - 1 + j)
             if hist is not None:
                 hist[j].copy_(handle.logits[0])
     first = start_pos + P - 1
     out = handle.toks[first:first + n_new].to(torch.int64)
     return (out, hist) if return_logits else out
+
+
+def _graph_block(handle: DecoderHandle, graph_block, return_logits: bool, eos: bool) -> int:
+    """``generate``'s graph_block, checked: the launches per CUDA-graph replay (0: none)."""
+    off = handle.device.type != "cuda" or return_logits or eos or handle.layer.sync_check
+    if graph_block is None:
+        return 0 if off else 32
+    if isinstance(graph_block, bool) or not isinstance(graph_block, int) or graph_block < 0:
+        raise _err(ValueError if isinstance(graph_block, int) and not isinstance(graph_block, bool) else TypeError,
+                   "graph_block", "an int >= 0 or None", _desc(graph_block))
+    if graph_block and off:
+        raise _err(ValueError, "graph_block", "0 or None on a CPU, with return_logits, with eos_token_ids or with "
+                   "sync_check=True (a CUDA graph replays launches with no host work between them)", graph_block)
+    return graph_block
 
 
 def generate_stream(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 0, *,
@@ -316,7 +369,9 @@ def generate_stream(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos:
     after ``n_new`` tokens or after an EOS id (yielded). The arguments are checked now, before
     anything runs; the launches happen as the iterator is consumed. After handing over token j the
     device is already computing token j + 1 (launched before the host waits for j), so the host
-    never waits for a token it does not hand out; stopping early leaves that one launch done."""
+    never waits for a token it does not hand out; stopping early leaves that one launch done.
+    One host launch per token: no CUDA-graph blocks here (``generate``'s ``graph_block``), since
+    the host reads each token as it comes."""
     prompt, P, start_pos, eos = _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, top_p,
                                                seed, eos_token_ids)
     return _stream(handle, prompt, P, start_pos, n_new, eos, (temperature, top_k, top_p, seed))
@@ -354,6 +409,7 @@ def teardown_decoder(handle: DecoderHandle) -> None:
         raise _err(TypeError, "handle", "a DecoderHandle from build_decoder", _desc(handle))
     if handle.closed:
         return
+    handle.graphs.clear()
     runtime.teardown(handle.layer)
     handle.closed = True
     handle.weights = None

@@ -6,7 +6,10 @@ where they are, no repack; the opcodes' scratch, state and tables), generates an
 kernel for the tape's opcodes and makes the launcher.
 ``layer_step`` is exactly one launch of one persistent kernel with one program per SM.
 
-Counters are never reset between calls: call ``e`` (1, 2, ...) waits for ``target * e``.
+The call count and the next position live on the device, in a control block the kernel advances
+itself (``codegen.CTL_*``): call ``e`` (1, 2, ...) waits for ``target * e``, and a launch is the
+same every time, so steps can be captured in a CUDA graph and replayed. Counters are reset only
+by the kernel after ``epoch_limit`` calls (int32 range) or by the host after a failed call.
 """
 from __future__ import annotations
 
@@ -21,15 +24,17 @@ from opcodes import Layout, ModelConfig, Tiling, kernel_constexprs, kernel_point
 from opcodes.reference import layer_shapes
 from schedule import CostModel, Tape, compile_model, verify
 
-from .codegen import PROF_WORDS, STATUS_WORDS, SWITCHES, load_kernel
+from .codegen import (CTL_POS, CTL_WORDS, FAIL_PAST_TARGET, FAIL_POSITION, PROF_WORDS, STATUS_WORDS,
+                      SWITCHES, load_kernel)
 
 DEFAULT_SPIN_LIMIT = 1 << 20
 INTERPRETER_SPIN_LIMIT = 2
 
 
 class MegakernelError(RuntimeError):
-    """The kernel gave up waiting (a broken tape or a missing producer); ``stuck`` lists the
-    SMs that stopped with (sm, slot, instruction, counter, target, seen)."""
+    """The kernel gave up waiting (a broken tape or a missing producer), found a counter past its
+    target or a device position outside the cache; ``stuck`` lists the SMs that stopped on a wait
+    with (sm, slot, instruction, counter, target, seen, call, code: ``codegen.FAIL_*``)."""
 
     def __init__(self, msg: str, stuck: list):
         super().__init__(msg)
@@ -169,7 +174,7 @@ class LayerHandle:
     counters: torch.Tensor = field(repr=False, default=None)
     status: torch.Tensor = field(repr=False, default=None)
     prof: torch.Tensor = field(repr=False, default=None)
-    max_target: int = 1
+    ctl: torch.Tensor = field(repr=False, default=None)       # the control block (codegen.CTL_*)
     status_flag: object = field(default=None, repr=False)   # the pinned status word, when it is host memory
     # set by _compile_kernel
     kernel: object = field(default=None, repr=False)        # the generated JITFunction
@@ -178,11 +183,11 @@ class LayerHandle:
     launcher: object = field(default=None, repr=False)      # FastLauncher (GPU) or None (JIT launch)
     resources: dict = field(default_factory=dict)           # registers, spills, shared memory (GPU)
     # per call
-    epoch: int = 0
-    last_pos: int = -1
+    last_pos: int = -1            # the position of the last host-driven call (-1: taken on the device)
     next_out: torch.Tensor = field(default=None, repr=False)   # the next call's output, never handed out yet
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    in_capture: bool = False      # inside a Stepping whose stream captures a CUDA graph
 
     @property
     def scratch(self) -> dict:
@@ -215,18 +220,37 @@ class LayerHandle:
             st = self.status[1:].cpu()
             if not st[:, 0].numpy().any():
                 return
+        rows = st[st[:, 0] != 0].tolist()
         stuck = []
-        for row in st[st[:, 0] != 0].tolist():
-            _, sm, slot, op, ctr, tgt, seen, ep = row
+        for code, sm, slot, op, ctr, tgt, seen, ep in rows:
+            if code == FAIL_POSITION:
+                continue
             cname = self.tape.counters[ctr] if 0 <= ctr < len(self.tape.counters) else str(ctr)
-            stuck.append((sm, slot, self.tape.describe(slot), f"{ctr} ({cname})", tgt, seen, ep))
-        written = self._kv_written(stuck[0][6] if stuck else self.epoch)
+            stuck.append((sm, slot, self.tape.describe(slot), f"{ctr} ({cname})", tgt, seen, ep, code))
+        bad_pos = [r for r in rows if r[0] == FAIL_POSITION]
+        written = self._kv_written(stuck[0][6]) if stuck else "was not written (the call ran nothing)"
         # reset so that the next launch starts clean
         self.status.zero_()
         self.counters.zero_()
-        self.epoch = 0
+        self.ctl.zero_()
+        if bad_pos:
+            raise MegakernelError(
+                f"megakernel stopped: the position taken from the device ({bad_pos[0][6]}) is outside the KV "
+                f"cache [0, max_seq_len={self.lay.max_seq}); nothing ran. Counters were reset; the next launch "
+                "starts clean (at position 0 unless one is given).", [])
+        past = [x for x in stuck if x[7] == FAIL_PAST_TARGET]
+        if past:
+            lines = [f"  {desc}: counter {c} was already at {s}, past this call's target {t} (call {ep})"
+                     for (_, _, desc, c, t, s, ep, _) in past[:8]]
+            raise MegakernelError(
+                f"megakernel stopped: {len(past)} SM(s) found a counter past its target: another launch of this "
+                "handle ran at the same time (two streams or threads), or the call count is out of step with "
+                "the counters:\n" + "\n".join(lines) +
+                f"\nKV cache position {self.last_pos}: {written}.\n"
+                "Counters were reset; the next launch starts clean. The output of this call is invalid.",
+                stuck)
         lines = [f"  {desc}: waited on counter {c} for {t} (call {ep}: {t // max(1, ep)} producers per call), "
-                 f"saw {s}" for (_, _, desc, c, t, s, ep) in stuck[:8]]
+                 f"saw {s}" for (_, _, desc, c, t, s, ep, _) in stuck[:8]]
         raise MegakernelError(
             f"megakernel stopped: {len(stuck)} SM(s) gave up waiting after {self.spin_limit} polls "
             f"(a producer never signalled):\n" + "\n".join(lines) +
@@ -420,10 +444,13 @@ def _make_control(h: "LayerHandle", profile: bool) -> None:
         h.status = torch.zeros(h.num_sms + 1, STATUS_WORDS, dtype=torch.int32, device=device)
     h.prof = torch.zeros(max(1, len(tape)) * PROF_WORDS if profile else 1, dtype=torch.int64, device=device)
     h.tape_dev = tape.words.reshape(-1).to(device, copy=True)      # never an alias of the host tape
-    h.qoff_dev = torch.cat([tape.offsets, torch.tensor([tape.pool_counter], dtype=torch.int32)]).to(device)
     targets = [int(t) for t in tape.words[:, 2].tolist() + tape.words[:, 4].tolist()] if len(tape) else [1]
     targets.append(tape.tickets_per_call())      # the pool's ticket counter grows by this per call
-    h.max_target = max(1, max(targets))
+    # counters reach target x calls: after epoch_limit calls the kernel zeroes them (int32 range)
+    epoch_limit = (2**31 - 1) // max(1, max(targets)) - 1
+    extra = torch.tensor([tape.pool_counter, max(1, tape.n_counters), epoch_limit], dtype=torch.int32)
+    h.qoff_dev = torch.cat([tape.offsets, extra]).to(device)
+    h.ctl = torch.zeros(CTL_WORDS, dtype=torch.int32, device=device)
 
 
 def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
@@ -440,8 +467,8 @@ def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
         return
     h.launch_opts["launch_cooperative_grid"] = bool(cooperative)
     x0 = torch.zeros(1, h.cfg.d, dtype=torch.bfloat16, device=device)
-    ck = h.kernel.warmup(h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, 1, h.spin_limit, 0,
-                         x0, x0, grid=(h.num_sms,), **cx, **h.launch_opts)
+    ck = h.kernel.warmup(h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.ctl,
+                         h.spin_limit, 0, x0, x0, grid=(h.num_sms,), **cx, **h.launch_opts)
     ck._init_handles()
     h.resources = {"n_regs": ck.n_regs, "n_spills": ck.n_spills, "shared": ck.metadata.shared}
     from .fastlaunch import FastLauncher
@@ -449,23 +476,32 @@ def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
         h.launcher = FastLauncher(
             ck, h.num_sms,
             fixed=dict(tape_ptr=h.tape_dev, qoff_ptr=h.qoff_dev, cnt_ptr=h.counters, status_ptr=h.status,
-                       prof_ptr=h.prof, ptab_ptr=h.bindings.table, spin_limit=h.spin_limit),
-            dynamic=("epoch", "pos", "x_ptr", "out_ptr"), cooperative=bool(cooperative))
+                       prof_ptr=h.prof, ptab_ptr=h.bindings.table, ctl_ptr=h.ctl, spin_limit=h.spin_limit),
+            dynamic=("pos_arg", "x_ptr", "out_ptr"), cooperative=bool(cooperative))
     except (OSError, NotImplementedError, ValueError, AttributeError) as e:
         # Triton's JIT launch below still works; it costs tens of microseconds of host time more
         h.resources["fast_launch"] = f"off: {e!r}"
 
 
-def _check_step_args(h: LayerHandle, x, pos) -> None:
+def _check_pos(h: LayerHandle, pos, what: str = "pos") -> int:
+    """``pos`` as an int in the cache, or -1 for None (the position the device holds: the last
+    call's position + 1, or what the host set with :func:`set_position`)."""
+    if pos is None:
+        return -1
+    if isinstance(pos, torch.Tensor) and pos.numel() == 1 and not pos.dtype.is_floating_point \
+            and pos.dtype != torch.bool:
+        pos = int(pos)
+    if isinstance(pos, bool) or not isinstance(pos, int):
+        raise _err(TypeError, what, "a python int (or None: the position held on the device)", _desc(pos))
+    if not 0 <= pos < h.lay.max_seq:
+        raise _err(ValueError, what, f"an int in [0, max_seq_len={h.lay.max_seq})", pos)
+    return pos
+
+
+def _check_step_args(h: LayerHandle, x, pos) -> int:
     if h.closed:
         raise ValueError("handle: teardown() was already called on it")
-    if isinstance(pos, bool) or not isinstance(pos, int):
-        if isinstance(pos, torch.Tensor) and pos.numel() == 1 and not pos.dtype.is_floating_point:
-            pos = int(pos)
-        else:
-            raise _err(TypeError, "pos", "a python int", _desc(pos))
-    if not 0 <= pos < h.lay.max_seq:
-        raise _err(ValueError, "pos", f"an int in [0, max_seq_len={h.lay.max_seq})", pos)
+    pos = _check_pos(h, pos)
     if not isinstance(x, torch.Tensor):
         raise _err(TypeError, "x", f"a (1, {h.cfg.d}) bfloat16 tensor", _desc(x))
     if x.dtype != torch.bfloat16 or tuple(x.shape) != (1, h.cfg.d) or x.device != h.device:
@@ -474,67 +510,99 @@ def _check_step_args(h: LayerHandle, x, pos) -> None:
         raise _err(ValueError, "x", "a contiguous tensor", _desc(x))
     if x.data_ptr() % 16:
         raise _err(ValueError, "x", "a 16-byte aligned tensor", f"data_ptr % 16 = {x.data_ptr() % 16}")
+    return pos
 
 
-def launch(h: LayerHandle, x: torch.Tensor, pos: int, out: torch.Tensor) -> None:
-    """One launch of the interpreter kernel (no checks)."""
-    h.epoch += 1
-    if h.epoch * h.max_target >= 2**31 - 1:      # counters would overflow int32: start over
-        h.counters.zero_()
-        h.epoch = 1
-    if h.launcher is not None:
-        h.launcher(torch._C._cuda_getCurrentRawStream(h.device.index), epoch=h.epoch, pos=pos,
-                   x_ptr=x.data_ptr(), out_ptr=out.data_ptr())
-    else:
-        h.kernel[(h.num_sms,)](h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.epoch,
-                               h.spin_limit, pos, x, out, **h.constexprs, **h.launch_opts)
+def capturing(h: LayerHandle) -> bool:
+    """Whether the current stream of the handle's device is capturing a CUDA graph."""
+    return h.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class Stepping:
     """Holds a handle for one step (or a run of steps): a second thread stepping the same handle
-    meanwhile gets a clear error, since its counters serve one launch at a time. Capturing a step
-    in a CUDA graph is refused: the call number is a launch argument the host advances, so a
-    replayed launch would find its counter targets already met and run unsynchronised."""
+    meanwhile gets a clear error, since its counters serve one launch at a time. Capturing steps in
+    a CUDA graph works: the call count and the position live on the device (the control block),
+    so a replayed launch waits for the right counter targets. Under capture the host-side checks
+    that need a synchronisation are left to the next ordinary step after the replays
+    (``h.in_capture`` tells the launches inside); a handle built with ``sync_check=True`` cannot be
+    captured (it synchronises after every step)."""
 
     def __init__(self, h: LayerHandle):
         self.h = h
 
     def __enter__(self):
         h = self.h
-        if h.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("handle: a megatape step cannot be captured in a CUDA graph yet (the call number is "
-                               "advanced by the host, so a replay would run unsynchronised); launch the steps "
-                               "directly")
         if not h.lock.acquire(blocking=False):
             raise RuntimeError("handle: stepped from two threads at once; a handle's counters serve one launch "
                                "at a time: use one handle per thread (or a lock around its steps)")
-        return h
+        cap = capturing(h)
+        if cap and h.sync_check:
+            h.lock.release()
+            raise ValueError("handle: built with sync_check=True, which synchronises after every step and cannot "
+                             "be captured in a CUDA graph; build it with sync_check=False")
+        if h.status_host and not cap:
+            try:
+                h.check(sync=False)     # a failure of an earlier launch that has finished since
+            except BaseException:
+                h.lock.release()
+                raise
+        h.in_capture = cap
+        return cap
 
     def __exit__(self, *exc):
+        self.h.in_capture = False
         self.h.lock.release()
         return False
 
 
-def layer_step(h: LayerHandle, x: torch.Tensor, pos: int) -> torch.Tensor:
+def set_position(h, pos: int) -> None:
+    """Set the position the next ``pos=None`` step of ``h`` (a handle of ``build_layer`` /
+    ``build_model``, or a ``DecoderHandle``) takes: a device write, ordered on the current stream
+    (captured too, inside a CUDA graph)."""
+    h = getattr(h, "layer", h)
+    if not isinstance(h, LayerHandle):
+        raise _err(TypeError, "handle", "a handle of build_layer / build_model / build_decoder", _desc(h))
+    if h.closed:
+        raise ValueError("handle: teardown() was already called on it")
+    pos = _check_pos(h, pos)
+    h.ctl[CTL_POS].fill_(pos)
+
+
+def launch(h: LayerHandle, x: torch.Tensor, pos: int, out: torch.Tensor) -> None:
+    """One launch of the interpreter kernel (no checks); ``pos`` -1: the position on the device.
+    The call count and the next position live in the control block, which the kernel advances:
+    the launch is the same every time, so it can be captured in a CUDA graph and replayed."""
+    if h.launcher is not None:
+        h.launcher(torch._C._cuda_getCurrentRawStream(h.device.index), pos_arg=pos,
+                   x_ptr=x.data_ptr(), out_ptr=out.data_ptr())
+    else:
+        h.kernel[(h.num_sms,)](h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.ctl,
+                               h.spin_limit, pos, x, out, **h.constexprs, **h.launch_opts)
+
+
+def layer_step(h: LayerHandle, x: torch.Tensor, pos) -> torch.Tensor:
     """Run the layer(s) on one hidden state; append this position's K/V into the cache.
 
     x   : (1, d) bf16, the incoming residual stream (read, never written)
-    pos : int, the absolute position being written
-    returns a fresh (1, d) bf16 tensor: the residual stream after the layer(s)
+    pos : int, the absolute position being written; None: the position the device holds (the
+          last call's + 1, or :func:`set_position`'s), which is what a captured CUDA graph of
+          several steps uses
+    returns a fresh (1, d) bf16 tensor: the residual stream after the layer(s) (under CUDA-graph
+    capture: the graph's output tensor, which every replay rewrites)
     """
-    _check_step_args(h, x, pos)
-    with Stepping(h):
-        if h.status_host:
-            h.check(sync=False)     # a failure of an earlier launch that has finished since
+    pos = _check_step_args(h, x, pos)
+    with Stepping(h) as capture:
         # NOTE: the output was allocated after the previous launch, while the GPU ran: the
         # allocation (~4 us of host time on the lent VM) stays off the launch path. Each call still
         # returns a tensor of its own that no earlier or later call writes.
-        out = h.next_out if h.next_out is not None else torch.empty(1, h.cfg.d, dtype=torch.bfloat16,
-                                                                     device=h.device)
-        h.next_out = None
-        h.last_pos = int(pos)
-        launch(h, x, int(pos), out)
-        h.next_out = torch.empty_like(out)
+        out = h.next_out if (h.next_out is not None and not capture) else \
+            torch.empty(1, h.cfg.d, dtype=torch.bfloat16, device=h.device)
+        if not capture:
+            h.next_out = None
+        h.last_pos = pos
+        launch(h, x, pos, out)
+        if not capture:
+            h.next_out = torch.empty_like(out)
         if h.sync_check:
             h.check(sync=True)
     return out

@@ -48,12 +48,14 @@ def decoder_weights(cfg: ModelConfig = CFG, seed: int = 0) -> dict:
 
 
 def count_launches(monkeypatch):
-    """Record (pos, token in the device buffer before the launch) of every kernel launch."""
+    """Record (pos, token in the device buffer before the launch) of every kernel launch; a launch
+    at the device's position (pos -1) records the position the control block holds."""
+    from interp.codegen import CTL_POS
     calls = []
     real = decoder_mod.runtime.launch
 
     def spy(h, x, pos, out):
-        calls.append((pos, int(h.buffers["tok_ptr"][0])))
+        calls.append((pos if pos >= 0 else int(h.ctl[CTL_POS]), int(h.buffers["tok_ptr"][0])))
         return real(h, x, pos, out)
     monkeypatch.setattr(decoder_mod.runtime, "launch", spy)
     return calls

@@ -443,13 +443,15 @@ def test_api_errors_name_the_argument_and_run_nothing(sampler, greedy):
                (h, dict(temperature=1.0, eos_token_ids="x"), TypeError, "eos_token_ids"),
                (h, dict(temperature=0.0), ValueError, "temperature"),       # greedy needs ARGMAX
                (g, dict(temperature=0.7), ValueError, "sampling=True"),    # sampling needs SAMPLE
-               (h, dict(temperature=1.0, n_new=40), ValueError, "max_seq_len")]
+               (h, dict(temperature=1.0, n_new=40), ValueError, "max_seq_len"),
+               (h, dict(temperature=1.0, graph_block=8), ValueError, "graph_block"),   # no CUDA graphs on a CPU
+               (g, dict(graph_block="8"), TypeError, "graph_block")]
         for handle, kw, exc, name in bad:
             n_new = kw.pop("n_new", 4)
-            before = (handle.layer.epoch, handle.layer.state["smp"].clone() if handle.sampling else None)
+            before = (handle.layer.ctl.clone(), handle.layer.state["smp"].clone() if handle.sampling else None)
             with pytest.raises(exc, match=name):
                 generate(handle, ids, n_new, **kw)
-            assert handle.layer.epoch == before[0], "a launch ran"
+            assert torch.equal(handle.layer.ctl, before[0]), "a launch ran"    # the device's call count
             if handle.sampling:
                 assert torch.equal(handle.layer.state["smp"], before[1]), "the parameters changed"
     finally:

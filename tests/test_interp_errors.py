@@ -235,7 +235,7 @@ STEP_CASES = [
     ("pos-float", lambda: _x(), float(PREFILL), TypeError, ["pos", "int", "float"]),
     ("pos-bool", lambda: _x(), True, TypeError, ["pos", "int", "bool"]),
     ("pos-str", lambda: _x(), str(PREFILL), TypeError, ["pos", "int", "str"]),
-    ("pos-none", lambda: _x(), None, TypeError, ["pos", "int", "None"]),
+    ("pos-fraction", lambda: _x(), 1.5, TypeError, ["pos", "int", "1.5"]),     # None: the device's position
     ("pos-float-tensor", lambda: _x(), torch.tensor(float(PREFILL)), TypeError, ["pos", "int", "float"]),
     ("pos-tensor-out-of-range", lambda: _x(), torch.tensor(MAX_SEQ), ValueError, ["pos", f"{MAX_SEQ}"]),
     ("x-fp32", lambda: _x().float(), OK, (TypeError, ValueError), ["x", "bfloat16", "float32"]),
