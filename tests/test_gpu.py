@@ -13,6 +13,11 @@
 * a soak: 20,000 whole-model decode steps with no error, repeated (token, position) pairs giving
   bitwise the same logits, next tokens and KV rows;
 * SAMPLE on the GPU draws the token its ``run_torch`` draws from the same logits (4 settings x 16 seeds);
+* CUDA graphs (the call count and the position live on the device): a captured step replayed between
+  ordinary steps, a block of steps at the device's position replayed at several positions, captured
+  decode steps, ``generate`` in graph blocks of 1 / 8 / 32 (greedy and sampled) giving the tokens of
+  plain launches, EOS without graph blocks; capture with ``sync_check`` refused; two threads on one
+  handle refused, on two handles fine; steps on other streams, beside a GEMM, a rollback;
 * the compile-time acceptance timings (the 70B layer in < 5 s, 16 layers in < 30 s, in process and
   through the command line; ``megatape viz`` of the 70B layer in < 30 s), measured on the GPU host
   (CPU tests assert no wall-clock times).
@@ -32,7 +37,7 @@ import pytest
 import torch
 
 from conftest import bump_target, clone_cache, decoder_weights, drop_producer
-from interp import layer_step
+from interp import generate, layer_step
 from opcodes import PRESETS, ModelConfig
 from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err
 
@@ -342,17 +347,189 @@ def test_viz_70b_layer_under_30s(tmp_path, capsys):
     assert dt < 30, f"viz of the 70B layer took {dt:.1f} s"
 
 
-def test_capturing_a_step_is_refused_not_silently_wrong(handles):
-    """The call number is advanced by the host: a replayed captured launch would run with its
-    counter targets already met. Capture is refused with a clear error; the handle still works."""
-    cfg = PRESETS[SMALL]
+# ---- CUDA graphs: the call count and the position live on the device -------------------------------
+def _small_model(handles, layers=1, prefill=20, max_seq=64, **kw):
+    cfg = dataclasses.replace(PRESETS[SMALL], layers=layers)
     w = make_weights(cfg, seed=21, device=_dev())
-    kv = make_kv_cache(cfg, 64, 20, seed=22, device=_dev())
+    kv = make_kv_cache(cfg, max_seq, prefill, seed=22, device=_dev())
     ref = clone_cache(kv)
-    h = handles.layer(w, kv, cfg.to_dict(), 64)
-    x = torch.randn(1, cfg.d, device=_dev()).to(torch.bfloat16)       # made before the capture
+    return cfg, w, kv, ref, handles.model(w, kv, cfg.to_dict(), max_seq, **kw)
+
+
+def _x(cfg, seed):
+    """A (1, d) bf16 input; never called under capture (a generator seeded there is not the graph's)."""
+    g = torch.Generator(device=_dev()).manual_seed(seed)
+    return torch.randn(1, cfg.d, generator=g, device=_dev()).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_captured_step_replays_mixed_with_ordinary_steps(handles, layers):
+    """A step captured in a CUDA graph replays correctly any number of times, mixed with ordinary
+    steps before and after (with a host-advanced call number the replays found their counter
+    targets met: a silent wrong answer, which main refused to capture)."""
+    cfg, w, kv, ref, h = _small_model(handles, layers=layers)
+    x0 = _x(cfg, 1)
+    assert rel_err(layer_step(h, x0, 20), model_ref(w, ref, cfg, x0, 20)) <= TOL
+    xc = _x(cfg, 2)
     g = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="CUDA graph"):
+    with torch.cuda.graph(g):
+        out_c = layer_step(h, xc, 21)                     # captured, not run
+    want = model_ref(w, ref, cfg, xc, 21)
+    for k in range(5):
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out_c, want) <= TOL, k
+        if k % 2:
+            xo = _x(cfg, 10 + k)                          # an ordinary step in between, at the next position
+            refk = clone_cache(ref)
+            assert rel_err(layer_step(h, xo, 22), model_ref(w, refk, cfg, xo, 22)) <= TOL
+    h.check()
+    xe = _x(cfg, 3)
+    assert rel_err(layer_step(h, xe, 22), model_ref(w, ref, cfg, xe, 22)) <= TOL
+
+
+def test_captured_block_at_the_device_position(handles):
+    """A graph of 4 model steps at the device's position: each replay writes the next 4 positions."""
+    cfg, w, kv, ref, h = _small_model(handles, layers=2)
+    from interp.runtime import set_position
+    xs = [_x(cfg, 30 + k) for k in range(4)]
+    layer_step(h, xs[0], 20)                              # warm: the device now holds position 21
+    model_ref(w, ref, cfg, xs[0], 20)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [layer_step(h, xs[k], None) for k in range(4)]
+    for start in (21, 25, 21):
+        if start == 21:
+            set_position(h, 21)
+        g.replay()
+        torch.cuda.synchronize()
+        refk = clone_cache(ref)
+        for k in range(4):
+            assert rel_err(outs[k], model_ref(w, refk, cfg, xs[k], start + k)) <= TOL, (start, k)
+        if start == 21:
+            ref = refk
+    h.check()
+
+
+def test_captured_decode_steps_at_the_device_position(handles):
+    """decode_step is capturable too: a graph of 3 steps at the device's position (tokens from a
+    device tensor) gives the logits of ordinary steps at explicit positions on another handle."""
+    from interp import decode_step
+    from interp.runtime import set_position
+    cfg = dataclasses.replace(PRESETS[SMALL], layers=2, vocab=1000)
+    w = decoder_weights(cfg, seed=4, device=_dev())
+    hp = handles.decoder(w, make_kv_cache(cfg, 64, 0, device=_dev()), cfg.to_dict(), 64)
+    hg = handles.decoder(w, make_kv_cache(cfg, 64, 0, device=_dev()), cfg.to_dict(), 64)
+    toks = torch.tensor([5, 17, 3, 999], dtype=torch.int32, device=_dev())
+    want = [decode_step(hp, toks[k:k + 1], k) for k in range(4)]
+    decode_step(hg, toks[0:1], 0)                         # position 0 ordinary; the device now holds 1
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = [decode_step(hg, toks[k:k + 1], None) for k in range(1, 4)]
+    for _ in range(2):                                    # replay twice over the same positions
+        set_position(hg, 1)
+        g.replay()
+        torch.cuda.synchronize()
+        for k in range(1, 4):
+            assert rel_err(got[k - 1], want[k]) <= 1e-3, k
+    hg.layer.check()
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+def test_generate_in_graph_blocks_equals_plain_launches(handles, sampling):
+    """generate in CUDA-graph blocks of 1, 8, 32 launches (and the default) makes the tokens of one
+    host launch per token, greedy and sampled (SAMPLE's Philox by the position the kernel took from
+    the device); with EOS ids the host reads each token (no graph blocks) and stops at the EOS."""
+    cfg = dataclasses.replace(PRESETS[SMALL], layers=2, vocab=1000)
+    w = decoder_weights(cfg, seed=3, device=_dev())
+    kw = dict(temperature=0.8, top_k=50, top_p=0.95, seed=3) if sampling else {}
+    out = []
+    for block in (0, 1, 8, 32, None):
+        kv = make_kv_cache(cfg, 128, 0, device=_dev())
+        h = handles.decoder(w, kv, cfg.to_dict(), 128, sampling=sampling)
+        toks = generate(h, [5, 17, 3], 70, graph_block=block, **kw)
+        out.append(toks.cpu())
+        h.layer.check()
+        if block == 8:                                    # the same handle again: its graph replays
+            again = generate(h, [5, 17, 3], 70, graph_block=block, **kw)
+            assert torch.equal(again.cpu(), out[0])
+    assert all(torch.equal(t, out[0]) for t in out[1:])
+    eos = int(out[0][40])
+    kv = make_kv_cache(cfg, 128, 0, device=_dev())
+    h = handles.decoder(w, kv, cfg.to_dict(), 128, sampling=sampling)
+    with pytest.raises(ValueError, match="graph_block"):
+        generate(h, [5, 17, 3], 70, graph_block=8, eos_token_ids=eos, **kw)
+    stopped = generate(h, [5, 17, 3], 70, eos_token_ids=eos, **kw).cpu()
+    first = out[0].tolist().index(eos)
+    assert stopped.tolist() == out[0][:first + 1].tolist()
+
+
+def test_capture_misuse_is_refused(handles):
+    """sync_check=True synchronises after every step: capturing it is refused with a clear error."""
+    cfg, w, kv, ref, h = _small_model(handles, sync_check=True)
+    x = _x(cfg, 4)                                        # made before the capture
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="sync_check"):
         with torch.cuda.graph(g):
             layer_step(h, x, 20)
-    assert rel_err(layer_step(h, x, 20), model_ref(w, ref, cfg, x, 20)) <= TOL
+    assert rel_err(layer_step(h, x, 20), model_ref(w, ref, cfg, x, 20)) <= TOL     # the handle still works
+
+
+def test_two_threads_on_one_handle_raise_and_on_two_handles_work(handles):
+    import threading
+    cfg, w, kv, ref, h = _small_model(handles)
+    assert h.lock.acquire(blocking=False)               # a thread is inside a step of h
+    try:
+        with pytest.raises(RuntimeError, match="two threads"):
+            layer_step(h, _x(cfg, 5), 20)
+    finally:
+        h.lock.release()
+    cfg2, w2, kv2, ref2, h2 = _small_model(handles)
+    errs, results = [], {}
+
+    def worker(name, hh, ww, rr):
+        try:
+            for k in range(20):
+                x = _x(cfg, 100 + k)
+                y = layer_step(hh, x, 20 + k)
+                torch.cuda.synchronize()
+                results[(name, k)] = rel_err(y, model_ref(ww, rr, cfg, x, 20 + k))
+        except Exception as e:      # reported below
+            errs.append(repr(e))
+
+    ts = [threading.Thread(target=worker, args=("a", h, w, ref)), threading.Thread(target=worker, args=("b", h2, w2, ref2))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errs and max(results.values()) <= TOL
+
+
+def test_steps_on_other_streams_rollback_and_beside_a_gemm(handles):
+    """A step on a non-default stream, one beside a large GEMM on another stream, a rollback (the
+    same position again with another input), then teardown. (b68ef25's version failed in run 39:
+    it took the rollback's reference cache before position 20 was written into it, and did not
+    order the streams after the default stream that made the inputs.)"""
+    cfg, w, kv, ref, h = _small_model(handles)
+    a = torch.randn(8192, 8192, device=_dev(), dtype=torch.bfloat16)
+    x, x2, x3 = _x(cfg, 6), _x(cfg, 7), _x(cfg, 8)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())             # the inputs are ready
+    with torch.cuda.stream(s):                              # a non-default stream
+        y = layer_step(h, x, 20)
+    s.synchronize()
+    assert rel_err(y, model_ref(w, ref, cfg, x, 20)) <= TOL
+    r20 = clone_cache(ref)                                  # the reference cache through position 20
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                           # a large GEMM on another stream meanwhile
+        big = a @ a
+    y2 = layer_step(h, x2, 21)
+    torch.cuda.synchronize()
+    assert rel_err(y2, model_ref(w, ref, cfg, x2, 21)) <= TOL and big.isfinite().all()
+    # roll back: position 21 again, another input
+    assert rel_err(layer_step(h, x3, 21), model_ref(w, r20, cfg, x3, 21)) <= TOL
+    from interp import teardown
+    teardown(h)
+    with pytest.raises(ValueError, match="teardown"):
+        layer_step(h, x3, 22)
