@@ -21,6 +21,9 @@
 #             of sampling on the device (bench/sample_bench.py)
 #   ab      : with OLD=DIR, the 70B layer of the tree in DIR and of this one alternated (old, new,
 #             old, new; megatape only), then this one beside cuBLAS; and the 1B decoder of each
+#   devstate: with OLD=DIR (main's tree), issue 16's A/B (bench/NOTES.md device-state-v2): the 1B
+#             decoder and the 70B layer of each tree alternated twice, then bench/host_cost.py
+#             (greedy and sampled) and the GPU tests (the CUDA-graph ones among them)
 #   OLD=DIR : also time the tree in DIR (e.g. the previous commit, `git archive`) first, same
 #             machine, megatape only: an A/B of two trees in one lease
 # $OUT receives at most three files (the device tool returns 8): run.log (everything printed),
@@ -40,7 +43,7 @@ if [ -n "${OLD:-}" ]; then
   else
     old=(python3 -m bench.driver); old_dec=(python3 -m bench.decoder_bench)
   fi
-  if [[ " ${parts[*]} " != *" ab "* ]]; then
+  if [[ " ${parts[*]} " != *" ab "* && " ${parts[*]} " != *" devstate "* ]]; then
     echo "=== old tree: $OLD"
     (cd "$OLD" && PYTHONPATH=$PWD "${old[@]}" --baselines "" --out "$RES/old" --tag old)
   fi
@@ -69,6 +72,23 @@ run_part() {
     (cd "$OLD" && PYTHONPATH=$PWD "${old_dec[@]}" --no-compile --out "$RES/ab-old")
     echo "=== 1B decoder: this tree"
     python3 -m megatape.cli bench-decoder --no-compile --out "$RES/ab-new" ;;
+  devstate)
+    [ -n "${OLD:-}" ] || { echo "devstate needs OLD=DIR (main's tree)" >&2; exit 2; }
+    mkdir -p "$RES/devstate"
+    for k in 1 2; do
+      echo "=== devstate round $k: 1B decoder, old tree $OLD"
+      (cd "$OLD" && PYTHONPATH=$PWD "${old_dec[@]}" --no-compile --out "$RES/devstate/dec-old$k")
+      echo "=== devstate round $k: 1B decoder, this tree"
+      python3 -m megatape.cli bench-decoder --no-compile --out "$RES/devstate/dec-new$k"
+      echo "=== devstate round $k: 70B layer, old tree $OLD"
+      (cd "$OLD" && PYTHONPATH=$PWD "${old[@]}" --baselines "" --out "$RES/devstate" --tag old$k)
+      echo "=== devstate round $k: 70B layer, this tree"
+      python3 -m megatape.cli bench --baselines "" --out "$RES/devstate" --tag new$k
+    done
+    python3 -m bench.host_cost --out "$RES/devstate/host_cost.json" | tee "$RES/devstate/host_cost.md"
+    python3 -m bench.host_cost --sampling --out "$RES/devstate/host_cost_sampled.json" \
+      | tee "$RES/devstate/host_cost_sampled.md"
+    python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu_checks.txt" ;;
   checks)
     MEGATAPE_SLOW=1 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu_checks.txt" ;;
   multi)
@@ -104,7 +124,7 @@ run_part() {
       --variants "res_fold=1"
     python3 -m megatape.cli bench --preset llama70b-16 --baselines "" --out "$RES/pending" --tag fold --variants "res_fold=1"
     python3 -m bench.sample_bench | tee "$RES/pending/sample_bench.md" ;;
-  *) echo "unknown part $1 (explore|variants|bench|ab|checks|multi|decoder|layers16|refsens|sanitize|confirm|pending)" >&2; exit 2 ;;
+  *) echo "unknown part $1 (explore|variants|bench|ab|devstate|checks|multi|decoder|layers16|refsens|sanitize|confirm|pending)" >&2; exit 2 ;;
   esac
 }
 for p in "${parts[@]}"; do run_part "$p"; done
