@@ -16,14 +16,11 @@
 #   refsens : how far the bf16 reference drifts from itself with chunked GEMVs (16 layers, 70B and 1B)
 #   sanitize: compute-sanitizer memcheck and racecheck over examples/sanitize_small.py
 #   confirm : bench checks multi
-#   pending : what session 5 could not run for lack of device time (bench/NOTES.md v31): the GPU
-#             tests, the folded residual (res_fold=1) on the 1B decoder and on 16 layers, the cost
-#             of sampling on the device (bench/sample_bench.py)
 #   ab      : with OLD=DIR, the 70B layer of the tree in DIR and of this one alternated (old, new,
 #             old, new; megatape only), then this one beside cuBLAS; and the 1B decoder of each
-#   devstate: with OLD=DIR (main's tree), issue 16's A/B (bench/NOTES.md device-state-v2): the 1B
-#             decoder and the 70B layer of each tree alternated twice, then bench/host_cost.py
-#             (greedy and sampled) and the GPU tests (the CUDA-graph ones among them)
+#   abdec   : with OLD=DIR, the 1B decoder of the tree in DIR and of this one alternated twice
+#             (pos 1024, megatape only), then this one with --profile, at pos 128, and
+#             bench/generate_bench.py (`megatape generate` against decode_step) and the GPU tests
 #   OLD=DIR : also time the tree in DIR (e.g. the previous commit, `git archive`) first, same
 #             machine, megatape only: an A/B of two trees in one lease
 # $OUT receives at most three files (the device tool returns 8): run.log (everything printed),
@@ -43,7 +40,7 @@ if [ -n "${OLD:-}" ]; then
   else
     old=(python3 -m bench.driver); old_dec=(python3 -m bench.decoder_bench)
   fi
-  if [[ " ${parts[*]} " != *" ab "* && " ${parts[*]} " != *" devstate "* ]]; then
+  if [[ " ${parts[*]} " != *" ab "* && " ${parts[*]} " != *" abdec "* ]]; then
     echo "=== old tree: $OLD"
     (cd "$OLD" && PYTHONPATH=$PWD "${old[@]}" --baselines "" --out "$RES/old" --tag old)
   fi
@@ -72,22 +69,18 @@ run_part() {
     (cd "$OLD" && PYTHONPATH=$PWD "${old_dec[@]}" --no-compile --out "$RES/ab-old")
     echo "=== 1B decoder: this tree"
     python3 -m megatape.cli bench-decoder --no-compile --out "$RES/ab-new" ;;
-  devstate)
-    [ -n "${OLD:-}" ] || { echo "devstate needs OLD=DIR (main's tree)" >&2; exit 2; }
-    mkdir -p "$RES/devstate"
+  abdec)
+    [ -n "${OLD:-}" ] || { echo "abdec needs OLD=DIR" >&2; exit 2; }
+    mkdir -p "$RES/abdec"
     for k in 1 2; do
-      echo "=== devstate round $k: 1B decoder, old tree $OLD"
-      (cd "$OLD" && PYTHONPATH=$PWD "${old_dec[@]}" --no-compile --out "$RES/devstate/dec-old$k")
-      echo "=== devstate round $k: 1B decoder, this tree"
-      python3 -m megatape.cli bench-decoder --no-compile --out "$RES/devstate/dec-new$k"
-      echo "=== devstate round $k: 70B layer, old tree $OLD"
-      (cd "$OLD" && PYTHONPATH=$PWD "${old[@]}" --baselines "" --out "$RES/devstate" --tag old$k)
-      echo "=== devstate round $k: 70B layer, this tree"
-      python3 -m megatape.cli bench --baselines "" --out "$RES/devstate" --tag new$k
+      echo "=== abdec round $k: 1B decoder, old tree $OLD"
+      (cd "$OLD" && PYTHONPATH=$PWD "${old_dec[@]}" --no-compile --out "$RES/abdec/old$k")
+      echo "=== abdec round $k: 1B decoder, this tree"
+      python3 -m megatape.cli bench-decoder --no-compile --out "$RES/abdec/new$k"
     done
-    python3 -m bench.host_cost --out "$RES/devstate/host_cost.json" | tee "$RES/devstate/host_cost.md"
-    python3 -m bench.host_cost --sampling --out "$RES/devstate/host_cost_sampled.json" \
-      | tee "$RES/devstate/host_cost_sampled.md"
+    python3 -m megatape.cli bench-decoder --no-compile --profile --out "$RES/abdec/profile" --variants "${DVARIANTS:-}"
+    python3 -m megatape.cli bench-decoder --pos 128 --out "$RES/abdec/pos128"
+    python3 -m bench.generate_bench | tee "$RES/abdec/generate_bench.md"
     python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu_checks.txt" ;;
   checks)
     MEGATAPE_SLOW=1 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu_checks.txt" ;;
@@ -111,20 +104,7 @@ run_part() {
       timeout 240 compute-sanitizer --tool $tool python3 examples/sanitize_small.py 2>&1 | tail -5 | tee "$RES/sanitize-$tool.txt"
     done ;;
   confirm) run_part bench; run_part checks; run_part multi ;;
-  pending)
-    # what session 5 could not run for lack of device time (bench/NOTES.md v31, v32): the GPU
-    # tests; the folded residual on the 1B decoder (pos 1024 with the profile's critical-path
-    # view, and 128), the 8B shape and 16 layers of the 70B shape; sampling with 8192-logit blocks
-    mkdir -p "$RES/pending"
-    python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu_checks.txt"
-    python3 -m megatape.cli bench-decoder --pos 1024 --no-compile --profile --out "$RES/pending/pos1024" \
-      --variants "res_fold=1;res_fold=0;res_fold=1"
-    python3 -m megatape.cli bench-decoder --pos 128 --no-compile --out "$RES/pending/pos128" --variants "res_fold=1"
-    python3 -m megatape.cli bench-decoder --preset llama3.1-8b --pos 1024 --no-compile --out "$RES/pending/8b" \
-      --variants "res_fold=1"
-    python3 -m megatape.cli bench --preset llama70b-16 --baselines "" --out "$RES/pending" --tag fold --variants "res_fold=1"
-    python3 -m bench.sample_bench | tee "$RES/pending/sample_bench.md" ;;
-  *) echo "unknown part $1 (explore|variants|bench|ab|devstate|checks|multi|decoder|layers16|refsens|sanitize|confirm|pending)" >&2; exit 2 ;;
+  *) echo "unknown part $1 (explore|variants|bench|ab|abdec|checks|multi|decoder|layers16|refsens|sanitize|confirm)" >&2; exit 2 ;;
   esac
 }
 for p in "${parts[@]}"; do run_part "$p"; done
