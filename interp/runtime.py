@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opcodes import Layout, ModelConfig, Tiling, kernel_constexprs, kernel_pointers, state_buffers, waiting_inside
+from opcodes import Layout, ModelConfig, Tiling, kernel_constexprs, kernel_pointers, state_buffers
 from opcodes.reference import layer_shapes
 from schedule import CostModel, Tape, compile_model, verify
 
@@ -460,8 +460,7 @@ def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
     used = h.tape.classes()
     cx = kernel_constexprs(lay, interp=(device.type == "cpu"), used=used)
     cx["PROFILE"] = bool(profile and device.type == "cuda")
-    h.kernel = load_kernel(kernel_pointers(lay, used), [k for k in cx if k not in SWITCHES], used,
-                           waiting_inside(lay, used))
+    h.kernel = load_kernel(kernel_pointers(lay, used), [k for k in cx if k not in SWITCHES], used)
     h.constexprs = cx
     h.launch_opts = {"num_warps": lay.tiling.num_warps, "num_stages": 1}
     if device.type != "cuda":

@@ -23,10 +23,6 @@ from .config import ModelConfig
 WORDS = 16
 HEADER = 6          # opcode, wait_a, target_a, wait_b, target_b, signal
 MAX_WAITS = 2
-#: what the kernel passes after ``ARGS`` to the device function of an opcode with
-#: ``Instruction.WAITS_INSIDE``: the instruction's tape words, the counters, this call's number,
-#: the poll bound, the profiling switch
-WAIT_ARGS = ("ins", "cnt_ptr", "epoch", "spin_limit", "PROFILE")
 MAX_OPERANDS = WORDS - HEADER
 NO_COUNTER = -1
 
@@ -378,17 +374,6 @@ class Instruction:
         return lay.WHOLE_MODEL or not cls.WHOLE_MODEL
 
     @classmethod
-    def waits_inside(cls, lay: Layout) -> bool:
-        """Whether, in kernels of ``lay``, the device function makes the instruction's waits itself
-        (``opcodes.common.tape_waits``) after issuing its first weight loads. It then takes
-        :data:`WAIT_ARGS` after its ``ARGS``, returns ``(counter, target, seen, t_exec)`` of the
-        first wait not met exactly (counter -1: all met; t_exec: when they were, under ``PROFILE``)
-        and stores nothing when one is not met. The weights do not depend on the step, so a row
-        loop's pipeline prologue (its first ``STAGES - 1`` blocks) streams while the SM waits and
-        loads its input vector (bench/NOTES.md v33)."""
-        return False
-
-    @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict[str, tuple[int, ...]]:
         """The shapes of the :attr:`SCRATCH` buffers for ``lay`` (only asked where it applies)."""
         return {}
@@ -546,12 +531,6 @@ def pointer_types(lay: Layout, used=()) -> dict[str, str]:
         _merge(out, {**cls.TABLES, **own}, "pointer", cls.NAME)
     _merge(out, {p: "bf16" for _, p in lay.MODEL_TENSORS}, "pointer", type(lay).__name__)
     return {k: v for k, (_, v) in out.items()}
-
-
-def waiting_inside(lay: Layout, used=()) -> tuple[str, ...]:
-    """The opcodes of the kernel (:func:`kernel_classes`) whose device functions wait themselves
-    in kernels of ``lay`` (:meth:`Instruction.waits_inside`)."""
-    return tuple(c.NAME for c in kernel_classes(used) if c.waits_inside(lay))
 
 
 def kernel_pointers(lay: Layout, used=()) -> dict[str, str]:

@@ -15,44 +15,29 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
-from .common import T_N2, T_WG, T_WU, gemv_stream, row_vec, rows_load, tab_offset, tape_waits
+from .common import T_N2, T_WG, T_WU, gemv_stream, row_vec, rows_dot, tab_offset
 
 
 @triton.jit
-def _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_out, ins, cnt_ptr, epoch, spin_limit,
+def _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_out,
              D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-             GU_RB: tl.constexpr, STAGES: tl.constexpr, PROFILE: tl.constexpr):
-    # whole rows, GU_RB of gate and of up per pipeline stage (Tiling.row_bytes). The waits and the
-    # input vector come in the first iteration, after the pipeline's prologue has issued the first
-    # STAGES - 1 blocks: the weights stream while the SM waits (Instruction.WAITS_INSIDE)
+             GU_RB: tl.constexpr, STAGES: tl.constexpr):
+    # whole rows, GU_RB of gate and of up per pipeline stage (Tiling.row_bytes)
+    hv, ss = row_vec(xin, nw_ptr, 0, D, DP, NORM=True)
+    rstd = 1.0 / tl.sqrt(ss / D + EPS)
     EVEN: tl.constexpr = (D == DP) and (FFN % GU_ROWS == 0)
-    hv = tl.zeros([DP], dtype=tl.float32)
-    rstd = tl.full([], 0.0, tl.float32)
-    bad_c = tl.full([], -1, tl.int32)
-    bad_t = tl.full([], 0, tl.int32)
-    bad_s = tl.full([], 0, tl.int32)
-    t_exec = tl.full([], 0, tl.int64)
     for b in tl.range(0, GU_ROWS // GU_RB, num_stages=STAGES):
         rows = row0 + b * GU_RB + tl.arange(0, GU_RB)
         rm = rows < FFN
-        wg = rows_load(g_ptr, rows, rm, 0, D, D, DP, EVEN)
-        wu = rows_load(u_ptr, rows, rm, 0, D, D, DP, EVEN)
-        if b == 0:
-            bad_c, bad_t, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE)
-            hv, ss = row_vec(xin, nw_ptr, 0, D, DP, NORM=True)
-            rstd = 1.0 / tl.sqrt(ss / D + EPS)
-        gv = tl.sum(wg.to(tl.float32) * hv[None, :], axis=1) * rstd
-        uv = tl.sum(wu.to(tl.float32) * hv[None, :], axis=1) * rstd
-        tl.store(act_out + rows, gv / (1.0 + tl.exp(-gv)) * uv, mask=rm & (bad_c < 0))
-    return bad_c, bad_t, bad_s, t_exec
+        gv = rows_dot(g_ptr, rows, rm, hv, 0, D, D, DP, EVEN) * rstd
+        uv = rows_dot(u_ptr, rows, rm, hv, 0, D, D, DP, EVEN) * rstd
+        tl.store(act_out + rows, gv / (1.0 + tl.exp(-gv)) * uv, mask=rm)
 
 
 @triton.jit
 def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
                    D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                   ins=None, cnt_ptr=None, epoch=None, spin_limit=None, PROFILE: tl.constexpr = False):
-    # the row loop waits itself (GateUp.waits_inside); the column loop after the kernel's waits
+                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
@@ -68,8 +53,8 @@ def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_pt
         act = gv / (1.0 + tl.exp(-gv)) * uv
         tl.store(act_ptr + layer * FFN + rows, act, mask=rm)
     else:
-        return _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, ins, cnt_ptr, epoch, spin_limit,
-                        D, DP, FFN, EPS, GU_ROWS, GU_RB, STAGES, PROFILE)
+        _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, D, DP, FFN, EPS, GU_ROWS,
+                 GU_RB, STAGES)
 
 
 @register
@@ -95,10 +80,6 @@ class GateUp(Instruction):
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:
         return 2 * lay.tiling.gu_rows           # gate and up
-
-    @classmethod
-    def waits_inside(cls, lay: Layout) -> bool:
-        return cls.CONSTEXPRS["GU_RB"](lay) > 0      # the row loop
 
     def check_operands(self, lay: Layout) -> list[str]:
         return (in_range("layer", self.layer, lay.cfg.layers)

@@ -23,15 +23,13 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, register, tile_start
-from .common import gemv_stream, row_vec, rows_load, tape_waits
+from .common import gemv_stream, row_vec, rows_dot
 
 
 @triton.jit
 def lm_head_device(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, amax_ptr,
                    D: tl.constexpr, DP: tl.constexpr, VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr,
-                   LM_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                   ins=None, cnt_ptr=None, epoch=None, spin_limit=None, PROFILE: tl.constexpr = False):
-    # the row loop waits itself (LMHead.waits_inside); the column loop after the kernel's waits
+                   LM_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     rows = row0 + tl.arange(0, LM_ROWS)
     rm = rows < VOCAB
     if LM_RB == 0:
@@ -41,13 +39,9 @@ def lm_head_device(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, amax_ptr,
         rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
         y = tl.sum(acc, axis=1) * rstd
         tl.store(logits_ptr + rows, y, mask=rm)
-        _lm_tile_max(y, rows, rm, row0, amax_ptr, VOCAB, LM_ROWS)
     else:
-        y, bad_c, bad_t, bad_s, t_exec = _lm_rows(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, ins, cnt_ptr, epoch,
-                                                  spin_limit, D, DP, VOCAB, EPS, LM_ROWS, LM_RB, STAGES, PROFILE)
-        if bad_c < 0:
-            _lm_tile_max(y, rows, rm, row0, amax_ptr, VOCAB, LM_ROWS)
-        return bad_c, bad_t, bad_s, t_exec
+        y = _lm_rows(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, D, DP, VOCAB, EPS, LM_ROWS, LM_RB, STAGES)
+    _lm_tile_max(y, rows, rm, row0, amax_ptr, VOCAB, LM_ROWS)
 
 
 @triton.jit
@@ -62,31 +56,20 @@ def _lm_tile_max(y, rows, rm, row0, amax_ptr, VOCAB: tl.constexpr, LM_ROWS: tl.c
 
 
 @triton.jit
-def _lm_rows(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, ins, cnt_ptr, epoch, spin_limit,
-             D: tl.constexpr, DP: tl.constexpr, VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr,
-             LM_RB: tl.constexpr, STAGES: tl.constexpr, PROFILE: tl.constexpr):
-    # whole rows, LM_RB per pipeline stage (Tiling.row_bytes); the waits and the input vector in
-    # the first iteration, after the prologue's loads (as GATE_UP's). Returns the tile's logits,
-    # read back for its (max, argmax), and the waits' outcome (opcodes.common.tape_waits)
+def _lm_rows(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, D: tl.constexpr, DP: tl.constexpr,
+             VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr, LM_RB: tl.constexpr, STAGES: tl.constexpr):
+    # whole rows, LM_RB per pipeline stage (Tiling.row_bytes). Returns the tile's logits, read
+    # back for its (max, argmax).
+    hv, ss = row_vec(out_ptr, fnorm_ptr, 0, D, DP, NORM=True)
+    rstd = 1.0 / tl.sqrt(ss / D + EPS)
     EVEN: tl.constexpr = (D == DP) and (VOCAB % LM_ROWS == 0)
-    hv = tl.zeros([DP], dtype=tl.float32)
-    rstd = tl.full([], 0.0, tl.float32)
-    bad_c = tl.full([], -1, tl.int32)
-    bad_t = tl.full([], 0, tl.int32)
-    bad_s = tl.full([], 0, tl.int32)
-    t_exec = tl.full([], 0, tl.int64)
     for b in tl.range(0, LM_ROWS // LM_RB, num_stages=STAGES):
         r = row0 + b * LM_RB + tl.arange(0, LM_RB)
         m = r < VOCAB
-        w = rows_load(lmh_ptr, r.to(tl.int64), m, 0, D, D, DP, EVEN)
-        if b == 0:
-            bad_c, bad_t, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE)
-            hv, ss = row_vec(out_ptr, fnorm_ptr, 0, D, DP, NORM=True)
-            rstd = 1.0 / tl.sqrt(ss / D + EPS)
-        tl.store(logits_ptr + r, tl.sum(w.to(tl.float32) * hv[None, :], axis=1) * rstd, mask=m & (bad_c < 0))
+        tl.store(logits_ptr + r, rows_dot(lmh_ptr, r.to(tl.int64), m, hv, 0, D, D, DP, EVEN) * rstd, mask=m)
     tl.debug_barrier()                         # this CTA's stores, visible to all its threads
     rows = row0 + tl.arange(0, LM_ROWS)
-    return tl.load(logits_ptr + rows, mask=rows < VOCAB, other=0.0), bad_c, bad_t, bad_s, t_exec
+    return tl.load(logits_ptr + rows, mask=rows < VOCAB, other=0.0)
 
 
 def tile_argmax(y: torch.Tensor, row0: int, vocab: int) -> tuple[float, int]:
@@ -128,10 +111,6 @@ class LMHead(Instruction):
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:
         return lay.lm_rows
-
-    @classmethod
-    def waits_inside(cls, lay: Layout) -> bool:
-        return cls.applies(lay) and cls.CONSTEXPRS["LM_RB"](lay) > 0      # the row loop
 
     def check_operands(self, lay: Layout) -> list[str]:
         if not self.applies(lay):

@@ -465,33 +465,3 @@ def test_a_handle_stepped_from_two_threads_at_once_raises():
         assert rel_err(layer_step(h, x, 37), ref) <= 1.5e-2  # and the handle is fine afterwards
     finally:
         teardown(h)
-
-
-@pytest.mark.parametrize("past", [False, True], ids=["short", "past"])
-def test_an_opcode_that_waits_inside_reports_its_stuck_wait(valid_tape, past):
-    """GATE_UP on the row loop makes its waits inside its device function (after issuing its first
-    weight loads): a wait that is never met, or whose counter is already past its target, is the
-    same MegakernelError, naming the instruction, its opcode and its counter, and nothing stored."""
-    lay = valid_tape.lay
-    assert opcodes.GateUp.waits_inside(lay), "the test needs a layout whose gate/up waits inside"
-    assert "gate_up" in opcodes.waiting_inside(lay)
-    gu = [k for k in range(len(valid_tape)) if int(valid_tape.words[k, 0]) == opcodes.GateUp.OPCODE]
-    w = valid_tape.words.clone()
-    k = gu[0]
-    w[k, 2] += -1 if past else 1          # one producer fewer (the counter overshoots) or more
-    broken = dataclasses.replace(valid_tape, words=w)
-    i = Inputs.good()
-    h = build_layer(i.weights, i.kv_cache, i.cfg, i.max_seq_len, tape=broken, verify_tape=False, spin_limit=SPIN)
-    h.scratch["act"].fill_(7.0)
-    with pytest.raises(interp.MegakernelError) as ei:
-        layer_step(h, _x(3), PREFILL)
-    check_message(ei.value, [f"instruction {k}", "gate_up", valid_tape.counters[int(w[k, 1])]])
-    assert ei.value.stuck[0][1] == k, ei.value.stuck
-    if past:
-        assert "past its target" in str(ei.value), str(ei.value)
-    else:
-        assert f"after {SPIN} polls" in str(ei.value), str(ei.value)
-    ins = opcodes.BY_OPCODE[int(w[k, 0])].decode(w[k, opcodes.HEADER:].tolist())
-    rows = h.scratch["act"].view(CFG.layers, CFG.ffn)[ins.layer, ins.row0:ins.row0 + lay.tiling.gu_rows]
-    assert bool((rows == 7.0).all()), "a gate/up whose wait failed stored its rows"
-    teardown(h)
