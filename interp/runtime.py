@@ -453,14 +453,21 @@ def _make_control(h: "LayerHandle", profile: bool) -> None:
     h.ctl = torch.zeros(CTL_WORDS, dtype=torch.int32, device=device)
 
 
+def make_kernel(lay: Layout, used, interp: bool, profile: bool = False):
+    """The interpreter kernel (a JITFunction) for a tape of ``lay`` holding the opcodes ``used``,
+    and its constexpr values: ``interp`` for the Triton interpreter, ``profile`` for the profiling
+    build (tests/test_kernels_compile.py compiles what this returns for sm_90 without a GPU)."""
+    cx = kernel_constexprs(lay, interp=interp, used=used)
+    cx["PROFILE"] = profile
+    return load_kernel(kernel_pointers(lay, used), [k for k in cx if k not in SWITCHES], used), cx
+
+
 def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
     """Generate the interpreter kernel; on a GPU compile it now (build is untimed) and make the
     direct launcher."""
     lay, device = h.lay, h.device
-    used = h.tape.classes()
-    cx = kernel_constexprs(lay, interp=(device.type == "cpu"), used=used)
-    cx["PROFILE"] = bool(profile and device.type == "cuda")
-    h.kernel = load_kernel(kernel_pointers(lay, used), [k for k in cx if k not in SWITCHES], used)
+    h.kernel, cx = make_kernel(lay, h.tape.classes(), interp=(device.type == "cpu"),
+                               profile=bool(profile and device.type == "cuda"))
     h.constexprs = cx
     h.launch_opts = {"num_warps": lay.tiling.num_warps, "num_stages": 1}
     if device.type != "cuda":

@@ -1,0 +1,84 @@
+"""The interpreter kernels the benches build compile for the H200 (sm_90) on a machine without a
+GPU, within its shared memory.
+
+The CPU tests run the kernel through the Triton interpreter, which executes only the branches a
+tape takes: a device function that does not compile in a branch no CPU tape reaches (a layer kernel
+holds every opcode's branch, the LM head's included) only fails on the GPU. This compiles each
+default kernel to a cubin with Triton's bundled toolchain (``GPUTarget("cuda", 90, 32)``, the launch
+options of ``interp.runtime``), from the tape ``compile_model`` makes for it, and checks that its
+shared memory fits an H200 SM (227 KB per block). Each compile runs in a process of its own without
+``TRITON_INTERPRET`` (under it, ``@triton.jit`` functions are interpreted functions, which the
+compiler cannot take).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+H200_SMEM_PER_BLOCK = 232448          # bytes: cudaDevAttrMaxSharedMemoryPerBlockOptin on the H200
+#: the kernel's runtime parameters before the model's buffers (interp/codegen.py FIXED_PARAMS,
+#: SCALARS, PER_CALL_POINTERS) and their types as runtime.launch passes them
+_PARAM_TYPES = {"tape_ptr": "*i32", "qoff_ptr": "*i32", "cnt_ptr": "*i32", "status_ptr": "*i32", "prof_ptr": "*i64",
+                "ptab_ptr": "*i64", "ctl_ptr": "*i32", "spin_limit": "i32", "pos_arg": "i32", "x_ptr": "*bf16",
+                "out_ptr": "*bf16"}
+
+# (preset, max_seq, what): the kernels the benches and the GPU tests build
+CASES = [
+    ("llama70b-layer", 4224, "layer"),            # the column loop
+    ("small-gqa4", 256, "layer"),                 # a layer kernel on the row loop (d <= 2048)
+    ("llama3.2-1b", 1152, "decoder"),             # row loop, folded residual, LM head, ARGMAX
+    ("llama3.2-1b", 1152, "sampling"),            # ... SAMPLE instead of ARGMAX
+    ("llama3.2-1b", 1152, "profile"),             # ... the profiling build (globaltimer stamps)
+    ("llama3.1-8b", 1152, "decoder"),             # the column loop, whole model
+]
+
+
+def compile_sm90(tape, profile: bool = False):
+    """The kernel of ``tape`` as interp.runtime builds it on a GPU (``make_kernel``), compiled for sm_90 (in a process
+    without ``TRITON_INTERPRET``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from interp.runtime import make_kernel
+    lay = tape.lay
+    k, cx = make_kernel(lay, tape.classes(), interp=False, profile=profile)
+    sig = {n: ("constexpr" if n in cx else _PARAM_TYPES[n]) for n in k.arg_names}
+    src = ASTSource(fn=k, signature=sig,
+                    constexprs={(k.arg_names.index(n),): v for n, v in cx.items() if n in k.arg_names},
+                    attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names) if sig[n][0] == "*"})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": lay.tiling.num_warps, "num_stages": 1})
+
+
+def _main(preset: str, max_seq: int, what: str) -> None:
+    from opcodes import PRESETS
+    from schedule import compile_model
+    from schedule.decoder_program import decoder_lowering
+    kw = {"lowering": decoder_lowering(sample=True)} if what == "sampling" else {}
+    tape = compile_model(PRESETS[preset], 132, max_seq=max_seq, decoder=(what != "layer"), **kw).tape
+    ck = compile_sm90(tape, profile=(what == "profile"))
+    print(json.dumps({"shared": ck.metadata.shared, "cubin_bytes": len(ck.asm.get("cubin", b""))}))
+
+
+@pytest.mark.parametrize("preset,max_seq,what", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
+def test_default_kernel_compiles_for_sm90(preset, max_seq, what, tmp_path):
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(root), MEGATAPE_CACHE=str(tmp_path))
+    r = subprocess.run([sys.executable, __file__, preset, str(max_seq), what], capture_output=True, text=True,
+                       env=env, cwd=root, timeout=600)
+    assert r.returncode == 0, f"{preset} {what}: the kernel does not compile for sm_90:\n{r.stderr[-3000:]}"
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["cubin_bytes"] > 0
+    assert got["shared"] <= H200_SMEM_PER_BLOCK, \
+        f"{preset} {what}: {got['shared']} bytes of shared memory, an H200 block has {H200_SMEM_PER_BLOCK}"
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
