@@ -44,7 +44,11 @@ try:        # trees before the registry owned the kernel's parameters
 except ImportError:     # the registry declares the kernel's parameters
     from opcodes import kernel_constexprs, kernel_pointers
     cx = kernel_constexprs(lay, interp=False)
-    k = load_kernel(kernel_pointers(lay), list(cx))
+    try:    # the opcodes that wait inside their device functions
+        from opcodes import waiting_inside
+        k = load_kernel(kernel_pointers(lay), list(cx), (), waiting_inside(lay))
+    except ImportError:
+        k = load_kernel(kernel_pointers(lay), list(cx))
 cx.update(PROFILE=False)
 if "PREFETCH" in k.arg_names:   # trees before the prefetch experiment was removed
     cx["PREFETCH"] = False

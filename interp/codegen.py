@@ -17,7 +17,7 @@ import pathlib
 import sys
 
 import opcodes
-from opcodes import HEADER, WORDS
+from opcodes import HEADER, WAIT_ARGS, WORDS
 from opcodes.base import kernel_classes
 from opcodes.base import PER_CALL_POINTERS
 
@@ -44,7 +44,7 @@ PROF_WORDS = 4       # per slot (int64): [wait start, exec start, end, sm]
 
 def _check_args(classes, pointers: dict, constexprs) -> None:
     """Every parameter a device function takes has a declaration."""
-    known = set(pointers) | set(constexprs) | {"pos"} | set(PER_CALL_POINTERS)
+    known = set(pointers) | set(constexprs) | {"pos"} | set(PER_CALL_POINTERS) | set(WAIT_ARGS)
     for cls in classes:
         bad = [a for a in cls.ARGS if a not in known]
         if bad:
@@ -53,7 +53,7 @@ def _check_args(classes, pointers: dict, constexprs) -> None:
                             f"an entry in some opcode's CONSTEXPRS or in Layout.constexprs")
 
 
-def _emit_waits(w, ind: str) -> None:
+def _emit_waits(w, ind: str, inside=()) -> None:
     """The instruction's waits (bounded polls; a failed one is written to the status block).
     During call ``e`` a counter ends at exactly ``target * e`` (the verifier: every wait's target is
     the number of its producers): below it after ``spin_limit`` polls, a producer never signalled;
@@ -63,10 +63,11 @@ def _emit_waits(w, ind: str) -> None:
     signal a counter for its next call while this rank still waits on it, ``schedule.verify.verify_tp``
     point 6, so waits on counters the peer signals would need ``seen < wt``; TP tapes run only in
     the VM so far.)"""
+    mine = "".join(f" & (op != {c.OPCODE})" for c in inside)    # the opcodes that wait themselves
     for k in range(opcodes.MAX_WAITS):
         w(f"{ind}wc = tl.load(ins + {1 + 2 * k})")
         w(f"{ind}wt = tl.load(ins + {2 + 2 * k}) * epoch")
-        w(f"{ind}if (wc >= 0) & (failed == 0):")
+        w(f"{ind}if (wc >= 0) & (failed == 0){mine}:")
         w(f"{ind}    seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
         w(f"{ind}    n = 0")
         w(f"{ind}    while (seen < wt) & (n < spin_limit):")
@@ -78,18 +79,27 @@ def _emit_waits(w, ind: str) -> None:
         w(f"{ind}        _fail(status_ptr, sm, i, op, wc, wt, seen, epoch, code)")
 
 
-def _emit_dispatch(w, classes, ind: str) -> None:
+def _emit_dispatch(w, classes, ind: str, inside=()) -> None:
     for j, cls in enumerate(classes):
         ops = [f"a{k}" for k in range(len(cls.operand_names()))]
         w(f"{ind}{'if' if j == 0 else 'elif'} op == {cls.OPCODE}:  # {cls.NAME}")
-        w(f"{ind}    _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS)) + ")")
+        if cls.NAME in inside:
+            # the device function waits itself, after issuing its first weight loads
+            w(f"{ind}    wc, wt, seen, t_exec = _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS) + list(WAIT_ARGS)) + ")")
+            w(f"{ind}    if wc >= 0:")
+            w(f"{ind}        failed = sm * 0 + 1")
+            w(f"{ind}        _fail(status_ptr, sm, i, op, wc, wt, seen, epoch, "
+              f"tl.where(seen < wt, {FAIL_TIMEOUT}, {FAIL_PAST_TARGET}))")
+        else:
+            w(f"{ind}    _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS)) + ")")
 
 
-def kernel_source(pointers: dict, constexprs, used=()) -> str:
+def kernel_source(pointers: dict, constexprs, used=(), inside=()) -> str:
     """The kernel of the opcodes of :func:`opcodes.base.kernel_classes` (every opcode in every
     kernel, plus those of ``used`` that are not): ``pointers`` (name -> element type) reach it
     through the address table, in this order; ``constexprs`` are the names of its compile-time
-    parameters."""
+    parameters; ``inside`` names the opcodes whose device functions make their own waits
+    (:func:`opcodes.waiting_inside`)."""
     classes = kernel_classes(used)
     constexprs = sorted(constexprs)
     _check_args(classes, pointers, constexprs)
@@ -199,12 +209,12 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("        t_wait = _now(PROFILE)")
     for k in range(n_ops):
         w(f"        a{k} = tl.load(ins + {HEADER + k})")
-    _emit_waits(w, "        ")
+    _emit_waits(w, "        ", [c for c in classes if c.NAME in inside])
     w("        if failed == 0:")
     w("            t_exec = _now(PROFILE)")
-    _emit_dispatch(w, classes, "            ")
+    _emit_dispatch(w, classes, "            ", inside)
     w("            sig = tl.load(ins + 5)")
-    w("            if sig >= 0:")
+    w("            if (sig >= 0) & (failed == 0):")
     w("                signal_counter(cnt_ptr + sig)")
     w("            if PROFILE:")
     w("                t_end = _now(PROFILE)")
@@ -231,10 +241,10 @@ def cache_dir() -> pathlib.Path:
 _LOADED: dict[str, object] = {}
 
 
-def load_kernel(pointers: dict, constexprs, used=()):
+def load_kernel(pointers: dict, constexprs, used=(), inside=()):
     """Generate (if needed) and import the interpreter kernel of :func:`kernel_source`; returns
     its JITFunction."""
-    src = kernel_source(pointers, constexprs, used)
+    src = kernel_source(pointers, constexprs, used, inside)
     key = hashlib.sha256(src.encode()).hexdigest()[:16]
     if key in _LOADED:
         return _LOADED[key]

@@ -34,6 +34,8 @@ CASES = [
     ("llama3.2-1b", 1152, "decoder"),             # row loop, folded residual, LM head, ARGMAX
     ("llama3.2-1b", 1152, "sampling"),            # ... SAMPLE instead of ARGMAX
     ("llama3.2-1b", 1152, "profile"),             # ... the profiling build (globaltimer stamps)
+    ("llama3.2-1b", 1152, "o_prefetch"),          # ... O on the row loop, waiting inside it (v34)
+    ("small-gqa4", 256, "o_prefetch"),            # ... and a layer kernel so
     ("llama3.1-8b", 1152, "decoder"),             # the column loop, whole model
 ]
 
@@ -57,11 +59,15 @@ def compile_sm90(tape, profile: bool = False):
 
 
 def _main(preset: str, max_seq: int, what: str) -> None:
-    from opcodes import PRESETS
+    from opcodes import PRESETS, Tiling
     from schedule import compile_model
     from schedule.decoder_program import decoder_lowering
+    cfg = PRESETS[preset]
     kw = {"lowering": decoder_lowering(sample=True)} if what == "sampling" else {}
-    tape = compile_model(PRESETS[preset], 132, max_seq=max_seq, decoder=(what != "layer"), **kw).tape
+    if what == "o_prefetch":
+        kw["tiling"] = Tiling.for_config(cfg, o_prefetch=1)
+    decoder = cfg.vocab > 0 and what != "layer"
+    tape = compile_model(cfg, 132, max_seq=max_seq, decoder=decoder, **kw).tape
     ck = compile_sm90(tape, profile=(what == "profile"))
     print(json.dumps({"shared": ck.metadata.shared, "cubin_bytes": len(ck.asm.get("cubin", b""))}))
 
