@@ -476,12 +476,14 @@ def bench_table(rows: Sequence[dict]) -> str:
     return "\n".join([line(header), sep] + [line(b) for b in body])
 
 
-def hf_generate_us(cfg, device, pos: int, n_new: int = 32, compile: bool = True, seed: int = 0) -> float:
+def hf_generate_us(cfg, device, pos: int, n_new: int = 32, compile: bool = True, seed: int = 0,
+                   reps: int = 3) -> float:
     """transformers' greedy ``generate`` with a static cache (and ``torch.compile`` of the forward,
     mode reduce-overhead, as transformers documents for it) on a randomly initialised
     ``LlamaForCausalLM`` of ``cfg``'s shape: microseconds per generated token after a ``pos``-token
-    prompt, by wall clock, as the difference of two runs (``n_new`` and ``2 * n_new`` new tokens,
-    after a warm-up of each) so the prompt and the setup cancel."""
+    prompt, by wall clock, as the difference of the medians of ``reps`` runs of ``n_new`` and of
+    ``2 * n_new`` new tokens (alternated, after a warm-up of each), so the prompt and the setup
+    cancel and one slow run (a busy host) does not decide it."""
     from interp.hf import hf_config_kwargs, random_llama_on
     kw = hf_config_kwargs(cfg)
     kw["max_position_embeddings"] = max(kw["max_position_embeddings"], pos + 2 * n_new + 8)
@@ -503,5 +505,7 @@ def hf_generate_us(cfg, device, pos: int, n_new: int = 32, compile: bool = True,
 
     for n in (n_new, 2 * n_new):          # warm-up (and compile) for both lengths
         run(n)
-    short, long = run(n_new), run(2 * n_new)
+    times = [(run(n_new), run(2 * n_new)) for _ in range(reps)]
+    short = statistics.median(t[0] for t in times)
+    long = statistics.median(t[1] for t in times)
     return max(long - short, 0.0) / n_new * 1e6

@@ -139,5 +139,5 @@ def test_hf_generate_baseline_times_new_tokens():
     pytest.importorskip("transformers")
     import dataclasses
     cfg = dataclasses.replace(PRESETS["small-2layer"], vocab=96)
-    us = B.hf_generate_us(cfg, "cpu", pos=8, n_new=3, compile=False)
+    us = B.hf_generate_us(cfg, "cpu", pos=8, n_new=8, compile=False)
     assert 0 < us < 5e6
