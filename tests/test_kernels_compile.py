@@ -35,6 +35,8 @@ CASES = [
     ("llama3.2-1b", 1152, "sampling"),            # ... SAMPLE instead of ARGMAX
     ("llama3.2-1b", 1152, "profile"),             # ... the profiling build (globaltimer stamps)
     ("llama3.1-8b", 1152, "decoder"),             # the column loop, whole model
+    ("llama70b-layer", 4224, "tp-layer"),         # tensor parallel (rank 1 of 2): TP_PUSH / TP_REDUCE, peer signals
+    ("llama3.2-1b", 1152, "tp-decoder"),          # ... the whole model: TP_ARGMAX_PUSH / TP_ARGMAX too
 ]
 
 
@@ -61,7 +63,10 @@ def _main(preset: str, max_seq: int, what: str) -> None:
     from schedule import compile_model
     from schedule.decoder_program import decoder_lowering
     kw = {"lowering": decoder_lowering(sample=True)} if what == "sampling" else {}
-    tape = compile_model(PRESETS[preset], 132, max_seq=max_seq, decoder=(what != "layer"), **kw).tape
+    if what.startswith("tp-"):      # rank 1's tape (its kernel: the peer pointers, sys-scope peer signals / waits)
+        tape = compile_model(PRESETS[preset], 132, max_seq=max_seq, decoder=(what == "tp-decoder"), tp=2).tapes[1]
+    else:
+        tape = compile_model(PRESETS[preset], 132, max_seq=max_seq, decoder=(what != "layer"), **kw).tape
     ck = compile_sm90(tape, profile=(what == "profile"))
     print(json.dumps({"shared": ck.metadata.shared, "cubin_bytes": len(ck.asm.get("cubin", b""))}))
 
