@@ -19,7 +19,7 @@ import sys
 import opcodes
 from opcodes import HEADER, WAIT_ARGS, WORDS
 from opcodes.base import kernel_classes
-from opcodes.base import PER_CALL_POINTERS
+from opcodes.base import PER_CALL_POINTERS, signals_peer
 
 #: runtime parameters of the kernel before the model's buffers
 FIXED_PARAMS = ("tape_ptr", "qoff_ptr", "cnt_ptr", "status_ptr", "prof_ptr", "ptab_ptr", "ctl_ptr", "spin_limit")
@@ -44,7 +44,7 @@ PROF_WORDS = 4       # per slot (int64): [wait start, exec start, end, sm]
 
 def _check_args(classes, pointers: dict, constexprs) -> None:
     """Every parameter a device function takes has a declaration."""
-    known = set(pointers) | set(constexprs) | {"pos"} | set(PER_CALL_POINTERS) | set(WAIT_ARGS)
+    known = set(pointers) | set(constexprs) | {"pos", "epoch"} | set(PER_CALL_POINTERS) | set(WAIT_ARGS)   # pos, epoch: the call's
     for cls in classes:
         bad = [a for a in cls.ARGS if a not in known]
         if bad:
@@ -53,30 +53,53 @@ def _check_args(classes, pointers: dict, constexprs) -> None:
                             f"an entry in some opcode's CONSTEXPRS or in Layout.constexprs")
 
 
-def _emit_waits(w, ind: str, inside=()) -> None:
+def _emit_waits(w, ind: str, tp: bool = False, inside=()) -> None:
     """The instruction's waits (bounded polls; a failed one is written to the status block).
     During call ``e`` a counter ends at exactly ``target * e`` (the verifier: every wait's target is
     the number of its producers): below it after ``spin_limit`` polls, a producer never signalled;
     beyond it, another launch of the same handle ran beside this one or the call count is out of
     step with the counters (never silent). One test per wait on the common path (``seen != wt``),
-    the two told apart on the failure path. (Not so for a tensor-parallel kernel: there the peer may
-    signal a counter for its next call while this rank still waits on it, ``schedule.verify.verify_tp``
-    point 6, so waits on counters the peer signals would need ``seen < wt``; TP tapes run only in
-    the VM so far.)"""
+    the two told apart on the failure path.
+
+    ``tp`` (a tensor-parallel kernel): a counter the peer signals (``peer_sig_ptr[wc] == 1``) may be
+    past this call's target, since the peer may already be in its next call
+    (``schedule.verify.verify_tp`` point 6), so there ``seen > wt`` passes; a counter of this rank
+    alone still fails past its target. The polls are system-scope acquires (the peer is another GPU).
+    ``inside``: the opcodes whose device functions make their own waits (``Instruction.waits_inside``)."""
+    scope = "sys" if tp else "gpu"
     mine = "".join(f" & (op != {c.OPCODE})" for c in inside)    # the opcodes that wait themselves
     for k in range(opcodes.MAX_WAITS):
         w(f"{ind}wc = tl.load(ins + {1 + 2 * k})")
         w(f"{ind}wt = tl.load(ins + {2 + 2 * k}) * epoch")
         w(f"{ind}if (wc >= 0) & (failed == 0){mine}:")
-        w(f"{ind}    seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
+        w(f"{ind}    seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"{scope}\")")
         w(f"{ind}    n = 0")
         w(f"{ind}    while (seen < wt) & (n < spin_limit):")
-        w(f"{ind}        seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
+        w(f"{ind}        seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"{scope}\")")
         w(f"{ind}        n += 1")
         w(f"{ind}    if seen != wt:")
+        if tp:
+            w(f"{ind}        if (seen < wt) | (tl.load(peer_sig_ptr + wc) == 0):")
+            ind += "    "
         w(f"{ind}        failed = sm * 0 + 1")
         w(f"{ind}        code = tl.where(seen < wt, {FAIL_TIMEOUT}, {FAIL_PAST_TARGET})")
         w(f"{ind}        _fail(status_ptr, sm, i, op, wc, wt, seen, epoch, code)")
+
+
+def _emit_signal(w, classes, ind: str, tp: bool) -> None:
+    """The instruction's signal (not after a failed wait): this rank's counter, or (a
+    ``SIGNALS_PEER`` opcode of a tensor-parallel kernel) the peer's counter of the same index, with a
+    system-scope release."""
+    w(f"{ind}sig = tl.load(ins + 5)")
+    w(f"{ind}if (sig >= 0) & (failed == 0):")
+    if not tp:
+        w(f"{ind}    signal_counter(cnt_ptr + sig)")
+        return
+    peer_ops = [cls.OPCODE for cls in classes if cls.SIGNALS_PEER]
+    w(f"{ind}    if " + " | ".join(f"(op == {o})" for o in peer_ops) + ":")
+    w(f"{ind}        signal_peer_counter(peer_cnt_ptr + sig)")
+    w(f"{ind}    else:")
+    w(f"{ind}        signal_counter(cnt_ptr + sig)")
 
 
 def _emit_dispatch(w, classes, ind: str, inside=()) -> None:
@@ -103,6 +126,7 @@ def kernel_source(pointers: dict, constexprs, used=(), inside=()) -> str:
     classes = kernel_classes(used)
     constexprs = sorted(constexprs)
     _check_args(classes, pointers, constexprs)
+    tp = signals_peer(classes)          # a tensor-parallel kernel (interp.tp): peer signals and waits
     n_ops = max(len(c.operand_names()) for c in classes)
     interp = "INTERP" if "INTERP" in constexprs else "True"   # without the flag: tl.num_programs
     L = []
@@ -110,7 +134,7 @@ def kernel_source(pointers: dict, constexprs, used=(), inside=()) -> str:
     w("# Generated by interp/codegen.py from the opcode registry. Do not edit: regenerate.")
     w("import triton")
     w("import triton.language as tl")
-    w("from interp.sync import signal_counter")
+    w("from interp.sync import signal_counter" + (", signal_peer_counter" if tp else ""))
     w("from triton.language.extra.cuda import globaltimer as _globaltimer")
     for cls in classes:
         w(f"from {cls.__module__} import {cls.__name__} as _{cls.NAME}_cls")
@@ -224,13 +248,11 @@ def kernel_source(pointers: dict, constexprs, used=(), inside=()) -> str:
     w("        t_wait = _now(PROFILE)")
     for k in range(n_ops):
         w(f"        a{k} = tl.load(ins + {HEADER + k})")
-    _emit_waits(w, "        ", [c for c in classes if c.NAME in inside])
+    _emit_waits(w, "        ", tp, [c for c in classes if c.NAME in inside])
     w("        if failed == 0:")
     w("            t_exec = _now(PROFILE)")
     _emit_dispatch(w, classes, "            ", inside)
-    w("            sig = tl.load(ins + 5)")
-    w("            if (sig >= 0) & (failed == 0):")
-    w("                signal_counter(cnt_ptr + sig)")
+    _emit_signal(w, classes, "            ", tp)
     w("            if PROFILE:")
     w("                t_end = _now(PROFILE)")
     w(f"                pp = prof_ptr + i * {PROF_WORDS}")

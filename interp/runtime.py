@@ -316,6 +316,15 @@ def _resolve_tape(cfg: ModelConfig, max_seq_len: int, device: torch.device, dev_
     return tape, None
 
 
+def peer_pointers(classes) -> list[str]:
+    """The kernel pointers into the peer rank's memory of a tape of these opcodes (tensor
+    parallel): the peer's counters and the peer's buffers of ``PEER_POINTERS``; [] for one GPU."""
+    from opcodes.base import TP_POINTERS, signals_peer
+    if not signals_peer(classes):
+        return []
+    return ["peer_cnt_ptr"] + [p for cls in classes for p in cls.PEER_POINTERS if p not in TP_POINTERS]
+
+
 @dataclass
 class Bindings:
     """The device memory a tape's kernel reads and writes, by kernel pointer name."""
@@ -363,6 +372,20 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
     # dereferenced, and points at a small zeroed buffer
     on_tape = {a for cls in classes for a in cls.ARGS}
     unused = torch.zeros(16, dtype=torch.int32, device=device)
+    peer_names = peer_pointers(classes)
+    if peer_names:
+        # tensor parallel: which of this rank's counters the peer signals (the same indices its own
+        # SIGNALS_PEER instructions signal on the peer: both ranks run the same program); the
+        # pointers into the peer's memory are bound by interp.tp.wire_peer, until then a placeholder
+        from schedule.tape import decode
+        sig = torch.zeros(max(1, tape.n_counters), dtype=torch.int32)
+        for d in decode(tape):
+            if type(d.ins).SIGNALS_PEER and d.signal >= 0:
+                sig[d.signal] = 1
+        avail["peer_sig_ptr"] = sig.to(device)
+        types = kernel_pointers(lay, classes)
+        avail.update({n: torch.zeros(16, dtype=_TORCH_DTYPES[types[n]], device=device) for n in peer_names})
+        on_tape |= set(peer_names)
     model = {ptr: key for key, ptr in lay.MODEL_TENSORS}
     pointers = {}
     for name, dt in kernel_pointers(lay, classes).items():
@@ -409,6 +432,9 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     (:func:`bind_buffers`), generate and compile the kernel for the tape's opcodes, make the
     launcher (a direct driver launch on a GPU, Triton's JIT launch under the interpreter).
     """
+    if tape is not None and peer_pointers(tape.classes()):
+        raise ValueError("tape: a tensor-parallel rank's tape (it signals its peer); build both ranks with "
+                         "interp.tp.build_tp_layers / build_tp_decoder")
     cfg, device = validate_inputs(weights, kv_cache, cfg, max_seq_len)
     if spin_limit is None:
         # NOTE: the Triton interpreter runs programs one after another, so a counter cannot move

@@ -17,3 +17,11 @@ def signal_counter(ptr):
     """Make this CTA's writes visible, then count one producer done."""
     tl.debug_barrier()
     tl.atomic_add(ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def signal_peer_counter(ptr):
+    """Tensor parallel: make this CTA's writes (its stores into the peer's memory included) visible
+    to the peer GPU, then count one producer done on the PEER's counter (system scope)."""
+    tl.debug_barrier()
+    tl.atomic_add(ptr, 1, sem="release", scope="sys")

@@ -374,6 +374,10 @@ class Instruction:
     #: name -> n. :meth:`scratch_shapes` gives the whole allocation; :meth:`reads` / :meth:`writes`
     #: name offsets inside one slot (the verifier checks one slot per call)
     PARITY_SLOTS: ClassVar[dict[str, int]] = {}
+    #: tensor parallel: kernel pointers into the PEER rank's memory, pointer -> the peer's buffer it
+    #: points at (a scratch buffer of this opcode, e.g. ``{"peer_recv_ptr": "tp_recv"}``); the runtime
+    #: binds them to the peer's tensors (``interp.tp``: a CPU loopback, or the peer GPU's mapped memory)
+    PEER_POINTERS: ClassVar[dict[str, str]] = {}
     #: how far the device function may be from ``run_torch`` on the same inputs (relative; fp32
     #: sums in another order). Opcodes that round operands to bf16 on purpose allow more.
     TORCH_RTOL: ClassVar[float] = 1e-4
@@ -543,6 +547,15 @@ def kernel_constexprs(lay: Layout, interp: bool = False, used=()) -> dict:
 
 #: pointers that change with every call: the layer-0 input and the last layer's output
 PER_CALL_POINTERS = {"x_ptr": "bf16", "out_ptr": "bf16"}
+#: tensor parallel: the pointers of a kernel that holds a ``SIGNALS_PEER`` opcode: the peer's counters
+#: (where such an opcode's signal goes) and, per counter of this rank, 1 if the peer signals it (a wait
+#: on it may find the counter past its target: the peer may be a call ahead, ``schedule.verify.verify_tp``)
+TP_POINTERS = {"peer_cnt_ptr": "i32", "peer_sig_ptr": "i32"}
+
+
+def signals_peer(classes) -> bool:
+    """Whether a kernel of these opcodes is a tensor-parallel one (it signals the peer's counters)."""
+    return any(cls.SIGNALS_PEER for cls in classes)
 #: the per-layer offset table of :attr:`Layout.TENSORS`
 TABLE_POINTER = ("wtab_ptr", "i64")
 
@@ -555,8 +568,11 @@ def pointer_types(lay: Layout, used=()) -> dict[str, str]:
     _merge(out, {p: "bf16" for _, p in lay.TENSORS}, "pointer", type(lay).__name__)
     for cls in kernel_classes(used):
         own = {f"{n}_ptr": dt for n, dt in {**cls.SCRATCH, **cls.STATE}.items() if n not in cls.VIRTUAL}
-        _merge(out, {**cls.TABLES, **own}, "pointer", cls.NAME)
+        peer = {p: {**cls.SCRATCH, **cls.STATE}[b] for p, b in cls.PEER_POINTERS.items()}
+        _merge(out, {**cls.TABLES, **own, **peer}, "pointer", cls.NAME)
     _merge(out, {p: "bf16" for _, p in lay.MODEL_TENSORS}, "pointer", type(lay).__name__)
+    if signals_peer(kernel_classes(used)):
+        _merge(out, dict(TP_POINTERS), "pointer", "the tensor-parallel runtime")
     return {k: v for k, (_, v) in out.items()}
 
 
@@ -579,4 +595,6 @@ def kernel_pointers(lay: Layout, used=()) -> dict[str, str]:
                     raise TypeError(f"opcode {cls.NAME} takes pointer {a!r}, which no opcode or layout declares "
                                     f"(declared: {sorted(known)})")
                 taken.add(a)
+    if signals_peer(kernel_classes(used)):
+        taken.update(TP_POINTERS)
     return {k: v for k, v in known.items() if k in taken}

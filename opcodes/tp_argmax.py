@@ -23,8 +23,9 @@ TP_REDUCE recomputes its own partial). The receive buffer has two slots, by call
 
 The device function of the push writes through ``peer_am_recv_ptr``, the peer's ``tp_am_recv``
 mapped into this GPU's address space, with plain stores, as TP_PUSH does: the kernel's signal after
-the instruction is the release (on two GPUs the cross-GPU runtime, not built yet, must make it a
-system-scope release on the peer's counter, and the peer's wait a system-scope acquire); TP_ARGMAX
+the instruction is the release (a system-scope release on the peer's counter in a TP kernel, and
+the peer's wait a system-scope acquire: ``interp/codegen.py``; run so far only in the CPU loopback
+of ``interp.tp``); TP_ARGMAX
 reads the peer's pair with ``.cg`` loads after its wait, as TP_REDUCE reads ``tp_recv``. No
 single-GPU kernel holds either opcode (``IN_EVERY_KERNEL = False``).
 """
@@ -134,6 +135,7 @@ class TPArgmaxPush(_TPArgmaxBase):
     SIGNALS_PEER = True         # its signal is the peer's counter
     WRITES_PEER = True          # its writes land in the peer's tp_am_recv
     PARITY_SLOTS = {"tp_am_recv": 2}
+    PEER_POINTERS = {"peer_am_recv_ptr": "tp_am_recv"}     # the peer's tp_am_recv
     device = tp_argmax_push_device
 
     SCRATCH = {"tp_am_recv": "fp32"}      # [slot, (max logit, global index)]: what the peer pushed

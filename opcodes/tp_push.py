@@ -10,9 +10,11 @@ that is one call ahead of its peer never overwrites what the peer has not read y
 two calls ahead: every call of a rank waits on counters its peer signals in the same call, see
 ``schedule.verify.verify_tp``). TP_REDUCE on the peer waits on the signalled counter.
 
-The device function writes through ``peer_recv_ptr``, the peer's ``tp_recv`` mapped into this
-GPU's address space; the cross-GPU runtime (mapping it, the system-scope release on the peer's
-counter) is not built yet, so no kernel holds this opcode yet (``IN_EVERY_KERNEL = False``).
+The device function writes through ``peer_recv_ptr`` (:attr:`PEER_POINTERS`), the peer's ``tp_recv``
+mapped into this GPU's address space, and the kernel sends its signal to the peer's counters
+(``interp/codegen.py``: a system-scope release there). ``interp.tp`` binds them: so far only the CPU
+loopback (both ranks in one process under the Triton interpreter) has run; no GPU has run a TP
+kernel. No single-GPU kernel holds this opcode (``IN_EVERY_KERNEL = False``).
 """
 from __future__ import annotations
 
@@ -113,6 +115,7 @@ class TPPush(TPRowBlock):
     SIGNALS_PEER = True         # its signal is the peer's counter
     WRITES_PEER = True          # its writes land in the peer's tp_recv
     PARITY_SLOTS = {"tp_recv": 2}
+    PEER_POINTERS = {"peer_recv_ptr": "tp_recv"}     # the peer's tp_recv
     device = tp_push_device
 
     SCRATCH = {"tp_recv": "fp32"}     # [slot, layer, stage, d]: what the peer pushed

@@ -1,5 +1,5 @@
 """Tensor-parallel sharding (``opcodes/tp.py``) and ``load_hf_llama(..., tp_rank, tp_size)``, on the CPU
-(no kernel: the TP tape is not built yet).
+(the kernels of TP tapes: tests/test_tp_runtime.py).
 
 * ``shard_weights``: the ranks' shards concatenated along the split dimension are the full tensors,
   bit for bit; replicated tensors are the full ones; every shard is contiguous bf16 of the shard

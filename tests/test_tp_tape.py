@@ -190,8 +190,8 @@ def test_verify_tp_names_a_read_before_the_push_arrived():
 
 
 def test_tp_device_functions_compile_in_the_interpreter():
-    """The device functions run in the Triton interpreter (a tiny wrapper kernel; the cross-GPU
-    runtime that maps the peer's buffer is later work): push writes the summed chunks through
+    """The device functions run in the Triton interpreter (a tiny wrapper kernel; the whole kernel
+    runs them in tests/test_tp_runtime.py): push writes the summed chunks through
     ``peer_recv_ptr`` into slot epoch % 2, reduce adds rank 0 + rank 1 + the residual."""
     import os
     if os.environ.get("TRITON_INTERPRET") != "1":
