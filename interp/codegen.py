@@ -228,8 +228,11 @@ def kernel_source(pointers: dict, constexprs, used=(), inside=()) -> str:
     w("        if failed == 0:")
     w("            t_exec = _now(PROFILE)")
     _emit_dispatch(w, classes, "            ", inside)
+    # opcodes that signal the header's counter themselves (Instruction.SIGNALS_ITSELF: a last
+    # arriver signals only if it was last) are left out of the kernel's signal
+    own = "".join(f" & (op != {c.OPCODE})" for c in classes if c.SIGNALS_ITSELF)
     w("            sig = tl.load(ins + 5)")
-    w("            if (sig >= 0) & (failed == 0):")
+    w(f"            if (sig >= 0) & (failed == 0){own}:")
     w("                signal_counter(cnt_ptr + sig)")
     w("            if PROFILE:")
     w("                t_end = _now(PROFILE)")

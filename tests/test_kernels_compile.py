@@ -36,6 +36,7 @@ CASES = [
     ("llama3.2-1b", 1152, "profile"),             # ... the profiling build (globaltimer stamps)
     ("llama3.2-1b", 1152, "o_prefetch"),          # ... O on the row loop, waiting inside it (v34)
     ("small-gqa4", 256, "o_prefetch"),            # ... and a layer kernel so
+    ("llama3.2-1b", 1152, "attn_fold"),           # ... ATTN_REDUCE folded into the last partial (v36)
     ("llama3.1-8b", 1152, "decoder"),             # the column loop, whole model
 ]
 
@@ -66,6 +67,8 @@ def _main(preset: str, max_seq: int, what: str) -> None:
     kw = {"lowering": decoder_lowering(sample=True)} if what == "sampling" else {}
     if what == "o_prefetch":
         kw["tiling"] = Tiling.for_config(cfg, o_prefetch=1)
+    if what == "attn_fold":
+        kw["tiling"] = Tiling.for_config(cfg, attn_fold=1)
     decoder = cfg.vocab > 0 and what != "layer"
     tape = compile_model(cfg, 132, max_seq=max_seq, decoder=decoder, **kw).tape
     ck = compile_sm90(tape, profile=(what == "profile"))
