@@ -5,8 +5,9 @@ It computes and stores its partial exactly as ATTN_PARTIAL does, then counts its
 arrival counter (operand ``arrive``, ``part[l,g]``) with one acq_rel atomic add. The partial whose
 add sees ``SPLITS * epoch - 1`` (the others of this call have all arrived, and their partials are
 visible: each released its stores with its add, this add acquires them) merges ALL splits of the
-group's query heads, head by head, with ATTN_REDUCE's own device function (so the result is bitwise
-what ATTN_REDUCE writes, whichever partial is last), and signals the tape's counter (``attn[l]``, or
+group's query heads with ATTN_REDUCE's own code (``attn_reduce_load`` / ``attn_reduce_store``, so the
+result is bitwise what ATTN_REDUCE writes, whichever partial is last; four heads at a time, their
+loads before their stores), and signals the tape's counter (``attn[l]``, or
 ``attn[l,oc]`` with a split O projection), whose per-call target is the number of groups. The
 others signal nothing. So the O projection waits one dependency hop less: no ATTN_REDUCE instruction
 polls the partials' counter and then signals its own.
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .attn_partial import AttnPartial, attn_partial_device
-from .attn_reduce import AttnReduce, attn_reduce_device
+from .attn_reduce import AttnReduce, attn_reduce_load, attn_reduce_store
 from .base import Cost, Layout, Region, register
 
 
@@ -31,6 +32,23 @@ def _signal(ptr):
     # interp.sync.signal_counter (not imported: the interp package imports the opcodes)
     tl.debug_barrier()
     tl.atomic_add(ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _merge4(layer, h, LEFT: tl.constexpr, part_o_ptr, part_ml_ptr, attn_ptr,
+            NQ: tl.constexpr, HD: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    # heads h .. h + min(4, LEFT) - 1: every load, then every merge and store (ATTN_REDUCE's code)
+    m0, l0, o0 = attn_reduce_load(layer, h, part_o_ptr, part_ml_ptr, NQ, HD, SPLITS, SPLITS_PAD)
+    if LEFT > 1:
+        m1, l1, o1 = attn_reduce_load(layer, h + 1, part_o_ptr, part_ml_ptr, NQ, HD, SPLITS, SPLITS_PAD)
+        if LEFT > 2:
+            m2, l2, o2 = attn_reduce_load(layer, h + 2, part_o_ptr, part_ml_ptr, NQ, HD, SPLITS, SPLITS_PAD)
+            if LEFT > 3:
+                m3, l3, o3 = attn_reduce_load(layer, h + 3, part_o_ptr, part_ml_ptr, NQ, HD, SPLITS, SPLITS_PAD)
+                attn_reduce_store(layer, h + 3, m3, l3, o3, attn_ptr, NQ, HD, SPLITS, SPLITS_PAD)
+            attn_reduce_store(layer, h + 2, m2, l2, o2, attn_ptr, NQ, HD, SPLITS, SPLITS_PAD)
+        attn_reduce_store(layer, h + 1, m1, l1, o1, attn_ptr, NQ, HD, SPLITS, SPLITS_PAD)
+    attn_reduce_store(layer, h, m0, l0, o0, attn_ptr, NQ, HD, SPLITS, SPLITS_PAD)
 
 
 @triton.jit
@@ -46,9 +64,11 @@ def attn_partial_fold_device(layer, g, s, arrive, pos, wtab_ptr, kc_ptr, vc_ptr,
     tl.debug_barrier()
     seen = tl.atomic_add(cnt_ptr + arrive, 1, sem="acq_rel", scope="gpu")
     if seen == SPLITS * epoch - 1:
-        # the last of the group: merge every split, in ATTN_REDUCE's order and arithmetic
-        for hh in tl.static_range(GROUP):
-            attn_reduce_device(layer, g * GROUP + hh, part_o_ptr, part_ml_ptr, attn_ptr, NQ, HD, SPLITS, SPLITS_PAD)
+        # the last of the group: merge every split, in ATTN_REDUCE's order and arithmetic. Four heads
+        # at a time, their loads before any store (a store in between would keep the compiler from
+        # issuing the next head's loads early: one L2 round trip per head)
+        for hh in tl.static_range(0, GROUP, 4):
+            _merge4(layer, g * GROUP + hh, GROUP - hh, part_o_ptr, part_ml_ptr, attn_ptr, NQ, HD, SPLITS, SPLITS_PAD)
         sig = tl.load(ins + 5)
         if sig >= 0:
             _signal(cnt_ptr + sig)

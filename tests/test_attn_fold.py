@@ -122,6 +122,25 @@ def test_folded_layers_bitwise_in_the_kernel():
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(k, outs[0][1]))
 
 
+@pytest.mark.parametrize("n_q,n_kv", [(8, 1), (6, 2), (4, 4)], ids=["group8", "group3", "group1"])
+def test_group_sizes_bitwise_in_the_kernel(n_q, n_kv):
+    # the merge takes the group's heads four at a time (all loads, then the stores): 8 = 4 + 4, 3, 1
+    cfg = dataclasses.replace(CFG, layers=1, n_q=n_q, n_kv=n_kv, name=f"small-q{n_q}-kv{n_kv}")
+    w = make_weights(cfg, seed=5)
+    x = rand_x(cfg.d, 6)
+    kv0 = make_kv_cache(cfg, 32, 11)
+    outs = []
+    for fold in (0, 1):
+        kv = clone_cache(kv0)
+        h = build_layer(w, kv, cfg.to_dict(), 32, tiling=_tiling(cfg, fold))
+        outs.append(layer_step(h, x, 11).clone())
+        teardown(h)
+        c = compile_model(cfg, 3, max_seq=32, tiling=_tiling(cfg, fold))
+        verify(c.tape, c.prog)
+        outs.append(run_tape(c.tape, w, make_kv_cache(cfg, 32, 11), x, 11, seed=fold))
+    assert torch.equal(bits(outs[0]), bits(outs[2])) and torch.equal(bits(outs[1]), bits(outs[3]))
+
+
 def test_folded_decoder_bitwise_in_the_kernel():
     cfg = dataclasses.replace(CFG, vocab=96, name="small-2layer-v96")
     w = decoder_weights(cfg, seed=6)
