@@ -36,6 +36,15 @@ if os.environ.get("MEGATAPE_DECODER"):      # the whole-model kernel (embed, lm_
     lay = DecoderLayout(cfg, til, 1152)
 else:
     lay = Layout(cfg, til, 4224)
+try:        # the opcodes of the program the benches build (some are only in the kernels of tapes holding them)
+    from schedule.program import lower
+    if os.environ.get("MEGATAPE_DECODER"):
+        from schedule.decoder_program import lower_decoder
+        used = tuple(lower_decoder(Layout(cfg, til, 1152)).classes())
+    else:
+        used = tuple(lower(lay).classes())
+except Exception:
+    used = ()
 from interp.codegen import load_kernel
 try:        # trees before the registry owned the kernel's parameters
     from opcodes.common import constexpr_values
@@ -43,10 +52,16 @@ try:        # trees before the registry owned the kernel's parameters
     cx = constexpr_values(lay, interp=False)
 except ImportError:     # the registry declares the kernel's parameters
     from opcodes import kernel_constexprs, kernel_pointers
-    cx = kernel_constexprs(lay, interp=False)
+    try:
+        cx = kernel_constexprs(lay, interp=False, used=used)
+    except TypeError:
+        cx = kernel_constexprs(lay, interp=False)
     try:    # the opcodes that wait inside their device functions
         from opcodes import waiting_inside
-        k = load_kernel(kernel_pointers(lay), list(cx), (), waiting_inside(lay))
+        try:
+            k = load_kernel(kernel_pointers(lay, used), list(cx), used, waiting_inside(lay, used))
+        except TypeError:
+            k = load_kernel(kernel_pointers(lay), list(cx), (), waiting_inside(lay))
     except ImportError:
         k = load_kernel(kernel_pointers(lay), list(cx))
 cx.update(PROFILE=False)
