@@ -77,9 +77,7 @@ def attn_partial_fold_device(layer, g, s, arrive, pos, wtab_ptr, kc_ptr, vc_ptr,
 @register
 @dataclass(frozen=True)
 class AttnPartialFold(AttnPartial):
-    layer: int
-    g: int        # KV head
-    s: int        # split of the key sequence
+    # ATTN_PARTIAL's operands (layer, g, s), then:
     arrive: int   # the group's arrival counter (part[l,g])
 
     NAME = "attn_partial_fold"

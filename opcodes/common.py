@@ -176,6 +176,14 @@ def row_vec(x_ptr, nw_ptr, kbase, KLEN: tl.constexpr, KP: tl.constexpr, NORM: tl
 
 
 @triton.jit
+def norm_row_vec(x_ptr, nw_ptr, K: tl.constexpr, KP: tl.constexpr, EPS: tl.constexpr):
+    """:func:`row_vec` of an RMSNorm'ed input (``x[0:K] * nw``, zero-padded to ``KP``) and its
+    ``rsqrt(mean(x^2) + EPS)``, applied by the caller after the dots (GATE_UP, LM_HEAD)."""
+    hv, ss = row_vec(x_ptr, nw_ptr, 0, K, KP, NORM=True)
+    return hv, 1.0 / tl.sqrt(ss / K + EPS)
+
+
+@triton.jit
 def rows_load(w_ptr, rows, row_mask, kbase, K: tl.constexpr, klen, KP: tl.constexpr, EVEN: tl.constexpr):
     """``W[rows, kbase : kbase + klen]`` (bf16, zero-padded to ``KP`` columns): one pipeline stage
     of a row-streaming GEMV (``Tiling.row_bytes``), whole rows read once (evicted first).

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
-from .common import T_N2, T_WG, T_WU, gemv_stream, row_vec, rows_dot, tab_offset
+from .common import T_N2, T_WG, T_WU, gemv_stream, norm_row_vec, rows_dot, tab_offset
 
 
 @triton.jit
@@ -23,8 +23,7 @@ def _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_out,
              D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
              GU_RB: tl.constexpr, STAGES: tl.constexpr):
     # whole rows, GU_RB of gate and of up per pipeline stage (Tiling.row_bytes)
-    hv, ss = row_vec(xin, nw_ptr, 0, D, DP, NORM=True)
-    rstd = 1.0 / tl.sqrt(ss / D + EPS)
+    hv, rstd = norm_row_vec(xin, nw_ptr, D, DP, EPS)
     EVEN: tl.constexpr = (D == DP) and (FFN % GU_ROWS == 0)
     for b in tl.range(0, GU_ROWS // GU_RB, num_stages=STAGES):
         rows = row0 + b * GU_RB + tl.arange(0, GU_RB)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, register, tile_start
-from .common import gemv_stream, row_vec, rows_dot
+from .common import gemv_stream, norm_row_vec, rows_dot
 
 
 @triton.jit
@@ -60,8 +60,7 @@ def _lm_rows(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, D: tl.constexpr, DP:
              VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr, LM_RB: tl.constexpr, STAGES: tl.constexpr):
     # whole rows, LM_RB per pipeline stage (Tiling.row_bytes). Returns the tile's logits, read
     # back for its (max, argmax).
-    hv, ss = row_vec(out_ptr, fnorm_ptr, 0, D, DP, NORM=True)
-    rstd = 1.0 / tl.sqrt(ss / D + EPS)
+    hv, rstd = norm_row_vec(out_ptr, fnorm_ptr, D, DP, EPS)
     EVEN: tl.constexpr = (D == DP) and (VOCAB % LM_ROWS == 0)
     for b in tl.range(0, LM_ROWS // LM_RB, num_stages=STAGES):
         r = row0 + b * LM_RB + tl.arange(0, LM_RB)

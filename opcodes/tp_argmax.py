@@ -88,10 +88,13 @@ def pick(rank0: tuple[float, float], rank1: tuple[float, float]) -> int:
     return int(rank1[1] if rank1[0] > rank0[0] else rank0[1])
 
 
+@dataclass(frozen=True)
 class _TPArgmaxBase(Instruction):
     """The operand and the checks both opcodes share: ``nparts`` LM head partials of a
     tensor-parallel decoder layout."""
+    nparts: int      # LM head partials of this rank (= TPDecoderLayout.n_lm_tiles)
 
+    STAGE = 8
     TIMING = Timing.FIXED
     IN_EVERY_KERNEL = False
     WHOLE_MODEL = True
@@ -127,10 +130,7 @@ def recv_slot(buf: torch.Tensor, epoch: int) -> torch.Tensor:
 @register
 @dataclass(frozen=True)
 class TPArgmaxPush(_TPArgmaxBase):
-    nparts: int      # LM head partials of this rank (= TPDecoderLayout.n_lm_tiles)
-
     NAME = "tp_argmax_push"
-    STAGE = 8
     ARGS = ("epoch", "amax_ptr", "peer_am_recv_ptr", "LM_VOCAB", "AM_BLOCK", "TP_RANK")
     SIGNALS_PEER = True         # its signal is the peer's counter
     WRITES_PEER = True          # its writes land in the peer's tp_am_recv
@@ -160,10 +160,7 @@ class TPArgmaxPush(_TPArgmaxBase):
 @register
 @dataclass(frozen=True)
 class TPArgmax(_TPArgmaxBase):
-    nparts: int      # LM head partials of this rank (= TPDecoderLayout.n_lm_tiles)
-
     NAME = "tp_argmax"
-    STAGE = 8
     ARGS = ("epoch", "pos", "amax_ptr", "tp_am_recv_ptr", "tok_ptr", "toks_ptr", "LM_VOCAB", "AM_BLOCK", "TP_RANK")
     device = tp_argmax_device
 

@@ -132,6 +132,20 @@ def decoder_weights(cfg, seed: int = 0, device="cpu") -> dict:
     return w
 
 
+def decode_tokens(w: dict, cfg, tiling, tokens=(5, 17, 3), max_seq: int = 16):
+    """The real decoder kernel built with ``tiling`` fed ``tokens`` at positions 0, 1, ... from an
+    empty cache: (its fp32 logits stacked [steps, vocab], its greedy token after each step)."""
+    from interp import build_decoder, decode_step, teardown
+    from opcodes.reference import make_kv_cache
+    h = build_decoder(w, make_kv_cache(cfg, max_seq, 0), cfg.to_dict(), max_seq, tiling=tiling)
+    logits, toks = [], []
+    for p, t in enumerate(tokens):
+        logits.append(decode_step(h, torch.tensor([t], dtype=torch.int32), p)[0].clone())
+        toks.append(int(h.tok[0]))
+    teardown(h)
+    return torch.stack(logits), toks
+
+
 def random_llama(kw: dict, seed: int, max_position_embeddings: int = 128):
     """``interp.hf.random_llama`` (imported when called: importing interp imports triton)."""
     from interp.hf import random_llama as make

@@ -12,12 +12,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 import interp
 import opcodes
-from conftest import clone_cache, decoder_weights, rand_x, require_interpreter
-from interp import build_decoder, build_layer, decode_step, layer_step, teardown
+from conftest import clone_cache, decode_tokens, decoder_weights, rand_x, require_interpreter
+from interp import build_layer, layer_step, teardown
 from opcodes import ModelConfig, Tiling
 from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err
 from schedule import compile_model
@@ -75,15 +74,7 @@ def test_layers_match_the_vm_and_the_column_loop(over):
 def test_decoder_tokens_and_logits_match_the_column_loop():
     cfg = dataclasses.replace(ModelConfig.from_name("small-2layer"), vocab=96, name="small-2layer-v96")
     w = decoder_weights(cfg, seed=6)
-    got = []
-    for pre in (0, 1):
-        h = build_decoder(w, make_kv_cache(cfg, 16, 0), cfg.to_dict(), 16, tiling=_tiling(cfg, pre))
-        logits, toks = [], []
-        for p, t in enumerate((5, 17, 3)):
-            logits.append(decode_step(h, torch.tensor([t], dtype=torch.int32), p)[0].clone())
-            toks.append(int(h.tok[0]))
-        got.append((torch.stack(logits), toks))
-        teardown(h)
+    got = [decode_tokens(w, cfg, _tiling(cfg, pre)) for pre in (0, 1)]
     assert rel_err(got[1][0], got[0][0]) <= 1e-2
     assert got[1][1] == got[0][1]
 

@@ -14,8 +14,8 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import bits, clone_cache, decoder_weights, rand_x, require_interpreter
-from interp import build_decoder, build_layer, decode_step, layer_step, teardown
+from conftest import bits, clone_cache, decode_tokens, decoder_weights, rand_x, require_interpreter
+from interp import build_layer, layer_step, teardown
 from opcodes import NO_COUNTER, ModelConfig, Tiling
 from opcodes.reference import make_kv_cache, make_weights
 from schedule import TapeError, compile_model, verify
@@ -67,12 +67,7 @@ def test_folded_layers_bitwise_in_the_kernel():
 def test_folded_decoder_bitwise_in_the_kernel():
     cfg = dataclasses.replace(CFG, vocab=96, name="small-2layer-v96")
     w = decoder_weights(cfg, seed=6)
-    logits = []
-    for fold in (0, 1):
-        h = build_decoder(w, make_kv_cache(cfg, 16, 0), cfg.to_dict(), 16, tiling=_tiling(cfg, fold))
-        logits.append(torch.stack([decode_step(h, torch.tensor([t], dtype=torch.int32), p)[0].clone()
-                                   for p, t in enumerate((5, 17, 3))]))
-        teardown(h)
+    logits = [decode_tokens(w, cfg, _tiling(cfg, fold))[0] for fold in (0, 1)]
     assert torch.equal(bits(logits[0]), bits(logits[1]))
 
 
