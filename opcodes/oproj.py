@@ -21,22 +21,11 @@ from .common import T_WO, gemv_stream, layer_rows, row_vec, rows_load, tab_offse
 
 
 @triton.jit
-def _o_resid(rows, rm, layer, x_ptr, xout_ptr, x1_ptr, dpart_ptr, D: tl.constexpr, O_PART: tl.constexpr,
-             DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
-    """The residual rows the tile adds (none with partial outputs). Loaded before the weight loop:
-    they were complete before this tile's waits, and issued first their L2 round trip overlaps the
-    stream instead of following it."""
+def _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr,
+             D: tl.constexpr, O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, DOWN_CHUNKS: tl.constexpr,
+             RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     if O_PART == 0:
         xr = layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, rows, rm, D, DOWN_CHUNKS, RES_FOLD, INTERP)
-    else:
-        xr = rows.to(tl.float32) * 0.0
-    return xr
-
-
-@triton.jit
-def _o_store(y, xr, rows, rm, layer, oc, x1_ptr, opart_ptr, D: tl.constexpr, O_CHUNKS: tl.constexpr,
-             O_PART: tl.constexpr):
-    if O_PART == 0:
         tl.store(x1_ptr + layer * D + rows, xr + y, mask=rm)
     else:
         tl.store(opart_ptr + (layer * O_CHUNKS + oc) * D + rows, y, mask=rm)
@@ -55,20 +44,19 @@ def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x
     rm = rows < D
     if O_RB == 0:
         # the column loop, after the kernel's waits
-        xr = _o_resid(rows, rm, layer, x_ptr, xout_ptr, x1_ptr, dpart_ptr, D, O_PART, DOWN_CHUNKS, RES_FOLD, INTERP)
         acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, attn_ptr + layer * QD, attn_ptr, oc * O_K, QD, O_K,
                                 O_ROWS, BK, STAGES, TWO=False, NORM=False,
                                 EVEN=(QD % O_K == 0) and (O_K % BK == 0) and (D % O_ROWS == 0))
-        _o_store(tl.sum(acc, axis=1), xr, rows, rm, layer, oc, x1_ptr, opart_ptr, D, O_CHUNKS, O_PART)
+        _o_store(tl.sum(acc, axis=1), rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr, D,
+                 O_CHUNKS, O_PART, DOWN_CHUNKS, RES_FOLD, INTERP)
     else:
         # Tiling.o_prefetch: whole rows, O_RB per pipeline stage, the waits inside the loop
         # (OProj.waits_inside): the prologue's blocks load while the SM waits
         y, bad_c, bad_t, bad_s, t_exec = _o_rows(w_ptr, row0, oc, attn_ptr + layer * QD, ins, cnt_ptr, epoch,
                                                  spin_limit, D, QD, O_ROWS, O_K, O_KP, O_RB, STAGES, PROFILE)
         if bad_c < 0:
-            xr = _o_resid(rows, rm, layer, x_ptr, xout_ptr, x1_ptr, dpart_ptr, D, O_PART, DOWN_CHUNKS, RES_FOLD,
-                          INTERP)
-            _o_store(y, xr, rows, rm, layer, oc, x1_ptr, opart_ptr, D, O_CHUNKS, O_PART)
+            _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr, D, O_CHUNKS, O_PART,
+                     DOWN_CHUNKS, RES_FOLD, INTERP)
         return bad_c, bad_t, bad_s, t_exec
 
 

@@ -37,20 +37,14 @@ def section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr):
 
 
 @triton.jit
-def _rope_row(dims, sec, pos, cos_ptr, sin_ptr, HD: tl.constexpr):
-    """The RoPE cos / sin of dims ``dims`` at ``pos`` (1 / 0 for v). Loaded before the weight loop
-    (constant tables): their round trip overlaps the stream instead of following it."""
+def _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
+                NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr, INTERP: tl.constexpr):
+    """RoPE on (q, k) dims ``dims`` of both halves of the head, then q -> scratch, k / v -> cache row ``pos``."""
     rot = sec < 2
     c = tl.load(cos_ptr + pos * (HD // 2) + dims)
     s = tl.load(sin_ptr + pos * (HD // 2) + dims)
-    return tl.where(rot, c, 1.0), tl.where(rot, s, 0.0)
-
-
-@triton.jit
-def _rope_store(y1, y2, c, s, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr,
-                NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr, INTERP: tl.constexpr):
-    """RoPE on (q, k) dims ``dims`` of both halves of the head (``c``, ``s``: :func:`_rope_row`),
-    then q -> scratch, k / v -> cache row ``pos``."""
+    c = tl.where(rot, c, 1.0)
+    s = tl.where(rot, s, 0.0)
     o1 = y1 * c - y2 * s
     o2 = y2 * c + y1 * s
     if sec == 0:
@@ -80,7 +74,6 @@ def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wta
     dims = j * HALF + tl.arange(0, HALF)                       # [HALF] in [0, HD/2)
     rows1 = head * HD + dims
     rows2 = rows1 + HD // 2
-    c, s = _rope_row(dims, sec, pos, cos_ptr, sin_ptr, HD)
     if RES_FOLD:
         if layer > 0:
             # the previous layer's RESIDUAL, folded in: x = bf16(x1 + dpart[0] + ...), as RESIDUAL rounds it
@@ -97,7 +90,8 @@ def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wta
     rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
     y1 = tl.sum(acc1, axis=1) * rstd
     y2 = tl.sum(acc2, axis=1) * rstd
-    _rope_store(y1, y2, c, s, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, NQ, HD, MAX_SEQ, INTERP)
+    _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
+                NQ, HD, MAX_SEQ, INTERP)
 
 
 @register
