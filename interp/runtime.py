@@ -19,7 +19,6 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
-import triton
 
 from opcodes import Layout, ModelConfig, Tiling, kernel_constexprs, kernel_pointers, state_buffers, waiting_inside
 from opcodes.reference import layer_shapes
@@ -506,9 +505,6 @@ def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
                          h.spin_limit, 0, x0, x0, grid=(h.num_sms,), **cx, **h.launch_opts)
     ck._init_handles()
     h.resources = {"n_regs": ck.n_regs, "n_spills": ck.n_spills, "shared": ck.metadata.shared}
-    # device-side tensor descriptors (Tiling.tma) live in a global scratch: the direct launcher
-    # allocates it once; Triton's own launch (the fallback below) asks the allocator at each launch
-    h.scratch_bytes = getattr(ck.metadata, "global_scratch_size", 0) or 0
     from .fastlaunch import FastLauncher
     try:
         h.launcher = FastLauncher(
@@ -606,11 +602,6 @@ def set_position(h, pos: int) -> None:
     h.ctl[CTL_POS].fill_(pos)
 
 
-def _cuda_scratch(size: int, alignment: int, stream):
-    """Triton's allocator for a kernel's global scratch (tensor descriptors made on the device)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def launch(h: LayerHandle, x: torch.Tensor, pos: int, out: torch.Tensor) -> None:
     """One launch of the interpreter kernel (no checks); ``pos`` -1: the position on the device.
     The call count and the next position live in the control block, which the kernel advances:
@@ -619,8 +610,6 @@ def launch(h: LayerHandle, x: torch.Tensor, pos: int, out: torch.Tensor) -> None
         h.launcher(torch._C._cuda_getCurrentRawStream(h.device.index), pos_arg=pos,
                    x_ptr=x.data_ptr(), out_ptr=out.data_ptr())
     else:
-        if getattr(h, "scratch_bytes", 0):
-            triton.set_allocator(_cuda_scratch)
         h.kernel[(h.num_sms,)](h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.ctl,
                                h.spin_limit, pos, x, out, **h.constexprs, **h.launch_opts)
 

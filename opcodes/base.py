@@ -92,15 +92,11 @@ class Tiling:
     # ATTN_REDUCE's order and arithmetic: bitwise the same) and signals the O projection's counter:
     # one dependency hop less per layer (opcodes.attn_fold; bench/NOTES.md v36, not measured yet)
     attn_fold: int = 0
-    # which GEMVs have the TMA engine read their weights (a bit set: 1 GATE_UP, 2 DOWN), through a
-    # tensor descriptor the instruction makes (opcodes.common.gemv_stream_tma); a GEMV whose shapes
-    # the engine cannot take (Layout.tma_bk) keeps its loop. bench/NOTES.md v38 (not measured yet)
-    tma: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "o_prefetch", "attn_fold", "tma") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "o_prefetch", "attn_fold") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -113,8 +109,6 @@ class Tiling:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
         if self.res_fold not in (0, 1):
             raise ValueError(f"Tiling.res_fold must be 0 or 1, got {self.res_fold}")
-        if not 0 <= self.tma <= 3:
-            raise ValueError(f"Tiling.tma must be a bit set in [0, 3] (1 gate_up, 2 down), got {self.tma}")
         if self.o_prefetch not in (0, 1):
             raise ValueError(f"Tiling.o_prefetch must be 0 or 1, got {self.o_prefetch}")
         if self.attn_fold not in (0, 1):
@@ -278,17 +272,6 @@ class Layout:
         n = self.n_down_k
         return [Region("x1", L * d + lo, L * d + hi)] + \
             [Region("dpart", (L * n + k) * d + lo, (L * n + k) * d + hi) for k in range(n)]
-
-    def tma_bk(self, bit: int, klen: int, k: int, rows: int) -> int:
-        """The columns per TMA block of a GEMV of ``rows``-row tiles over ``klen`` of ``k`` columns
-        when ``Tiling.tma`` has ``bit`` (8 KB blocks, at most ``Tiling.bk`` and the engine's
-        256-element box: with ``bk`` that small the sums are bitwise the loop's), or 0:
-        the GEMV keeps its loop (bit off, or a K range the blocks do not divide: the engine has no
-        column mask the loop's vector loads could share)."""
-        if not self.tiling.tma & bit or rows > 256:
-            return 0
-        bk = min(self.tiling.bk, 256, max(16, 8192 // (2 * rows)))
-        return bk if klen % bk == 0 and k % klen == 0 else 0
 
     @property
     def o_partial(self) -> bool:

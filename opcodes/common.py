@@ -157,39 +157,6 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
 
 
 @triton.jit
-def gemv_stream_tma(w1_ptr, row1, w2_ptr, row2, nrows, x_ptr, nw_ptr, kbase,
-                    K: tl.constexpr, KLEN: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
-                    STAGES: tl.constexpr, TWO: tl.constexpr, NORM: tl.constexpr):
-    """:func:`gemv_stream`'s loop with the weights read by the TMA engine (``Tiling.tma``): rows
-    ``row1 .. row1 + ROWS`` of the row-major ``[nrows, K]`` bf16 matrix at ``w1_ptr`` (and with
-    ``TWO`` of ``w2_ptr`` from ``row2``), through a tensor descriptor made here (device-side, in the
-    kernel's global scratch). The engine zero-fills rows past ``nrows``, so the rows need no mask;
-    the columns must: ``KLEN`` a multiple of ``BK`` and ``kbase + KLEN <= K`` (``BK`` <= 256, the
-    engine's box limit). Same returns as :func:`gemv_stream` (no ``XP``)."""
-    d1 = tl.make_tensor_descriptor(w1_ptr, shape=[nrows, K], strides=[K, 1], block_shape=[ROWS, BK])
-    d2 = tl.make_tensor_descriptor(w2_ptr, shape=[nrows, K], strides=[K, 1], block_shape=[ROWS, BK])
-    acc1 = tl.zeros([ROWS, BK], dtype=tl.float32)
-    acc2 = tl.zeros([ROWS, BK], dtype=tl.float32)
-    ss = tl.zeros([BK], dtype=tl.float32)
-    for kk in tl.range(0, KLEN, BK, num_stages=STAGES):
-        cols = kbase + kk + tl.arange(0, BK)
-        xv = tl.load(x_ptr + cols, cache_modifier=".cg").to(tl.float32)
-        w1 = d1.load([row1, kbase + kk])
-        if TWO:
-            w2 = d2.load([row2, kbase + kk])
-        if NORM:
-            nw = tl.load(nw_ptr + cols).to(tl.float32)
-            ss += xv * xv
-            hv = (xv * nw)[None, :]
-        else:
-            hv = xv[None, :]
-        acc1 += w1.to(tl.float32) * hv
-        if TWO:
-            acc2 += w2.to(tl.float32) * hv
-    return acc1, acc2, ss
-
-
-@triton.jit
 def row_vec(x_ptr, nw_ptr, kbase, KLEN: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr):
     """The vector of a row-streaming GEMV (``Tiling.row_bytes``): ``x[kbase : kbase + KLEN]`` in
     fp32, zero-padded to ``KP`` (a power of two), times the RMSNorm weight at ``nw_ptr`` with

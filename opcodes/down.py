@@ -14,25 +14,20 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
-from .common import T_WD, gemv_stream, gemv_stream_tma, tab_offset
+from .common import T_WD, gemv_stream, tab_offset
 
 
 @triton.jit
 def down_device(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
                 D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
-                DOWN_CHUNKS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, DOWN_TMA: tl.constexpr):
+                DOWN_CHUNKS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     w_ptr = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
     out = dpart_ptr + (layer * DOWN_CHUNKS + kc) * D
     rows = row0 + tl.arange(0, DOWN_ROWS)
     rm = rows < D
-    if DOWN_TMA > 0:
-        # Tiling.tma: the TMA engine reads [DOWN_ROWS, DOWN_TMA] blocks
-        acc, _, _ = gemv_stream_tma(w_ptr, row0, w_ptr, row0, D, act_ptr + layer * FFN, act_ptr, kc * DOWN_K, FFN,
-                                    DOWN_K, DOWN_ROWS, DOWN_TMA, STAGES, TWO=False, NORM=False)
-    else:
-        acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, act_ptr + layer * FFN, act_ptr, kc * DOWN_K, FFN, DOWN_K,
-                                DOWN_ROWS, BK, STAGES, TWO=False, NORM=False,
-                                EVEN=(FFN % DOWN_K == 0) and (DOWN_K % BK == 0) and (D % DOWN_ROWS == 0))
+    acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, act_ptr + layer * FFN, act_ptr, kc * DOWN_K, FFN, DOWN_K,
+                            DOWN_ROWS, BK, STAGES, TWO=False, NORM=False,
+                            EVEN=(FFN % DOWN_K == 0) and (DOWN_K % BK == 0) and (D % DOWN_ROWS == 0))
     tl.store(out + rows, tl.sum(acc, axis=1), mask=rm)
 
 
@@ -46,9 +41,8 @@ class Down(Instruction):
     NAME = "down"
     STAGE = 5
     ARGS = ("wtab_ptr", "wd_ptr", "act_ptr", "dpart_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS", "BK",
-            "STAGES", "DOWN_TMA")
-    CONSTEXPRS = {"DOWN_ROWS": lambda lay: lay.tiling.down_rows, "DOWN_K": lambda lay: lay.tiling.down_k,
-                  "DOWN_TMA": lambda lay: lay.tma_bk(2, lay.tiling.down_k, lay.cfg.ffn, lay.tiling.down_rows)}
+            "STAGES")
+    CONSTEXPRS = {"DOWN_ROWS": lambda lay: lay.tiling.down_rows, "DOWN_K": lambda lay: lay.tiling.down_k}
     device = down_device
 
     SCRATCH = {"dpart": "fp32"}

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
-from .common import T_N2, T_WG, T_WU, gemv_stream, gemv_stream_tma, norm_row_vec, rows_dot, tab_offset
+from .common import T_N2, T_WG, T_WU, gemv_stream, norm_row_vec, rows_dot, tab_offset
 
 
 @triton.jit
@@ -36,22 +36,12 @@ def _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_out,
 @triton.jit
 def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
                    D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GU_TMA: tl.constexpr):
+                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
     xin = x1_ptr + layer * D
-    if GU_TMA > 0:
-        # Tiling.tma: the TMA engine reads [GU_ROWS, GU_TMA] blocks of gate and of up
-        rows = row0 + tl.arange(0, GU_ROWS)
-        rm = rows < FFN
-        accg, accu, ss = gemv_stream_tma(g_ptr, row0, u_ptr, row0, FFN, xin, nw_ptr, 0, D, D, GU_ROWS, GU_TMA,
-                                         STAGES, TWO=True, NORM=True)
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
-        gv = tl.sum(accg, axis=1) * rstd
-        uv = tl.sum(accu, axis=1) * rstd
-        tl.store(act_ptr + layer * FFN + rows, gv / (1.0 + tl.exp(-gv)) * uv, mask=rm)
-    elif GU_RB == 0:
+    if GU_RB == 0:
         rows = row0 + tl.arange(0, GU_ROWS)
         rm = rows < FFN
         accg, accu, ss = gemv_stream(g_ptr, rows, u_ptr, rows, rm, xin, nw_ptr, 0, D, D, GU_ROWS, BK, STAGES,
@@ -75,10 +65,9 @@ class GateUp(Instruction):
     NAME = "gate_up"
     STAGE = 4
     ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB",
-            "BK", "STAGES", "GU_TMA")
+            "BK", "STAGES")
     CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
-                  "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows),
-                  "GU_TMA": lambda lay: lay.tma_bk(1, lay.cfg.d, lay.cfg.d, lay.tiling.gu_rows)}
+                  "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows)}
     device = gate_up_device
 
     SCRATCH = {"act": "fp32"}
