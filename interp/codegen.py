@@ -90,11 +90,8 @@ def _emit_signal(w, classes, ind: str, tp: bool) -> None:
     """The instruction's signal (not after a failed wait): this rank's counter, or (a
     ``SIGNALS_PEER`` opcode of a tensor-parallel kernel) the peer's counter of the same index, with a
     system-scope release."""
-    # opcodes that signal the header's counter themselves (Instruction.SIGNALS_ITSELF: a last
-    # arriver signals only if it was last) are left out of the kernel's signal
-    own = "".join(f" & (op != {c.OPCODE})" for c in classes if c.SIGNALS_ITSELF)
     w(f"{ind}sig = tl.load(ins + 5)")
-    w(f"{ind}if (sig >= 0) & (failed == 0){own}:")
+    w(f"{ind}if (sig >= 0) & (failed == 0):")
     if not tp:
         w(f"{ind}    signal_counter(cnt_ptr + sig)")
         return
