@@ -23,10 +23,6 @@ from .config import ModelConfig
 WORDS = 16
 HEADER = 6          # opcode, wait_a, target_a, wait_b, target_b, signal
 MAX_WAITS = 2
-#: what the kernel passes after ``ARGS`` to the device function of an opcode with
-#: ``Instruction.WAITS_INSIDE``: the instruction's tape words, the counters, this call's number,
-#: the poll bound, the profiling switch
-WAIT_ARGS = ("ins", "cnt_ptr", "epoch", "spin_limit", "PROFILE")
 MAX_OPERANDS = WORDS - HEADER
 NO_COUNTER = -1
 
@@ -82,16 +78,11 @@ class Tiling:
     # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
     # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
-    # 1: O tiles stream whole rows (needs ``row_bytes``) and make their waits inside their loop
-    # (``Instruction.waits_inside``), so the pipeline's prologue, up to STAGES - 1 blocks (a whole
-    # 32-row tile of d 2048), loads while the SM waits through the attention merge, when the HBM
-    # is idle (bench/NOTES.md v34; not measured on a GPU yet, so 0)
-    o_prefetch: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "o_prefetch") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -104,10 +95,6 @@ class Tiling:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
         if self.res_fold not in (0, 1):
             raise ValueError(f"Tiling.res_fold must be 0 or 1, got {self.res_fold}")
-        if self.o_prefetch not in (0, 1):
-            raise ValueError(f"Tiling.o_prefetch must be 0 or 1, got {self.o_prefetch}")
-        if self.o_prefetch and not self.row_bytes:
-            raise ValueError("Tiling.o_prefetch needs Tiling.row_bytes > 0 (O streams whole rows)")
         if self.qkv_rows < 2:
             raise ValueError("Tiling.qkv_rows must be >= 2 (RoPE pairs)")
         if self.attn_splits < 2:
@@ -391,20 +378,6 @@ class Instruction:
         return lay.WHOLE_MODEL or not cls.WHOLE_MODEL
 
     @classmethod
-    def waits_inside(cls, lay: Layout) -> bool:
-        """Whether, in kernels of ``lay``, the device function makes the instruction's waits itself
-        (``opcodes.common.tape_waits``) after issuing its first weight loads. It then takes
-        :data:`WAIT_ARGS` after its ``ARGS``, returns ``(counter, target, seen, t_exec)`` of the
-        first wait not met exactly (counter -1: all met; t_exec: when they were, under ``PROFILE``)
-        and stores nothing when one is not met. The weights do not depend on the step, so a row
-        loop's pipeline prologue (its first ``STAGES - 1`` blocks) streams while the SM waits and
-        loads its input vector. The device function must take this path exactly when this says so
-        (tests/test_kernels_compile.py compiles every branch). Where it pays: the O projection
-        during the attention merge (``Tiling.o_prefetch``, v34); not gate/up, whose early loads
-        slowed the O stage on the critical path (v33)."""
-        return False
-
-    @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict[str, tuple[int, ...]]:
         """The shapes of the :attr:`SCRATCH` buffers for ``lay`` (only asked where it applies)."""
         return {}
@@ -574,12 +547,6 @@ def pointer_types(lay: Layout, used=()) -> dict[str, str]:
     if signals_peer(kernel_classes(used)):
         _merge(out, dict(TP_POINTERS), "pointer", "the tensor-parallel runtime")
     return {k: v for k, (_, v) in out.items()}
-
-
-def waiting_inside(lay: Layout, used=()) -> tuple[str, ...]:
-    """The opcodes of the kernel (:func:`kernel_classes`) whose device functions wait themselves
-    in kernels of ``lay`` (:meth:`Instruction.waits_inside`)."""
-    return tuple(c.NAME for c in kernel_classes(used) if c.waits_inside(lay))
 
 
 def kernel_pointers(lay: Layout, used=()) -> dict[str, str]:
