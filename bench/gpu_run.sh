@@ -21,10 +21,6 @@
 #   abdec   : with OLD=DIR, the 1B decoder of the tree in DIR and of this one alternated twice
 #             (pos 1024, megatape only), then this one with --profile, at pos 128, and
 #             bench/generate_bench.py (`megatape generate` against decode_step) and the GPU tests
-#   pending : session 6's unmeasured work (bench/NOTES.md v34-v36): the GPU tests; the 1B decoder
-#             with the o_prefetch / attn_fold variants (profiled, pos 1024; and pos 128); with
-#             OLD=DIR (the tree before v35, e75e4a2) the 8B shape and the 1B decoder of both trees
-#             alternated (v35 changes the default kernels)
 #   OLD=DIR : also time the tree in DIR (e.g. the previous commit, `git archive`) first, same
 #             machine, megatape only: an A/B of two trees in one lease
 # $OUT receives at most three files (the device tool returns 8): run.log (everything printed),
@@ -44,7 +40,7 @@ if [ -n "${OLD:-}" ]; then
   else
     old=(python3 -m bench.driver); old_dec=(python3 -m bench.decoder_bench)
   fi
-  if [[ " ${parts[*]} " != *" ab "* && " ${parts[*]} " != *" abdec "* && " ${parts[*]} " != *" pending "* ]]; then
+  if [[ " ${parts[*]} " != *" ab "* && " ${parts[*]} " != *" abdec "* ]]; then
     echo "=== old tree: $OLD"
     (cd "$OLD" && PYTHONPATH=$PWD "${old[@]}" --baselines "" --out "$RES/old" --tag old)
   fi
@@ -108,24 +104,7 @@ run_part() {
       timeout 240 compute-sanitizer --tool $tool python3 examples/sanitize_small.py 2>&1 | tail -5 | tee "$RES/sanitize-$tool.txt"
     done ;;
   confirm) run_part bench; run_part checks; run_part multi ;;
-  pending)
-    mkdir -p "$RES/pending"
-    python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu_checks.txt"
-    python3 -m megatape.cli bench-decoder --pos 1024 --no-compile --profile --out "$RES/pending/pos1024" \
-      --variants "o_prefetch=1;attn_fold=1;o_prefetch=1,attn_fold=1;o_prefetch=0,attn_fold=0"
-    python3 -m megatape.cli bench-decoder --pos 128 --no-compile --out "$RES/pending/pos128" \
-      --variants "o_prefetch=1;attn_fold=1;o_prefetch=1,attn_fold=1"
-    if [ -n "${OLD:-}" ]; then
-      for k in 1 2; do
-        for pre in llama3.1-8b llama3.2-1b; do
-          echo "=== v35 round $k: $pre, old tree $OLD"
-          (cd "$OLD" && PYTHONPATH=$PWD "${old_dec[@]}" --preset $pre --no-compile --steps 16 --out "$RES/pending/old-$pre-$k")
-          echo "=== v35 round $k: $pre, this tree"
-          python3 -m megatape.cli bench-decoder --preset $pre --no-compile --steps 16 --out "$RES/pending/new-$pre-$k"
-        done
-      done
-    fi ;;
-  *) echo "unknown part $1 (explore|variants|bench|ab|abdec|checks|multi|decoder|layers16|refsens|sanitize|confirm|pending)" >&2; exit 2 ;;
+  *) echo "unknown part $1 (explore|variants|bench|ab|abdec|checks|multi|decoder|layers16|refsens|sanitize|confirm)" >&2; exit 2 ;;
   esac
 }
 for p in "${parts[@]}"; do run_part "$p"; done

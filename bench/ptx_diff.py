@@ -56,14 +56,20 @@ except ImportError:     # the registry declares the kernel's parameters
         cx = kernel_constexprs(lay, interp=False, used=used)
     except TypeError:
         cx = kernel_constexprs(lay, interp=False)
-    try:    # the opcodes that wait inside their device functions
+    try:    # trees with opcodes that waited inside their device functions (c8903fa; e75e4a2 to session 6)
         from opcodes import waiting_inside
+    except ImportError:
+        waiting_inside = None
+    if waiting_inside is not None:
         try:
             k = load_kernel(kernel_pointers(lay, used), list(cx), used, waiting_inside(lay, used))
         except TypeError:
             k = load_kernel(kernel_pointers(lay), list(cx), (), waiting_inside(lay))
-    except ImportError:
-        k = load_kernel(kernel_pointers(lay), list(cx))
+    else:
+        try:
+            k = load_kernel(kernel_pointers(lay, used), list(cx), used)
+        except TypeError:   # trees before the kernel's opcodes depended on the program
+            k = load_kernel(kernel_pointers(lay), list(cx))
 cx.update(PROFILE=False)
 if "PREFETCH" in k.arg_names:   # trees before the prefetch experiment was removed
     cx["PREFETCH"] = False

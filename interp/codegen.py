@@ -17,7 +17,7 @@ import pathlib
 import sys
 
 import opcodes
-from opcodes import HEADER, WAIT_ARGS, WORDS
+from opcodes import HEADER, WORDS
 from opcodes.base import kernel_classes
 from opcodes.base import PER_CALL_POINTERS, signals_peer
 
@@ -44,7 +44,7 @@ PROF_WORDS = 4       # per slot (int64): [wait start, exec start, end, sm]
 
 def _check_args(classes, pointers: dict, constexprs) -> None:
     """Every parameter a device function takes has a declaration."""
-    known = set(pointers) | set(constexprs) | {"pos", "epoch"} | set(PER_CALL_POINTERS) | set(WAIT_ARGS)   # pos, epoch: the call's
+    known = set(pointers) | set(constexprs) | {"pos", "epoch"} | set(PER_CALL_POINTERS)   # pos, epoch: the call's
     for cls in classes:
         bad = [a for a in cls.ARGS if a not in known]
         if bad:
@@ -53,7 +53,7 @@ def _check_args(classes, pointers: dict, constexprs) -> None:
                             f"an entry in some opcode's CONSTEXPRS or in Layout.constexprs")
 
 
-def _emit_waits(w, ind: str, tp: bool = False, inside=()) -> None:
+def _emit_waits(w, ind: str, tp: bool = False) -> None:
     """The instruction's waits (bounded polls; a failed one is written to the status block).
     During call ``e`` a counter ends at exactly ``target * e`` (the verifier: every wait's target is
     the number of its producers): below it after ``spin_limit`` polls, a producer never signalled;
@@ -64,14 +64,12 @@ def _emit_waits(w, ind: str, tp: bool = False, inside=()) -> None:
     ``tp`` (a tensor-parallel kernel): a counter the peer signals (``peer_sig_ptr[wc] == 1``) may be
     past this call's target, since the peer may already be in its next call
     (``schedule.verify.verify_tp`` point 6), so there ``seen > wt`` passes; a counter of this rank
-    alone still fails past its target. The polls are system-scope acquires (the peer is another GPU).
-    ``inside``: the opcodes whose device functions make their own waits (``Instruction.waits_inside``)."""
+    alone still fails past its target. The polls are system-scope acquires (the peer is another GPU)."""
     scope = "sys" if tp else "gpu"
-    mine = "".join(f" & (op != {c.OPCODE})" for c in inside)    # the opcodes that wait themselves
     for k in range(opcodes.MAX_WAITS):
         w(f"{ind}wc = tl.load(ins + {1 + 2 * k})")
         w(f"{ind}wt = tl.load(ins + {2 + 2 * k}) * epoch")
-        w(f"{ind}if (wc >= 0) & (failed == 0){mine}:")
+        w(f"{ind}if (wc >= 0) & (failed == 0):")
         w(f"{ind}    seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"{scope}\")")
         w(f"{ind}    n = 0")
         w(f"{ind}    while (seen < wt) & (n < spin_limit):")
@@ -87,14 +85,10 @@ def _emit_waits(w, ind: str, tp: bool = False, inside=()) -> None:
 
 
 def _emit_signal(w, classes, ind: str, tp: bool) -> None:
-    """The instruction's signal (not after a failed wait): this rank's counter, or (a
-    ``SIGNALS_PEER`` opcode of a tensor-parallel kernel) the peer's counter of the same index, with a
-    system-scope release."""
-    # opcodes that signal the header's counter themselves (Instruction.SIGNALS_ITSELF: a last
-    # arriver signals only if it was last) are left out of the kernel's signal
-    own = "".join(f" & (op != {c.OPCODE})" for c in classes if c.SIGNALS_ITSELF)
+    """The instruction's signal: this rank's counter, or (a ``SIGNALS_PEER`` opcode of a
+    tensor-parallel kernel) the peer's counter of the same index, with a system-scope release."""
     w(f"{ind}sig = tl.load(ins + 5)")
-    w(f"{ind}if (sig >= 0) & (failed == 0){own}:")
+    w(f"{ind}if sig >= 0:")
     if not tp:
         w(f"{ind}    signal_counter(cnt_ptr + sig)")
         return
@@ -105,33 +99,23 @@ def _emit_signal(w, classes, ind: str, tp: bool) -> None:
     w(f"{ind}        signal_counter(cnt_ptr + sig)")
 
 
-def _emit_dispatch(w, classes, ind: str, inside=()) -> None:
+def _emit_dispatch(w, classes, ind: str) -> None:
     for j, cls in enumerate(classes):
         ops = [f"a{k}" for k in range(len(cls.operand_names()))]
         w(f"{ind}{'if' if j == 0 else 'elif'} op == {cls.OPCODE}:  # {cls.NAME}")
-        if cls.NAME in inside:
-            # the device function waits itself, after issuing its first weight loads
-            w(f"{ind}    wc, wt, seen, t_exec = _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS) + list(WAIT_ARGS)) + ")")
-            w(f"{ind}    if wc >= 0:")
-            w(f"{ind}        failed = sm * 0 + 1")
-            w(f"{ind}        _fail(status_ptr, sm, i, op, wc, wt, seen, epoch, "
-              f"tl.where(seen < wt, {FAIL_TIMEOUT}, {FAIL_PAST_TARGET}))")
-        else:
-            w(f"{ind}    _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS)) + ")")
+        w(f"{ind}    _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS)) + ")")
 
 
-def kernel_source(pointers: dict, constexprs, used=(), inside=()) -> str:
+def kernel_source(pointers: dict, constexprs, used=()) -> str:
     """The kernel of the opcodes of :func:`opcodes.base.kernel_classes` (every opcode in every
     kernel, plus those of ``used`` that are not): ``pointers`` (name -> element type) reach it
     through the address table, in this order; ``constexprs`` are the names of its compile-time
-    parameters; ``inside`` names the opcodes whose device functions make their own waits
-    (:func:`opcodes.waiting_inside`)."""
+    parameters."""
     classes = kernel_classes(used)
     constexprs = sorted(constexprs)
     _check_args(classes, pointers, constexprs)
     tp = signals_peer(classes)          # a tensor-parallel kernel (interp.tp): peer signals and waits
     n_ops = max(len(c.operand_names()) for c in classes)
-    interp = "INTERP" if "INTERP" in constexprs else "True"   # without the flag: tl.num_programs
     L = []
     w = L.append
     w("# Generated by interp/codegen.py from the opcode registry. Do not edit: regenerate.")
@@ -146,24 +130,10 @@ def kernel_source(pointers: dict, constexprs, used=(), inside=()) -> str:
         w(f"_{cls.NAME} = _{cls.NAME}_cls.device")
     w("")
     w("")
-    # The number of SMs, read where used (the ticket, the end of the call): LLVM merges every
-    # tl.num_programs(0) of the kernel into one read before the loop, and that value (with its
-    # 64-bit copy for qoff_ptr + nsm) then lives across the whole instruction loop: ptxas spilled it
-    # (8B decoder 24 / 16 bytes of spill stores / loads, 1B decoder 24 / 16; 0 / 0 for both with
-    # this read, which is side-effecting, so never merged or hoisted). The interpreter has no asm.
     w("@triton.jit")
-    w("def _nsm(INTERP: tl.constexpr):")
-    w("    if INTERP:")
-    w("        n = tl.num_programs(0)")
-    w("    else:")
-    w("        n = tl.inline_asm_elementwise(\"mov.u32 $0, %nctaid.x;\", \"=r\", [], dtype=tl.int32, is_pure=False, pack=1)")
-    w("    return n")
-    w("")
-    w("")
-    w("@triton.jit")
-    w("def _ticket(qoff_ptr, cnt_ptr, epoch, i, stop, in_pool, INTERP: tl.constexpr):")
+    w("def _ticket(qoff_ptr, cnt_ptr, epoch, i, stop, in_pool):")
     w("    # (slot, stop, in_pool) of this SM's next pool instruction; unchanged if the tape has no pool")
-    w("    nsm = _nsm(INTERP)")
+    w("    nsm = tl.num_programs(0)")
     w("    p0 = tl.load(qoff_ptr + nsm)")
     w("    p1 = tl.load(qoff_ptr + nsm + 1)")
     w("    if p1 > p0:")
@@ -190,10 +160,10 @@ def kernel_source(pointers: dict, constexprs, used=(), inside=()) -> str:
     w("")
     w("")
     w("@triton.jit")
-    w("def _end_of_call(ctl_ptr, cnt_ptr, qoff_ptr, epoch, pos, INTERP: tl.constexpr):")
+    w("def _end_of_call(ctl_ptr, cnt_ptr, qoff_ptr, epoch, pos):")
     w("    # the last SM to arrive advances the call count and the position (and, every")
     w("    # epoch_limit calls, zeroes the counters and starts the count over)")
-    w("    nsm = _nsm(INTERP)")
+    w("    nsm = tl.num_programs(0)")
     w(f"    arrived = tl.atomic_add(ctl_ptr + {CTL_ARRIVED}, 1, sem=\"acq_rel\", scope=\"gpu\")")
     w("    if arrived == nsm - 1:")
     w(f"        tl.store(ctl_ptr + {CTL_ARRIVED}, 0)")
@@ -244,17 +214,17 @@ def kernel_source(pointers: dict, constexprs, used=(), inside=()) -> str:
     # The bounds are reloaded at each ticket rather than held in registers across the loop.
     w("    in_pool = sm * 0")
     w("    if i >= stop:")
-    w(f"        i, stop, in_pool = _ticket(qoff_ptr, cnt_ptr, epoch, i, stop, in_pool, {interp})")
+    w("        i, stop, in_pool = _ticket(qoff_ptr, cnt_ptr, epoch, i, stop, in_pool)")
     w("    while (i < stop) & (failed == 0):")
     w(f"        ins = tape_ptr + i * {WORDS}")
     w("        op = tl.load(ins)")
     w("        t_wait = _now(PROFILE)")
     for k in range(n_ops):
         w(f"        a{k} = tl.load(ins + {HEADER + k})")
-    _emit_waits(w, "        ", tp, [c for c in classes if c.NAME in inside])
+    _emit_waits(w, "        ", tp)
     w("        if failed == 0:")
     w("            t_exec = _now(PROFILE)")
-    _emit_dispatch(w, classes, "            ", inside)
+    _emit_dispatch(w, classes, "            ")
     _emit_signal(w, classes, "            ", tp)
     w("            if PROFILE:")
     w("                t_end = _now(PROFILE)")
@@ -265,8 +235,8 @@ def kernel_source(pointers: dict, constexprs, used=(), inside=()) -> str:
     w("                tl.store(pp + 3, sm.to(tl.int64))")
     w("        i += 1")
     w("        if ((in_pool == 1) | (i >= stop)) & (failed == 0):  # queue done: the next pool ticket")
-    w(f"            i, stop, in_pool = _ticket(qoff_ptr, cnt_ptr, epoch, i, stop, in_pool, {interp})")
-    w(f"    _end_of_call(ctl_ptr, cnt_ptr, qoff_ptr, epoch, pos, {interp})")
+    w("            i, stop, in_pool = _ticket(qoff_ptr, cnt_ptr, epoch, i, stop, in_pool)")
+    w("    _end_of_call(ctl_ptr, cnt_ptr, qoff_ptr, epoch, pos)")
     w("")
     return "\n".join(L) + "\n"
 
@@ -281,10 +251,10 @@ def cache_dir() -> pathlib.Path:
 _LOADED: dict[str, object] = {}
 
 
-def load_kernel(pointers: dict, constexprs, used=(), inside=()):
+def load_kernel(pointers: dict, constexprs, used=()):
     """Generate (if needed) and import the interpreter kernel of :func:`kernel_source`; returns
     its JITFunction."""
-    src = kernel_source(pointers, constexprs, used, inside)
+    src = kernel_source(pointers, constexprs, used)
     key = hashlib.sha256(src.encode()).hexdigest()[:16]
     if key in _LOADED:
         return _LOADED[key]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opcodes import Layout, ModelConfig, Tiling, kernel_constexprs, kernel_pointers, state_buffers, waiting_inside
+from opcodes import Layout, ModelConfig, Tiling, kernel_constexprs, kernel_pointers, state_buffers
 from opcodes.reference import layer_shapes
 from schedule import CostModel, Tape, compile_model, verify
 
@@ -485,8 +485,7 @@ def make_kernel(lay: Layout, used, interp: bool, profile: bool = False):
     build (tests/test_kernels_compile.py compiles what this returns for sm_90 without a GPU)."""
     cx = kernel_constexprs(lay, interp=interp, used=used)
     cx["PROFILE"] = profile
-    return load_kernel(kernel_pointers(lay, used), [k for k in cx if k not in SWITCHES], used,
-                       waiting_inside(lay, used)), cx
+    return load_kernel(kernel_pointers(lay, used), [k for k in cx if k not in SWITCHES], used), cx
 
 
 def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:

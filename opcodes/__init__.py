@@ -3,10 +3,10 @@
 Importing this package registers every opcode; their numbers come from the order below and
 nowhere else (the tape, the VM and the generated interpreter all read :data:`REGISTRY`).
 """
-from .base import (BY_OPCODE, HEADER, LAYOUTS, MAX_OPERANDS, MAX_WAITS, NO_COUNTER, REGISTRY, WAIT_ARGS, WORDS,
-                   Cost, Instruction, Layout, Region, Tiling, Timing, cdiv, kernel_constexprs, kernel_pointers,
+from .base import (BY_OPCODE, HEADER, LAYOUTS, MAX_OPERANDS, MAX_WAITS, NO_COUNTER, REGISTRY, WORDS, Cost,
+                   Instruction, Layout, Region, Tiling, Timing, cdiv, kernel_constexprs, kernel_pointers,
                    layout_from_json, next_pow2, register, register_layout, scratch_buffers, state_buffers,
-                   unregister, waiting_inside)
+                   unregister)
 from .config import PRESETS, ModelConfig
 
 # registration order = opcode numbers 1, 2, ...
@@ -25,15 +25,13 @@ from .sample import Sample
 from .tp_push import TPPush
 from .tp_reduce import TPReduce
 from .tp_argmax import TPArgmaxPush, TPArgmax
-from .attn_fold import AttnPartialFold
 from .decoder import DecoderLayout
 from .tp import TPDecoderLayout, TPLayout
 
-__all__ = ["BY_OPCODE", "HEADER", "LAYOUTS", "MAX_OPERANDS", "MAX_WAITS", "NO_COUNTER", "REGISTRY", "WAIT_ARGS", "WORDS", "Cost",
+__all__ = ["BY_OPCODE", "HEADER", "LAYOUTS", "MAX_OPERANDS", "MAX_WAITS", "NO_COUNTER", "REGISTRY", "WORDS", "Cost",
            "Instruction", "Layout", "Region", "Tiling", "Timing", "cdiv", "kernel_constexprs", "kernel_pointers",
            "layout_from_json", "next_pow2", "register", "register_layout", "scratch_buffers", "state_buffers",
-           "unregister", "waiting_inside", "PRESETS",
+           "unregister", "PRESETS",
            "ModelConfig", "QKV", "AttnPartial", "AttnReduce", "OProj", "GateUp", "Down", "Residual", "OReduce",
-           "Embed", "LMHead", "Argmax", "Sample", "TPPush", "TPReduce", "TPArgmaxPush", "TPArgmax", "AttnPartialFold",
-           "DecoderLayout",
+           "Embed", "LMHead", "Argmax", "Sample", "TPPush", "TPReduce", "TPArgmaxPush", "TPArgmax", "DecoderLayout",
            "TPLayout", "TPDecoderLayout"]

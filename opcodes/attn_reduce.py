@@ -19,9 +19,8 @@ from .base import Cost, Instruction, Layout, Region, Timing, register
 
 
 @triton.jit
-def attn_reduce_load(layer, h, part_o_ptr, part_ml_ptr,
-                     NQ: tl.constexpr, HD: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """The partials of head ``h``: (m, l, o)."""
+def attn_reduce_device(layer, h, part_o_ptr, part_ml_ptr, attn_ptr,
+                       NQ: tl.constexpr, HD: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
     sp = tl.arange(0, SPLITS_PAD)
     sm = sp < SPLITS
     dcol = tl.arange(0, HD)
@@ -30,28 +29,11 @@ def attn_reduce_load(layer, h, part_o_ptr, part_ml_ptr,
     l = tl.load(part_ml_ptr + prow * 2 + 1, mask=sm, other=0.0, cache_modifier=".cg")
     o = tl.load(part_o_ptr + prow[:, None] * HD + dcol[None, :], mask=sm[:, None], other=0.0,
                 cache_modifier=".cg")
-    return m, l, o
-
-
-@triton.jit
-def attn_reduce_store(layer, h, m, l, o, attn_ptr,
-                      NQ: tl.constexpr, HD: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """Merge head ``h``'s partials (from :func:`attn_reduce_load`) and store its attention output."""
-    sp = tl.arange(0, SPLITS_PAD)
-    sm = sp < SPLITS
-    dcol = tl.arange(0, HD)
     mx = tl.max(m, axis=0)
     w = tl.where(sm, tl.exp2(m - mx), 0.0)
     denom = tl.sum(w * l, axis=0)
     out = tl.sum(o * w[:, None], axis=0) / denom
     tl.store(attn_ptr + layer * (NQ * HD) + h * HD + dcol, out)
-
-
-@triton.jit
-def attn_reduce_device(layer, h, part_o_ptr, part_ml_ptr, attn_ptr,
-                       NQ: tl.constexpr, HD: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    m, l, o = attn_reduce_load(layer, h, part_o_ptr, part_ml_ptr, NQ, HD, SPLITS, SPLITS_PAD)
-    attn_reduce_store(layer, h, m, l, o, attn_ptr, NQ, HD, SPLITS, SPLITS_PAD)
 
 
 @register

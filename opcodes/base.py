@@ -23,10 +23,6 @@ from .config import ModelConfig
 WORDS = 16
 HEADER = 6          # opcode, wait_a, target_a, wait_b, target_b, signal
 MAX_WAITS = 2
-#: what the kernel passes after ``ARGS`` to the device function of an opcode with
-#: ``Instruction.WAITS_INSIDE``: the instruction's tape words, the counters, this call's number,
-#: the poll bound, the profiling switch
-WAIT_ARGS = ("ins", "cnt_ptr", "epoch", "spin_limit", "PROFILE")
 MAX_OPERANDS = WORDS - HEADER
 NO_COUNTER = -1
 
@@ -82,21 +78,11 @@ class Tiling:
     # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
     # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
-    # 1: O tiles stream whole rows (needs ``row_bytes``) and make their waits inside their loop
-    # (``Instruction.waits_inside``), so the pipeline's prologue, up to STAGES - 1 blocks (a whole
-    # 32-row tile of d 2048), loads while the SM waits through the attention merge, when the HBM
-    # is idle (bench/NOTES.md v34; not measured on a GPU yet, so 0)
-    o_prefetch: int = 0
-    # 1: no ATTN_REDUCE: each attention partial counts itself on its KV group's arrival counter
-    # after storing its partial, and the last of the group to arrive merges the group's splits (in
-    # ATTN_REDUCE's order and arithmetic: bitwise the same) and signals the O projection's counter:
-    # one dependency hop less per layer (opcodes.attn_fold; bench/NOTES.md v36, not measured yet)
-    attn_fold: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "o_prefetch", "attn_fold") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -109,12 +95,6 @@ class Tiling:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
         if self.res_fold not in (0, 1):
             raise ValueError(f"Tiling.res_fold must be 0 or 1, got {self.res_fold}")
-        if self.o_prefetch not in (0, 1):
-            raise ValueError(f"Tiling.o_prefetch must be 0 or 1, got {self.o_prefetch}")
-        if self.attn_fold not in (0, 1):
-            raise ValueError(f"Tiling.attn_fold must be 0 or 1, got {self.attn_fold}")
-        if self.o_prefetch and not self.row_bytes:
-            raise ValueError("Tiling.o_prefetch needs Tiling.row_bytes > 0 (O streams whole rows)")
         if self.qkv_rows < 2:
             raise ValueError("Tiling.qkv_rows must be >= 2 (RoPE pairs)")
         if self.attn_splits < 2:
@@ -244,12 +224,6 @@ class Layout:
         sum ``x1 + dpart`` themselves (``Tiling.res_fold``; never in a tensor-parallel layout, whose
         RESIDUAL is the cross-rank reduction)."""
         return bool(self.tiling.res_fold) and getattr(self, "tp_size", 1) == 1
-
-    @property
-    def folds_attention(self) -> bool:
-        """Whether the attention merge is folded into the last partial of each KV group to finish
-        (``Tiling.attn_fold``: ATTN_PARTIAL_FOLD, no ATTN_REDUCE; never in a tensor-parallel layout)."""
-        return bool(self.tiling.attn_fold) and getattr(self, "tp_size", 1) == 1
 
     def xout_row(self, layer: int) -> int:
         """The row of scratch buffer ``xout`` (RESIDUAL's outputs) holding ``layer``'s output: every
@@ -394,17 +368,6 @@ class Instruction:
     #: how far the device function may be from ``run_torch`` on the same inputs (relative; fp32
     #: sums in another order). Opcodes that round operands to bf16 on purpose allow more.
     TORCH_RTOL: ClassVar[float] = 1e-4
-    #: "last arriver" opcodes: the name of the operand holding an ARRIVAL counter. Such an
-    #: instruction counts itself on that counter (its own atomic add, not the tape's signal); the
-    #: one whose add completes the counter (the last of :meth:`arrivals` instructions to arrive)
-    #: then runs the merge (:meth:`merge_reads` / :meth:`merge_writes` / :meth:`merge_torch`) and
-    #: signals the header's counter; the others signal nothing. All instructions of one arrival
-    #: counter carry the same header signal, so that counter's per-call target counts one
-    #: producer per arrival counter (:meth:`schedule.program.Program.targets`, the verifier)
-    ARRIVAL: ClassVar[str] = ""
-    #: True: the device function signals the header's counter itself (takes ``ins``, ``cnt_ptr``,
-    #: ``epoch`` among its ARGS); the kernel does not signal after it
-    SIGNALS_ITSELF: ClassVar[bool] = False
     device = None                     # set by subclasses (a triton JITFunction)
 
     # ---- declarations ---------------------------------------------------------------
@@ -413,20 +376,6 @@ class Instruction:
         """Whether programs of this layout can hold the opcode (its buffers exist): a
         ``WHOLE_MODEL`` opcode only those of a whole-model layout."""
         return lay.WHOLE_MODEL or not cls.WHOLE_MODEL
-
-    @classmethod
-    def waits_inside(cls, lay: Layout) -> bool:
-        """Whether, in kernels of ``lay``, the device function makes the instruction's waits itself
-        (``opcodes.common.tape_waits``) after issuing its first weight loads. It then takes
-        :data:`WAIT_ARGS` after its ``ARGS``, returns ``(counter, target, seen, t_exec)`` of the
-        first wait not met exactly (counter -1: all met; t_exec: when they were, under ``PROFILE``)
-        and stores nothing when one is not met. The weights do not depend on the step, so a row
-        loop's pipeline prologue (its first ``STAGES - 1`` blocks) streams while the SM waits and
-        loads its input vector. The device function must take this path exactly when this says so
-        (tests/test_kernels_compile.py compiles every branch). Where it pays: the O projection
-        during the attention merge (``Tiling.o_prefetch``, v34); not gate/up, whose early loads
-        slowed the O stage on the critical path (v33)."""
-        return False
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict[str, tuple[int, ...]]:
@@ -449,29 +398,6 @@ class Instruction:
         return 0
 
     def latency_time(self, lay: Layout) -> float:
-        raise NotImplementedError
-
-    # ---- last-arriver merges (:attr:`ARRIVAL`) ------------------------------------------
-    def arrival_counter(self) -> int:
-        """The arrival counter of a last-arriver instruction, else NO_COUNTER."""
-        return getattr(self, self.ARRIVAL) if self.ARRIVAL else NO_COUNTER
-
-    @classmethod
-    def arrivals(cls, lay: Layout) -> int:
-        """How many instructions arrive on one arrival counter per call (the device's constant)."""
-        raise NotImplementedError
-
-    def merge_key(self) -> tuple:
-        """What identifies the merge (equal for every instruction of one arrival counter)."""
-        raise NotImplementedError
-
-    def merge_reads(self, lay: Layout) -> list[Region]:
-        return []
-
-    def merge_writes(self, lay: Layout) -> list[Region]:
-        return []
-
-    def merge_torch(self, lay: Layout, st) -> None:
         raise NotImplementedError
 
     # ---- encoding -----------------------------------------------------------------
@@ -623,12 +549,6 @@ def pointer_types(lay: Layout, used=()) -> dict[str, str]:
     return {k: v for k, (_, v) in out.items()}
 
 
-def waiting_inside(lay: Layout, used=()) -> tuple[str, ...]:
-    """The opcodes of the kernel (:func:`kernel_classes`) whose device functions wait themselves
-    in kernels of ``lay`` (:meth:`Instruction.waits_inside`)."""
-    return tuple(c.NAME for c in kernel_classes(used) if c.waits_inside(lay))
-
-
 def kernel_pointers(lay: Layout, used=()) -> dict[str, str]:
     """The build-time pointers the kernel's opcodes' (:func:`kernel_classes`) device functions take,
     with their element types, in address-table order. A pointer nobody declares is an error naming
@@ -637,7 +557,7 @@ def kernel_pointers(lay: Layout, used=()) -> dict[str, str]:
     taken = set()
     for cls in kernel_classes(used):
         for a in cls.ARGS:
-            if a.endswith("_ptr") and a not in PER_CALL_POINTERS and a not in WAIT_ARGS:
+            if a.endswith("_ptr") and a not in PER_CALL_POINTERS:
                 if a not in known:
                     raise TypeError(f"opcode {cls.NAME} takes pointer {a!r}, which no opcode or layout declares "
                                     f"(declared: {sorted(known)})")

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, cdiv, in_range, next_pow2, register, tile_start
-from .common import T_WO, gemv_stream, layer_rows, row_vec, rows_load, tab_offset, tape_waits
+from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
+from .common import T_WO, gemv_stream, layer_rows, tab_offset
 
 
 @triton.jit
@@ -35,60 +35,16 @@ def _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_p
 def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_ptr, opart_ptr, dpart_ptr,
                  D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, O_ROWS: tl.constexpr, O_K: tl.constexpr,
                  O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                 DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr, O_RB: tl.constexpr,
-                 O_KP: tl.constexpr, ins=None, cnt_ptr=None, epoch=None, spin_limit=None,
-                 PROFILE: tl.constexpr = False):
+                 DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     QD: tl.constexpr = NQ * HD
     w_ptr = wo_ptr + tab_offset(wtab_ptr, layer, T_WO)
     rows = row0 + tl.arange(0, O_ROWS)
     rm = rows < D
-    if O_RB == 0:
-        # the column loop, after the kernel's waits
-        acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, attn_ptr + layer * QD, attn_ptr, oc * O_K, QD, O_K,
-                                O_ROWS, BK, STAGES, TWO=False, NORM=False,
-                                EVEN=(QD % O_K == 0) and (O_K % BK == 0) and (D % O_ROWS == 0))
-        _o_store(tl.sum(acc, axis=1), rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr, D,
-                 O_CHUNKS, O_PART, DOWN_CHUNKS, RES_FOLD, INTERP)
-    else:
-        # Tiling.o_prefetch: whole rows, O_RB per pipeline stage, the waits inside the loop
-        # (OProj.waits_inside): the prologue's blocks load while the SM waits
-        y, bad_c, bad_t, bad_s, t_exec = _o_rows(w_ptr, row0, oc, attn_ptr + layer * QD, ins, cnt_ptr, epoch,
-                                                 spin_limit, D, QD, O_ROWS, O_K, O_KP, O_RB, STAGES, PROFILE)
-        if bad_c < 0:
-            _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr, D, O_CHUNKS, O_PART,
-                     DOWN_CHUNKS, RES_FOLD, INTERP)
-        return bad_c, bad_t, bad_s, t_exec
-
-
-@triton.jit
-def _o_rows(w_ptr, row0, oc, av_ptr, ins, cnt_ptr, epoch, spin_limit, D: tl.constexpr, QD: tl.constexpr,
-            O_ROWS: tl.constexpr, O_K: tl.constexpr, O_KP: tl.constexpr, O_RB: tl.constexpr, STAGES: tl.constexpr,
-            PROFILE: tl.constexpr):
-    # The tile's O_ROWS dots, O_RB whole rows (of its K chunk) per stage. Only the weight loads are
-    # in the loop's top level, so the software pipeliner issues the first STAGES - 1 blocks before
-    # the loop: before the waits, which come in the first iteration with the attention vector.
-    # Each block's dots go to their rows of the tile's vector (a one-hot sum: no dynamic indexing)
-    # and the residual is added after the loop (its rows are only valid after the waits).
-    EVEN: tl.constexpr = (QD % O_K == 0) and (O_K == O_KP) and (D % O_ROWS == 0)
-    klen = tl.minimum(QD - oc * O_K, O_K)
-    av = tl.zeros([O_KP], dtype=tl.float32)
-    y = tl.zeros([O_ROWS], dtype=tl.float32)
-    bad_c = tl.full([], -1, tl.int32)
-    bad_t = tl.full([], 0, tl.int32)
-    bad_s = tl.full([], 0, tl.int32)
-    t_exec = tl.full([], 0, tl.int64)
-    tile_rows = tl.arange(0, O_ROWS)
-    for b in tl.range(0, O_ROWS // O_RB, num_stages=STAGES):
-        rows = row0 + b * O_RB + tl.arange(0, O_RB)
-        rm = rows < D
-        w = rows_load(w_ptr, rows, rm, oc * O_K, QD, klen, O_KP, EVEN)
-        if b == 0:
-            bad_c, bad_t, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE)
-            av, _ = row_vec(av_ptr, av_ptr, oc * O_K, klen, O_KP, NORM=False)
-        yb = tl.sum(w.to(tl.float32) * av[None, :], axis=1)                         # [O_RB]
-        onehot = tile_rows[:, None] == (b * O_RB + tl.arange(0, O_RB))[None, :]     # [O_ROWS, O_RB]
-        y += tl.sum(tl.where(onehot, yb[None, :], 0.0), axis=1)
-    return y, bad_c, bad_t, bad_s, t_exec
+    acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, attn_ptr + layer * QD, attn_ptr, oc * O_K, QD, O_K,
+                            O_ROWS, BK, STAGES, TWO=False, NORM=False,
+                            EVEN=(QD % O_K == 0) and (O_K % BK == 0) and (D % O_ROWS == 0))
+    _o_store(tl.sum(acc, axis=1), rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr, D, O_CHUNKS,
+             O_PART, DOWN_CHUNKS, RES_FOLD, INTERP)
 
 
 @register
@@ -101,14 +57,9 @@ class OProj(Instruction):
     NAME = "oproj"
     STAGE = 3
     ARGS = ("x_ptr", "xout_ptr", "wtab_ptr", "wo_ptr", "attn_ptr", "x1_ptr", "opart_ptr", "dpart_ptr",
-            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "O_PART", "BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD", "INTERP",
-            "O_RB", "O_KP")
+            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "O_PART", "BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD", "INTERP")
     CONSTEXPRS = {"O_ROWS": lambda lay: lay.tiling.o_rows, "O_K": lambda lay: lay.o_k,
-                  "O_CHUNKS": lambda lay: lay.n_o_k, "O_PART": lambda lay: int(lay.o_partial),
-                  # rows per stage of the row loop (Tiling.o_prefetch), 0: the column loop
-                  "O_RB": lambda lay: (lay.tiling.rows_per_block(lay.o_k, 1, lay.tiling.o_rows)
-                                       if lay.tiling.o_prefetch else 0),
-                  "O_KP": lambda lay: next_pow2(lay.o_k)}
+                  "O_CHUNKS": lambda lay: lay.n_o_k, "O_PART": lambda lay: int(lay.o_partial)}
     device = oproj_device
 
     # x1 = x + attn . Wo^T (written here, or by O_REDUCE from the per-chunk partials ``opart``)
@@ -122,10 +73,6 @@ class OProj(Instruction):
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:
         return lay.tiling.o_rows
-
-    @classmethod
-    def waits_inside(cls, lay: Layout) -> bool:
-        return cls.CONSTEXPRS["O_RB"](lay) > 0          # Tiling.o_prefetch: the row loop
 
     def check_operands(self, lay: Layout) -> list[str]:
         return (in_range("layer", self.layer, lay.cfg.layers)

@@ -13,11 +13,6 @@ Dependencies per layer ``l`` (one counter per arrow group):
     GATE_UP(l, rows in K chunk kc) --act[l,kc]--> DOWN(l, *, kc)
     DOWN(l, rows in block rb, *) --dpart[l,rb]--> RESIDUAL(l, rb) --out[l]--> QKV(l+1, *)
 
-With ``Tiling.attn_fold`` (:attr:`Layout.folds_attention`) there is no ATTN_REDUCE: each
-ATTN_PARTIAL_FOLD(l, g, s) counts itself on ``part[l,g]`` (its operand ``arrive``, not a signal),
-and the last of the group to arrive merges the group and signals ``attn[l]``: so
-``ATTN_PARTIAL_FOLD(l, g, *) --attn[l] (one per group)--> OPROJ(l, *)``.
-
 With ``Tiling.res_fold`` (:attr:`Layout.folds_residual`) layers but the last have no RESIDUAL:
 ``DOWN(l, *) --dpart[l]--> QKV(l+1, *)``, whose tiles (and layer l+1's O / O_REDUCE tiles, after
 them) sum ``x1[l] + dpart[l]`` themselves; the last layer's RESIDUAL waits on ``dpart[L-1]``.
@@ -38,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from opcodes import (QKV, AttnPartial, AttnPartialFold, AttnReduce, Down, GateUp, Instruction, Layout, ModelConfig, OProj,
+from opcodes import (QKV, AttnPartial, AttnReduce, Down, GateUp, Instruction, Layout, ModelConfig, OProj,
                      OReduce, Residual, Tiling, TPPush, TPReduce, cdiv)
 from opcodes.base import NO_COUNTER, scratch_buffers
 
@@ -72,14 +67,7 @@ class Program:
         return out
 
     def targets(self) -> list[int]:
-        """Per counter, the signals it gets per call: one per producer, but one per arrival counter
-        for last-arriver producers (``Instruction.ARRIVAL``: only the last of them signals)."""
-        out = []
-        for ps in self.producers():
-            plain = [i for i in ps if not self.instrs[i].ARRIVAL]
-            merges = {self.instrs[i].arrival_counter() for i in ps if self.instrs[i].ARRIVAL}
-            out.append(len(plain) + len(merges))
-        return out
+        return [len(p) for p in self.producers()]
 
     def classes(self) -> list[type[Instruction]]:
         """The opcodes the program uses, by opcode number."""
@@ -108,9 +96,6 @@ def check_layout(lay: Layout) -> None:
     if t.red_rows % t.down_rows and t.red_rows < lay.cfg.d:
         raise ValueError(f"Tiling.red_rows = {t.red_rows} must be a multiple of down_rows = {t.down_rows} "
                          "(a down tile signals the counter of one residual block)")
-    if lay.folds_attention and lay.n_o_k > 1 and lay.o_k % (lay.cfg.group * lay.cfg.hd):
-        raise ValueError(f"Tiling.attn_fold with o_k = {lay.o_k}: a split O projection's K chunk must hold whole "
-                         f"KV groups ({lay.cfg.group} x {lay.cfg.hd} columns; a group's merge signals one chunk)")
 
 
 def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUNTER,
@@ -156,14 +141,9 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
         for g in range(c.n_kv):
             for s in range(t.attn_splits):
                 last = s == t.attn_splits - 1
-                ws = (cq[g], ckv[g]) if last else (cq[g],)
-                if lay.folds_attention:     # the group's last partial to finish merges it
-                    p.add(AttnPartialFold(l, g, s, cp[g]), ws, ca[(g * c.group * c.hd) // lay.o_k])
-                else:
-                    p.add(AttnPartial(l, g, s), ws, cp[g])
-        if not lay.folds_attention:
-            for h in range(c.n_q):
-                p.add(AttnReduce(l, h), (cp[h // c.group],), ca[(h * c.hd) // lay.o_k])
+                p.add(AttnPartial(l, g, s), (cq[g], ckv[g]) if last else (cq[g],), cp[g])
+        for h in range(c.n_q):
+            p.add(AttnReduce(l, h), (cp[h // c.group],), ca[(h * c.hd) // lay.o_k])
         if not lay.o_partial:
             for r in range(0, c.d, t.o_rows):
                 p.add(OProj(l, r, 0), (ca[0],), cx)

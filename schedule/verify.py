@@ -15,12 +15,6 @@ Checks, in order:
   7. optionally, sequential execution (the Triton interpreter runs programs one by one: SM 0's
      queue, then the whole pool, which SM 0 takes alone, then SM 1's queue, ...).
 
-Last arrivers (``Instruction.ARRIVAL``, e.g. ATTN_PARTIAL_FOLD with ``Tiling.attn_fold``) count
-themselves on an arrival counter instead of signalling; the merge that the last of them runs is
-checked as a node of its own: it waits on the arrival counter (for ``arrivals`` per call), reads and
-writes ``merge_reads`` / ``merge_writes`` and signals the arrivers' tape counter (one producer per
-arrival counter). In the liveness checks it runs inside its last arriver.
-
 A tensor-parallel rank's tape alone (:func:`verify`) is checked as if its peer ran the same tape:
 an instruction that signals the peer's counter (``SIGNALS_PEER``) or writes the peer's buffer
 (``WRITES_PEER``) counts as signalling / writing the same counter / buffer here, which is exact when
@@ -63,30 +57,7 @@ class Report:
                 f"{self.n_regions_checked} read regions proven covered")
 
 
-#: the pseudo-SM of the merges of last-arriver instructions (``Instruction.ARRIVAL``) in this module
-MERGE = -2
-
-
-class _Merge:
-    """The merge of one arrival counter, run by whichever of its instructions arrives last: it
-    waits on the arrival counter (for ``arrivals`` per call), reads and writes what
-    ``Instruction.merge_reads`` / ``merge_writes`` say and signals the instructions' tape counter."""
-
-    def __init__(self, first: Decoded, counter: int):
-        self.first, self.counter = first, counter
-        self.NAME = f"merge of {first.ins.NAME}"
-
-    def reads(self, lay):
-        return self.first.ins.merge_reads(lay)
-
-    def writes(self, lay):
-        return self.first.ins.merge_writes(lay)
-
-
 def _name(tape: Tape, d: Decoded) -> str:
-    if d.sm == MERGE:
-        return (f"the merge of {_cname(tape, d.ins.counter)} (by the last of its {d.ins.first.ins.NAME} "
-                f"instructions to arrive, e.g. instruction {d.ins.first.slot})")
     return f"instruction {d.slot} ({d.ins.NAME}, {Tape.where(d.sm)})"
 
 
@@ -132,10 +103,6 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
             if d.signal != NO_COUNTER and not 0 <= d.signal < tape.n_counters:
                 problems.append(f"{_name(tape, d)}: signals {_cname(tape, d.signal)}, but the tape has "
                                 f"{tape.n_counters} counters")
-            a = ins.arrival_counter()
-            if ins.ARRIVAL and not (0 <= a < tape.n_counters and a != pc):
-                problems.append(f"{_name(tape, d)}: arrives on {_cname(tape, a)}, which is not one of the tape's "
-                                f"counters (or is the pool's ticket counter)")
             if pc != NO_COUNTER and (d.signal == pc or any(c == pc for c, _ in waits)):
                 problems.append(f"{_name(tape, d)}: uses {_cname(tape, pc)}, the pool's ticket counter "
                                 f"(only the pool's tickets may move it)")
@@ -152,14 +119,6 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
             where = [d for d in decoded if d.ins == ins]
             problems.append(f"{_name(tape, where[-1])}: {ins} appears {have[ins]} times, "
                             f"the program has it {want.get(ins, 0)} times")
-    # -- last arrivers: each counts on its arrival counter; the merge of that counter (a node of
-    # its own, run by whichever arrives last) waits on it and signals their tape counter -----
-    arrival_problems: list[str] = []
-    decoded, merges = _arrivals(tape, decoded, arrival_problems)
-    if arrival_problems:
-        raise TapeError(problems + arrival_problems)
-    real = decoded
-    decoded = decoded + merges
     # -- 3. counters --------------------------------------------------------------------
     producers: dict[int, list[Decoded]] = defaultdict(list)
     for d in decoded:
@@ -222,58 +181,13 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
                                     f"{_name(tape, w)}, which it does not wait for ({why})")
                     break
     # -- 6. liveness --------------------------------------------------------------------
-    problems += _pool_order(tape, _pool_view(real, merges))
-    problems += _deadlocks(tape, real, producers, sequential=False, merges=merges)
+    problems += _pool_order(tape, decoded)
+    problems += _deadlocks(tape, decoded, producers, sequential=False)
     if sequential and not problems:
-        problems += _deadlocks(tape, real, producers, sequential=True, merges=merges)
+        problems += _deadlocks(tape, decoded, producers, sequential=True)
     if problems:
         raise TapeError(problems)
     return Report(n, tape.n_counters, tape.num_sms, n_regions)
-
-
-def _arrivals(tape: Tape, decoded: list[Decoded], problems: list[str]) -> tuple[list[Decoded], list[Decoded]]:
-    """(the slots with each last arriver's signal replaced by its arrival counter, one merge node
-    per arrival counter: ``sm`` :data:`MERGE`, slot ``len(tape) + k``). All arrivers of one counter
-    must be of one opcode, one merge and one tape signal (any of them may be the one to signal)."""
-    groups: dict[int, list[Decoded]] = defaultdict(list)
-    out = []
-    for d in decoded:
-        if d.ins.ARRIVAL:
-            a = d.ins.arrival_counter()
-            groups[a].append(d)
-            out.append(Decoded(d.slot, d.sm, d.ins, d.waits, a))
-        else:
-            out.append(d)
-    merges = []
-    for k, (a, ds) in enumerate(sorted(groups.items())):
-        first = ds[0]
-        for d in ds[1:]:
-            if type(d.ins) is not type(first.ins) or d.ins.merge_key() != first.ins.merge_key() \
-                    or d.signal != first.signal:
-                problems.append(f"{_name(tape, d)}: arrives on {_cname(tape, a)} with {_name(tape, first)}, but "
-                                f"they differ in opcode, merge or signalled counter (whichever arrives last "
-                                f"merges and signals)")
-        n = type(first.ins).arrivals(tape.lay)
-        merges.append(Decoded(len(tape) + k, MERGE, _Merge(first, a), ((a, n),), first.signal))
-    return out, merges
-
-
-def _pool_view(real: list[Decoded], merges: list[Decoded]) -> list[Decoded]:
-    """The slots for :func:`_pool_order`: a merge whose arrivers include pool instructions is a
-    pool producer right after the last of them (it runs there, at the latest)."""
-    last_pool: dict[int, int] = {}
-    for k, d in enumerate(real):
-        if d.sm == Tape.POOL and d.ins.ARRIVAL:
-            last_pool[d.ins.arrival_counter()] = k
-    after: dict[int, list[Decoded]] = defaultdict(list)
-    for m in merges:
-        if m.ins.counter in last_pool:
-            after[last_pool[m.ins.counter]].append(Decoded(m.slot, Tape.POOL, m.ins, m.waits, m.signal))
-    out = []
-    for k, d in enumerate(real):
-        out.append(d)
-        out += after.get(k, [])
-    return out
 
 
 def _parity_slots(classes) -> dict[str, int]:
@@ -306,7 +220,7 @@ def _queue_waits(tape: Tape, decoded) -> dict[int, frozenset]:
     acc: dict[int, frozenset] = {}
     for d in decoded:                                   # queues in order, then the pool
         own = frozenset(c for c, _ in d.waits)
-        if d.sm < 0:                                    # the pool, a merge
+        if d.sm == Tape.POOL:
             out[d.slot] = own
         else:
             acc[d.sm] = acc.get(d.sm, frozenset()) | own
@@ -351,7 +265,7 @@ def _pool_order(tape: Tape, decoded) -> list[str]:
     a pool instruction signals, and each pool instruction's pool producers come before it."""
     out = []
     pool = [d for d in decoded if d.sm == Tape.POOL]
-    pos = {id(d): k for k, d in enumerate(pool)}
+    pos = {d.slot: k for k, d in enumerate(pool)}
     first: dict[int, Decoded] = {}       # counter -> its first pool producer
     last: dict[int, Decoded] = {}        # counter -> its last pool producer
     for d in pool:
@@ -365,32 +279,18 @@ def _pool_order(tape: Tape, decoded) -> list[str]:
             if d.sm != Tape.POOL:
                 out.append(f"{_name(tape, d)}: waits on {_cname(tape, c)}, which pool {_name(tape, first[c])} "
                            f"signals: a queue may not wait on the pool (every SM could be in its queue)")
-            elif pos[id(last[c])] >= pos[id(d)]:
-                late = next(p for p in pool[pos[id(d)]:] if p.signal == c)
+            elif pos[last[c].slot] >= pos[d.slot]:
+                late = next(p for p in pool[pos[d.slot]:] if p.signal == c)
                 out.append(f"{_name(tape, d)}: waits on {_cname(tape, c)}, which {_name(tape, late)} signals "
                            f"later in the pool (the pool must be in a topological order)")
     return out
 
 
-def _deadlocks(tape: Tape, decoded, producers, sequential: bool, merges=()) -> list[str]:
+def _deadlocks(tape: Tape, decoded, producers, sequential: bool) -> list[str]:
     """Greedy execution with monotone counters: it gets stuck iff some interleaving deadlocks
     (or, with ``sequential``, iff running SM 0 to the end, then the pool, then SM 1, ... gets
     stuck). The pool runs as one more queue, in order, after the SMs: given :func:`_pool_order`,
-    the queues never need it, and the lowest unfinished ticket is the one to run. ``merges`` (of
-    last arrivers) run as soon as their arrival counter completes, inside the last arriver."""
-    on_counter: dict[int, list[Decoded]] = defaultdict(list)
-    for m in merges:
-        on_counter[m.waits[0][0]].append(m)
-    fired: set[int] = set()
-
-    def count(c: int) -> None:
-        done[c] += 1
-        for m in on_counter.get(c, []):
-            if m.slot not in fired and all(done[x] >= t for x, t in m.waits):
-                fired.add(m.slot)
-                if m.signal != NO_COUNTER:
-                    count(m.signal)
-
+    the queues never need it, and the lowest unfinished ticket is the one to run."""
     by_sm: dict[int, list[Decoded]] = defaultdict(list)
     for d in decoded:
         by_sm[d.sm].append(d)
@@ -411,7 +311,7 @@ def _deadlocks(tape: Tape, decoded, producers, sequential: bool, merges=()) -> l
                 heads[s] += 1
                 progress = True
                 if d.signal != NO_COUNTER:
-                    count(d.signal)
+                    done[d.signal] += 1
             if sequential and heads[s] < len(q):
                 d = q[heads[s]]
                 c, t = next((c, t) for c, t in d.waits if done[c] < t)
@@ -423,7 +323,7 @@ def _deadlocks(tape: Tape, decoded, producers, sequential: bool, merges=()) -> l
         if heads[s] < len(q):
             d = q[heads[s]]
             c, t = next((c, t) for c, t in d.waits if done[c] < t)
-            blocked = [p for p in producers.get(c, []) if p.sm in heads and heads[p.sm] <= by_sm[p.sm].index(p)]
+            blocked = [p for p in producers.get(c, []) if heads[p.sm] <= by_sm[p.sm].index(p)]
             why = (f"; e.g. producer {_name(tape, blocked[0])} never gets to run (it is queued behind a "
                    f"blocked instruction of {Tape.where(blocked[0].sm)})") if blocked else ""
             out.append(f"deadlock: {_name(tape, d)} waits on {_cname(tape, c)} for {t}, "

@@ -109,16 +109,7 @@ def run_tape(tape: Tape, weights: dict, kv_cache: list, x: torch.Tensor, pos: in
             s = rng.choice(ready)
         d = cur[s]
         d.ins.run_torch(tape.lay, st)
-        if d.ins.ARRIVAL:
-            # a last arriver: it counts itself on its arrival counter; the one that completes it
-            # merges the group (whichever that is in this interleaving) and signals the tape's counter
-            a = d.ins.arrival_counter()
-            counters[a] += 1
-            if counters[a] == type(d.ins).arrivals(tape.lay):
-                d.ins.merge_torch(tape.lay, st)
-                if d.signal >= 0:
-                    counters[d.signal] += 1
-        elif d.signal >= 0:
+        if d.signal >= 0:
             counters[d.signal] += 1
         if heads[s] < len(queues[s]):
             heads[s] += 1

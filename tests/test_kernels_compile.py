@@ -34,9 +34,6 @@ CASES = [
     ("llama3.2-1b", 1152, "decoder"),             # row loop, folded residual, LM head, ARGMAX
     ("llama3.2-1b", 1152, "sampling"),            # ... SAMPLE instead of ARGMAX
     ("llama3.2-1b", 1152, "profile"),             # ... the profiling build (globaltimer stamps)
-    ("llama3.2-1b", 1152, "o_prefetch"),          # ... O on the row loop, waiting inside it (v34)
-    ("small-gqa4", 256, "o_prefetch"),            # ... and a layer kernel so
-    ("llama3.2-1b", 1152, "attn_fold"),           # ... ATTN_REDUCE folded into the last partial (v36)
     ("llama3.1-8b", 1152, "decoder"),             # the column loop, whole model
     ("llama70b-layer", 4224, "tp-layer"),         # tensor parallel (rank 1 of 2): TP_PUSH / TP_REDUCE, peer signals
     ("llama3.2-1b", 1152, "tp-decoder"),          # ... the whole model: TP_ARGMAX_PUSH / TP_ARGMAX too
@@ -62,19 +59,15 @@ def compile_sm90(tape, profile: bool = False):
 
 
 def _main(preset: str, max_seq: int, what: str) -> None:
-    from opcodes import PRESETS, Tiling
+    from opcodes import PRESETS
     from schedule import compile_model
     from schedule.decoder_program import decoder_lowering
     cfg = PRESETS[preset]
     kw = {"lowering": decoder_lowering(sample=True)} if what == "sampling" else {}
-    if what == "o_prefetch":
-        kw["tiling"] = Tiling.for_config(cfg, o_prefetch=1)
-    if what == "attn_fold":
-        kw["tiling"] = Tiling.for_config(cfg, attn_fold=1)
     if what.startswith("tp-"):      # rank 1's tape (its kernel: the peer pointers, sys-scope peer signals / waits)
         tape = compile_model(cfg, 132, max_seq=max_seq, decoder=(what == "tp-decoder"), tp=2).tapes[1]
     else:
-        tape = compile_model(cfg, 132, max_seq=max_seq, decoder=cfg.vocab > 0 and what != "layer", **kw).tape
+        tape = compile_model(cfg, 132, max_seq=max_seq, decoder=(what != "layer"), **kw).tape
     ck = compile_sm90(tape, profile=(what == "profile"))
     print(json.dumps({"shared": ck.metadata.shared, "cubin_bytes": len(ck.asm.get("cubin", b""))}))
 

@@ -40,11 +40,6 @@ CASES = {
     "rows-layer-masked": (ODD, dict(o_rows=32, down_rows=32, gu_rows=16, down_k=128, red_rows=32), False),
     "rows-split-o": (ODD, dict(o_k=32, o_rows=16, red_rows=32, down_rows=16, row_bytes=256), False),
     "rows-decoder": (ODD, dict(row_bytes=256), True),
-    # O streaming whole rows, its waits inside its loop (Tiling.o_prefetch): masked rows, a split O
-    "o-prefetch": (ODD, dict(o_rows=32, down_rows=32, gu_rows=16, down_k=128, red_rows=32, row_bytes=256,
-                             o_prefetch=1), False),
-    "o-prefetch-split": (ODD, dict(o_k=32, o_rows=16, red_rows=32, down_rows=16, row_bytes=256, o_prefetch=1),
-                         False),
 }
 
 
