@@ -131,9 +131,9 @@ def nccl_collectives(group):
         dist.all_reduce(t, group=group)
 
     def all_gather(t):
-        out = torch.empty((n,) + tuple(t.shape), dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(out, t.contiguous(), group=group)
-        return out
+        out = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)     # flat: NCCL and gloo take it
+        dist.all_gather_into_tensor(out, t.contiguous().reshape(-1), group=group)
+        return out.view((n,) + tuple(t.shape))
 
     return all_reduce, all_gather
 

@@ -454,11 +454,31 @@ def _rendezvous(t: torch.Tensor, group):
         return symm_mem.rendezvous(t, name)
 
 
+def _symm_mem_alloc(total: int, device: torch.device, rank: int, group, hg) -> tuple:
+    """(this rank's symmetric allocation of ``total`` bytes, the peer's mapped into this GPU, what
+    keeps them alive): ``torch.distributed._symmetric_memory`` (``empty`` + ``rendezvous`` by group
+    name + ``get_buffer``). Collective. No multicast object is asked for or used."""
+    import torch.distributed._symmetric_memory as symm_mem
+    raw = symm_mem.empty(total, dtype=torch.uint8, device=device)
+    hdl = _rendezvous(raw, group)
+    peer_raw = hdl.get_buffer(1 - rank, [total], torch.uint8)
+    return raw, peer_raw, hdl
+
+
+#: how :func:`_place_symmetric` allocates (tests substitute shared files for a CPU rehearsal of the
+#: per-process path under the interpreter: tests/test_tp_bench.py)
+_SYMMETRIC_ALLOC = _symm_mem_alloc
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _place_symmetric(h: LayerHandle, rank: int, group, hg) -> tuple:
     """Move the buffers of ``h`` its peer writes (:func:`_peer_written`) into one symmetric-memory
-    allocation of this rank (zeroed) and map the peer's: returns (the allocation, its handle, the
-    peer's tensors by the pointer names of this rank's kernel). Collective."""
-    import torch.distributed._symmetric_memory as symm_mem
+    allocation of this rank (zeroed) and map the peer's: returns (the allocation, what keeps it and
+    the mapping alive, the peer's tensors by the pointer names of this rank's kernel). Collective."""
     items = _peer_written(h)
     layout, off = [], 0
     for name, (t, ptrs) in items.items():
@@ -467,11 +487,11 @@ def _place_symmetric(h: LayerHandle, rank: int, group, hg) -> tuple:
         off += -(-nbytes // 256) * 256
     total = max(off, 256)
     _agree(hg, layout, "the layout of the buffers the peer writes (counters, receive buffers)")
-    raw = symm_mem.empty(total, dtype=torch.uint8, device=h.device)
-    if raw.data_ptr() % 256:
-        raise RuntimeError(f"symmetric memory: allocation not 256-byte aligned ({raw.data_ptr():#x})")
-    hdl = _rendezvous(raw, group)
-    peer_raw = hdl.get_buffer(1 - rank, [total], torch.uint8)
+    raw, peer_raw, keep = _SYMMETRIC_ALLOC(total, h.device, rank, group, hg)
+    for what, t in (("this rank's", raw), ("the peer's", peer_raw)):
+        if t.numel() < total or t.dtype != torch.uint8 or t.device != h.device or t.data_ptr() % 256:
+            raise RuntimeError(f"symmetric memory: {what} buffer is not {total} bytes on {h.device}, 256-byte "
+                               f"aligned: {_desc(t)} at {t.data_ptr():#x}")
     raw.zero_()
     b = h.bindings
     peer = {}
@@ -490,8 +510,8 @@ def _place_symmetric(h: LayerHandle, rank: int, group, hg) -> tuple:
         for p in ptrs:
             peer[p] = theirs
     b.table.copy_(torch.tensor([t.data_ptr() for t in b.pointers.values()], dtype=torch.int64))
-    torch.cuda.synchronize(h.device)
-    return raw, hdl, peer
+    _sync(h.device)
+    return raw, keep, peer
 
 
 def _build_rank_gpu(weights, kv, cfg, max_seq_len, tp_group, host_group, tapes, num_sms, tiling, policy, seed, pool_us,
@@ -509,7 +529,8 @@ def _build_rank_gpu(weights, kv, cfg, max_seq_len, tp_group, host_group, tapes, 
     if tp is not None and (tp.get("rank"), tp.get("size")) != (r, 2):
         raise _err(ValueError, "weights", f"the shard of rank {r} of 2 (tp_group's rank; weights['tp'])", tp)
     first = weights["layers"][0].get("q") if isinstance(weights["layers"][0], dict) else None
-    if not isinstance(first, torch.Tensor) or first.device.type != "cuda":
+    # (CPU tensors under the Triton interpreter: the CPU rehearsal of this path, tests/test_tp_bench.py)
+    if not isinstance(first, torch.Tensor) or (first.device.type != "cuda" and not runtime.interpreter_mode()):
         raise _err(ValueError, "weights", "tensors on this process's GPU (tp_group: one rank per GPU)",
                    _desc(first))
     device = first.device
@@ -549,7 +570,7 @@ def _build_rank_gpu(weights, kv, cfg, max_seq_len, tp_group, host_group, tapes, 
     k = _build_rank(weights, kv, full, r, tape, max_seq_len, spin_limit, sync_check, wait_ns, place)
     try:
         wire_peer(k, box["symm"][2])
-        torch.cuda.synchronize(device)
+        _sync(device)
         _barrier(hg)                      # both ranks built: their counters are zero, the peer's are mapped
     except BaseException:
         runtime.teardown(k)
@@ -569,12 +590,9 @@ def _reset_rank(h: TPRankHandle) -> None:
     """After a failed step on either rank: zero this rank's counters, status and call count once
     both kernels have ended (each rank synchronised its GPU before the status exchange, so the peer
     signals nothing any more), then wait until the peer has done the same."""
-    cuda = h.layer.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(h.layer.device)
+    _sync(h.layer.device)
     _reset(h.layer)
-    if cuda:
-        torch.cuda.synchronize(h.layer.device)
+    _sync(h.layer.device)
     h.calls = 0
     _barrier(h.host_group)
 
@@ -608,8 +626,15 @@ def tp_launch(h: TPRankHandle, pos, x=None, out=None) -> None:
         raise RuntimeError(f"handle: {h.calls} calls, the counters' int32 range; build the handles again")
     h.calls += 1
     k.last_pos = p
-    with torch.cuda.device(k.device):
-        runtime.launch(k, h.x0 if x is None else x, p, h.hidden if out is None else out)
+    _launch_one(k, h.x0 if x is None else x, p, h.hidden if out is None else out)
+
+
+def _launch_one(k: LayerHandle, x, pos: int, out) -> None:
+    if k.device.type == "cuda":
+        with torch.cuda.device(k.device):
+            runtime.launch(k, x, pos, out)
+    else:       # the CPU rehearsal: no host copies of the arguments (the interpreter's own launch copies
+        _interpreter_launch_all([_kernel_args(k, x, pos, out)])     # them back at its end, over a peer's signal)
 
 
 def _rank_step(h: TPRankHandle, x, pos: int, out, launch: bool = True) -> None:
@@ -625,8 +650,7 @@ def _rank_step(h: TPRankHandle, x, pos: int, out, launch: bool = True) -> None:
         _barrier(h.host_group)            # both kernels start within about a millisecond
         h.calls += 1
         if launch:
-            with torch.cuda.device(k.device):
-                runtime.launch(k, x, pos, out)
+            _launch_one(k, x, pos, out)
         tp_check(h)
     finally:
         k.lock.release()

@@ -385,6 +385,8 @@ h.layer.counters.fill_(3)
 tp.tp_check(h)
 print("CLEAN", int(h.layer.counters.sum()) == 15)
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
 '''
 
 
@@ -453,3 +455,156 @@ def test_results_file_format(tmp_path):
     md = (tmp_path / "decoder-llama3.1-70b-tp2.md").read_text()
     assert "| megatape TP=2" in md and "| 17000.0 | 17010.0 | 58.8 | 1.030 | 97.1% | 1 |" in md
     assert "criterion met" in md
+
+
+_REHEARSAL = r'''
+import dataclasses, datetime, os, pathlib, sys, time
+os.environ["TRITON_INTERPRET"] = "1"
+import torch, torch.distributed as dist
+from interp import tp
+from interp.decoder import build_decoder, decode_step
+from interp.runtime import MegakernelError
+from opcodes import PRESETS
+from opcodes.reference import make_kv_cache, make_weights, rel_err
+from opcodes.tp import shard_kv_cache, shard_weights, tp_model_ref
+from schedule import compile_model
+from schedule.vm import run_tp_decoder
+from bench.decoder_bench import make_decoder_weights
+r, port, d = int(sys.argv[1]), sys.argv[2], pathlib.Path(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2,
+                        timeout=datetime.timedelta(seconds=300))
+hg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=300))
+n_alloc = [0]
+
+def file_alloc(total, device, rank, group, hg_):     # symmetric memory's stand-in: two shared files
+    k = n_alloc[0]
+    n_alloc[0] += 1
+    paths = [d / f"symm{k}-{q}.bin" for q in range(2)]
+    with open(paths[rank], "wb") as f:
+        f.truncate(total)
+    dist.barrier(group=hg_)
+    return (torch.from_file(str(paths[rank]), shared=True, size=total, dtype=torch.uint8),
+            torch.from_file(str(paths[1 - rank]), shared=True, size=total, dtype=torch.uint8), None)
+
+tp._SYMMETRIC_ALLOC = file_alloc
+
+def gather(t):
+    out = [None, None]
+    dist.all_gather_object(out, t, group=hg)
+    return out
+
+cfg = PRESETS["small-2layer"]
+MAX_SEQ, POS = 64, 19
+w = make_weights(cfg)
+kv = make_kv_cache(cfg, MAX_SEQ, POS)
+x = torch.randn(1, cfg.d, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+ref_sh = [shard_weights(w, cfg, q, 2) for q in range(2)]
+ref_c = [shard_kv_cache(kv, cfg, q, 2) for q in range(2)]
+h = tp.build_tp_layers(shard_weights(w, cfg, r, 2), shard_kv_cache(kv, cfg, r, 2), cfg, MAX_SEQ,
+                       tp_group=dist.group.WORLD, host_group=hg, wait_s=120)
+assert isinstance(h, tp.TPRankHandle) and h.rank == r and h.layer.num_sms == 1
+xin, xref, ok = x, x, True
+for call in range(2):                                  # receive slots 1, 0
+    out = tp.tp_layer_step(h, xin, POS + call)
+    o = gather(out)
+    xref = tp_model_ref(ref_sh, ref_c, cfg, xref, POS + call)
+    ok &= torch.equal(o[0], o[1]) and rel_err(out, xref) <= 1.5e-2
+    xin = out
+print("STEPS", ok, h.calls == 2, flush=True)
+tp.set_wait(h, 2.0)                                    # rank 1 never launches
+t0 = time.monotonic()
+try:
+    tp.tp_layer_step(h, x, POS, launch=(r == 0))
+    print("DEATH no error", flush=True)
+except MegakernelError as e:
+    msg = str(e)
+    print("DEATH", "rank 0:" in msg and "(the time bound)" in msg and "rank 1:" not in msg and "recv_" in msg
+          and all(s[0] == 0 for s in e.stuck), time.monotonic() - t0 < 90,
+          h.calls == 0 and int(h.layer.counters.abs().sum()) == 0, flush=True)
+tp.set_wait(h, 120)
+out = tp.tp_layer_step(h, x, POS)
+o = gather(out)
+ref = tp_model_ref(ref_sh, [shard_kv_cache(make_kv_cache(cfg, MAX_SEQ, POS), cfg, q, 2) for q in range(2)], cfg, x, POS)
+print("AGAIN", torch.equal(o[0], o[1]) and rel_err(out, ref) <= 1.5e-2, flush=True)
+tp.tp_teardown(h)
+cv = dataclasses.replace(cfg, vocab=200, name="small-2layer-v200")
+wv = make_decoder_weights(cv, 0, "cpu", tied=False)
+kvv = make_kv_cache(cv, MAX_SEQ, POS)
+tapes = compile_model(cv, 1, max_seq=MAX_SEQ, tp=2, sequential=True).tapes
+vm = run_tp_decoder(tapes, wv, [tuple(t.clone() for t in p) for p in kvv], 17, POS, calls=2, return_all=True)
+hd = build_decoder(shard_weights(wv, cv, r, 2), shard_kv_cache(kvv, cv, r, 2), cv, MAX_SEQ, tp_group=dist.group.WORLD,
+                   host_group=hg, wait_s=120, tapes=tapes, verify_tapes=False)
+lg = decode_step(hd, torch.tensor([17]), POS)
+toks = tp.tokens(hd)
+new = tp.tp_generate(hd, [toks[0]], 1, start_pos=POS + 1)
+hid = gather(hd.hidden.clone())
+print("DECODER", lg.shape == (1, 200) and rel_err(lg, torch.cat(vm[0][0], -1)) <= 2e-2, toks == [vm[0][1]] * 2,
+      new == [vm[1][1]], torch.equal(hid[0], hid[1]), flush=True)
+tp.tp_teardown(hd)
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)         # as the bench's workers: no interpreter teardown (c10d's threads abort it now and then)
+'''
+
+
+def test_the_per_process_path_rehearsed_on_the_cpu(tmp_path):
+    """interp.tp's one-rank-per-process path (what runs on the two GPUs) in two CPU processes under the
+    Triton interpreter, a gloo group as tp_group and host_group, two shared files standing in for
+    symmetric memory (interp.tp._SYMMETRIC_ALLOC): the layers over two calls (bitwise equal ranks,
+    the TP reference), rank 1 not launching (both raise within the 2 s time bound, named; both reset),
+    the same handle again, and the decoder through interp.decoder.build_decoder(..., tp_group=) against
+    the two-rank VM."""
+    from bench.tp_bench import _free_port
+    script = tmp_path / "rehearsal.py"
+    script.write_text(_REHEARSAL)
+    port = str(_free_port())
+    ps = [subprocess.Popen([sys.executable, str(script), str(r), port, str(tmp_path)], cwd=ROOT, env=_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = []
+    for p in ps:
+        try:
+            outs.append(p.communicate(timeout=600)[0])
+        finally:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, out) in enumerate(zip(ps, outs)):
+        assert p.returncode == 0, f"rank {r}:\n{out[-4000:]}"
+        for want in ("STEPS True True", "DEATH True True True", "AGAIN True", "DECODER True True True True"):
+            assert want in out, f"rank {r}: no {want!r} in\n{out[-4000:]}"
+
+
+def test_every_stage_rehearsed_on_the_cpu(tmp_path):
+    """``python3 -m bench.tp_bench --rehearse``: the launcher, both workers and every stage's code (smoke,
+    death, correct, speed with the NCCL baseline eager) on the CPU: gloo for NCCL, the Triton interpreter
+    for the GPUs, shared files for symmetric memory, small-2layer (vocab 200) for every model. Passes,
+    and writes the results file."""
+    import json
+    r = subprocess.run([sys.executable, "-m", "bench.tp_bench", "--rehearse", "--out", str(tmp_path)], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=600)
+    out = r.stdout
+    assert r.returncode == 0 and "PASSED: all stages passed" in out, out[-6000:] + r.stderr[-2000:]
+    for st in ("smoke", "death", "correct", "speed"):
+        assert f"{st:8s} ok in" in out
+    assert "gave up waiting after 2 s (the time bound)" in out            # the death stage's error
+    got = json.loads((tmp_path / "decoder-small-2layer-v200-tp2.json").read_text())
+    assert got["accuracy"]["ranks_bitwise_equal"] and got["accuracy"]["criterion_met"]
+    assert [r["kernels_per_step"] for r in got["rows"][:2]] == [None, 1] and len(got["rows"]) == 3
+
+
+def test_precompiled_tapes_are_found_and_checked(tmp_path):
+    """The launcher's CPU process compiles the correct / speed stages' tapes (verified) into the work
+    folder; a worker takes them only for its model, cache length and SM count."""
+    from bench.tp_bench import Ctx, _correct_cfg, _load_tapes, _speed_cfg, parse_args, precompile
+    argv = ["--workdir", str(tmp_path), "--sms", "1", "--correct-layers", "1", "--speed-layers", "2", "--max-seq", "1152"]
+    a = parse_args(argv)
+    assert precompile(a) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tapes-correct.pkl", "tapes-speed.pkl"]
+    c = Ctx(a, 0, torch.device("cpu"), None, lambda m: None)
+    t = _load_tapes(c, "speed", _speed_cfg(a), wait_s=1)
+    assert t is not None and len(t) == 2 and t[0].lay.cfg.layers == 2 and t[1].lay.tp_rank == 1
+    assert _load_tapes(c, "correct", _correct_cfg(a), wait_s=1)[0].lay.cfg.layers == 1
+    assert _load_tapes(c, "correct", _speed_cfg(a), wait_s=1) is None           # another model
+    b = parse_args(argv[:-1] + ["2048"])
+    assert _load_tapes(Ctx(b, 0, torch.device("cpu"), None, lambda m: None), "speed", _speed_cfg(b), wait_s=1) is None
+    b = parse_args(argv + ["--no-precompile"])
+    assert _load_tapes(Ctx(b, 0, torch.device("cpu"), None, lambda m: None), "speed", _speed_cfg(b), wait_s=1) is None
