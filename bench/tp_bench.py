@@ -34,6 +34,9 @@ import os
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 os.environ.update(SAFE_ENV)
 assert all(os.environ.get(k) == v for k, v in SAFE_ENV.items())
+#: defaults for the children unless the caller set them: symmetric memory's plain CUDA backend (cuMem +
+#: IPC handles; not NVSHMEM), gloo's host-side collectives over loopback (both ranks on one host)
+DEFAULT_ENV = {"TORCH_SYMMMEM": "CUDA", "GLOO_SOCKET_IFNAME": "lo"}
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
@@ -70,6 +73,8 @@ def child_env(extra: dict | None = None) -> dict:
     """The environment of a child process: this one's, the multicast switches, the repository on
     ``PYTHONPATH``, unbuffered output."""
     env = dict(os.environ)
+    for k, v in DEFAULT_ENV.items():
+        env.setdefault(k, v)
     env.update(SAFE_ENV)
     root = str(_repo_root())
     pp = env.get("PYTHONPATH", "")
@@ -975,7 +980,7 @@ def worker(a) -> int:
         for i, line in enumerate(str(msg).splitlines() or [""]):
             print(f"rank {r} +{time.monotonic() - t_start:6.1f}s {'| ' if i else ''}{line}", flush=True)
 
-    log("env " + " ".join(f"{k}={os.environ.get(k)}" for k in SAFE_ENV))
+    log("env " + " ".join(f"{k}={os.environ.get(k)}" for k in {**SAFE_ENV, **DEFAULT_ENV}))
     if a.rehearse:
         os.environ["TRITON_INTERPRET"] = "1"          # before triton is imported
     import torch
