@@ -261,6 +261,7 @@ def launch(a) -> int:
         print(f"[launcher {clock()}] {msg}", flush=True)
 
     _check_env()
+    t_start = time.time()
     a.out = str(pathlib.Path(a.out).resolve())
     say(f"tp_bench: stages {','.join(a.stage_list)}; total limit {a.total_timeout:.0f} s; env "
         + " ".join(f"{k}={os.environ[k]}" for k in SAFE_ENV))
@@ -288,10 +289,12 @@ def launch(a) -> int:
     except BaseException:
         _kill(list(workers.values()) + list(helpers.values()))
         raise
+    import shutil
+    shutil.rmtree(work, ignore_errors=True)
     for st in a.stage_list:
         say(f"  {st:8s} " + (f"ok in {done[st]:.1f} s" if st in done else "not passed"))
     md = pathlib.Path(a.out) / f"decoder-{a.preset}-tp2.md"
-    if ok and "speed" in a.stage_list and md.exists():
+    if "speed" in a.stage_list and md.exists() and md.stat().st_mtime >= t_start:
         print("\n" + md.read_text(), flush=True)
     say(("PASSED: " if ok else "FAILED: ") + msg + f" (total {clock().split('+')[1].strip()})")
     return 0 if ok else 1
@@ -514,8 +517,15 @@ def stage_smoke(c: Ctx) -> None:
     from schedule import compile_model
     from schedule.vm import run_tp, run_tp_decoder
 
+    from interp.sync import clock_probe
+
     from .decoder_bench import make_decoder_weights
     a, r, dev, log = c.a, c.rank, c.dev, c.log
+    # the clock that bounds every TP wait in time measures time (globaltimer in ns on the GPU)
+    dk, dh = clock_probe(dev, 0.2)
+    log(f"the wait clock advanced {dk:.3f} s while the host's advanced {dh:.3f} s (0.2 s apart)")
+    _require(0.1 <= dk <= dh + 0.05, f"the wait clock (globaltimer) advanced {dk:.3f} s in {dh:.3f} s of host time: "
+             "the time bound of the TP waits would not hold")
     cfg = PRESETS["small-2layer"]
     MAX_SEQ, POS, CALLS = 64, 19, 3
     sms, seq = _sms(dev), dev.type == "cpu"

@@ -53,3 +53,28 @@ def clock_ns(INTERP: tl.constexpr):
         t = globaltimer()
     return t
 
+
+
+@triton.jit
+def _clock_probe_kernel(out_ptr, INTERP: tl.constexpr):
+    tl.store(out_ptr, clock_ns(INTERP))
+
+
+def clock_probe(device, pause_s: float = 0.2) -> tuple:
+    """(seconds :func:`clock_ns` advanced, seconds the host's clock advanced) between two one-thread
+    launches ``pause_s`` apart on ``device``: a check that the time bound of the tensor-parallel waits
+    measures time (on a GPU, that ``%globaltimer`` runs in nanoseconds)."""
+    import torch
+    cuda = torch.device(device).type == "cuda"
+    a = torch.zeros(2, dtype=torch.int64, device=device)
+    b = torch.zeros(2, dtype=torch.int64, device=device)
+    t0 = time.perf_counter()
+    _clock_probe_kernel[(1,)](a, INTERP=not cuda)
+    if cuda:
+        torch.cuda.synchronize(device)
+    time.sleep(pause_s)
+    _clock_probe_kernel[(1,)](b, INTERP=not cuda)
+    if cuda:
+        torch.cuda.synchronize(device)
+    host = time.perf_counter() - t0
+    return (int(b[0]) - int(a[0])) / 1e9, host

@@ -257,3 +257,11 @@ def test_only_tp_kernels_read_the_clock():
     # per wait: the clock is read inside `if seen < wt:` (after the first poll), bounded by the loaded limit
     assert s.count("t1 = clock_ns(INTERP)") == 2 * s.count("deadline = t1 + tl.load(tp_wait_ptr)") >= 2
     assert "while (seen < wt) & (n < spin_limit) & (t1 < deadline):" in s
+
+
+def test_the_clock_probe_under_the_interpreter():
+    """interp.sync.clock_probe (the bench checks the GPU's globaltimer with it before the TP stages):
+    under the interpreter the wait clock is the host's, so it advances with the pause."""
+    from interp.sync import clock_probe
+    k, h = clock_probe(torch.device("cpu"), 0.3)
+    assert 0.25 <= k <= h + 0.01, (k, h)
