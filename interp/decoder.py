@@ -225,11 +225,12 @@ def decode_step(handle: DecoderHandle, tokens, pos) -> torch.Tensor:
     A tensor-parallel rank's handle (``build_decoder(..., tp_group=...)``): ``interp.tp.tp_decode_step``
     (collective; the logits of both ranks' slices).
     """
-    from .tp import TPRankHandle, tp_decode_step
-    if isinstance(handle, TPRankHandle):
-        if isinstance(tokens, torch.Tensor) and tokens.numel() == 1 and not tokens.dtype.is_floating_point:
-            tokens = int(tokens.reshape(-1)[0])
-        return tp_decode_step(handle, tokens, pos)
+    if not isinstance(handle, DecoderHandle):       # (the common case imports nothing more)
+        from .tp import TPRankHandle, tp_decode_step
+        if isinstance(handle, TPRankHandle):
+            if isinstance(tokens, torch.Tensor) and tokens.numel() == 1 and not tokens.dtype.is_floating_point:
+                tokens = int(tokens.reshape(-1)[0])
+            return tp_decode_step(handle, tokens, pos)
     _check_handle(handle)
     pos = _check_pos(handle, pos)
     if isinstance(tokens, int) and not isinstance(tokens, bool):
