@@ -57,6 +57,8 @@ STAGES = ("smoke", "death", "correct", "speed")
 #: seconds each stage may take (kernel compiles included: ~20-60 s each on the GPU machine)
 STAGE_TIMEOUT_S = {"smoke": 240, "death": 90, "correct": 270, "speed": 270}
 TOTAL_TIMEOUT_S = 560
+#: from the start to the first stage's BEGIN (imports, NCCL and gloo initialisation)
+STARTUP_TIMEOUT_S = 150
 #: host-side collectives of the bench (the gloo group's timeout: rank 1 waits while rank 0 runs the
 #: single-GPU comparison, a kernel compile included)
 HOST_GROUP_TIMEOUT_S = 420
@@ -248,6 +250,9 @@ def supervise(workers: dict, helpers: dict, timeouts: dict, total_timeout: float
             return finish(True, "all stages passed")
         if stage is not None and stage not in done and now - stage_t0 > timeouts.get(stage, total_timeout):
             return finish(False, f"stage {stage} ran past its time limit of {timeouts[stage]:.0f} s: killed")
+        if stage is None and now - t0 > timeouts.get("startup", STARTUP_TIMEOUT_S):
+            return finish(False, f"the workers did not start their first stage within "
+                          f"{timeouts.get('startup', STARTUP_TIMEOUT_S):.0f} s (imports, NCCL): killed")
         if now - t0 > total_timeout:
             return finish(False, f"the run passed its total time limit of {total_timeout:.0f} s"
                           + (f" (in stage {stage})" if stage else "") + ": killed")

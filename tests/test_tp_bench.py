@@ -608,3 +608,13 @@ def test_precompiled_tapes_are_found_and_checked(tmp_path):
     assert _load_tapes(Ctx(b, 0, torch.device("cpu"), None, lambda m: None), "speed", _speed_cfg(b), wait_s=1) is None
     b = parse_args(argv + ["--no-precompile"])
     assert _load_tapes(Ctx(b, 0, torch.device("cpu"), None, lambda m: None), "speed", _speed_cfg(b), wait_s=1) is None
+
+
+def test_workers_that_never_start_a_stage_are_stopped():
+    from bench.tp_bench import supervise
+    ws = {"rank0": _fake("import time; time.sleep(120)"), "rank1": _fake("import time; time.sleep(120)")}
+    t0 = time.monotonic()
+    ok, msg, _ = supervise(ws, {}, {"startup": 1.5}, 60, out=open(os.devnull, "w"))
+    assert time.monotonic() - t0 < 30
+    assert not ok and "did not start their first stage within 2 s" in msg
+    assert all(p.poll() is not None for p in ws.values())
