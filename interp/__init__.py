@@ -6,7 +6,8 @@
     from interp import generate_stream                          # ... the tokens as they come (sampling, EOS)
     from interp.textgen import Checkpoint, generate_text        # text in, text out (megatape generate)
     from interp import load_hf_llama                            # a Hugging Face Llama checkpoint directory
-    from interp.tp import build_tp_layers, build_tp_decoder     # tensor parallel, 2 ranks (CPU loopback only)
+    from interp.tp import build_tp_layers, build_tp_decoder     # tensor parallel, 2 ranks: a CPU loopback, or one
+                                                                # rank per process on GPUs (tp_group=)
 """
 from .runtime import MegakernelError, build_layer, layer_step
 from .decoder import DecoderHandle, build_decoder, decode_step, generate, generate_stream

@@ -98,7 +98,7 @@ def _check_decoder_weights(weights, kv_cache, cfg: ModelConfig, device: torch.de
 
 
 def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_cols: int = 0, sampling: bool = False,
-                  **options):
+                  tp_group=None, **options):
     """Prepare a whole Llama-family model for ``decode_step`` / ``generate``. Untimed.
 
     weights  : {"embed": (vocab, d), "layers": [per-layer dicts as for build_layer], "final_norm": (d,),
@@ -111,7 +111,21 @@ def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_
     which ``generate`` needs for temperature 0). Other options go to ``build_layer`` (``num_sms``,
     ``tiling``, ``policy``, ``tape`` (a tape compiled with ``lower_decoder``), ``spin_limit``,
     ``sync_check``, ``profile``, ...).
+
+    ``tp_group`` (a ``torch.distributed`` group of 2 processes, one GPU each): tensor parallel, this
+    process's rank only: ``weights`` / ``kv_cache`` are its shard (``opcodes.tp.shard_weights`` /
+    ``shard_kv_cache``), ``cfg`` the full model's; collective (both processes call it). Returns an
+    ``interp.tp.TPRankHandle`` (``interp.tp.build_tp_decoder(..., tp_group=...)``, whose options it
+    takes: ``wait_s``, ``host_group``, ``tapes``, ...); ``decode_step`` / ``generate`` of it are
+    ``interp.tp.tp_decode_step`` / ``tp_generate`` (greedy only).
     """
+    if tp_group is not None:
+        if sampling:
+            raise _err(ValueError, "sampling", "False with tp_group (tensor-parallel decoders are greedy: TP_ARGMAX)",
+                       sampling)
+        from .tp import build_tp_decoder
+        return build_tp_decoder(weights, kv_cache, cfg, max_seq_len, lm_rows=lm_rows, emb_cols=emb_cols,
+                                tp_group=tp_group, **options)
     if "lowering" in options:
         raise TypeError("build_decoder: lowering= is set by the decoder itself")
     if not isinstance(sampling, bool):
@@ -208,7 +222,15 @@ def decode_step(handle: DecoderHandle, tokens, pos) -> torch.Tensor:
              steps uses
     returns a fresh (1, vocab) fp32 tensor of logits. The greedy next token is also left on the
     device (``handle.tok``), where a following ``generate`` or launch would read it.
+    A tensor-parallel rank's handle (``build_decoder(..., tp_group=...)``): ``interp.tp.tp_decode_step``
+    (collective; the logits of both ranks' slices).
     """
+    if not isinstance(handle, DecoderHandle):       # (the common case imports nothing more)
+        from .tp import TPRankHandle, tp_decode_step
+        if isinstance(handle, TPRankHandle):
+            if isinstance(tokens, torch.Tensor) and tokens.numel() == 1 and not tokens.dtype.is_floating_point:
+                tokens = int(tokens.reshape(-1)[0])
+            return tp_decode_step(handle, tokens, pos)
     _check_handle(handle)
     pos = _check_pos(handle, pos)
     if isinstance(tokens, int) and not isinstance(tokens, bool):

@@ -24,7 +24,7 @@ from opcodes import Layout, ModelConfig, Tiling, kernel_constexprs, kernel_point
 from opcodes.reference import layer_shapes
 from schedule import CostModel, Tape, compile_model, verify
 
-from .codegen import (CTL_POS, CTL_WORDS, FAIL_PAST_TARGET, FAIL_POSITION, PROF_WORDS, STATUS_WORDS,
+from .codegen import (CTL_POS, CTL_WORDS, FAIL_PAST_TARGET, FAIL_POSITION, FAIL_TIME, PROF_WORDS, STATUS_WORDS,
                       SWITCHES, load_kernel)
 
 DEFAULT_SPIN_LIMIT = 1 << 20
@@ -188,6 +188,7 @@ class LayerHandle:
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     in_capture: bool = False      # inside a Stepping whose stream captures a CUDA graph
+    wait_ns: int | None = None    # tensor parallel: every wait's time bound (interp.tp), for messages
 
     @property
     def scratch(self) -> dict:
@@ -251,8 +252,12 @@ class LayerHandle:
                 stuck)
         lines = [f"  {desc}: waited on counter {c} for {t} (call {ep}: {t // max(1, ep)} producers per call), "
                  f"saw {s}" for (_, _, desc, c, t, s, ep, _) in stuck[:8]]
+        n_time = sum(x[7] == FAIL_TIME for x in stuck)
+        bound = f"{self.wait_ns / 1e9:g} s (the time bound)" if self.wait_ns else "the time bound"
+        limit = (f"{self.spin_limit} polls" if not n_time else bound if n_time == len(stuck)
+                 else f"{self.spin_limit} polls or {bound}")
         raise MegakernelError(
-            f"megakernel stopped: {len(stuck)} SM(s) gave up waiting after {self.spin_limit} polls "
+            f"megakernel stopped: {len(stuck)} SM(s) gave up waiting after {limit} "
             f"(a producer never signalled):\n" + "\n".join(lines) +
             ("\n  ..." if len(stuck) > 8 else "") +
             f"\nKV cache position {self.last_pos}: {written}.\n"
@@ -383,6 +388,8 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
             if type(d.ins).SIGNALS_PEER and d.signal >= 0:
                 sig[d.signal] = 1
         avail["peer_sig_ptr"] = sig.to(device)
+        # every wait's time bound in ns (interp.tp sets it; until then 10 minutes)
+        avail["tp_wait_ptr"] = torch.full((2,), 600 * 10**9, dtype=torch.int64, device=device)
         types = kernel_pointers(lay, classes)
         avail.update({n: torch.zeros(16, dtype=_TORCH_DTYPES[types[n]], device=device) for n in peer_names})
         on_tape |= set(peer_names)

@@ -5,7 +5,7 @@
     megatape run     [--sms N] [-o tape.json] [--no-gpu]
     megatape viz     --preset NAME --sms N --out DIR ...   (pictures: megatape.views.viz)
     megatape bench   ...      (bench/driver.py, needs a CUDA GPU)
-    megatape bench-decoder ...   (bench/decoder_bench.py, needs a CUDA GPU)
+    megatape bench-decoder ...   (bench/decoder_bench.py, needs a CUDA GPU; --tp 2: bench/tp_bench.py, two GPUs)
     megatape generate --model DIR [--prompt TEXT | --prompt-file PATH] [--chat] [--max-new-tokens N]
                      [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop STRING] [--max-seq N]
 
@@ -391,8 +391,23 @@ def cmd_bench(a) -> int:
 
 
 def cmd_bench_decoder(a) -> int:
+    if a.tp == 2:
+        return _bench_decoder_tp(a)
     from bench.decoder_bench import run
     return int(run(a, views=_views()) or 0)
+
+
+def _bench_decoder_tp(a, prog: str = "megatape bench-decoder") -> int:
+    """``--tp 2``: bench/tp_bench.py's launcher (two GPUs, one process each; it sets the NCCL /
+    symmetric-memory switches that keep NVLink multicast off for itself and its children)."""
+    bad = [f for f, on in (("--variants", bool(a.variants.strip())), ("--profile", a.profile)) if on]
+    if bad:
+        print(f"{prog}: error: {', '.join(bad)} are not supported with --tp 2", file=sys.stderr)
+        return 2
+    from bench import tp_bench            # sets NCCL_NVLS_ENABLE=0 / TORCH_SYMM_MEM_DISABLE_MULTICAST=1 first
+    argv = ["--out", a.out, "--preset", a.preset, "--pos", str(a.prefill), "--steps", str(a.steps),
+            "--max-seq", str(a.max_seq), "--seed", str(a.seed)] + (["--no-baseline"] if a.no_compile else [])
+    return int(tp_bench.main(argv) or 0)
 
 
 # ---- generate ------------------------------------------------------------------------------------
@@ -580,6 +595,10 @@ def _add_bench_decoder(sub, presets) -> None:
     d.add_argument("--variants", default="", help="extra tilings/build options to time, ';'-separated "
                    "(as for megatape bench --variants)")
     d.add_argument("--profile", action="store_true", help="profile the default build and summarise it")
+    d.add_argument("--tp", type=int, choices=(1, 2), default=1,
+                   help="2: tensor parallel over two GPUs, one process each (bench/tp_bench.py: smoke, peer-death, "
+                   "correctness and speed stages; writes <out>/decoder-<preset>-tp2.json and .md; --no-compile "
+                   "skips the NCCL baseline)")
     d.add_argument("--out", default=RESULTS, metavar="DIR", help=f"results directory (default {RESULTS})")
 
 

@@ -194,6 +194,9 @@ PRESETS: dict[str, ModelConfig] = {
                          eps=1e-5, theta=500000.0),
     "llama70b-16": _p("llama70b-16", layers=16, d=8192, ffn=28672, n_q=64, n_kv=8, hd=128,
                       eps=1e-5, theta=500000.0),
+    # the whole 70B model (80 layers, untied LM head): tensor parallel over two GPUs (bench/tp_bench.py)
+    "llama3.1-70b": _p("llama3.1-70b", layers=80, d=8192, ffn=28672, n_q=64, n_kv=8, hd=128,
+                       eps=1e-5, theta=500000.0, vocab=128256, **_LLAMA3_ROPE, rope_factor=8.0),
     "llama3.1-8b": _p("llama3.1-8b", layers=32, d=4096, ffn=14336, n_q=32, n_kv=8, hd=128,
                       eps=1e-5, theta=500000.0, vocab=128256, **_LLAMA3_ROPE, rope_factor=8.0),
     "llama3.2-1b": _p("llama3.2-1b", layers=16, d=2048, ffn=8192, n_q=32, n_kv=8, hd=64,

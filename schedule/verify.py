@@ -414,11 +414,12 @@ def verify_tp(tapes: list[Tape]) -> TPReport:
                 producers[gid(1 - r if type(d.ins).SIGNALS_PEER else r, d.signal)].append((r, d))
     n_cross = 0
     waits_peer = [False] * R
+    prod_ranks = {g: {pr for pr, _ in ps} for g, ps in producers.items()}     # which ranks signal g
     for r in range(R):
         for d in dec[r]:
             for c, t in d.waits:
                 ps = producers.get(gid(r, c), [])
-                if any(pr != r for pr, _ in ps):
+                if prod_ranks.get(gid(r, c), set()) - {r}:
                     n_cross += 1
                     waits_peer[r] = True
                 if len(ps) != t:
@@ -494,18 +495,45 @@ def verify_tp(tapes: list[Tape]) -> TPReport:
     n_regions = 0
     for r in range(R):
         ws_sorted = {b: sorted(ws, key=lambda w: w[0]) for b, ws in writes[r].items()}
+        # The writes of a buffer do not overlap (point 3), so in order of their starts their ends are
+        # in order too. Adjacent writes whose signals are the same counter are one run (e.g. the
+        # GATE_UP tiles of a layer, each DOWN tile's read spans hundreds of them): a read looks up its
+        # first overlapping run by bisection and tests each counter once (a scan over every write of
+        # the buffer per read made this check take minutes for 16 layers of the 70B shape).
+        runs: dict[str, list] = {}
+        for b, ws in ws_sorted.items():
+            rs = runs[b] = []
+            for k, (lo, hi, wr, w) in enumerate(ws):
+                g = NO_COUNTER if w.signal == NO_COUNTER else gid(1 - wr if type(w.ins).SIGNALS_PEER else wr,
+                                                                  w.signal)
+                if rs and rs[-1][2] == g and rs[-1][1] == lo:
+                    rs[-1][1] = hi
+                else:
+                    rs.append([lo, hi, g, k])
+        run_ends = {b: [x[1] for x in rs] for b, rs in runs.items()}
+        wcache: dict[tuple, int] = {}       # the tiles of a stage wait on the same counters
         for d in dec[r]:
-            waited = 0
-            for g in eff[(r, d.slot)]:
-                waited |= closure(g)
+            wkey = tuple(eff[(r, d.slot)])
+            waited = wcache.get(wkey)
+            if waited is None:
+                waited = 0
+                for g in wkey:
+                    waited |= closure(g)
+                wcache[wkey] = waited
             for reg in d.ins.reads(tapes[r].lay):
                 n_regions += 1
-                for lo, hi, wr, w in ws_sorted.get(reg.buf, []):
-                    if hi <= reg.lo or lo >= reg.hi:
+                rs, ws, checked = runs.get(reg.buf, []), ws_sorted.get(reg.buf, []), set()
+                for j in range(bisect.bisect_right(run_ends.get(reg.buf, []), reg.lo), len(rs)):
+                    run_lo, _, g, k = rs[j]
+                    if run_lo >= reg.hi:
+                        break
+                    if g in checked:
                         continue
-                    g = NO_COUNTER if w.signal == NO_COUNTER else gid(1 - wr if type(w.ins).SIGNALS_PEER else wr,
-                                                                      w.signal)
+                    checked.add(g)
                     if g == NO_COUNTER or not (waited >> g) & 1:
+                        while ws[k][1] <= reg.lo:       # the run's first write that overlaps the read
+                            k += 1
+                        lo, hi, wr, w = ws[k]
                         why = "signals no counter" if g == NO_COUNTER else f"signals {cname(g // n_c, g % n_c)}"
                         problems.append(f"{name(r, d)}: reads rank {r}'s {reg.buf}[{reg.lo}:{reg.hi}] written by "
                                         f"{name(wr, w)}, which it does not wait for ({why})")

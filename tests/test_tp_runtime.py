@@ -186,3 +186,82 @@ def test_tp_decoder_matches_the_vm():
         assert [int(t[POS + 2]) for t in h.toks] == [vm[2][1]] * 2
     finally:
         tp_teardown(h)
+
+
+# ---- the time bound --------------------------------------------------------------------------------
+def test_waits_are_bounded_in_time_under_the_interpreter():
+    """Every wait of a TP kernel is bounded in time as well as in polls (interp.sync.clock_ns: the host's
+    clock under the interpreter, the globaltimer on a GPU): with a poll bound it cannot reach, a rank whose
+    peer never launches stops after ``wait_s``; the error names the time bound, the rank and the counter;
+    then, with the bound back, both ranks step correctly."""
+    from interp.codegen import FAIL_TIME
+    from interp.tp import INTERPRETER_TP_WAIT_S, set_wait
+    w = make_weights(CFG)
+    shards, caches = _shards(CFG, w, make_kv_cache(CFG, MAX_SEQ, POS))
+    h = build_tp_layers(shards, caches, CFG, MAX_SEQ, spin_limit=1 << 30, wait_s=1.5)
+    try:
+        assert [k.wait_ns for k in h.ranks] == [1_500_000_000] * 2
+        assert [int(k.buffers["tp_wait_ptr"][0]) for k in h.ranks] == [1_500_000_000] * 2
+        x = _x()
+        t0 = time.monotonic()
+        with pytest.raises(MegakernelError) as ei:
+            tp_layer_step(h, x, POS, ranks=(0,))          # rank 1 never launches
+        dt = time.monotonic() - t0
+        assert 1.5 <= dt < 90, dt
+        msg = str(ei.value)
+        assert "rank 0" in msg and "gave up waiting after 1.5 s (the time bound)" in msg, msg
+        assert "recv_" in msg and "polls" not in msg
+        assert ei.value.stuck and all(s[0] == 0 and s[-1] == FAIL_TIME for s in ei.value.stuck)
+        assert h.calls == 0 and all(int(k.counters.abs().sum()) == 0 for k in h.ranks)
+        set_wait(h, INTERPRETER_TP_WAIT_S)              # a working peer shares the interpreter: seconds per stage
+        assert [k.wait_ns for k in h.ranks] == [int(INTERPRETER_TP_WAIT_S * 1e9)] * 2
+        out = tp_layer_step(h, x, POS)
+        assert torch.equal(out[0], out[1])
+        ref = tp_model_ref(*_shards(CFG, w, make_kv_cache(CFG, MAX_SEQ, POS)), CFG, x, POS)
+        assert rel_err(out[0], ref) <= TOL
+    finally:
+        tp_teardown(h)
+
+
+def test_wait_bound_arguments():
+    from interp.tp import set_wait
+    w = make_weights(CFG)
+    shards, caches = _shards(CFG, w, make_kv_cache(CFG, MAX_SEQ, POS))
+    for bad in (0, -1.0, True, "5", 1e9):
+        with pytest.raises(ValueError, match="wait_s"):
+            build_tp_layers(shards, caches, CFG, MAX_SEQ, wait_s=bad)
+    h = build_tp_layers(shards, caches, CFG, MAX_SEQ)
+    try:
+        with pytest.raises(ValueError, match="wait_s"):
+            set_wait(h, 0)
+        with pytest.raises(ValueError, match="host_group"):
+            build_tp_layers(shards, caches, CFG, MAX_SEQ, host_group=object())
+    finally:
+        tp_teardown(h)
+
+
+def test_only_tp_kernels_read_the_clock():
+    """The time bound is in the tensor-parallel kernels only: the single-GPU kernel's source is unchanged
+    (no clock, no tp_wait_ptr), the TP kernel reads the clock only after a failed first poll."""
+    from interp.codegen import kernel_source
+    from opcodes import kernel_constexprs
+    single = compile_model(CFG, 1, max_seq=MAX_SEQ, decoder=False, sequential=True).tape
+    tp = compile_model(CFG, 1, max_seq=MAX_SEQ, decoder=False, sequential=True, tp=2).tapes[0]
+    srcs = {}
+    for name, t in (("single", single), ("tp", tp)):
+        cx = kernel_constexprs(t.lay, interp=False, used=t.classes())
+        srcs[name] = kernel_source(kernel_pointers(t.lay, t.classes()), list(cx), t.classes())
+    assert "clock_ns" not in srcs["single"] and "tp_wait_ptr" not in srcs["single"]
+    s = srcs["tp"]
+    assert "tp_wait_ptr" in s and "clock_ns(INTERP)" in s
+    # per wait: the clock is read inside `if seen < wt:` (after the first poll), bounded by the loaded limit
+    assert s.count("t1 = clock_ns(INTERP)") == 2 * s.count("deadline = t1 + tl.load(tp_wait_ptr)") >= 2
+    assert "while (seen < wt) & (n < spin_limit) & (t1 < deadline):" in s
+
+
+def test_the_clock_probe_under_the_interpreter():
+    """interp.sync.clock_probe (the bench checks the GPU's globaltimer with it before the TP stages):
+    under the interpreter the wait clock is the host's, so it advances with the pause."""
+    from interp.sync import clock_probe
+    k, h = clock_probe(torch.device("cpu"), 0.3)
+    assert 0.25 <= k <= h + 0.01, (k, h)
