@@ -162,3 +162,91 @@ def capture_step(model: TPTorchDecoder, warmup: int = 2):
     model.tok.copy_(tok0)                 # capturing ran nothing; keep the state as set
     model.pos.copy_(pos0)
     return g
+
+
+class SegmentedStep:
+    """One step of ``model`` as CUDA graphs of the kernels BETWEEN its collectives, the collectives
+    issued eagerly between the replays (NCCL outside any graph): what a step costs where NCCL in a
+    graph is unavailable. ``all_reduce`` / ``all_gather``: as :class:`TPTorchDecoder` takes them.
+    The segments share one memory pool and replay in capture order; the tensors the collectives
+    read and write are held here, so no later segment reuses their memory."""
+
+    def __init__(self, model: TPTorchDecoder, all_reduce, all_gather, warmup: int = 2):
+        self.model, self.ar, self.ag = model, all_reduce, all_gather
+        self.plan: list = []
+        self.g = None
+        self.pool = None
+        dev = model.tok.device
+        tok0, pos0 = model.tok.clone(), model.pos.clone()
+        cur = torch.cuda.current_stream(dev)
+        s = torch.cuda.Stream(device=dev)
+        s.wait_stream(cur)
+        with torch.cuda.stream(s):
+            for _ in range(warmup):
+                model.step()
+        cur.wait_stream(s)
+        torch.cuda.synchronize(dev)
+        saved = (model.all_gather, [layer.all_reduce for layer in model.layers])
+        model.all_gather = self._gather
+        for layer in model.layers:
+            layer.all_reduce = self._reduce
+        try:
+            s.wait_stream(cur)
+            with torch.cuda.stream(s):
+                self._begin()
+                model.step()
+                self._end()
+        finally:
+            if self.g is not None:          # a capture that failed midway: end it before raising
+                try:
+                    self.g.capture_end()
+                except Exception:
+                    pass
+                self.g = None
+            model.all_gather = saved[0]
+            for layer, f in zip(model.layers, saved[1]):
+                layer.all_reduce = f
+            cur.wait_stream(s)
+            torch.cuda.synchronize(dev)
+            model.tok.copy_(tok0)
+            model.pos.copy_(pos0)
+
+    def _begin(self) -> None:
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        if self.pool is None:
+            self.pool = g.pool()
+        self.g = g
+
+    def _end(self) -> None:
+        self.g.capture_end()
+        self.plan.append(("graph", self.g, None))
+        self.g = None
+
+    def _reduce(self, t) -> None:
+        self._end()
+        self.plan.append(("reduce", t, None))
+        self._begin()
+
+    def _gather(self, t):
+        if not t.is_contiguous():
+            raise ValueError("SegmentedStep: an all-gather of a non-contiguous tensor")
+        self._end()
+        out = torch.empty((2,) + tuple(t.shape), dtype=t.dtype, device=t.device)     # outside any graph
+        self.plan.append(("gather", t, out))
+        self._begin()
+        return out
+
+    @property
+    def n_graphs(self) -> int:
+        return sum(k == "graph" for k, _, _ in self.plan)
+
+    def replay(self) -> None:
+        """One token: each segment's graph, each collective between them."""
+        for kind, a, b in self.plan:
+            if kind == "graph":
+                a.replay()
+            elif kind == "reduce":
+                self.ar(a)
+            else:
+                b.copy_(self.ag(a))

@@ -33,6 +33,17 @@ def signal_peer_counter(ptr):
     tl.atomic_add(ptr, 1, sem="release", scope="sys")
 
 
+@triton.jit
+def poll_tp(ptr, peer):
+    """Tensor parallel: one poll of a counter, a system-scope acquire where the peer GPU signals it
+    (``peer`` != 0), else a gpu-scope one (this rank's own SMs release it at gpu scope)."""
+    if peer != 0:
+        v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    else:
+        v = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    return v
+
+
 def _host_clock_ns():
     """The host's monotonic clock in ns: what :func:`clock_ns` reads under the Triton interpreter
     (which runs a kernel as Python and has no ``%globaltimer``). Marked a Triton builtin so that the
