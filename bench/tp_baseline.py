@@ -112,8 +112,8 @@ class TPTorchDecoder(torch.nn.Module):
         mx, ix = torch.max(self.logits, dim=-1)                  # the first index of the max
         pair = torch.stack([mx.reshape(()), (ix.reshape(()) + self.vocab0).float()])
         both = self.all_gather(pair)                              # (2, 2): [rank][max, id]
-        best = torch.argmax(both[:, 0])                           # the first (lowest) rank on ties
-        self.tok.copy_(both[best, 1].long().reshape(1))
+        # the larger maximum, rank 0's on ties; no tensor-valued index (a host read: not capturable)
+        self.tok.copy_(torch.where(both[0, 0] >= both[1, 0], both[0, 1], both[1, 1]).long().reshape(1))
         self.pos.add_(1)
 
     def logits_full(self) -> torch.Tensor:
