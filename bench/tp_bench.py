@@ -813,7 +813,7 @@ def stage_speed(c: Ctx) -> None:
     from opcodes.tp import shard_config
 
     from .baselines import stream_copy_bandwidth
-    from .tp_baseline import SegmentedStep, TPTorchDecoder, capture_step, nccl_collectives
+    from .tp_baseline import TPTorchDecoder, capture_step, nccl_collectives
     a, r, dev, log = c.a, c.rank, c.dev, c.log
     cfg = _speed_cfg(a)
     P, N = a.prefill, a.steps
@@ -882,53 +882,23 @@ def stage_speed(c: Ctx) -> None:
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
         whys = _gather(c, why)
-        seg = None
         if any(whys):
-            log(f"NCCL baseline: the CUDA graph capture of the whole step failed "
+            log(f"NCCL baseline: the CUDA graph capture failed "
                 f"({'; '.join(f'rank {q}: {x.splitlines()[0]}' for q, x in enumerate(whys) if x)}); "
-                "capturing the kernels between the collectives instead")
-            g = None
-            _sync(dev)
-            model.set(tok0, P)
-            why2 = None
-            try:
-                if dev.type != "cuda":
-                    raise RuntimeError("no CUDA graphs in a CPU rehearsal")
-                seg = SegmentedStep(model, all_reduce, all_gather)
-            except Exception as e:
-                why2 = f"{type(e).__name__}: {e}"
-            whys2 = _gather(c, why2)
-            if any(whys2):
-                seg = None
-                log(f"NCCL baseline: the segment capture failed too "
-                    f"({'; '.join(f'rank {q}: {x.splitlines()[0]}' for q, x in enumerate(whys2) if x)}); "
-                    "timing the eager steps instead")
-            else:
-                log(f"NCCL baseline: {seg.n_graphs} CUDA graphs per step, NCCL between them")
+                "timing the eager steps instead")
         model.set(tok0, P)
-        if seg is not None:
-            model.step()                  # the segments against an eager step of the same token
-            lg_eager = model.logits.clone()
-            model.set(tok0, P)
-            seg.replay()
-            _sync(dev)
-            e_seg = rel_err(model.logits, lg_eager)
-            log(f"NCCL baseline: the segment graphs' logits against an eager step's: rel err {e_seg:.2e}")
-            _require(e_seg < 1e-2, f"the segment graphs' logits differ from the eager step's (rel err {e_seg:.2e})")
-            model.set(tok0, P)
-        run = g.replay if not any(whys) else (seg.replay if seg is not None else model.step)
+        run = g.replay if not any(whys) else model.step
         timer = _Timer(dev, N)
         _sync(dev)
         _barrier(c)
         us_n, wall_n = timer.run(lambda i: run(), N)
-        what = "CUDA graph" if not any(whys) else ("segment graphs" if seg is not None else "eager, no graph")
+        what = "CUDA graph" if not any(whys) else "eager, no graph"
         log(f"NCCL baseline ({what}): median {_median(us_n):.1f} us/step (events), wall {wall_n:.1f} us/step")
         _barrier(c)
         nk = _count_kernels_once(run, dev)
         log(f"NCCL baseline: {nk} kernels per step" if nk else "NCCL baseline: kernel count unavailable")
-        rec.update(us_nccl=_median(us_n), wall_nccl=wall_n, kernels_nccl=nk, nccl_rel_err=e_nccl, nccl_graph=not any(whys),
-                   nccl_segments=seg.n_graphs if seg is not None else 0)
-        del g, seg, model
+        rec.update(us_nccl=_median(us_n), wall_nccl=wall_n, kernels_nccl=nk, nccl_rel_err=e_nccl, nccl_graph=not any(whys))
+        del g, model
         got = _gather(c, rec)
         if r == 0:
             _write_results(c, cfg, got)
@@ -940,8 +910,6 @@ def _count_kernels_once(fn, dev):
     """GPU kernels of one ``fn()`` under torch.profiler; ``fn`` runs exactly once whatever happens
     (both ranks must replay the same number of times: NCCL kernels wait for their peer)."""
     import warnings
-
-    import torch
 
     from .baselines import _is_gpu_kernel
     if dev.type != "cuda":
@@ -978,9 +946,7 @@ def _write_results(c: Ctx, cfg, got: list) -> None:
             dict(name="megatape TP=2 (one persistent kernel per GPU, peer signals over NVLink)",
                  us_per_step=r0["us_mt"], us_wall=r0["wall_mt"], kernels_per_step=1)]
     if "us_nccl" in r0:
-        how = ("one CUDA graph per step" if r0.get("nccl_graph") else
-               f"{r0['nccl_segments']} CUDA graphs per step, NCCL between them" if r0.get("nccl_segments") else
-               "eager (the graph capture failed)")
+        how = "one CUDA graph per step" if r0.get("nccl_graph") else "eager (the graph capture failed)"
         rows.append(dict(name=f"torch TP=2: per-GPU kernels + NCCL all-reduce after O and down, {how}",
                          us_per_step=r0["us_nccl"], us_wall=r0["wall_nccl"], kernels_per_step=r0["kernels_nccl"]))
     for o in rows:
