@@ -21,6 +21,8 @@
 #   abdec   : with OLD=DIR, the 1B decoder of the tree in DIR and of this one alternated twice
 #             (pos 1024, megatape only), then this one with --profile, at pos 128, and
 #             bench/generate_bench.py (`megatape generate` against decode_step) and the GPU tests
+#   tp      : two GPUs (nvidia-h200-x2): python3 -m bench.tp_bench (smoke, a dead peer, 8 layers
+#             against one GPU, the 80-layer model beside the NCCL graph), results under $OUT
 #   OLD=DIR : also time the tree in DIR (e.g. the previous commit, `git archive`) first, same
 #             machine, megatape only: an A/B of two trees in one lease
 # $OUT receives at most three files (the device tool returns 8): run.log (everything printed),
@@ -104,7 +106,9 @@ run_part() {
       timeout 240 compute-sanitizer --tool $tool python3 examples/sanitize_small.py 2>&1 | tail -5 | tee "$RES/sanitize-$tool.txt"
     done ;;
   confirm) run_part bench; run_part checks; run_part multi ;;
-  *) echo "unknown part $1 (explore|variants|bench|ab|abdec|checks|multi|decoder|layers16|refsens|sanitize|confirm)" >&2; exit 2 ;;
+  tp)
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 -m bench.tp_bench --out "$RES/tp" ;;
+  *) echo "unknown part $1 (explore|variants|bench|ab|abdec|checks|multi|decoder|layers16|refsens|sanitize|confirm|tp)" >&2; exit 2 ;;
   esac
 }
 for p in "${parts[@]}"; do run_part "$p"; done

@@ -716,13 +716,10 @@ def _interpreter_launch_all(launches) -> None:
 
 
 def _launch_ranks(h: TPHandle, xs, pos: int, outs, ranks=(0, 1)) -> None:
-    launches = [_kernel_args(h.ranks[r], xs[r], pos, outs[r]) for r in ranks]
-    if h.loopback:
-        _interpreter_launch_all(launches)
-    else:                                    # two GPUs: each rank's launch on its own device (not built)
-        for r in ranks:
-            with torch.cuda.device(h.ranks[r].device):
-                runtime.launch(h.ranks[r], xs[r], pos, outs[r])
+    # both ranks in one process is the CPU loopback only (_peer_tensors refuses GPUs): on GPUs each
+    # process holds one rank and steps it collectively
+    assert h.loopback, "a TPHandle of both ranks exists only as the CPU loopback"
+    _interpreter_launch_all([_kernel_args(h.ranks[r], xs[r], pos, outs[r]) for r in ranks])
 
 
 def _reset(k: LayerHandle) -> None:
