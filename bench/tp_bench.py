@@ -112,6 +112,9 @@ def parse_args(argv=None):
     p.add_argument("--sms", type=int, default=132, help="SMs the precompiled tapes are for (an H200's 132)")
     p.add_argument("--no-precompile", action="store_true", help="compile the tapes in the workers")
     p.add_argument("--no-baseline", action="store_true", help="skip the NCCL baseline")
+    p.add_argument("--profile", action="store_true",
+                   help="speed stage: also the profiling kernel of the same build (3 steps): every instruction's "
+                   "record per rank to <out>/tp-records-rank<r>.json.gz, a middle layer's stages in the log")
     p.add_argument("--total-timeout", type=float, default=TOTAL_TIMEOUT_S)
     p.add_argument("--stage-timeout", default="", help="overrides, e.g. 'smoke=300,speed=200'")
     # internal
@@ -277,7 +280,8 @@ def launch(a) -> int:
               "--correct-steps", str(a.correct_steps), "--pos", str(a.prefill), "--steps", str(a.steps),
               "--max-seq", str(a.max_seq), "--seed", str(a.seed), "--wait-s", str(a.wait_s),
               "--death-wait-s", str(a.death_wait_s), "--sms", str(a.sms)] + \
-        (["--no-baseline"] if a.no_baseline else []) + (["--no-precompile"] if a.no_precompile else [])
+        (["--no-baseline"] if a.no_baseline else []) + (["--no-precompile"] if a.no_precompile else []) + \
+        (["--profile"] if a.profile else [])
     me = [sys.executable, "-m", "bench.tp_bench"]
     helpers, workers = {}, {}
     popen = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=str(_repo_root()), start_new_session=True)
@@ -860,6 +864,8 @@ def stage_speed(c: Ctx) -> None:
     got = _gather(c, rec)
     if r == 0:
         _write_results(c, cfg, got)                # megatape's numbers, before the baseline runs
+    if a.profile:
+        _profile_speed(c, w, kv, cfg, tapes, tok0, P)
     if not a.no_baseline:
         # The baseline's collectives are NCCL kernels, which wait for the peer without a bound: the
         # ranks agree that each part worked before the next one issues collectives (a rank that
@@ -904,6 +910,57 @@ def stage_speed(c: Ctx) -> None:
             _write_results(c, cfg, got)
     del w, kv
     torch.cuda.empty_cache()
+
+
+def _profile_speed(c: Ctx, w, kv, cfg, tapes, tok0: int, P: int) -> None:
+    """``--profile``: the profiling kernel of the speed stage's build, 3 steps at ``P``..; this rank's
+    records (slot, opcode, layer, SM, wait start, exec start, end in ns) to
+    ``<out>/tp-records-rank<r>.json.gz`` and a middle layer's stages in the log."""
+    import gzip
+    import json
+
+    import torch.distributed as dist
+
+    from interp.profile import records
+    from interp.runtime import profile_records
+    from interp.tp import build_tp_decoder, tp_decode_step, tp_teardown
+    from opcodes import BY_OPCODE
+    a, r, dev, log = c.a, c.rank, c.dev, c.log
+    if dev.type != "cuda":
+        log("profile: skipped (profile records come from a GPU)")
+        return
+    hp = build_tp_decoder(w, kv, cfg, a.max_seq, tapes=tapes, verify_tapes=tapes is None, tp_group=dist.group.WORLD,
+                          host_group=c.hg, wait_s=a.wait_s, profile=True)
+    try:
+        for i in range(3):
+            tp_decode_step(hp, tok0 + i, P + i)
+        tape = hp.layer.tape
+        recs = records(tape, profile_records(hp.layer))
+    finally:
+        tp_teardown(hp)
+    rows = []
+    for slot, _, name, sm, tw, te, tend in recs:
+        ins = BY_OPCODE[int(tape.words[slot, 0])].decode(tape.words[slot, 6:].tolist())
+        rows.append([int(slot), name, int(getattr(ins, "layer", -1)), int(sm), int(tw), int(te), int(tend)])
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with gzip.open(out / f"tp-records-rank{r}.json.gz", "wt") as f:
+        json.dump(rows, f)
+    t0 = min(x[4] for x in rows)
+    span = (max(x[6] for x in rows) - t0) / 1e3
+    mid = cfg.layers // 2
+    log(f"profile: {len(rows)} instructions, {span:.1f} us traced; layer {mid} (us from the trace's start):")
+    names = []
+    for x in rows:
+        if x[2] == mid and x[1] not in names:
+            names.append(x[1])
+    for name in names:
+        xs = [x for x in rows if x[2] == mid and x[1] == name]
+        ex = sorted((x[5] - t0) / 1e3 for x in xs)
+        en = sorted((x[6] - t0) / 1e3 for x in xs)
+        du = sorted((x[6] - x[5]) / 1e3 for x in xs)
+        log(f"  {name:14s} n={len(xs):4d} exec {ex[0]:9.2f}..{ex[-1]:9.2f} end {en[0]:9.2f}..{en[-1]:9.2f} "
+            f"duration median {_median(du):6.2f} max {du[-1]:6.2f}")
 
 
 def _count_kernels_once(fn, dev):

@@ -136,7 +136,7 @@ def _check_ranks(rank_weights, rank_kv, cfg) -> ModelConfig:
 
 
 def _build_rank(weights, kv, full: ModelConfig, r: int, tape, max_seq_len: int, spin_limit, sync_check,
-                wait_ns: int, place=None) -> LayerHandle:
+                wait_ns: int, place=None, profile: bool = False) -> LayerHandle:
     """Rank r's kernel handle: ``build_layer``'s steps for a given TP tape (the peer pointers are
     placeholders until :func:`wire_peer`). ``place(h)``, if given, runs before the kernel is compiled:
     it may move the buffers the peer writes (:func:`_peer_written`) elsewhere (symmetric memory)."""
@@ -149,12 +149,12 @@ def _build_rank(weights, kv, full: ModelConfig, r: int, tape, max_seq_len: int, 
     h = LayerHandle(cfg=cfg, lay=tape.lay, tape=tape, device=device, num_sms=tape.num_sms, spin_limit=spin_limit,
                     sync_check=(device.type == "cpu") if sync_check is None else bool(sync_check),
                     weights=weights, kv_cache=kv, bindings=b)
-    runtime._make_control(h, False)
+    runtime._make_control(h, profile)
     h.qoff_dev[-1] = _INT32_MAX         # no device-side counter reset (module docstring)
     _set_wait_ns(h, wait_ns)
     if place is not None:
         place(h)
-    runtime._compile_kernel(h, False, True)
+    runtime._compile_kernel(h, profile, True)
     return h
 
 
@@ -306,20 +306,25 @@ def build_tp_decoder(rank_weights, rank_kv, cfg, max_seq_len, *, lm_rows: int = 
                      num_sms: int | None = None, tiling=None, policy: str = "cost", tapes=None, seed: int = 0,
                      pool_us: float | None = None, elide_waits: bool = True, spin_limit: int | None = None,
                      sync_check: bool | None = None, wait_s: float | None = None, tp_group=None, host_group=None,
-                     verify_tapes: bool = True):
+                     verify_tapes: bool = True, profile: bool = False):
     """Prepare the whole model ``cfg`` (with ``vocab``) as 2 ranks for :func:`tp_decode_step` /
     :func:`tp_generate` (greedy: the tapes end in TP_ARGMAX_PUSH / TP_ARGMAX). ``rank_weights[r]``:
     rank r's shard with ``embed``, ``final_norm`` (replicated) and its ``lm_head`` slice
     (``(vocab / 2, d)``). Options as :func:`build_tp_layers` (``tp_group``: this process's rank only,
-    ``rank_weights`` its shard), ``lm_rows`` / ``emb_cols`` as ``interp.decoder.build_decoder``'s."""
+    ``rank_weights`` its shard), ``lm_rows`` / ``emb_cols`` as ``interp.decoder.build_decoder``'s.
+    ``profile``: the profiling kernel (``interp.runtime.profile_records(h.layer)`` after a step; GPUs,
+    one rank per process, only)."""
     from schedule.decoder_program import decoder_lowering
     full = runtime.parse_cfg(cfg)
+    if profile and tp_group is None:
+        raise _err(ValueError, "profile", "False without tp_group (profile records come from a GPU, one rank per "
+                   "process)", profile)
     if not full.vocab:
         raise _err(ValueError, "cfg['vocab']", "the vocabulary size (> 0) for a whole-model decoder", full.vocab)
     if tp_group is not None:
         return _build_rank_gpu(rank_weights, rank_kv, full, max_seq_len, tp_group, host_group, tapes, num_sms, tiling,
                                policy, seed, pool_us, elide_waits, spin_limit, sync_check, wait_s,
-                               decoder_lowering(lm_rows, emb_cols), True, verify_tapes)
+                               decoder_lowering(lm_rows, emb_cols), True, verify_tapes, bool(profile))
     if host_group is not None:
         raise ValueError("host_group: only with tp_group (one rank per process)")
     full = _check_ranks(rank_weights, rank_kv, full)
@@ -515,7 +520,8 @@ def _place_symmetric(h: LayerHandle, rank: int, group, hg) -> tuple:
 
 
 def _build_rank_gpu(weights, kv, cfg, max_seq_len, tp_group, host_group, tapes, num_sms, tiling, policy, seed, pool_us,
-                    elide_waits, spin_limit, sync_check, wait_s, lowering, decoder: bool, verify_tapes) -> TPRankHandle:
+                    elide_waits, spin_limit, sync_check, wait_s, lowering, decoder: bool, verify_tapes,
+                    profile: bool = False) -> TPRankHandle:
     dist = _dist()
     if dist.get_world_size(tp_group) != 2:
         raise _err(ValueError, "tp_group", "a group of 2 processes (tensor-parallel tapes exist for two ranks)",
@@ -567,7 +573,7 @@ def _build_rank_gpu(weights, kv, cfg, max_seq_len, tp_group, host_group, tapes, 
     def place(k):
         box["symm"] = _place_symmetric(k, r, tp_group, hg)
 
-    k = _build_rank(weights, kv, full, r, tape, max_seq_len, spin_limit, sync_check, wait_ns, place)
+    k = _build_rank(weights, kv, full, r, tape, max_seq_len, spin_limit, sync_check, wait_ns, place, profile)
     try:
         wire_peer(k, box["symm"][2])
         _sync(device)

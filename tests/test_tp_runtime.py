@@ -240,6 +240,13 @@ def test_wait_bound_arguments():
         tp_teardown(h)
 
 
+def test_profile_needs_one_rank_per_process():
+    from interp.tp import build_tp_decoder
+    cfg = dataclasses.replace(CFG, vocab=200, name="small-2layer-v200")
+    with pytest.raises(ValueError, match="profile"):        # both ranks in one process: the CPU loopback
+        build_tp_decoder([{}, {}], [[], []], cfg, MAX_SEQ, profile=True)
+
+
 def test_only_tp_kernels_read_the_clock():
     """The time bound is in the tensor-parallel kernels only: the single-GPU kernel's source is unchanged
     (no clock, no tp_wait_ptr), the TP kernel reads the clock only after a failed first poll."""
