@@ -286,7 +286,9 @@ class _Layer(torch.nn.Module):
         return F.scaled_dot_product_attention(qh, self.k_cache, self.v_cache, attn_mask=mask,
                                               scale=1.0 / math.sqrt(self.hd), enable_gqa=True)
 
-    def forward(self, x, input_pos, c, s, mask):
+    def _attention(self, x, input_pos, c, s, mask):
+        """RMSNorm, q / k / v, RoPE, the K/V row written at ``input_pos``, attention: (B, q_dim),
+        before the O projection."""
         B = x.shape[0]
         h = self._rmsnorm(x, self.in_norm)
         q = F.linear(h, self.q).view(B, self.n_q, self.hd)
@@ -295,10 +297,16 @@ class _Layer(torch.nn.Module):
         q, k = self._rope(q, c, s), self._rope(k, c, s)
         self.k_cache.index_copy_(2, input_pos, k.unsqueeze(2))
         self.v_cache.index_copy_(2, input_pos, v.unsqueeze(2))
-        a = self._attend(q, mask).reshape(B, self.q_dim)
-        x = x + F.linear(a, self.o)
+        return self._attend(q, mask).reshape(B, self.q_dim)
+
+    def _mlp(self, x):
+        """The SwiGLU MLP of the post-attention RMSNorm of ``x``, before the residual add."""
         h = self._rmsnorm(x, self.post_norm)
-        return x + F.linear(F.silu(F.linear(h, self.gate)) * F.linear(h, self.up), self.down)
+        return F.linear(F.silu(F.linear(h, self.gate)) * F.linear(h, self.up), self.down)
+
+    def forward(self, x, input_pos, c, s, mask):
+        x = x + F.linear(self._attention(x, input_pos, c, s, mask), self.o)
+        return x + self._mlp(x)
 
 
 class _Model(torch.nn.Module):

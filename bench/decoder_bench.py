@@ -94,6 +94,18 @@ def check_steps(step, weights: dict, kv_ref: list, cfg: ModelConfig, toks: torch
                 greedy_agree_all=sum(s["agree"] for s in steps), steps=len(steps))
 
 
+def table_rows(objs, tps_digits: int = 0) -> list[str]:
+    """Markdown rows of the decoder tables (``name``, ``us_per_step``, ``us_wall``, ``x_floor``,
+    ``fraction_of_bw``, ``kernels_per_step``; tokens/s with ``tps_digits`` decimals)."""
+    out = []
+    for o in objs:
+        wl, k = o["us_wall"], o["kernels_per_step"]
+        out.append(f"| {o['name']} | {o['us_per_step']:.1f} | {'-' if wl is None else format(wl, '.1f')} | "
+                   f"{1e6 / o['us_per_step']:.{tps_digits}f} | {o['x_floor']:.3f} | {o['fraction_of_bw']:.1%} | "
+                   f"{'-' if k is None else k} |")
+    return out
+
+
 def write_report(rep: dict, rows: list, out: pathlib.Path) -> tuple[pathlib.Path, str]:
     """Write ``decoder-<preset>-pos<P>.json`` / ``.md`` under ``out``: ``rep`` (``card``, ``date``,
     ``preset``, ``pos``, ``bytes_per_step``, ``copy_TBps``, ``floor_us``, ``accuracy``, ...) with
@@ -114,11 +126,7 @@ def write_report(rep: dict, rows: list, out: pathlib.Path) -> tuple[pathlib.Path
           f"{acc['greedy_n']}", "",
           "| what | us/step (events) | us/step (wall) | tokens/s | x floor | fraction of BW | kernels/step |",
           "|---|---|---|---|---|---|---|"]
-    for o in objs:
-        wl, k = o["us_wall"], o["kernels_per_step"]
-        md.append(f"| {o['name']} | {o['us_per_step']:.1f} | {'-' if wl is None else format(wl, '.1f')} | "
-                  f"{1e6 / o['us_per_step']:.0f} | {o['x_floor']:.3f} | {o['fraction_of_bw']:.1%} | "
-                  f"{'-' if k is None else k} |")
+    md += table_rows(objs)
     txt = "\n".join(md) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     stem = f"decoder-{rep['preset']}-pos{rep['pos']}"

@@ -39,20 +39,10 @@ class _TPLayer(_Layer):
         self.all_reduce = all_reduce
 
     def forward(self, x, input_pos, c, s, mask):
-        B = x.shape[0]
-        h = self._rmsnorm(x, self.in_norm)
-        q = F.linear(h, self.q).view(B, self.n_q, self.hd)
-        k = F.linear(h, self.k).view(B, self.n_kv, self.hd)
-        v = F.linear(h, self.v).view(B, self.n_kv, self.hd)
-        q, k = self._rope(q, c, s), self._rope(k, c, s)
-        self.k_cache.index_copy_(2, input_pos, k.unsqueeze(2))
-        self.v_cache.index_copy_(2, input_pos, v.unsqueeze(2))
-        a = self._attend(q, mask).reshape(B, self.q_dim)
-        part = F.linear(a, self.o).float()
+        part = F.linear(self._attention(x, input_pos, c, s, mask), self.o).float()
         self.all_reduce(part)
         x = (x.float() + part).to(x.dtype)
-        h = self._rmsnorm(x, self.post_norm)
-        part = F.linear(F.silu(F.linear(h, self.gate)) * F.linear(h, self.up), self.down).float()
+        part = self._mlp(x).float()
         self.all_reduce(part)
         return (x.float() + part).to(x.dtype)
 

@@ -996,6 +996,8 @@ def _count_kernels_once(fn, dev):
 
 def _write_results(c: Ctx, cfg, got: list) -> None:
     import torch
+
+    from .decoder_bench import table_rows
     a = c.a
     r0 = got[0]
     floor = r0["floor_us"]
@@ -1031,11 +1033,7 @@ def _write_results(c: Ctx, cfg, got: list) -> None:
                   f"{acc['tp_vs_single_gpu_rel_err_max']:.2e}; ranks bitwise equal")
     md += ["", "| what | us/step (events) | us/step (wall) | tokens/s | x floor | fraction of BW | kernels/step |",
            "|---|---|---|---|---|---|---|"]
-    for o in rows:
-        wl, k = o["us_wall"], o["kernels_per_step"]
-        md.append(f"| {o['name']} | {o['us_per_step']:.1f} | {'-' if wl is None else format(wl, '.1f')} | "
-                  f"{1e6 / o['us_per_step']:.1f} | {o['x_floor']:.3f} | {o['fraction_of_bw']:.1%} | "
-                  f"{'-' if k is None else k} |")
+    md += table_rows(rows, tps_digits=1)
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"decoder-{a.preset}-tp2"

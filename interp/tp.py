@@ -230,6 +230,17 @@ def _compile_tp(full: ModelConfig, max_seq_len, device, num_sms, tiling, policy,
     return c.tapes
 
 
+def _check_tapes(tapes, full: ModelConfig, max_seq_len: int, decoder: bool) -> None:
+    """Both ranks' tapes are of the kind asked for (layers or whole model), for ``full`` and
+    ``max_seq_len``."""
+    want = TPDecoderLayout if decoder else TPLayout
+    for r, t in enumerate(tapes):
+        if not isinstance(t.lay, want) or (decoder != isinstance(t.lay, TPDecoderLayout)):
+            raise _err(ValueError, f"tapes[{r}]", f"a {want.__name__} tape", type(t.lay).__name__)
+        if t.lay.full_cfg.to_dict() != full.to_dict() or t.lay.max_seq != max_seq_len:
+            raise ValueError(f"tapes[{r}]: compiled for a different cfg or max_seq_len than the one given")
+
+
 def _build(rank_weights, rank_kv, cfg, max_seq_len, tapes, num_sms, tiling, policy, seed, pool_us, elide_waits,
            spin_limit, sync_check, lowering, decoder, wait_s=None) -> TPHandle:
     full = _check_ranks(rank_weights, rank_kv, cfg)
@@ -246,12 +257,7 @@ def _build(rank_weights, rank_kv, cfg, max_seq_len, tapes, num_sms, tiling, poli
                             decoder)
     elif not isinstance(tapes, _Verified):
         verify_tp(list(tapes))
-    want = TPDecoderLayout if decoder else TPLayout
-    for r, t in enumerate(tapes):
-        if not isinstance(t.lay, want) or (decoder != isinstance(t.lay, TPDecoderLayout)):
-            raise _err(ValueError, f"tapes[{r}]", f"a {want.__name__} tape", type(t.lay).__name__)
-        if t.lay.full_cfg.to_dict() != full.to_dict() or t.lay.max_seq != max_seq_len:
-            raise ValueError(f"tapes[{r}]: compiled for a different cfg or max_seq_len than the one given")
+    _check_tapes(tapes, full, max_seq_len, decoder)
     hs = []
     try:
         for r in range(2):
@@ -556,12 +562,7 @@ def _build_rank_gpu(weights, kv, cfg, max_seq_len, tp_group, host_group, tapes, 
             raise _err(TypeError, "tapes", "both ranks' tapes (compile_model(..., tp=2).tapes)", _desc(tapes))
         if verify_tapes:
             verify_tp(list(tapes))
-    want = TPDecoderLayout if decoder else TPLayout
-    for q, t in enumerate(tapes):
-        if not isinstance(t.lay, want) or (decoder != isinstance(t.lay, TPDecoderLayout)):
-            raise _err(ValueError, f"tapes[{q}]", f"a {want.__name__} tape", type(t.lay).__name__)
-        if t.lay.full_cfg.to_dict() != full.to_dict() or t.lay.max_seq != max_seq_len:
-            raise ValueError(f"tapes[{q}]: compiled for a different cfg or max_seq_len than the one given")
+    _check_tapes(tapes, full, max_seq_len, decoder)
     tape = tapes[r]
     dev_sms = runtime._device_sms(device)
     if tape.num_sms > dev_sms:

@@ -34,6 +34,24 @@ def _env(**extra):
     return env
 
 
+def _two_ranks(script, source: str, extra: list, timeout: float) -> list:
+    """``source`` written to ``script`` and run as ranks 0 and 1 (argv: rank, a free port, ``extra``):
+    [(return code, output)] per rank; a process still running after ``timeout`` s is killed."""
+    from bench.tp_bench import _free_port
+    script.write_text(source)
+    port = str(_free_port())
+    ps = [subprocess.Popen([sys.executable, str(script), str(r), port] + extra, cwd=ROOT, env=_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = []
+    for p in ps:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        finally:
+            if p.poll() is None:
+                p.kill()
+    return [(p.returncode, out) for p, out in zip(ps, outs)]
+
+
 # ---- the environment ---------------------------------------------------------------------------------
 def test_the_module_and_its_children_turn_multicast_off():
     code = ("import os; os.environ['NCCL_NVLS_ENABLE'] = '1'; os.environ['TORCH_SYMM_MEM_DISABLE_MULTICAST'] = '0'\n"
@@ -394,21 +412,8 @@ def test_a_failure_on_one_rank_raises_on_both_and_both_reset(tmp_path):
     """tp_check's exchange over a gloo host group (two processes, stand-in kernel handles): rank 0's
     kernel stopped on a wait, rank 1's finished; both raise MegakernelError with rank 0's report and
     both reset their counters, status and call count; a clean step after it raises nowhere."""
-    from bench.tp_bench import _free_port
-    script = tmp_path / "exchange.py"
-    script.write_text(_EXCHANGE)
-    port = str(_free_port())
-    ps = [subprocess.Popen([sys.executable, str(script), str(r), port], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outs = []
-    for p in ps:
-        try:
-            outs.append(p.communicate(timeout=240)[0])
-        finally:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, out) in enumerate(zip(ps, outs)):
-        assert p.returncode == 0, f"rank {r}:\n{out}"
+    for r, (rc, out) in enumerate(_two_ranks(tmp_path / "exchange.py", _EXCHANGE, [], 240)):
+        assert rc == 0, f"rank {r}:\n{out}"
         assert "RAISED True True" in out and "CLEAN True" in out, f"rank {r}:\n{out}"
 
 
@@ -554,21 +559,8 @@ def test_the_per_process_path_rehearsed_on_the_cpu(tmp_path):
     the TP reference), rank 1 not launching (both raise within the 2 s time bound, named; both reset),
     the same handle again, and the decoder through interp.decoder.build_decoder(..., tp_group=) against
     the two-rank VM."""
-    from bench.tp_bench import _free_port
-    script = tmp_path / "rehearsal.py"
-    script.write_text(_REHEARSAL)
-    port = str(_free_port())
-    ps = [subprocess.Popen([sys.executable, str(script), str(r), port, str(tmp_path)], cwd=ROOT, env=_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outs = []
-    for p in ps:
-        try:
-            outs.append(p.communicate(timeout=600)[0])
-        finally:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, out) in enumerate(zip(ps, outs)):
-        assert p.returncode == 0, f"rank {r}:\n{out[-4000:]}"
+    for r, (rc, out) in enumerate(_two_ranks(tmp_path / "rehearsal.py", _REHEARSAL, [str(tmp_path)], 600)):
+        assert rc == 0, f"rank {r}:\n{out[-4000:]}"
         for want in ("STEPS True True", "DEATH True True True", "AGAIN True", "DECODER True True True True"):
             assert want in out, f"rank {r}: no {want!r} in\n{out[-4000:]}"
 

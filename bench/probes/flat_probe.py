@@ -1,4 +1,4 @@
-"""(bench/NOTES.md run 64) Does one SM's pipeline ramp per tile go away when consecutive tiles share one pipelined loop?
+"""(bench/NOTES.md run 64) Does one SM's pipeline ramp per tile go away when consecutive tiles share one pipelined loop?  python3 -m bench.probes.flat_probe (a GPU)
 gemv_drain: a loop per tile (the megakernel today: the pipeline drains between instructions);
 gemv_flat : one loop over every block of the SM's REPS tiles (loads of tile t+1 issued while
             tile t finishes), the sum and store at each tile's last block."""
@@ -8,22 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def gemv_drain(w_ptr, x_ptr, out_ptr, REPS, NPROG, K: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
-               STAGES: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = tl.arange(0, ROWS)
-    for r in range(REPS):
-        t = r * NPROG + pid
-        base = w_ptr + t.to(tl.int64) * ROWS * K
-        acc = tl.zeros([ROWS, BK], dtype=tl.float32)
-        for kk in tl.range(0, K, BK, num_stages=STAGES):
-            cols = kk + tl.arange(0, BK)
-            xv = tl.load(x_ptr + cols, cache_modifier=".cg").to(tl.float32)
-            w = tl.load(base + rows[:, None] * K + cols[None, :], eviction_policy="evict_first")
-            acc += w.to(tl.float32) * xv[None, :]
-        tl.store(out_ptr + t * ROWS + rows, tl.sum(acc, 1))
+from bench.probes.stream_probe import gemv_ptr as gemv_drain      # a loop per tile
 
 
 @triton.jit

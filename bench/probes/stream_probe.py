@@ -1,5 +1,5 @@
 """Per-SM streaming probe (bench/NOTES.md run 62): a GEMV tile per program, REPS tiles in sequence (the pipeline drains
-between tiles, as in the megakernel), cp.async pointer loads vs TMA descriptor loads."""
+between tiles, as in the megakernel), cp.async pointer loads vs TMA descriptor loads.   python3 -m bench.probes.stream_probe (a GPU)"""
 import os
 import statistics
 
