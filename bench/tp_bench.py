@@ -223,29 +223,42 @@ def supervise(workers: dict, helpers: dict, timeouts: dict, total_timeout: float
                 print(f"[{name} {clock()}] {line}", file=out, flush=True)
         return ok, msg, done
 
+    def take(name, line):
+        """One relayed line (None: the stream ended): printed, and the stage markers followed."""
+        nonlocal stage, stage_t0, failed
+        if line is None:
+            open_streams.discard(name)
+            return
+        print(f"[{name} {clock()}] {line}", file=out, flush=True)
+        if line.startswith(MARK + "STAGE ") and name in workers:
+            parts = line.split(maxsplit=3)
+            st, what = parts[1], parts[2] if len(parts) > 2 else ""
+            if what == "BEGIN" and st != stage:
+                stage, stage_t0 = st, time.monotonic()
+            elif what == "OK":
+                done[st] = time.monotonic() - (stage_t0 or t0)
+            elif what == "FAIL":
+                failed = (st, parts[3] if len(parts) > 3 else "")
+
     while True:
         try:
             name, line = q.get(timeout=0.25)
         except queue.Empty:
-            name, line = None, None
+            name = None
         if name is not None:
-            if line is None:
-                open_streams.discard(name)
-            else:
-                print(f"[{name} {clock()}] {line}", file=out, flush=True)
-                if line.startswith(MARK + "STAGE ") and name in workers:
-                    parts = line.split(maxsplit=3)
-                    st, what = parts[1], parts[2] if len(parts) > 2 else ""
-                    if what == "BEGIN" and st != stage:
-                        stage, stage_t0 = st, time.monotonic()
-                    elif what == "OK":
-                        done[st] = time.monotonic() - (stage_t0 or t0)
-                    elif what == "FAIL":
-                        failed = (st, parts[3] if len(parts) > 3 else "")
+            take(name, line)
         now = time.monotonic()
         for wname, p in workers.items():
             rc = p.poll()
             if rc is not None and rc != 0:
+                # the worker's last lines (its FAIL reason) may still be in the relay: read its
+                # stream to its end first (bounded), so the reason is not lost to the exit's timing
+                t_end = time.monotonic() + 3
+                while wname in open_streams and time.monotonic() < t_end:
+                    try:
+                        take(*q.get(timeout=0.1))
+                    except queue.Empty:
+                        pass
                 why = f"stage {failed[0]} failed on {wname}: {failed[1]}" if failed else \
                     f"{wname} exited with status {rc}" + (f" during stage {stage}" if stage else "")
                 return finish(False, why)
