@@ -110,6 +110,9 @@ def parse_args(argv=None):
     p.add_argument("--wait-s", type=float, default=5.0, help="the TP kernels' wait time bound (seconds)")
     p.add_argument("--death-wait-s", type=float, default=2.0, help="the wait time bound in the death stage")
     p.add_argument("--sms", type=int, default=132, help="SMs the precompiled tapes are for (an H200's 132)")
+    p.add_argument("--tiling", default="", metavar="K=V,...",
+                   help="tiling overrides of the correct and speed stages' tapes (Tiling.from_spec of a rank's "
+                        "shard), e.g. 'qkv_rows=16'; the default: the shard's Tiling.for_config")
     p.add_argument("--no-precompile", action="store_true", help="compile the tapes in the workers")
     p.add_argument("--no-baseline", action="store_true", help="skip the NCCL baseline")
     p.add_argument("--profile", action="store_true",
@@ -292,7 +295,7 @@ def launch(a) -> int:
               "--speed-layers", str(a.speed_layers), "--correct-layers", str(a.correct_layers),
               "--correct-steps", str(a.correct_steps), "--pos", str(a.prefill), "--steps", str(a.steps),
               "--max-seq", str(a.max_seq), "--seed", str(a.seed), "--wait-s", str(a.wait_s),
-              "--death-wait-s", str(a.death_wait_s), "--sms", str(a.sms)] + \
+              "--death-wait-s", str(a.death_wait_s), "--sms", str(a.sms), "--tiling", a.tiling] + \
         (["--no-baseline"] if a.no_baseline else []) + (["--no-precompile"] if a.no_precompile else []) + \
         (["--profile"] if a.profile else [])
     me = [sys.executable, "-m", "bench.tp_bench"]
@@ -347,6 +350,15 @@ def _correct_cfg(a):
     return ModelConfig.from_name(a.preset).with_layers(a.correct_layers)
 
 
+def tp_tiling(a, cfg):
+    """The ``--tiling`` overrides applied to a rank's shard of ``cfg`` (None: the default tiling)."""
+    if not a.tiling:
+        return None
+    from opcodes import Tiling
+    from opcodes.tp import shard_config
+    return Tiling.from_spec(shard_config(cfg, 0, 2), a.tiling)
+
+
 def _tape_file(work: str, key: str) -> pathlib.Path:
     return pathlib.Path(work) / f"tapes-{key}.pkl"
 
@@ -370,13 +382,13 @@ def precompile(a) -> int:
     for key, cfg in jobs:
         t0 = time.perf_counter()
         try:
-            c = compile_model(cfg, a.sms, max_seq=a.max_seq, tp=2)
+            c = compile_model(cfg, a.sms, max_seq=a.max_seq, tiling=tp_tiling(a, cfg), tp=2)
         except Exception as e:           # the workers compile themselves
             (pathlib.Path(a.workdir) / f"tapes-{key}.failed").write_text(repr(e))
             print(f"precompile {key}: failed: {e!r}", flush=True)
             continue
         save_tapes(_tape_file(a.workdir, key), c.tapes,
-                   dict(cfg=cfg.to_dict(), max_seq=a.max_seq, num_sms=a.sms, verified=True))
+                   dict(cfg=cfg.to_dict(), max_seq=a.max_seq, num_sms=a.sms, tiling=a.tiling, verified=True))
         print(f"precompile {key}: {cfg.layers} layers, {len(c.tapes[0])} + {len(c.tapes[1])} instructions on "
               f"{a.sms} SMs per rank, verified, in {time.perf_counter() - t0:.1f} s", flush=True)
     return 0
@@ -520,7 +532,7 @@ def _load_tapes(c: Ctx, key: str, cfg, wait_s: float):
     with open(path, "rb") as f:
         d = pickle.load(f)
     m = d["meta"]
-    if m["cfg"] != cfg.to_dict() or m["max_seq"] != a.max_seq or m["num_sms"] != sms:
+    if m["cfg"] != cfg.to_dict() or m["max_seq"] != a.max_seq or m["num_sms"] != sms or m["tiling"] != a.tiling:
         c.log(f"the precompiled {key} tapes are for another model: compiling here")
         return None
     return d["tapes"]
@@ -714,7 +726,7 @@ def stage_correct(c: Ctx) -> None:
     log(f"{cfg.name}: weights generated on each GPU in {time.perf_counter() - t0:.1f} s (identical on both ranks)")
     tapes = _load_tapes(c, "correct", cfg, wait_s=120)
     t0 = time.perf_counter()
-    h = build_tp_decoder(shard, cache, cfg, a.max_seq, tapes=tapes, verify_tapes=tapes is None,
+    h = build_tp_decoder(shard, cache, cfg, a.max_seq, tapes=tapes, verify_tapes=tapes is None, tiling=tp_tiling(a, cfg),
                          tp_group=dist.group.WORLD, host_group=c.hg, wait_s=a.wait_s)
     k = h.layer
     log(f"TP decoder built in {time.perf_counter() - t0:.1f} s: {len(k.tape)} instructions on {k.num_sms} SMs, "
@@ -850,8 +862,8 @@ def stage_speed(c: Ctx) -> None:
         + (f"; {torch.cuda.memory_allocated(dev) / 2**30:.1f} GiB allocated" if dev.type == "cuda" else ""))
     tapes = _load_tapes(c, "speed", cfg, wait_s=200)
     t0 = time.perf_counter()
-    h = build_tp_decoder(w, kv, cfg, a.max_seq, tapes=tapes, verify_tapes=tapes is None, tp_group=dist.group.WORLD,
-                         host_group=c.hg, wait_s=a.wait_s)
+    h = build_tp_decoder(w, kv, cfg, a.max_seq, tapes=tapes, verify_tapes=tapes is None, tiling=tp_tiling(a, cfg),
+                         tp_group=dist.group.WORLD, host_group=c.hg, wait_s=a.wait_s)
     k = h.layer
     log(f"TP decoder built in {time.perf_counter() - t0:.1f} s: {len(k.tape)} instructions on {k.num_sms} SMs, "
         f"{k.resources.get('n_regs')} registers, {k.resources.get('n_spills')} spills")
@@ -942,8 +954,8 @@ def _profile_speed(c: Ctx, w, kv, cfg, tapes, tok0: int, P: int) -> None:
     if dev.type != "cuda":
         log("profile: skipped (profile records come from a GPU)")
         return
-    hp = build_tp_decoder(w, kv, cfg, a.max_seq, tapes=tapes, verify_tapes=tapes is None, tp_group=dist.group.WORLD,
-                          host_group=c.hg, wait_s=a.wait_s, profile=True)
+    hp = build_tp_decoder(w, kv, cfg, a.max_seq, tapes=tapes, verify_tapes=tapes is None, tiling=tp_tiling(a, cfg),
+                          tp_group=dist.group.WORLD, host_group=c.hg, wait_s=a.wait_s, profile=True)
     try:
         for i in range(3):
             tp_decode_step(hp, tok0 + i, P + i)
@@ -1034,11 +1046,11 @@ def _write_results(c: Ctx, cfg, got: list) -> None:
                               nccl_us=g.get("us_nccl")) for q, g in enumerate(got)],
                nccl_baseline_vs_megatape_logits_rel_err=r0.get("nccl_rel_err"),
                weights="random, generated per shard on each GPU (replicated tensors from a shared seed)",
-               rows=rows)
+               tiling=a.tiling or "default", rows=rows)
     acc = rep["accuracy"]
     md = [f"{rep['card']}, {rep['date']}, {a.preset} ({cfg.layers} layers, random weights per shard), TP=2, pos "
           f"{a.prefill}, {a.steps} steps: {r0['bytes']} bytes per GPU per step, stream copy {rep['copy_TBps']:.3f} TB/s "
-          f"(rank 0), floor {floor:.1f} us"]
+          f"(rank 0), floor {floor:.1f} us" + (f"; tiling {a.tiling}" if a.tiling else "")]
     if acc:
         md.append(f"Accuracy ({acc['layers']} layers, {acc['steps']} steps): TP=2 vs fp32 {acc['rel_err_vs_fp32_max']:.2e}, "
                   f"the bf16 reference {acc['bf16_ref_vs_fp32_max']:.2e} "

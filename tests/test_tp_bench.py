@@ -610,3 +610,16 @@ def test_workers_that_never_start_a_stage_are_stopped():
     assert time.monotonic() - t0 < 30
     assert not ok and "did not start their first stage within 2 s" in msg
     assert all(p.poll() is not None for p in ws.values())
+
+
+def test_tiling_option_reaches_the_shard_tiling_and_names_a_bad_field():
+    from bench import tp_bench
+    from opcodes import ModelConfig
+    a = tp_bench.parse_args(["--tiling", "qkv_rows=16,o_k=2048"])
+    cfg = ModelConfig.from_name("llama3.1-70b")
+    t = tp_bench.tp_tiling(a, cfg)
+    assert (t.qkv_rows, t.o_k) == (16, 2048)
+    assert t.down_k == 7168 and shard_config(cfg, 0, 2).ffn == 14336       # the shard's defaults for the rest
+    assert tp_bench.tp_tiling(tp_bench.parse_args([]), cfg) is None
+    with pytest.raises(ValueError, match="qkv_rowz"):
+        tp_bench.tp_tiling(tp_bench.parse_args(["--tiling", "qkv_rowz=16"]), cfg)
