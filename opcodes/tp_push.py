@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Layout, Region, Timing, in_range, register, tile_start
+from .common import recv_row
 from .residual import RowBlock
 
 #: stages of a layer whose partials are all-reduced: the O projection, the down projection
@@ -53,8 +54,7 @@ def tp_push_device(layer, stage, row0, epoch, opart_ptr, dpart_ptr, peer_recv_pt
     rows = row0 + tl.arange(0, RED_ROWS)
     rm = rows < D
     y = tp_partial(layer, stage, rows, rm, opart_ptr, dpart_ptr, D, O_CHUNKS, DOWN_CHUNKS, RED_ROWS)
-    slot = epoch % 2
-    tl.store(peer_recv_ptr + ((slot * LAYERS + layer) * 2 + stage) * D + rows, y, mask=rm)
+    tl.store(recv_row(peer_recv_ptr, epoch, layer, stage, LAYERS, D) + rows, y, mask=rm)
 
 
 class TPRowBlock(RowBlock):

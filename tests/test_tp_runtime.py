@@ -130,6 +130,46 @@ def test_tp_layers_match_the_vm_and_the_reference():
         tp_teardown(h)
 
 
+@pytest.mark.parametrize("spec", ["", "row_bytes=0,red_rows=64,o_k=32"])
+def test_tp_fold_kernel_equals_the_unfolded_kernel_bitwise(spec):
+    """Tiling.tp_fold: GATE_UP and the next layer's QKV sum the partials and the peer's push themselves
+    (the kernel's gemv_stream / row_vec TP-fold branches). Over 3 calls (receive slots 1, 0, 1) the
+    folded kernel's outputs and K/V rows equal the unfolded kernel's bit for bit, both ranks alike,
+    and its tapes equal the VM's run. "": the row loop of GATE_UP (d 128); the other: the column loop
+    with a split O projection and two row blocks per stage."""
+    from opcodes import Tiling
+    from opcodes.tp import shard_config
+    w = make_weights(CFG)
+    kv = make_kv_cache(CFG, MAX_SEQ, POS)
+    x = _x(7)
+    runs = {}
+    for fold in (0, 1):
+        t = Tiling.from_spec(shard_config(CFG, 0, 2), f"{spec},tp_fold={fold}")
+        shards, caches = _shards(CFG, w, clone_cache(kv))
+        h = build_tp_layers(shards, caches, CFG, MAX_SEQ, tiling=t)
+        try:
+            assert h.tapes[0].lay.folds_tp == bool(fold)
+            outs, xin = [], x
+            for k in range(CALLS):
+                o = tp_layer_step(h, xin, POS + k)
+                assert torch.equal(o[0], o[1]), f"tp_fold={fold} call {k}: the ranks' outputs differ"
+                outs.append(o[0].clone())
+                xin = o[0]
+            if fold:
+                vm = run_tp(h.tapes, w, clone_cache(kv), x, POS, calls=CALLS, return_all=True)
+                for k in range(CALLS):
+                    assert rel_err(outs[k], vm[k][0]) <= VM_TOL
+            runs[fold] = (outs, caches)
+        finally:
+            tp_teardown(h)
+    for k in range(CALLS):
+        assert torch.equal(runs[0][0][k], runs[1][0][k]), f"call {k}: tp_fold changed the output"
+    for r in range(2):
+        for l in range(CFG.layers):
+            for j in range(2):
+                assert torch.equal(runs[0][1][r][l][j], runs[1][1][r][l][j])
+
+
 def test_a_rank_whose_peer_never_launches_times_out():
     w = make_weights(CFG)
     kv = make_kv_cache(CFG, MAX_SEQ, POS)
