@@ -228,6 +228,34 @@ def test_tp_decoder_matches_the_vm():
         tp_teardown(h)
 
 
+def test_tp_fold_decoder_kernel_equals_the_unfolded_kernel_bitwise():
+    """The whole model with Tiling.tp_fold (layer 0's GATE_UP folds onto EMBED's row, x_ptr): two greedy
+    calls (the second from the token each rank's TP_ARGMAX left) give bitwise the unfolded kernel's
+    logits, tokens and final residual, both ranks alike."""
+    from opcodes import Tiling
+    from opcodes.tp import shard_config
+    cfg = dataclasses.replace(CFG, vocab=200, name="small-2layer-v200")
+    w = decoder_weights(cfg)
+    kv = make_kv_cache(cfg, MAX_SEQ, POS)
+    runs = {}
+    for fold in (0, 1):
+        shards, caches = _shards(cfg, w, clone_cache(kv))
+        h = build_tp_decoder(shards, caches, cfg, MAX_SEQ,
+                             tiling=Tiling.for_config(shard_config(cfg, 0, 2), tp_fold=fold))
+        try:
+            assert h.tapes[0].lay.folds_tp == bool(fold)
+            lg = tp_decode_step(h, 17, POS).clone()
+            tok = tokens(h)
+            new = tp_generate(h, [tok[0]], 1, start_pos=POS + 1)
+            assert torch.equal(h.hidden[0], h.hidden[1])
+            runs[fold] = (lg, tok, new, torch.cat([t.clone() for t in h.logits], -1), h.hidden[0].clone())
+        finally:
+            tp_teardown(h)
+    (lg0, tok0, new0, lgb0, hid0), (lg1, tok1, new1, lgb1, hid1) = runs[0], runs[1]
+    assert torch.equal(lg0, lg1) and tok0 == tok1 and new0 == new1
+    assert torch.equal(lgb0, lgb1) and torch.equal(hid0, hid1)
+
+
 # ---- the time bound --------------------------------------------------------------------------------
 def test_waits_are_bounded_in_time_under_the_interpreter():
     """Every wait of a TP kernel is bounded in time as well as in polls (interp.sync.clock_ns: the host's
