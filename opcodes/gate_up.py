@@ -125,7 +125,9 @@ class GateUp(Instruction):
     def cost(self, lay: Layout) -> Cost:
         d = lay.cfg.d
         lo, hi = self._rows(lay)
-        return Cost(hbm_bytes=2 * 2 * (hi - lo) * d, l2_bytes=4 * d + 2 * d + 4 * (hi - lo),
+        # x1 (fp32), or with the fold the bf16 input, this rank's O partials and the peer's (fp32)
+        x_bytes = 2 * d + 4 * d * (lay.n_o_k + 1) if lay.folds_tp else 4 * d
+        return Cost(hbm_bytes=2 * 2 * (hi - lo) * d, l2_bytes=x_bytes + 2 * d + 4 * (hi - lo),
                     flops=4 * (hi - lo) * d)
 
     def run_torch(self, lay: Layout, st) -> None:

@@ -179,7 +179,9 @@ class QKV(Instruction):
 
     def cost(self, lay: Layout) -> Cost:
         d, rows = lay.cfg.d, lay.tiling.qkv_rows
-        return Cost(hbm_bytes=2 * rows * d, l2_bytes=2 * 2 * d + 4 * rows, flops=2 * rows * d)
+        # x (bf16), or with the TP fold x1 and this rank's down partials and the peer's (fp32)
+        x_bytes = 4 * d * (lay.n_down_k + 2) if lay.folds_tp and self.layer > 0 else 2 * d
+        return Cost(hbm_bytes=2 * rows * d, l2_bytes=x_bytes + 2 * d + 4 * rows, flops=2 * rows * d)
 
     def run_torch(self, lay: Layout, st) -> None:
         c = lay.cfg
