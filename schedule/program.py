@@ -28,6 +28,21 @@ the same program, on their own shards): the O projection always writes partials,
 A TP_PUSH's signal is the counter of the same index in the peer's program (``SIGNALS_PEER``): the
 program's producer count of ``recv_*`` is its own pushes, which equal the peer's.
 
+With ``Tiling.tp_fold`` (:attr:`Layout.folds_tp`) each all-reduced stage has one partial counter and
+one receive counter (every O tile signals ``opart[l]``, every DOWN tile ``dpart[l]``; every push of
+the stage the peer's ``recv_o[l]`` / ``recv_d[l]``), and the readers sum the partials themselves:
+
+    OPROJ(l, *) --opart[l]--> TP_PUSH(l, 0, *) --recv_o[l] (peer)--> GATE_UP(l, *) (+ opart[l])
+    DOWN(l, *) --dpart[l]--> TP_PUSH(l, 1, *) --recv_d[l] (peer)--> QKV(l+1, *) (+ dpart[l])
+    TP_REDUCE(l, 0, *) (opart[l], recv_o[l]) --x1[l]-->    TP_REDUCE(l, 1, *) (dpart[l], recv_d[l]) --out[l]-->
+
+GATE_UP(l) also reads the layer's input (``xout[l-1]``, TP_REDUCE(l-1, 1)'s), QKV(l+1) and
+TP_REDUCE(l, 1) also read ``x1[l]``; a tape instruction holds two waits (``MAX_WAITS``), so those
+dependencies ride on the partial counter: the last OPROJ(l) tile also waits on ``out[l-1]`` and the
+last DOWN(l) tile on ``x1[l]`` (a counter completes when all its producers have run, so every waiter
+of ``opart[l]`` / ``dpart[l]`` has them too; both are long done by then: TP_REDUCE(l-1, 1) runs
+beside QKV(l), TP_REDUCE(l, 0) beside GATE_UP(l)). Layer 0's input is covered by QKV(0)'s wait.
+
 """
 from __future__ import annotations
 
@@ -109,9 +124,11 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
     """
     check_layout(lay)
     tp = getattr(lay, "tp_size", 1) > 1
+    tpf = lay.folds_tp           # the all-reduces folded into their readers: one counter per stage
     c, t = lay.cfg, lay.tiling
     p = prog if prog is not None else Program(lay)
     prev_out = input_counter
+    prev_recv = prev_tp_out = NO_COUNTER     # tp_fold: the previous layer's recv_d and out counters
     n_rb = cdiv(c.d, t.red_rows)
     for l in range(c.layers):
         cq = [p.counter(f"q[{l},{g}]") for g in range(c.n_kv)]
@@ -123,12 +140,14 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
         cact = [p.counter(f"act[{l},{kc}]") for kc in range(lay.n_down_k)]
         last = l + 1 == c.layers
         fold = lay.folds_residual and not last       # no RESIDUAL: the next layer sums x1 + dpart itself
-        if fold or (lay.folds_residual and last):
+        if fold or (lay.folds_residual and last) or tpf:
             cd = [p.counter(f"dpart[{l}]")] * n_rb  # the next layer (or the last RESIDUAL) reads every row
         else:
             cd = [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
         cout = p.counter(f"out[{l}]") if (not last or signal_last) and not fold else NO_COUNTER
         w_in = (prev_out,) if prev_out != NO_COUNTER else ()
+        if tpf and l > 0:
+            w_in = (prev_out, prev_recv)          # dpart[l-1], recv_d[l-1]: x = bf16(x1[l-1] + the sum)
         # Q tiles first, grouped by KV head: a group's prefix attention starts when its Q is done
         for g in range(c.n_kv):
             for h in range(g * c.group, (g + 1) * c.group):
@@ -148,37 +167,49 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
             for r in range(0, c.d, t.o_rows):
                 p.add(OProj(l, r, 0), (ca[0],), cx)
         else:
-            co = [p.counter(f"opart[{l},{rb}]") for rb in range(n_rb)]
+            co = [p.counter(f"opart[{l}]")] * n_rb if tpf else [p.counter(f"opart[{l},{rb}]") for rb in range(n_rb)]
             for oc in range(n_oc):
                 for r in range(0, c.d, t.o_rows):
-                    p.add(OProj(l, r, oc), (ca[oc],), co[r // t.red_rows])
+                    ws = (ca[oc],)
+                    if tpf and l > 0 and oc == n_oc - 1 and r + t.o_rows >= c.d:
+                        ws = (ca[oc], prev_tp_out)        # GATE_UP(l) reads xout[l-1]: via opart[l]
+                    p.add(OProj(l, r, oc), ws, co[r // t.red_rows])
             if tp:
-                _all_reduce(p, l, 0, co, cx, n_rb, t.red_rows)
+                crecv_o = _all_reduce(p, l, 0, co, cx, n_rb, t.red_rows, tpf)
             else:
                 for rb in range(n_rb):
                     p.add(OReduce(l, rb * t.red_rows), (co[rb],), cx)
+        w_gu = (co[0], crecv_o) if tpf else (cx,)          # tp_fold: x1 = x + the sum, computed by the tile
         for r in range(0, c.ffn, t.gu_rows):
-            p.add(GateUp(l, r), (cx,), cact[r // t.down_k])
+            p.add(GateUp(l, r), w_gu, cact[r // t.down_k])
         for kc in range(lay.n_down_k):
             for r in range(0, c.d, t.down_rows):
-                p.add(Down(l, r, kc), (cact[kc],), cd[r // t.red_rows])
+                ws = (cact[kc],)
+                if tpf and kc == lay.n_down_k - 1 and r + t.down_rows >= c.d:
+                    ws = (cact[kc], cx)                   # QKV(l+1) and TP_REDUCE(l, 1) read x1[l]: via dpart[l]
+                p.add(Down(l, r, kc), ws, cd[r // t.red_rows])
         if tp:
-            _all_reduce(p, l, 1, cd, cout, n_rb, t.red_rows)
+            prev_recv = _all_reduce(p, l, 1, cd, cout, n_rb, t.red_rows, tpf)
+            prev_tp_out = cout
         elif not fold:
             for rb in range(n_rb):
                 p.add(Residual(l, rb * t.red_rows), (cd[rb],), cout)
-        prev_out = cd[0] if fold else cout
+        prev_out = cd[0] if (fold or tpf) else cout
     return p
 
 
-def _all_reduce(p: Program, l: int, stage: int, cpart: list[int], cdone: int, n_rb: int, red_rows: int) -> None:
+def _all_reduce(p: Program, l: int, stage: int, cpart: list[int], cdone: int, n_rb: int, red_rows: int,
+                fold: bool = False) -> int:
     """Tensor parallel: per row block, TP_PUSH of this rank's partial to the peer (signalling the
-    peer's ``recv`` counter) and TP_REDUCE (rank 0 + rank 1 + the residual), pushes first."""
-    crecv = [p.counter(f"recv_{'od'[stage]}[{l},{rb}]") for rb in range(n_rb)]
+    peer's ``recv`` counter) and TP_REDUCE (rank 0 + rank 1 + the residual), pushes first. ``fold``
+    (``Tiling.tp_fold``): one receive counter for the stage. Returns the (last) receive counter."""
+    name = f"recv_{'od'[stage]}"
+    crecv = [p.counter(f"{name}[{l}]")] * n_rb if fold else [p.counter(f"{name}[{l},{rb}]") for rb in range(n_rb)]
     for rb in range(n_rb):
         p.add(TPPush(l, stage, rb * red_rows), (cpart[rb],), crecv[rb])
     for rb in range(n_rb):
         p.add(TPReduce(l, stage, rb * red_rows), (cpart[rb], crecv[rb]), cdone)
+    return crecv[-1]
 
 
 def make_layout(cfg: ModelConfig, max_seq: int, tiling: Tiling | None = None) -> Layout:

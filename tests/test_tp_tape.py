@@ -231,3 +231,108 @@ def k_red(layer, stage, row0, epoch, x_ptr, xout_ptr, out_ptr, x1_ptr, opart_ptr
           RANK: tl.constexpr):
     tp_reduce_device(layer, stage, row0, epoch, x_ptr, xout_ptr, out_ptr, x1_ptr, opart_ptr, dpart_ptr, recv_ptr,
                      L, D, OC, DC, RR, RANK, True)
+
+
+# ---- Tiling.tp_fold: the all-reduces folded into their readers -------------------------------------------
+def _fold_tiling(cfg, fold: int, tiling=None):
+    return Tiling.for_config(TPLayout.of(cfg, 0, 2).cfg, tp_fold=fold, **(tiling or {}))
+
+
+@pytest.mark.parametrize("layers,tiling,policy", [(2, "default", "cost"), (2, "split-o", "random"),
+                                                   (2, "blocks", "round-robin")])
+def test_tp_fold_vm_is_bitwise_the_unfolded_vm(layers, tiling, policy):
+    """GATE_UP(l) computes x1 and QKV(l+1) its input from the partials and the peer's push themselves:
+    the outputs and K/V rows equal the unfolded tapes' bit for bit (over 3 calls, both parity slots),
+    and both equal the TP reference as the unfolded tapes do."""
+    cfg = _cfg(layers)
+    w = make_weights(cfg)
+    x = _x(11)
+    tref = _tp_ref(cfg, w, x, POS, calls=3)
+    runs = {}
+    for fold in (0, 1):
+        c = compile_model(cfg, 3, max_seq=MAX_SEQ, tiling=_fold_tiling(cfg, fold, TILINGS[tiling]), tp=2,
+                          decoder=False, policy=policy)
+        assert all(t.lay.folds_tp == bool(fold) for t in c.tapes)
+        names = set(c.tapes[0].counters)
+        assert ("recv_o[0]" in names and "opart[1]" in names) == bool(fold)
+        kv = make_kv_cache(cfg, MAX_SEQ, POS)
+        outs = run_tp(c.tapes, w, kv, x, POS, seed=fold + 1, calls=3, return_all=True)
+        assert all(torch.equal(o[0], o[1]) for o in outs)
+        assert rel_err(outs[-1][0], tref) <= 4e-2
+        runs[fold] = (outs, kv)
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert torch.equal(a[0], b[0])
+    assert all(torch.equal(a, b) for p, q in zip(runs[0][1], runs[1][1]) for a, b in zip(p, q))
+
+
+def test_tp_fold_program_waits():
+    """Per stage one partial and one receive counter; GATE_UP and QKV(l > 0) wait on exactly the
+    stage's two, TP_REDUCE on its stage's two; the reads of x1 / xout ride on the last OPROJ / DOWN tile
+    (a tape instruction holds MAX_WAITS = 2 waits). On one GPU tp_fold is ignored (as res_fold in TP)."""
+    from opcodes import GateUp, QKV, OProj, Down
+    cfg = _cfg(2)
+    c = compile_model(cfg, 3, max_seq=MAX_SEQ, tiling=_fold_tiling(cfg, 1, TILINGS["blocks"]), tp=2, decoder=False)
+    p = c.ranks[0].prog
+    waits = {}
+    for ins, ws in zip(p.instrs, p.waits):
+        waits.setdefault((type(ins), getattr(ins, "layer", 0), getattr(ins, "stage", None)), set()).add(
+            tuple(p.counters[k] for k in ws))
+    assert waits[(GateUp, 1, None)] == {("opart[1]", "recv_o[1]")}
+    assert waits[(QKV, 1, None)] == {("dpart[0]", "recv_d[0]")} and waits[(QKV, 0, None)] == {()}
+    assert waits[(TPReduce, 1, 0)] == {("opart[1]", "recv_o[1]")}
+    assert waits[(TPReduce, 1, 1)] == {("dpart[1]", "recv_d[1]")}
+    assert waits[(TPPush, 0, 1)] == {("dpart[0]",)}
+    assert waits[(OProj, 1, None)] == {("attn[1]",), ("attn[1]", "out[0]")}
+    assert waits[(Down, 0, None)] == {("act[0,0]",), ("act[0,0]", "x1[0]")}
+    assert sum(ws == ("attn[1]", "out[0]") for ins, ws in
+               ((i, tuple(p.counters[k] for k in w)) for i, w in zip(p.instrs, p.waits))) == 1
+    one = compile_model(cfg, 3, max_seq=MAX_SEQ, decoder=False)
+    folded = compile_model(cfg, 3, max_seq=MAX_SEQ, decoder=False,
+                           tiling=Tiling.for_config(cfg, tp_fold=1))
+    assert not folded.tape.lay.folds_tp and torch.equal(one.tape.words, folded.tape.words)
+    with pytest.raises(ValueError, match="tp_fold must be 0 or 1"):
+        Tiling(tp_fold=2)
+
+
+def _drop_wait(t: Tape, slot: int, counter: str) -> Tape:
+    words = t.words.clone()
+    c = t.counters.index(counter)
+    j = next(j for j in range(2) if int(words[slot, 1 + 2 * j]) == c)
+    words[slot, 1 + 2 * j], words[slot, 2 + 2 * j] = -1, 0
+    return Tape(t.lay, t.num_sms, words, t.offsets.clone(), list(t.counters), list(t.prog_index), dict(t.meta),
+                t.pool_counter)
+
+
+@pytest.mark.parametrize("what", ["gate_up", "qkv", "down"])
+def test_verify_tp_names_a_folded_read_without_its_wait(what):
+    """A tp_fold tape verifies; dropping GATE_UP(1)'s wait on recv_o[1] (or QKV(1)'s on recv_d[0]) makes it
+    read tp_recv before the peer's push is known to have landed, and dropping the last DOWN(0) tile's wait
+    on x1[0] leaves the readers of x1[0] (QKV(1), TP_REDUCE(0, 1)) unguarded: each is named as a race."""
+    from schedule import verify
+    from opcodes import GateUp, QKV, Down
+    cfg = _cfg(2)
+    c = compile_model(cfg, 2, max_seq=MAX_SEQ, tiling=_fold_tiling(cfg, 1, TILINGS["blocks"]), tp=2, decoder=False,
+                      pool_us=0.0)
+    verify_tp(c.tapes)
+    t0, t1 = c.tapes
+    cls, counter, buf = {"gate_up": (GateUp, "recv_o[1]", "tp_recv"), "qkv": (QKV, "recv_d[0]", "tp_recv"),
+                         "down": (Down, "x1[0]", "x1")}[what]
+    # an instruction of layer 1 (layer 0 for DOWN) whose wait on the counter is not covered by an earlier one
+    # of its SM queue (the verifier's queue-order argument would cover it)
+    cid = t0.counters.index(counter)
+    dec = _one_queue(c)[0]
+    seen, slot = {}, None
+    for d in dec:
+        has = any(k == cid for k, _ in d.waits)
+        if has and isinstance(d.ins, cls) and d.ins.layer == (0 if cls is Down else 1) and not seen.get(d.sm):
+            slot = d.slot
+            break
+        seen[d.sm] = seen.get(d.sm, False) or has
+    assert slot is not None
+    bad = _drop_wait(t0, slot, counter)
+    with pytest.raises(TapeError, match=rf"rank 0 instruction \d+ \((gate_up|qkv|tp_reduce), sm \d\): reads rank 0's "
+                                        rf"{buf}\[\d+:\d+\] written by rank \d instruction \d+ \((tp_push|tp_reduce), "
+                                        rf"sm \d\), which it does not wait for"):
+        verify_tp([bad, t1])
+    with pytest.raises(TapeError, match="which it does not wait for"):
+        verify(bad)
