@@ -78,12 +78,13 @@ class Tiling:
     # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
     # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
-    # 1: a tensor-parallel layer's all-reduces are folded into their readers: GATE_UP(l) computes
-    # x1 = x + (own O partials + the peer's) and QKV(l+1) its input bf16(x1 + own down partials + the
-    # peer's) themselves, as TP_REDUCE does (bitwise), so they wait on the partials and the peer's push
-    # directly: one dependency hop less per all-reduce (TP_REDUCE still writes x1 / xout for the other
-    # readers). Ignored on one GPU (:attr:`Layout.folds_tp`), as res_fold is ignored in tensor
-    # parallel. Measured: not yet
+    # 1: a tensor-parallel layer's second all-reduce (the down projection's) is folded into the next
+    # layer's QKV: its tiles compute their input bf16(x1 + own down partials + the peer's) themselves,
+    # as TP_REDUCE does (bitwise), waiting on the partials and the peer's push directly: one dependency
+    # hop less per layer (TP_REDUCE still writes xout for the other readers). Ignored on one GPU
+    # (:attr:`Layout.folds_tp`), as res_fold is ignored in tensor parallel. The first all-reduce
+    # folded into GATE_UP too measured +2.8% (20 layers of the 70B shape: every one of 896 tiles
+    # streams the three vectors 1.5 us slower; bench/NOTES.md v41, run 70)
     tp_fold: int = 0
 
     def __post_init__(self):
@@ -235,9 +236,9 @@ class Layout:
 
     @property
     def folds_tp(self) -> bool:
-        """Whether a tensor-parallel layer's all-reduces are folded into their readers: GATE_UP and the
-        next layer's QKV sum the partials and the peer's pushed partial themselves (``Tiling.tp_fold``;
-        never on one GPU, which has no all-reduce; see ``opcodes.tp.TPLayout.folded_regions``)."""
+        """Whether a tensor-parallel layer's down-projection all-reduce is folded into the next layer's
+        QKV, which sums the partials and the peer's pushed partial itself (``Tiling.tp_fold``; never on
+        one GPU, which has no all-reduce; see ``opcodes.tp.TPLayout.folded_regions``)."""
         return bool(self.tiling.tp_fold) and getattr(self, "tp_size", 1) > 1
 
     def xout_row(self, layer: int) -> int:

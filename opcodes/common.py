@@ -97,13 +97,14 @@ def recv_row(tp_recv_ptr, epoch, layer, stage, LAYERS: tl.constexpr, D: tl.const
 
 
 @triton.jit
-def tp_fold_vec(xv, own_ptr, peer_ptr, cols, cm, STRIDE: tl.constexpr, N: tl.constexpr, ROUND: tl.constexpr,
-                INTERP: tl.constexpr, EVEN: tl.constexpr):
-    """A tensor-parallel all-reduce folded into its reader (``Tiling.tp_fold``), on columns ``cols``:
-    ``xv + s`` with ``s = (0 + own[0] + ... + own[N-1]) + peer`` in fp32 (``own``: this rank's ``N``
-    partials, rows ``STRIDE`` apart; ``peer``: the peer's pushed partial), rounded to bf16 (and back)
-    with ``ROUND``: bitwise what TP_REDUCE writes (its own partial summed as ``tp_partial`` sums it;
-    ``mine + peer`` equals ``peer + mine``). ``cm``: the column mask (unused with ``EVEN``)."""
+def tp_fold_vec(xv, own_ptr, peer_ptr, cols, cm, STRIDE: tl.constexpr, N: tl.constexpr, INTERP: tl.constexpr,
+                EVEN: tl.constexpr):
+    """The down projection's tensor-parallel all-reduce folded into the next layer's QKV
+    (``Tiling.tp_fold``), on columns ``cols``: ``bf16(xv + s)`` (back in fp32) with
+    ``s = (0 + own[0] + ... + own[N-1]) + peer`` in fp32 (``own``: this rank's ``N`` partials, rows
+    ``STRIDE`` apart; ``peer``: the peer's pushed partial): bitwise what TP_REDUCE writes (its own
+    partial summed as ``tp_partial`` sums it; ``mine + peer`` equals ``peer + mine``). ``cm``: the
+    column mask (unused with ``EVEN``)."""
     s = tl.zeros_like(xv)
     for kc in tl.static_range(N):
         if EVEN:
@@ -114,10 +115,7 @@ def tp_fold_vec(xv, own_ptr, peer_ptr, cols, cm, STRIDE: tl.constexpr, N: tl.con
         s = s + tl.load(peer_ptr + cols, cache_modifier=".cg")
     else:
         s = s + tl.load(peer_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg")
-    xv = xv + s
-    if ROUND:
-        xv = to_bf16(xv, INTERP).to(tl.float32)
-    return xv
+    return to_bf16(xv + s, INTERP).to(tl.float32)
 
 
 @triton.jit
@@ -125,7 +123,7 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
                 K: tl.constexpr, KLEN: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
                 STAGES: tl.constexpr, TWO: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr,
                 xp_ptr=None, XP: tl.constexpr = 0, INTERP: tl.constexpr = False,
-                own_ptr=None, peer_ptr=None, TPF: tl.constexpr = 0, ROUND: tl.constexpr = False):
+                own_ptr=None, peer_ptr=None, TPF: tl.constexpr = 0):
     """The streaming loop of every weight GEMV: rows ``rows1`` of the row-major bf16 matrix at
     ``w1_ptr`` (and, with ``TWO``, rows ``rows2`` of ``w2_ptr``), ``K`` columns each, dotted with
     ``x[kbase : kbase + KLEN]`` (bf16 or fp32) in ``BK``-column blocks, pipelined ``STAGES`` deep.
@@ -139,8 +137,8 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
     ``XP`` > 0: the vector is ``x + xp[0] + ... + xp[XP-1]`` (fp32 rows ``K`` apart at ``xp_ptr``),
     rounded to bf16: the previous layer's RESIDUAL folded in (``Tiling.res_fold``).
     ``TPF`` > 0: the vector is ``x + ((0 + own[0] + ... + own[TPF-1]) + peer)`` (fp32 rows ``K`` apart
-    at ``own_ptr``, the peer's row at ``peer_ptr``), rounded to bf16 with ``ROUND``: a tensor-parallel
-    all-reduce folded in (``Tiling.tp_fold``, :func:`tp_fold_vec`).
+    at ``own_ptr``, the peer's row at ``peer_ptr``), rounded to bf16: the previous layer's
+    tensor-parallel all-reduce folded in (``Tiling.tp_fold``, :func:`tp_fold_vec`).
     NOTE: the loop body has no branch other than on constexprs, so the software pipeliner
     pipelines every load.
     """
@@ -159,7 +157,7 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
                     xv += tl.load(xp_ptr + kc * K + cols, cache_modifier=".cg")
                 xv = to_bf16(xv, INTERP).to(tl.float32)
             if TPF > 0:
-                xv = tp_fold_vec(xv, own_ptr, peer_ptr, cols, None, K, TPF, ROUND, INTERP, EVEN=True)
+                xv = tp_fold_vec(xv, own_ptr, peer_ptr, cols, None, K, TPF, INTERP, EVEN=True)
             if NORM:
                 nw = tl.load(nw_ptr + cols).to(tl.float32)
             w1 = tl.load(wrow1 + cols[None, :], eviction_policy="evict_first")
@@ -174,7 +172,7 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
                     xv += tl.load(xp_ptr + kc * K + cols, mask=cm, other=0.0, cache_modifier=".cg")
                 xv = to_bf16(xv, INTERP).to(tl.float32)
             if TPF > 0:
-                xv = tp_fold_vec(xv, own_ptr, peer_ptr, cols, cm, K, TPF, ROUND, INTERP, EVEN=False)
+                xv = tp_fold_vec(xv, own_ptr, peer_ptr, cols, cm, K, TPF, INTERP, EVEN=False)
             if NORM:
                 nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
             w1 = tl.load(wrow1 + cols[None, :], mask=m2, other=0.0)
@@ -192,21 +190,15 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
 
 
 @triton.jit
-def row_vec(x_ptr, nw_ptr, kbase, KLEN: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-            own_ptr=None, peer_ptr=None, TPF: tl.constexpr = 0):
+def row_vec(x_ptr, nw_ptr, kbase, KLEN: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr):
     """The vector of a row-streaming GEMV (``Tiling.row_bytes``): ``x[kbase : kbase + KLEN]`` in
     fp32, zero-padded to ``KP`` (a power of two), times the RMSNorm weight at ``nw_ptr`` with
-    ``NORM``; and the sum of ``x^2`` (the caller's ``rsqrt``, applied after the dots).
-    ``TPF`` > 0: ``x`` plus a tensor-parallel all-reduce folded in, as :func:`gemv_stream`'s (no
-    rounding; ``own_ptr`` / ``peer_ptr`` at column ``kbase``, own rows ``KLEN`` apart)."""
+    ``NORM``; and the sum of ``x^2`` (the caller's ``rsqrt``, applied after the dots)."""
     cols = tl.arange(0, KP)
     if KLEN == KP:
         xv = tl.load(x_ptr + kbase + cols, cache_modifier=".cg").to(tl.float32)
     else:
         xv = tl.load(x_ptr + kbase + cols, mask=cols < KLEN, other=0.0, cache_modifier=".cg").to(tl.float32)
-    if TPF > 0:
-        xv = tp_fold_vec(xv, own_ptr + kbase, peer_ptr + kbase, cols, cols < KLEN, KLEN, TPF, False, False,
-                         EVEN=(KLEN == KP))
     ss = tl.sum(xv * xv, axis=0)
     if NORM:
         if KLEN == KP:
@@ -217,12 +209,10 @@ def row_vec(x_ptr, nw_ptr, kbase, KLEN: tl.constexpr, KP: tl.constexpr, NORM: tl
 
 
 @triton.jit
-def norm_row_vec(x_ptr, nw_ptr, K: tl.constexpr, KP: tl.constexpr, EPS: tl.constexpr,
-                 own_ptr=None, peer_ptr=None, TPF: tl.constexpr = 0):
+def norm_row_vec(x_ptr, nw_ptr, K: tl.constexpr, KP: tl.constexpr, EPS: tl.constexpr):
     """:func:`row_vec` of an RMSNorm'ed input (``x[0:K] * nw``, zero-padded to ``KP``) and its
-    ``rsqrt(mean(x^2) + EPS)``, applied by the caller after the dots (GATE_UP, LM_HEAD); ``TPF``:
-    a tensor-parallel all-reduce folded into ``x`` (:func:`row_vec`)."""
-    hv, ss = row_vec(x_ptr, nw_ptr, 0, K, KP, NORM=True, own_ptr=own_ptr, peer_ptr=peer_ptr, TPF=TPF)
+    ``rsqrt(mean(x^2) + EPS)``, applied by the caller after the dots (GATE_UP, LM_HEAD)."""
+    hv, ss = row_vec(x_ptr, nw_ptr, 0, K, KP, NORM=True)
     return hv, 1.0 / tl.sqrt(ss / K + EPS)
 
 

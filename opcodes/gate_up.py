@@ -5,10 +5,6 @@
 
 The (1, ffn) activation is produced a block at a time; the down projection consumes each
 block as soon as the tiles of its K range are done. Streams ``2 * GU_ROWS * d * 2`` bytes.
-
-Tensor parallel with ``Tiling.tp_fold`` (``Layout.folds_tp``): the tile computes x1 itself, as
-TP_REDUCE(layer, 0) does (bitwise): ``x1 = x + ((0 + opart[0] + ... ) + peer)``, x the layer input,
-the O partials this rank's, peer the partial the peer pushed into ``tp_recv`` (``opcodes/tp_push.py``).
 """
 from __future__ import annotations
 
@@ -19,18 +15,15 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
-from .common import T_N2, T_WG, T_WU, gemv_stream, layer_input, norm_row_vec, recv_row, rows_dot, tab_offset
+from .common import T_N2, T_WG, T_WU, gemv_stream, norm_row_vec, rows_dot, tab_offset
 
 
 @triton.jit
 def _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_out,
              D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-             GU_RB: tl.constexpr, STAGES: tl.constexpr, own_ptr=None, peer_ptr=None, TPF: tl.constexpr = 0):
+             GU_RB: tl.constexpr, STAGES: tl.constexpr):
     # whole rows, GU_RB of gate and of up per pipeline stage (Tiling.row_bytes)
-    if TPF > 0:
-        hv, rstd = norm_row_vec(xin, nw_ptr, D, DP, EPS, own_ptr=own_ptr, peer_ptr=peer_ptr, TPF=TPF)
-    else:
-        hv, rstd = norm_row_vec(xin, nw_ptr, D, DP, EPS)
+    hv, rstd = norm_row_vec(xin, nw_ptr, D, DP, EPS)
     EVEN: tl.constexpr = (D == DP) and (FFN % GU_ROWS == 0)
     for b in tl.range(0, GU_ROWS // GU_RB, num_stages=STAGES):
         rows = row0 + b * GU_RB + tl.arange(0, GU_RB)
@@ -41,42 +34,26 @@ def _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_out,
 
 
 @triton.jit
-def gate_up_device(layer, row0, epoch, x_ptr, xout_ptr, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, opart_ptr, tp_recv_ptr,
-                   act_ptr, LAYERS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr,
-                   EPS: tl.constexpr, GU_ROWS: tl.constexpr, GU_RB: tl.constexpr, BK: tl.constexpr,
-                   STAGES: tl.constexpr, O_CHUNKS: tl.constexpr, TP_FOLD: tl.constexpr):
+def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
+                   D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
+                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
-    if TP_FOLD:
-        # the stage-0 all-reduce folded in: x1 = x + (own O partials + the peer's), as TP_REDUCE computes it
-        xin = layer_input(x_ptr, xout_ptr, layer, D)
-        own = opart_ptr + layer * O_CHUNKS * D
-        peer = recv_row(tp_recv_ptr, epoch, layer, 0, LAYERS, D)
-    else:
-        xin = x1_ptr + layer * D
+    xin = x1_ptr + layer * D
     if GU_RB == 0:
         rows = row0 + tl.arange(0, GU_ROWS)
         rm = rows < FFN
-        if TP_FOLD:
-            accg, accu, ss = gemv_stream(g_ptr, rows, u_ptr, rows, rm, xin, nw_ptr, 0, D, D, GU_ROWS, BK, STAGES,
-                                         TWO=True, NORM=True, EVEN=(D % BK == 0) and (FFN % GU_ROWS == 0),
-                                         own_ptr=own, peer_ptr=peer, TPF=O_CHUNKS)
-        else:
-            accg, accu, ss = gemv_stream(g_ptr, rows, u_ptr, rows, rm, xin, nw_ptr, 0, D, D, GU_ROWS, BK, STAGES,
-                                         TWO=True, NORM=True, EVEN=(D % BK == 0) and (FFN % GU_ROWS == 0))
+        accg, accu, ss = gemv_stream(g_ptr, rows, u_ptr, rows, rm, xin, nw_ptr, 0, D, D, GU_ROWS, BK, STAGES,
+                                     TWO=True, NORM=True, EVEN=(D % BK == 0) and (FFN % GU_ROWS == 0))
         rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
         gv = tl.sum(accg, axis=1) * rstd
         uv = tl.sum(accu, axis=1) * rstd
         act = gv / (1.0 + tl.exp(-gv)) * uv
         tl.store(act_ptr + layer * FFN + rows, act, mask=rm)
     else:
-        if TP_FOLD:
-            _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, D, DP, FFN, EPS, GU_ROWS,
-                     GU_RB, STAGES, own, peer, O_CHUNKS)
-        else:
-            _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, D, DP, FFN, EPS, GU_ROWS,
-                     GU_RB, STAGES)
+        _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, D, DP, FFN, EPS, GU_ROWS,
+                 GU_RB, STAGES)
 
 
 @register
@@ -87,9 +64,8 @@ class GateUp(Instruction):
 
     NAME = "gate_up"
     STAGE = 4
-    ARGS = ("epoch", "x_ptr", "xout_ptr", "wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "opart_ptr", "tp_recv_ptr",
-            "act_ptr", "LAYERS", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB", "BK", "STAGES", "O_CHUNKS", "TP_FOLD")
-    OPTIONAL_POINTERS = ("tp_recv_ptr",)       # TP_PUSH's receive buffer: read with TP_FOLD only
+    ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB",
+            "BK", "STAGES")
     CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
                   "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows)}
     device = gate_up_device
@@ -112,8 +88,6 @@ class GateUp(Instruction):
         return self.row0, min(self.row0 + lay.tiling.gu_rows, lay.cfg.ffn)
 
     def reads(self, lay: Layout) -> list[Region]:
-        if lay.folds_tp:                    # the layer's stage-0 all-reduce, folded in
-            return lay.folded_regions(self.layer, 0)
         d = lay.cfg.d
         return [Region("x1", self.layer * d, (self.layer + 1) * d)]
 
@@ -125,18 +99,13 @@ class GateUp(Instruction):
     def cost(self, lay: Layout) -> Cost:
         d = lay.cfg.d
         lo, hi = self._rows(lay)
-        # x1 (fp32), or with the fold the bf16 input, this rank's O partials and the peer's (fp32)
-        x_bytes = 2 * d + 4 * d * (lay.n_o_k + 1) if lay.folds_tp else 4 * d
-        return Cost(hbm_bytes=2 * 2 * (hi - lo) * d, l2_bytes=x_bytes + 2 * d + 4 * (hi - lo),
+        return Cost(hbm_bytes=2 * 2 * (hi - lo) * d, l2_bytes=4 * d + 2 * d + 4 * (hi - lo),
                     flops=4 * (hi - lo) * d)
 
     def run_torch(self, lay: Layout, st) -> None:
         c = lay.cfg
         lo, hi = self._rows(lay)
-        if lay.folds_tp:                    # x1 as TP_REDUCE(layer, 0) writes it
-            x = lay.folded_input(st, self.layer, 0)
-        else:
-            x = st.buf["x1"].view(c.layers, c.d)[self.layer]
+        x = st.buf["x1"].view(c.layers, c.d)[self.layer]
         nw = st.weights[self.layer]["post_norm"].float()
         rstd = torch.rsqrt((x * x).sum() / c.d + c.eps)
         h = x * nw

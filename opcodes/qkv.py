@@ -85,7 +85,7 @@ def qkv_device(layer, sec, head, j, pos, epoch, x_ptr, xout_ptr, x1_ptr, dpart_p
                                          D, HALF, BK, STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0),
                                          INTERP=INTERP, own_ptr=dpart_ptr + (layer - 1) * DOWN_CHUNKS * D,
                                          peer_ptr=recv_row(tp_recv_ptr, epoch, layer - 1, 1, LAYERS, D),
-                                         TPF=DOWN_CHUNKS, ROUND=True)
+                                         TPF=DOWN_CHUNKS)
         else:
             acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xin, nw_ptr, 0, D, D, HALF, BK,
                                          STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0))
@@ -174,7 +174,7 @@ class QKV(Instruction):
 
     def reads(self, lay: Layout) -> list[Region]:
         if lay.folds_tp and self.layer > 0:      # the previous layer's stage-1 all-reduce, folded in
-            return lay.folded_regions(self.layer - 1, 1)
+            return lay.folded_regions(self.layer - 1)
         return lay.input_regions(self.layer, 0, lay.cfg.d)
 
     def cost(self, lay: Layout) -> Cost:
@@ -186,7 +186,7 @@ class QKV(Instruction):
     def run_torch(self, lay: Layout, st) -> None:
         c = lay.cfg
         if lay.folds_tp and self.layer > 0:      # as TP_REDUCE(layer - 1, 1) writes it
-            x = lay.folded_input(st, self.layer - 1, 1).float()
+            x = lay.folded_input(st, self.layer - 1).float()
         else:
             x = st.layer_input(self.layer).float()
         w = st.weights[self.layer][SECTIONS[self.sec]]

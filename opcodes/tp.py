@@ -345,33 +345,25 @@ class TPLayout(Layout):
     def extra(self) -> dict:
         return {"tp_rank": self.tp_rank, "tp_size": self.tp_size}
 
-    # ---- the all-reduce folded into its readers (Tiling.tp_fold, Layout.folds_tp) -----------------
-    def folded_regions(self, layer: int, stage: int) -> list[Region]:
-        """What a reader of ``layer``'s all-reduced ``stage`` reads with :attr:`folds_tp` (GATE_UP(layer)
-        for stage 0, QKV(layer + 1) for stage 1): the residual it adds to (stage 0: the layer's input,
-        :meth:`input_regions`; stage 1: ``x1[layer]``), this rank's partials of the stage (every chunk,
-        every row) and the stage's row of ``tp_recv`` (offsets inside one parity slot)."""
-        d = self.cfg.d
-        if stage == 0:
-            base, buf, n = self.input_regions(layer, 0, d), "opart", self.n_o_k
-        else:
-            base, buf, n = [Region("x1", layer * d, (layer + 1) * d)], "dpart", self.n_down_k
-        own = [Region(buf, (layer * n + k) * d, (layer * n + k + 1) * d) for k in range(n)]
-        return base + own + [Region("tp_recv", (layer * len(STAGES) + stage) * d, (layer * len(STAGES) + stage + 1) * d)]
+    # ---- the down projection's all-reduce folded into the next QKV (Tiling.tp_fold, Layout.folds_tp) ---
+    def folded_regions(self, layer: int) -> list[Region]:
+        """What QKV(layer + 1) reads with :attr:`folds_tp`: ``x1[layer]``, this rank's down partials of
+        ``layer`` (every chunk, every row) and the stage-1 row of ``tp_recv`` (offsets inside one parity
+        slot)."""
+        d, n = self.cfg.d, self.n_down_k
+        own = [Region("dpart", (layer * n + k) * d, (layer * n + k + 1) * d) for k in range(n)]
+        row = (layer * len(STAGES) + 1) * d
+        return [Region("x1", layer * d, (layer + 1) * d)] + own + [Region("tp_recv", row, row + d)]
 
-    def folded_input(self, st, layer: int, stage: int) -> torch.Tensor:
-        """The torch value a reader of ``layer``'s all-reduced ``stage`` computes with :attr:`folds_tp`,
-        bitwise what TP_REDUCE writes: ``s = (0 + own chunks in order) + peer`` (fp32), then stage 0:
-        ``x1 = x + s`` (fp32, x the layer's input), stage 1: ``bf16(x1[layer] + s)``."""
-        c = self.cfg
-        buf, n = ("opart", self.n_o_k) if stage == 0 else ("dpart", self.n_down_k)
-        parts = st.buf[buf].view(c.layers, n, c.d)[layer]
+    def folded_input(self, st, layer: int) -> torch.Tensor:
+        """The torch value QKV(layer + 1) computes with :attr:`folds_tp`, bitwise what TP_REDUCE(layer, 1)
+        writes: ``bf16(x1[layer] + s)``, ``s = (0 + own down chunks in order) + peer`` (fp32)."""
+        c, n = self.cfg, self.n_down_k
+        parts = st.buf["dpart"].view(c.layers, n, c.d)[layer]
         s = torch.zeros(c.d, dtype=torch.float32)
         for k in range(n):
             s += parts[k]
-        s = s + recv_slot(self, st.buf["tp_recv"], st.epoch)[layer, stage]
-        if stage == 0:
-            return st.layer_input(layer).float() + s
+        s = s + recv_slot(self, st.buf["tp_recv"], st.epoch)[layer, 1]
         return (st.buf["x1"].view(c.layers, c.d)[layer] + s).to(torch.bfloat16)
 
     @classmethod

@@ -28,20 +28,18 @@ the same program, on their own shards): the O projection always writes partials,
 A TP_PUSH's signal is the counter of the same index in the peer's program (``SIGNALS_PEER``): the
 program's producer count of ``recv_*`` is its own pushes, which equal the peer's.
 
-With ``Tiling.tp_fold`` (:attr:`Layout.folds_tp`) each all-reduced stage has one partial counter and
-one receive counter (every O tile signals ``opart[l]``, every DOWN tile ``dpart[l]``; every push of
-the stage the peer's ``recv_o[l]`` / ``recv_d[l]``), and the readers sum the partials themselves:
+With ``Tiling.tp_fold`` (:attr:`Layout.folds_tp`) the down projection's all-reduce is folded into the
+next layer's QKV: every DOWN tile of layer l signals one counter ``dpart[l]``, every stage-1 push the
+peer's ``recv_d[l]``, and QKV(l+1) sums ``bf16(x1[l] + own partials + the peer's)`` itself:
 
-    OPROJ(l, *) --opart[l]--> TP_PUSH(l, 0, *) --recv_o[l] (peer)--> GATE_UP(l, *) (+ opart[l])
     DOWN(l, *) --dpart[l]--> TP_PUSH(l, 1, *) --recv_d[l] (peer)--> QKV(l+1, *) (+ dpart[l])
-    TP_REDUCE(l, 0, *) (opart[l], recv_o[l]) --x1[l]-->    TP_REDUCE(l, 1, *) (dpart[l], recv_d[l]) --out[l]-->
+    TP_REDUCE(l, 1, *) (dpart[l], recv_d[l]) --out[l]-->   (xout[l], for TP_REDUCE(l+1, 0))
 
-GATE_UP(l) also reads the layer's input (``xout[l-1]``, TP_REDUCE(l-1, 1)'s), QKV(l+1) and
-TP_REDUCE(l, 1) also read ``x1[l]``; a tape instruction holds two waits (``MAX_WAITS``), so those
-dependencies ride on the partial counter: the last OPROJ(l) tile also waits on ``out[l-1]`` and the
-last DOWN(l) tile on ``x1[l]`` (a counter completes when all its producers have run, so every waiter
-of ``opart[l]`` / ``dpart[l]`` has them too; both are long done by then: TP_REDUCE(l-1, 1) runs
-beside QKV(l), TP_REDUCE(l, 0) beside GATE_UP(l)). Layer 0's input is covered by QKV(0)'s wait.
+QKV(l+1) also reads ``x1[l]`` (TP_REDUCE(l, 0)'s), which every GATE_UP(l) tile waited for before the
+DOWN tiles that signal ``dpart[l]`` could run. TP_REDUCE(l+1, 0, rb) reads ``xout[l]``, which no QKV
+waits for now: a tape instruction holds two waits (``MAX_WAITS``), so the last OPROJ(l+1) tile of each
+row block (of the last K chunk) also waits on ``out[l]`` (long done by then), and every waiter of its
+``opart[l+1, rb]`` has it too.
 
 """
 from __future__ import annotations
@@ -124,7 +122,7 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
     """
     check_layout(lay)
     tp = getattr(lay, "tp_size", 1) > 1
-    tpf = lay.folds_tp           # the all-reduces folded into their readers: one counter per stage
+    tpf = lay.folds_tp           # the down all-reduce folded into the next QKV: one counter per stage
     c, t = lay.cfg, lay.tiling
     p = prog if prog is not None else Program(lay)
     prev_out = input_counter
@@ -167,27 +165,23 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
             for r in range(0, c.d, t.o_rows):
                 p.add(OProj(l, r, 0), (ca[0],), cx)
         else:
-            co = [p.counter(f"opart[{l}]")] * n_rb if tpf else [p.counter(f"opart[{l},{rb}]") for rb in range(n_rb)]
+            co = [p.counter(f"opart[{l},{rb}]") for rb in range(n_rb)]
             for oc in range(n_oc):
                 for r in range(0, c.d, t.o_rows):
                     ws = (ca[oc],)
-                    if tpf and l > 0 and oc == n_oc - 1 and r + t.o_rows >= c.d:
-                        ws = (ca[oc], prev_tp_out)        # GATE_UP(l) reads xout[l-1]: via opart[l]
+                    if tpf and l > 0 and oc == n_oc - 1 and ((r + t.o_rows) % t.red_rows == 0 or r + t.o_rows >= c.d):
+                        ws = (ca[oc], prev_tp_out)    # TP_REDUCE(l, 0, rb) reads xout[l-1]: via opart[l, rb]
                     p.add(OProj(l, r, oc), ws, co[r // t.red_rows])
             if tp:
-                crecv_o = _all_reduce(p, l, 0, co, cx, n_rb, t.red_rows, tpf)
+                _all_reduce(p, l, 0, co, cx, n_rb, t.red_rows)
             else:
                 for rb in range(n_rb):
                     p.add(OReduce(l, rb * t.red_rows), (co[rb],), cx)
-        w_gu = (co[0], crecv_o) if tpf else (cx,)          # tp_fold: x1 = x + the sum, computed by the tile
         for r in range(0, c.ffn, t.gu_rows):
-            p.add(GateUp(l, r), w_gu, cact[r // t.down_k])
+            p.add(GateUp(l, r), (cx,), cact[r // t.down_k])
         for kc in range(lay.n_down_k):
             for r in range(0, c.d, t.down_rows):
-                ws = (cact[kc],)
-                if tpf and kc == lay.n_down_k - 1 and r + t.down_rows >= c.d:
-                    ws = (cact[kc], cx)                   # QKV(l+1) and TP_REDUCE(l, 1) read x1[l]: via dpart[l]
-                p.add(Down(l, r, kc), ws, cd[r // t.red_rows])
+                p.add(Down(l, r, kc), (cact[kc],), cd[r // t.red_rows])
         if tp:
             prev_recv = _all_reduce(p, l, 1, cd, cout, n_rb, t.red_rows, tpf)
             prev_tp_out = cout

@@ -173,7 +173,7 @@ def test_run_tp_decoder_several_calls_reuse_the_parity_slots():
 
 @pytest.mark.parametrize("policy", ["cost", "random"])
 def test_tp_fold_decoder_is_bitwise_the_unfolded_decoder(policy):
-    """Tiling.tp_fold in the whole model (layer 0's GATE_UP folds onto EMBED's row): three greedy calls
+    """Tiling.tp_fold in the whole model (each QKV(l > 0) folds the down all-reduce before it): three greedy calls
     give bitwise the logits, tokens and K/V rows of the unfolded tapes, which match the TP reference."""
     cfg = _cfg(200)
     w = decoder_weights(cfg, seed=3)

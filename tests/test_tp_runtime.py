@@ -132,11 +132,11 @@ def test_tp_layers_match_the_vm_and_the_reference():
 
 @pytest.mark.parametrize("spec", ["", "row_bytes=0,red_rows=64,o_k=32"])
 def test_tp_fold_kernel_equals_the_unfolded_kernel_bitwise(spec):
-    """Tiling.tp_fold: GATE_UP and the next layer's QKV sum the partials and the peer's push themselves
-    (the kernel's gemv_stream / row_vec TP-fold branches). Over 3 calls (receive slots 1, 0, 1) the
-    folded kernel's outputs and K/V rows equal the unfolded kernel's bit for bit, both ranks alike,
-    and its tapes equal the VM's run. "": the row loop of GATE_UP (d 128); the other: the column loop
-    with a split O projection and two row blocks per stage."""
+    """Tiling.tp_fold: the next layer's QKV sums the down partials and the peer's push itself (the
+    kernel's gemv_stream TP-fold branch). Over 3 calls (receive slots 1, 0, 1) the folded kernel's
+    outputs and K/V rows equal the unfolded kernel's bit for bit, both ranks alike, and its tapes equal
+    the VM's run. "": the small config's default tiling; the other: a split O projection and two row
+    blocks per stage."""
     from opcodes import Tiling
     from opcodes.tp import shard_config
     w = make_weights(CFG)
@@ -229,7 +229,7 @@ def test_tp_decoder_matches_the_vm():
 
 
 def test_tp_fold_decoder_kernel_equals_the_unfolded_kernel_bitwise():
-    """The whole model with Tiling.tp_fold (layer 0's GATE_UP folds onto EMBED's row, x_ptr): two greedy
+    """The whole model with Tiling.tp_fold (QKV(1) folds layer 0's down all-reduce): two greedy
     calls (the second from the token each rank's TP_ARGMAX left) give bitwise the unfolded kernel's
     logits, tokens and final residual, both ranks alike."""
     from opcodes import Tiling

@@ -233,7 +233,7 @@ def k_red(layer, stage, row0, epoch, x_ptr, xout_ptr, out_ptr, x1_ptr, opart_ptr
                      L, D, OC, DC, RR, RANK, True)
 
 
-# ---- Tiling.tp_fold: the all-reduces folded into their readers -------------------------------------------
+# ---- Tiling.tp_fold: the down all-reduce folded into the next QKV -------------------------------------------
 def _fold_tiling(cfg, fold: int, tiling=None):
     return Tiling.for_config(TPLayout.of(cfg, 0, 2).cfg, tp_fold=fold, **(tiling or {}))
 
@@ -241,7 +241,7 @@ def _fold_tiling(cfg, fold: int, tiling=None):
 @pytest.mark.parametrize("layers,tiling,policy", [(2, "default", "cost"), (2, "split-o", "random"),
                                                    (2, "blocks", "round-robin")])
 def test_tp_fold_vm_is_bitwise_the_unfolded_vm(layers, tiling, policy):
-    """GATE_UP(l) computes x1 and QKV(l+1) its input from the partials and the peer's push themselves:
+    """QKV(l+1) computes its input from the down partials and the peer's push itself:
     the outputs and K/V rows equal the unfolded tapes' bit for bit (over 3 calls, both parity slots),
     and both equal the TP reference as the unfolded tapes do."""
     cfg = _cfg(layers)
@@ -254,7 +254,8 @@ def test_tp_fold_vm_is_bitwise_the_unfolded_vm(layers, tiling, policy):
                           decoder=False, policy=policy)
         assert all(t.lay.folds_tp == bool(fold) for t in c.tapes)
         names = set(c.tapes[0].counters)
-        assert ("recv_o[0]" in names and "opart[1]" in names) == bool(fold)
+        assert ("recv_d[0]" in names and "dpart[1]" in names) == bool(fold)
+        assert "recv_o[0,0]" in names and "x1[1]" in names
         kv = make_kv_cache(cfg, MAX_SEQ, POS)
         outs = run_tp(c.tapes, w, kv, x, POS, seed=fold + 1, calls=3, return_all=True)
         assert all(torch.equal(o[0], o[1]) for o in outs)
@@ -266,9 +267,9 @@ def test_tp_fold_vm_is_bitwise_the_unfolded_vm(layers, tiling, policy):
 
 
 def test_tp_fold_program_waits():
-    """Per stage one partial and one receive counter; GATE_UP and QKV(l > 0) wait on exactly the
-    stage's two, TP_REDUCE on its stage's two; the reads of x1 / xout ride on the last OPROJ / DOWN tile
-    (a tape instruction holds MAX_WAITS = 2 waits). On one GPU tp_fold is ignored (as res_fold in TP)."""
+    """The down projection's stage has one partial and one receive counter; QKV(l > 0) and the stage's
+    TP_REDUCE wait on exactly those two; the O projection's all-reduce and GATE_UP are as without the
+    fold. On one GPU tp_fold is ignored (as res_fold in TP)."""
     from opcodes import GateUp, QKV, OProj, Down
     cfg = _cfg(2)
     c = compile_model(cfg, 3, max_seq=MAX_SEQ, tiling=_fold_tiling(cfg, 1, TILINGS["blocks"]), tp=2, decoder=False)
@@ -277,15 +278,15 @@ def test_tp_fold_program_waits():
     for ins, ws in zip(p.instrs, p.waits):
         waits.setdefault((type(ins), getattr(ins, "layer", 0), getattr(ins, "stage", None)), set()).add(
             tuple(p.counters[k] for k in ws))
-    assert waits[(GateUp, 1, None)] == {("opart[1]", "recv_o[1]")}
+    assert waits[(GateUp, 1, None)] == {("x1[1]",)}
     assert waits[(QKV, 1, None)] == {("dpart[0]", "recv_d[0]")} and waits[(QKV, 0, None)] == {()}
-    assert waits[(TPReduce, 1, 0)] == {("opart[1]", "recv_o[1]")}
+    assert waits[(TPReduce, 1, 0)] == {("opart[1,0]", "recv_o[1,0]"), ("opart[1,1]", "recv_o[1,1]")}
     assert waits[(TPReduce, 1, 1)] == {("dpart[1]", "recv_d[1]")}
     assert waits[(TPPush, 0, 1)] == {("dpart[0]",)}
     assert waits[(OProj, 1, None)] == {("attn[1]",), ("attn[1]", "out[0]")}
-    assert waits[(Down, 0, None)] == {("act[0,0]",), ("act[0,0]", "x1[0]")}
     assert sum(ws == ("attn[1]", "out[0]") for ins, ws in
-               ((i, tuple(p.counters[k] for k in w)) for i, w in zip(p.instrs, p.waits))) == 1
+               ((i, tuple(p.counters[k] for k in w)) for i, w in zip(p.instrs, p.waits))) == c.ranks[0].prog.lay.cfg.d // 64
+    assert waits[(Down, 0, None)] == {("act[0,0]",)}
     one = compile_model(cfg, 3, max_seq=MAX_SEQ, decoder=False)
     folded = compile_model(cfg, 3, max_seq=MAX_SEQ, decoder=False,
                            tiling=Tiling.for_config(cfg, tp_fold=1))
@@ -303,20 +304,17 @@ def _drop_wait(t: Tape, slot: int, counter: str) -> Tape:
                 t.pool_counter)
 
 
-@pytest.mark.parametrize("what", ["gate_up", "qkv", "down"])
-def test_verify_tp_names_a_folded_read_without_its_wait(what):
-    """A tp_fold tape verifies; dropping GATE_UP(1)'s wait on recv_o[1] (or QKV(1)'s on recv_d[0]) makes it
-    read tp_recv before the peer's push is known to have landed, and dropping the last DOWN(0) tile's wait
-    on x1[0] leaves the readers of x1[0] (QKV(1), TP_REDUCE(0, 1)) unguarded: each is named as a race."""
+def test_verify_tp_names_a_folded_read_without_its_wait():
+    """A tp_fold tape verifies; dropping QKV(1)'s wait on recv_d[0] makes it read tp_recv before the
+    peer's push is known to have landed: named as a race."""
     from schedule import verify
-    from opcodes import GateUp, QKV, Down
+    from opcodes import QKV
     cfg = _cfg(2)
     c = compile_model(cfg, 2, max_seq=MAX_SEQ, tiling=_fold_tiling(cfg, 1, TILINGS["blocks"]), tp=2, decoder=False,
                       pool_us=0.0)
     verify_tp(c.tapes)
     t0, t1 = c.tapes
-    cls, counter, buf = {"gate_up": (GateUp, "recv_o[1]", "tp_recv"), "qkv": (QKV, "recv_d[0]", "tp_recv"),
-                         "down": (Down, "x1[0]", "x1")}[what]
+    cls, counter, buf = QKV, "recv_d[0]", "tp_recv"
     # an instruction of layer 1 (layer 0 for DOWN) whose wait on the counter is not covered by an earlier one
     # of its SM queue (the verifier's queue-order argument would cover it)
     cid = t0.counters.index(counter)
@@ -324,14 +322,14 @@ def test_verify_tp_names_a_folded_read_without_its_wait(what):
     seen, slot = {}, None
     for d in dec:
         has = any(k == cid for k, _ in d.waits)
-        if has and isinstance(d.ins, cls) and d.ins.layer == (0 if cls is Down else 1) and not seen.get(d.sm):
+        if has and isinstance(d.ins, cls) and d.ins.layer == 1 and not seen.get(d.sm):
             slot = d.slot
             break
         seen[d.sm] = seen.get(d.sm, False) or has
     assert slot is not None
     bad = _drop_wait(t0, slot, counter)
-    with pytest.raises(TapeError, match=rf"rank 0 instruction \d+ \((gate_up|qkv|tp_reduce), sm \d\): reads rank 0's "
-                                        rf"{buf}\[\d+:\d+\] written by rank \d instruction \d+ \((tp_push|tp_reduce), "
+    with pytest.raises(TapeError, match=rf"rank 0 instruction \d+ \(qkv, sm \d\): reads rank 0's "
+                                        rf"{buf}\[\d+:\d+\] written by rank \d instruction \d+ \(tp_push, "
                                         rf"sm \d\), which it does not wait for"):
         verify_tp([bad, t1])
     with pytest.raises(TapeError, match="which it does not wait for"):
