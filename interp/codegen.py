@@ -47,7 +47,7 @@ def _check_args(classes, pointers: dict, constexprs) -> None:
     """Every parameter a device function takes has a declaration."""
     known = set(pointers) | set(constexprs) | {"pos", "epoch"} | set(PER_CALL_POINTERS)   # pos, epoch: the call's
     for cls in classes:
-        bad = [a for a in cls.ARGS if a not in known and a not in cls.OPTIONAL_POINTERS]
+        bad = [a for a in cls.ARGS if a not in known]
         if bad:
             raise TypeError(f"opcode {cls.NAME} takes kernel parameters {bad} that nothing declares: a pointer "
                             f"needs an owner (a layout tensor, an opcode's scratch / state / TABLES), a constexpr "
@@ -123,13 +123,11 @@ def _emit_signal(w, classes, ind: str, tp: bool) -> None:
     w(f"{ind}        signal_counter(cnt_ptr + sig)")
 
 
-def _emit_dispatch(w, classes, ind: str, pointers: dict) -> None:
+def _emit_dispatch(w, classes, ind: str) -> None:
     for j, cls in enumerate(classes):
         ops = [f"a{k}" for k in range(len(cls.operand_names()))]
-        # an optional pointer whose buffer this kernel has not (Instruction.OPTIONAL_POINTERS): None
-        args = ["None" if a in cls.OPTIONAL_POINTERS and a not in pointers else a for a in cls.ARGS]
         w(f"{ind}{'if' if j == 0 else 'elif'} op == {cls.OPCODE}:  # {cls.NAME}")
-        w(f"{ind}    _{cls.NAME}(" + ", ".join(ops + args) + ")")
+        w(f"{ind}    _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS)) + ")")
 
 
 def kernel_source(pointers: dict, constexprs, used=()) -> str:
@@ -251,7 +249,7 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     _emit_waits(w, "        ", tp, interp)
     w("        if failed == 0:")
     w("            t_exec = _now(PROFILE)")
-    _emit_dispatch(w, classes, "            ", pointers)
+    _emit_dispatch(w, classes, "            ")
     _emit_signal(w, classes, "            ", tp)
     w("            if PROFILE:")
     w("                t_end = _now(PROFILE)")

@@ -78,19 +78,11 @@ class Tiling:
     # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
     # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
-    # 1: a tensor-parallel layer's second all-reduce (the down projection's) is folded into the next
-    # layer's QKV: its tiles compute their input bf16(x1 + own down partials + the peer's) themselves,
-    # as TP_REDUCE does (bitwise), waiting on the partials and the peer's push directly: one dependency
-    # hop less per layer (TP_REDUCE still writes xout for the other readers). Ignored on one GPU
-    # (:attr:`Layout.folds_tp`), as res_fold is ignored in tensor parallel. The first all-reduce
-    # folded into GATE_UP too measured +2.8% (20 layers of the 70B shape: every one of 896 tiles
-    # streams the three vectors 1.5 us slower; bench/NOTES.md v41, run 70)
-    tp_fold: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "tp_fold") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -101,9 +93,8 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "tp_fold"):
-            if getattr(self, k) not in (0, 1):
-                raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
+        if self.res_fold not in (0, 1):
+            raise ValueError(f"Tiling.res_fold must be 0 or 1, got {self.res_fold}")
         if self.qkv_rows < 2:
             raise ValueError("Tiling.qkv_rows must be >= 2 (RoPE pairs)")
         if self.attn_splits < 2:
@@ -234,13 +225,6 @@ class Layout:
         RESIDUAL is the cross-rank reduction)."""
         return bool(self.tiling.res_fold) and getattr(self, "tp_size", 1) == 1
 
-    @property
-    def folds_tp(self) -> bool:
-        """Whether a tensor-parallel layer's down-projection all-reduce is folded into the next layer's
-        QKV, which sums the partials and the peer's pushed partial itself (``Tiling.tp_fold``; never on
-        one GPU, which has no all-reduce; see ``opcodes.tp.TPLayout.folded_regions``)."""
-        return bool(self.tiling.tp_fold) and getattr(self, "tp_size", 1) > 1
-
     def xout_row(self, layer: int) -> int:
         """The row of scratch buffer ``xout`` (RESIDUAL's outputs) holding ``layer``'s output: every
         layer has one, or with :attr:`folds_residual` only the last (row 0)."""
@@ -277,7 +261,7 @@ class Layout:
         return dict(LAYERS=c.layers, D=c.d, DP=next_pow2(c.d), FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd,
                     MAX_SEQ=self.max_seq,
                     EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp),
-                    RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k, TP_FOLD=bool(self.folds_tp))
+                    RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k)
 
     # ---- serialisation --------------------------------------------------------------
     def extra(self) -> dict:
@@ -381,10 +365,6 @@ class Instruction:
     #: points at (a scratch buffer of this opcode, e.g. ``{"peer_recv_ptr": "tp_recv"}``); the runtime
     #: binds them to the peer's tensors (``interp.tp``: a CPU loopback, or the peer GPU's mapped memory)
     PEER_POINTERS: ClassVar[dict[str, str]] = {}
-    #: pointers of :attr:`ARGS` that the device function reads only in a branch a layout constexpr
-    #: turns on where the buffer exists (e.g. QKV's ``tp_recv_ptr``, with ``TP_FOLD``): a kernel none
-    #: of whose opcodes declares the buffer passes ``None`` (``interp/codegen.py``)
-    OPTIONAL_POINTERS: ClassVar[tuple[str, ...]] = ()
     #: how far the device function may be from ``run_torch`` on the same inputs (relative; fp32
     #: sums in another order). Opcodes that round operands to bf16 on purpose allow more.
     TORCH_RTOL: ClassVar[float] = 1e-4
@@ -579,8 +559,6 @@ def kernel_pointers(lay: Layout, used=()) -> dict[str, str]:
     for cls in kernel_classes(used):
         for a in cls.ARGS:
             if a.endswith("_ptr") and a not in PER_CALL_POINTERS:
-                if a not in known and a in cls.OPTIONAL_POINTERS:
-                    continue
                 if a not in known:
                     raise TypeError(f"opcode {cls.NAME} takes pointer {a!r}, which no opcode or layout declares "
                                     f"(declared: {sorted(known)})")

@@ -90,40 +90,10 @@ def mma(a, b, INTERP: tl.constexpr):
 
 
 @triton.jit
-def recv_row(tp_recv_ptr, epoch, layer, stage, LAYERS: tl.constexpr, D: tl.constexpr):
-    """Row (``layer``, ``stage``) of call ``epoch``'s parity slot of ``tp_recv``, the tensor-parallel
-    receive buffer ``[slot (2), layers, stage (2), d]`` (fp32) TP_PUSH writes (``opcodes/tp_push.py``)."""
-    return tp_recv_ptr + (((epoch % 2) * LAYERS + layer) * 2 + stage) * D
-
-
-@triton.jit
-def tp_fold_vec(xv, own_ptr, peer_ptr, cols, cm, STRIDE: tl.constexpr, N: tl.constexpr, INTERP: tl.constexpr,
-                EVEN: tl.constexpr):
-    """The down projection's tensor-parallel all-reduce folded into the next layer's QKV
-    (``Tiling.tp_fold``), on columns ``cols``: ``bf16(xv + s)`` (back in fp32) with
-    ``s = (0 + own[0] + ... + own[N-1]) + peer`` in fp32 (``own``: this rank's ``N`` partials, rows
-    ``STRIDE`` apart; ``peer``: the peer's pushed partial): bitwise what TP_REDUCE writes (its own
-    partial summed as ``tp_partial`` sums it; ``mine + peer`` equals ``peer + mine``). ``cm``: the
-    column mask (unused with ``EVEN``)."""
-    s = tl.zeros_like(xv)
-    for kc in tl.static_range(N):
-        if EVEN:
-            s += tl.load(own_ptr + kc * STRIDE + cols, cache_modifier=".cg")
-        else:
-            s += tl.load(own_ptr + kc * STRIDE + cols, mask=cm, other=0.0, cache_modifier=".cg")
-    if EVEN:
-        s = s + tl.load(peer_ptr + cols, cache_modifier=".cg")
-    else:
-        s = s + tl.load(peer_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg")
-    return to_bf16(xv + s, INTERP).to(tl.float32)
-
-
-@triton.jit
 def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
                 K: tl.constexpr, KLEN: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
                 STAGES: tl.constexpr, TWO: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr,
-                xp_ptr=None, XP: tl.constexpr = 0, INTERP: tl.constexpr = False,
-                own_ptr=None, peer_ptr=None, TPF: tl.constexpr = 0):
+                xp_ptr=None, XP: tl.constexpr = 0, INTERP: tl.constexpr = False):
     """The streaming loop of every weight GEMV: rows ``rows1`` of the row-major bf16 matrix at
     ``w1_ptr`` (and, with ``TWO``, rows ``rows2`` of ``w2_ptr``), ``K`` columns each, dotted with
     ``x[kbase : kbase + KLEN]`` (bf16 or fp32) in ``BK``-column blocks, pipelined ``STAGES`` deep.
@@ -136,9 +106,6 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
     16-byte vectors, evicted first: the weights are read once per call).
     ``XP`` > 0: the vector is ``x + xp[0] + ... + xp[XP-1]`` (fp32 rows ``K`` apart at ``xp_ptr``),
     rounded to bf16: the previous layer's RESIDUAL folded in (``Tiling.res_fold``).
-    ``TPF`` > 0: the vector is ``x + ((0 + own[0] + ... + own[TPF-1]) + peer)`` (fp32 rows ``K`` apart
-    at ``own_ptr``, the peer's row at ``peer_ptr``), rounded to bf16: the previous layer's
-    tensor-parallel all-reduce folded in (``Tiling.tp_fold``, :func:`tp_fold_vec`).
     NOTE: the loop body has no branch other than on constexprs, so the software pipeliner
     pipelines every load.
     """
@@ -156,8 +123,6 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
                 for kc in tl.static_range(XP):
                     xv += tl.load(xp_ptr + kc * K + cols, cache_modifier=".cg")
                 xv = to_bf16(xv, INTERP).to(tl.float32)
-            if TPF > 0:
-                xv = tp_fold_vec(xv, own_ptr, peer_ptr, cols, None, K, TPF, INTERP, EVEN=True)
             if NORM:
                 nw = tl.load(nw_ptr + cols).to(tl.float32)
             w1 = tl.load(wrow1 + cols[None, :], eviction_policy="evict_first")
@@ -171,8 +136,6 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
                 for kc in tl.static_range(XP):
                     xv += tl.load(xp_ptr + kc * K + cols, mask=cm, other=0.0, cache_modifier=".cg")
                 xv = to_bf16(xv, INTERP).to(tl.float32)
-            if TPF > 0:
-                xv = tp_fold_vec(xv, own_ptr, peer_ptr, cols, cm, K, TPF, INTERP, EVEN=False)
             if NORM:
                 nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
             w1 = tl.load(wrow1 + cols[None, :], mask=m2, other=0.0)

@@ -8,9 +8,6 @@
 A tile covers ``QKV_ROWS`` rows of one head: ``QKV_ROWS/2`` dims ``[j*H, (j+1)*H)`` of the first
 half of the head and the same dims of the second half, so each RoPE pair lives in one tile.
 The tile reads ``QKV_ROWS * d * 2`` bytes of weights; x and in_norm (2 x 2d bytes) come from L2.
-With ``Tiling.res_fold`` (one GPU) x is the previous layer's RESIDUAL computed here; tensor parallel
-with ``Tiling.tp_fold`` it is what TP_REDUCE(layer - 1, 1) writes, computed here (bitwise):
-``bf16(x1 + ((0 + dpart[0] + ...) + peer))`` (``opcodes/tp_push.py``: the peer's pushed partial).
 """
 from __future__ import annotations
 
@@ -22,7 +19,7 @@ import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, register
 from .reference import rope_tables
-from .common import T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, gemv_stream, layer_input, recv_row, tab_offset, to_bf16
+from .common import T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, gemv_stream, layer_input, tab_offset, to_bf16
 
 SECTIONS = ("q", "k", "v")
 
@@ -65,11 +62,11 @@ def _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, c
 
 
 @triton.jit
-def qkv_device(layer, sec, head, j, pos, epoch, x_ptr, xout_ptr, x1_ptr, dpart_ptr, tp_recv_ptr, wtab_ptr, n1_ptr,
-               wq_ptr, wk_ptr, wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
-               LAYERS: tl.constexpr, D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
+def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
+               kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
+               D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
                EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-               DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, TP_FOLD: tl.constexpr, INTERP: tl.constexpr):
+               DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     HALF: tl.constexpr = QKV_ROWS // 2
     w_ptr = section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr)
     xin = layer_input(x_ptr, xout_ptr, layer, D)
@@ -77,19 +74,7 @@ def qkv_device(layer, sec, head, j, pos, epoch, x_ptr, xout_ptr, x1_ptr, dpart_p
     dims = j * HALF + tl.arange(0, HALF)                       # [HALF] in [0, HD/2)
     rows1 = head * HD + dims
     rows2 = rows1 + HD // 2
-    if TP_FOLD:
-        if layer > 0:
-            # the previous layer's stage-1 all-reduce, folded in: x = bf16(x1 + (own down partials + the
-            # peer's)), bitwise what TP_REDUCE writes to xout (Tiling.tp_fold)
-            acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, x1_ptr + (layer - 1) * D, nw_ptr, 0, D,
-                                         D, HALF, BK, STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0),
-                                         INTERP=INTERP, own_ptr=dpart_ptr + (layer - 1) * DOWN_CHUNKS * D,
-                                         peer_ptr=recv_row(tp_recv_ptr, epoch, layer - 1, 1, LAYERS, D),
-                                         TPF=DOWN_CHUNKS)
-        else:
-            acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xin, nw_ptr, 0, D, D, HALF, BK,
-                                         STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0))
-    elif RES_FOLD:
+    if RES_FOLD:
         if layer > 0:
             # the previous layer's RESIDUAL, folded in: x = bf16(x1 + dpart[0] + ...), as RESIDUAL rounds it
             acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, x1_ptr + (layer - 1) * D, nw_ptr, 0, D,
@@ -119,11 +104,9 @@ class QKV(Instruction):
 
     NAME = "qkv"
     STAGE = 0
-    ARGS = ("pos", "epoch", "x_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "tp_recv_ptr", "wtab_ptr", "n1_ptr", "wq_ptr",
-            "wk_ptr", "wv_ptr", "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
-            "LAYERS", "D", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD", "TP_FOLD",
-            "INTERP")
-    OPTIONAL_POINTERS = ("tp_recv_ptr",)       # TP_PUSH's receive buffer: read with TP_FOLD only
+    ARGS = ("pos", "x_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr",
+            "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
+            "D", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD", "INTERP")
     CONSTEXPRS = {"QKV_ROWS": lambda lay: lay.tiling.qkv_rows}
     TABLES = {"cos_ptr": "fp32", "sin_ptr": "fp32"}
     # the new K/V rows live in the caller's cache (row ``pos``): tracked by the verifier, not allocated
@@ -173,22 +156,15 @@ class QKV(Instruction):
         return [Region(buf, base + lo, base + hi), Region(buf, base + c.hd // 2 + lo, base + c.hd // 2 + hi)]
 
     def reads(self, lay: Layout) -> list[Region]:
-        if lay.folds_tp and self.layer > 0:      # the previous layer's stage-1 all-reduce, folded in
-            return lay.folded_regions(self.layer - 1)
         return lay.input_regions(self.layer, 0, lay.cfg.d)
 
     def cost(self, lay: Layout) -> Cost:
         d, rows = lay.cfg.d, lay.tiling.qkv_rows
-        # x (bf16), or with the TP fold x1 and this rank's down partials and the peer's (fp32)
-        x_bytes = 4 * d * (lay.n_down_k + 2) if lay.folds_tp and self.layer > 0 else 2 * d
-        return Cost(hbm_bytes=2 * rows * d, l2_bytes=x_bytes + 2 * d + 4 * rows, flops=2 * rows * d)
+        return Cost(hbm_bytes=2 * rows * d, l2_bytes=2 * 2 * d + 4 * rows, flops=2 * rows * d)
 
     def run_torch(self, lay: Layout, st) -> None:
         c = lay.cfg
-        if lay.folds_tp and self.layer > 0:      # as TP_REDUCE(layer - 1, 1) writes it
-            x = lay.folded_input(st, self.layer - 1).float()
-        else:
-            x = st.layer_input(self.layer).float()
+        x = st.layer_input(self.layer).float()
         w = st.weights[self.layer][SECTIONS[self.sec]]
         nw = st.weights[self.layer]["in_norm"].float()
         lo, hi = self._dims(lay)

@@ -44,11 +44,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Layout, Region, Tiling, register_layout
+from .base import Layout, Tiling, register_layout
 from .config import ModelConfig
 from .decoder import DecoderLayout
 from .reference import LAYER_KEYS, layer_shapes, rmsnorm, rope, rope_tables
-from .tp_push import STAGES, recv_slot
 
 #: per-layer key -> how it is split: "rows" (output rows), "cols" (input columns) or None (replicated)
 LAYER_SPLIT = {"in_norm": None, "post_norm": None, "q": "rows", "k": "rows", "v": "rows", "o": "cols",
@@ -344,27 +343,6 @@ class TPLayout(Layout):
 
     def extra(self) -> dict:
         return {"tp_rank": self.tp_rank, "tp_size": self.tp_size}
-
-    # ---- the down projection's all-reduce folded into the next QKV (Tiling.tp_fold, Layout.folds_tp) ---
-    def folded_regions(self, layer: int) -> list[Region]:
-        """What QKV(layer + 1) reads with :attr:`folds_tp`: ``x1[layer]``, this rank's down partials of
-        ``layer`` (every chunk, every row) and the stage-1 row of ``tp_recv`` (offsets inside one parity
-        slot)."""
-        d, n = self.cfg.d, self.n_down_k
-        own = [Region("dpart", (layer * n + k) * d, (layer * n + k + 1) * d) for k in range(n)]
-        row = (layer * len(STAGES) + 1) * d
-        return [Region("x1", layer * d, (layer + 1) * d)] + own + [Region("tp_recv", row, row + d)]
-
-    def folded_input(self, st, layer: int) -> torch.Tensor:
-        """The torch value QKV(layer + 1) computes with :attr:`folds_tp`, bitwise what TP_REDUCE(layer, 1)
-        writes: ``bf16(x1[layer] + s)``, ``s = (0 + own down chunks in order) + peer`` (fp32)."""
-        c, n = self.cfg, self.n_down_k
-        parts = st.buf["dpart"].view(c.layers, n, c.d)[layer]
-        s = torch.zeros(c.d, dtype=torch.float32)
-        for k in range(n):
-            s += parts[k]
-        s = s + recv_slot(self, st.buf["tp_recv"], st.epoch)[layer, 1]
-        return (st.buf["x1"].view(c.layers, c.d)[layer] + s).to(torch.bfloat16)
 
     @classmethod
     def of(cls, cfg, tp_rank: int, tp_size: int, tiling=None, max_seq: int = 256) -> "TPLayout":

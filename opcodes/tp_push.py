@@ -8,9 +8,7 @@ down projection (``part`` = ``dpart``). The receive buffer ``tp_recv`` has two s
 buffering by call parity, :attr:`PARITY_SLOTS`): call ``epoch`` writes slot ``epoch % 2``, so a rank
 that is one call ahead of its peer never overwrites what the peer has not read yet (a rank cannot be
 two calls ahead: every call of a rank waits on counters its peer signals in the same call, see
-``schedule.verify.verify_tp``). TP_REDUCE on the peer waits on the signalled counter (with
-``Tiling.tp_fold`` so do GATE_UP and the next layer's QKV, which read ``tp_recv`` themselves:
-``opcodes.tp.TPLayout.folded_regions``).
+``schedule.verify.verify_tp``). TP_REDUCE on the peer waits on the signalled counter.
 
 The device function writes through ``peer_recv_ptr`` (:attr:`PEER_POINTERS`), the peer's ``tp_recv``
 mapped into this GPU's address space, and the kernel sends its signal to the peer's counters
@@ -27,7 +25,6 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Layout, Region, Timing, in_range, register, tile_start
-from .common import recv_row
 from .residual import RowBlock
 
 #: stages of a layer whose partials are all-reduced: the O projection, the down projection
@@ -56,7 +53,8 @@ def tp_push_device(layer, stage, row0, epoch, opart_ptr, dpart_ptr, peer_recv_pt
     rows = row0 + tl.arange(0, RED_ROWS)
     rm = rows < D
     y = tp_partial(layer, stage, rows, rm, opart_ptr, dpart_ptr, D, O_CHUNKS, DOWN_CHUNKS, RED_ROWS)
-    tl.store(recv_row(peer_recv_ptr, epoch, layer, stage, LAYERS, D) + rows, y, mask=rm)
+    slot = epoch % 2
+    tl.store(peer_recv_ptr + ((slot * LAYERS + layer) * 2 + stage) * D + rows, y, mask=rm)
 
 
 class TPRowBlock(RowBlock):

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Layout, Region, Timing, register
-from .common import layer_input, recv_row, to_bf16
+from .common import layer_input, to_bf16
 from .oproj import OProj
 from .residual import Residual
 from .tp_push import TPRowBlock, recv_slot, tp_partial
@@ -32,7 +32,8 @@ def tp_reduce_device(layer, stage, row0, epoch, x_ptr, xout_ptr, out_ptr, x1_ptr
     rows = row0 + tl.arange(0, RED_ROWS)
     rm = rows < D
     mine = tp_partial(layer, stage, rows, rm, opart_ptr, dpart_ptr, D, O_CHUNKS, DOWN_CHUNKS, RED_ROWS)
-    peer = tl.load(recv_row(tp_recv_ptr, epoch, layer, stage, LAYERS, D) + rows, mask=rm, other=0.0,
+    slot = epoch % 2
+    peer = tl.load(tp_recv_ptr + ((slot * LAYERS + layer) * 2 + stage) * D + rows, mask=rm, other=0.0,
                    cache_modifier=".cg")
     if TP_RANK == 0:
         s = mine + peer

@@ -28,19 +28,6 @@ the same program, on their own shards): the O projection always writes partials,
 A TP_PUSH's signal is the counter of the same index in the peer's program (``SIGNALS_PEER``): the
 program's producer count of ``recv_*`` is its own pushes, which equal the peer's.
 
-With ``Tiling.tp_fold`` (:attr:`Layout.folds_tp`) the down projection's all-reduce is folded into the
-next layer's QKV: every DOWN tile of layer l signals one counter ``dpart[l]``, every stage-1 push the
-peer's ``recv_d[l]``, and QKV(l+1) sums ``bf16(x1[l] + own partials + the peer's)`` itself:
-
-    DOWN(l, *) --dpart[l]--> TP_PUSH(l, 1, *) --recv_d[l] (peer)--> QKV(l+1, *) (+ dpart[l])
-    TP_REDUCE(l, 1, *) (dpart[l], recv_d[l]) --out[l]-->   (xout[l], for TP_REDUCE(l+1, 0))
-
-QKV(l+1) also reads ``x1[l]`` (TP_REDUCE(l, 0)'s), which every GATE_UP(l) tile waited for before the
-DOWN tiles that signal ``dpart[l]`` could run. TP_REDUCE(l+1, 0, rb) reads ``xout[l]``, which no QKV
-waits for now: a tape instruction holds two waits (``MAX_WAITS``), so the last OPROJ(l+1) tile of each
-row block (of the last K chunk) also waits on ``out[l]`` (long done by then), and every waiter of its
-``opart[l+1, rb]`` has it too.
-
 """
 from __future__ import annotations
 
@@ -122,11 +109,9 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
     """
     check_layout(lay)
     tp = getattr(lay, "tp_size", 1) > 1
-    tpf = lay.folds_tp           # the down all-reduce folded into the next QKV: one counter per stage
     c, t = lay.cfg, lay.tiling
     p = prog if prog is not None else Program(lay)
     prev_out = input_counter
-    prev_recv = prev_tp_out = NO_COUNTER     # tp_fold: the previous layer's recv_d and out counters
     n_rb = cdiv(c.d, t.red_rows)
     for l in range(c.layers):
         cq = [p.counter(f"q[{l},{g}]") for g in range(c.n_kv)]
@@ -138,14 +123,12 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
         cact = [p.counter(f"act[{l},{kc}]") for kc in range(lay.n_down_k)]
         last = l + 1 == c.layers
         fold = lay.folds_residual and not last       # no RESIDUAL: the next layer sums x1 + dpart itself
-        if fold or (lay.folds_residual and last) or tpf:
+        if fold or (lay.folds_residual and last):
             cd = [p.counter(f"dpart[{l}]")] * n_rb  # the next layer (or the last RESIDUAL) reads every row
         else:
             cd = [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
         cout = p.counter(f"out[{l}]") if (not last or signal_last) and not fold else NO_COUNTER
         w_in = (prev_out,) if prev_out != NO_COUNTER else ()
-        if tpf and l > 0:
-            w_in = (prev_out, prev_recv)          # dpart[l-1], recv_d[l-1]: x = bf16(x1[l-1] + the sum)
         # Q tiles first, grouped by KV head: a group's prefix attention starts when its Q is done
         for g in range(c.n_kv):
             for h in range(g * c.group, (g + 1) * c.group):
@@ -168,10 +151,7 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
             co = [p.counter(f"opart[{l},{rb}]") for rb in range(n_rb)]
             for oc in range(n_oc):
                 for r in range(0, c.d, t.o_rows):
-                    ws = (ca[oc],)
-                    if tpf and l > 0 and oc == n_oc - 1 and ((r + t.o_rows) % t.red_rows == 0 or r + t.o_rows >= c.d):
-                        ws = (ca[oc], prev_tp_out)    # TP_REDUCE(l, 0, rb) reads xout[l-1]: via opart[l, rb]
-                    p.add(OProj(l, r, oc), ws, co[r // t.red_rows])
+                    p.add(OProj(l, r, oc), (ca[oc],), co[r // t.red_rows])
             if tp:
                 _all_reduce(p, l, 0, co, cx, n_rb, t.red_rows)
             else:
@@ -183,27 +163,22 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
             for r in range(0, c.d, t.down_rows):
                 p.add(Down(l, r, kc), (cact[kc],), cd[r // t.red_rows])
         if tp:
-            prev_recv = _all_reduce(p, l, 1, cd, cout, n_rb, t.red_rows, tpf)
-            prev_tp_out = cout
+            _all_reduce(p, l, 1, cd, cout, n_rb, t.red_rows)
         elif not fold:
             for rb in range(n_rb):
                 p.add(Residual(l, rb * t.red_rows), (cd[rb],), cout)
-        prev_out = cd[0] if (fold or tpf) else cout
+        prev_out = cd[0] if fold else cout
     return p
 
 
-def _all_reduce(p: Program, l: int, stage: int, cpart: list[int], cdone: int, n_rb: int, red_rows: int,
-                fold: bool = False) -> int:
+def _all_reduce(p: Program, l: int, stage: int, cpart: list[int], cdone: int, n_rb: int, red_rows: int) -> None:
     """Tensor parallel: per row block, TP_PUSH of this rank's partial to the peer (signalling the
-    peer's ``recv`` counter) and TP_REDUCE (rank 0 + rank 1 + the residual), pushes first. ``fold``
-    (``Tiling.tp_fold``): one receive counter for the stage. Returns the (last) receive counter."""
-    name = f"recv_{'od'[stage]}"
-    crecv = [p.counter(f"{name}[{l}]")] * n_rb if fold else [p.counter(f"{name}[{l},{rb}]") for rb in range(n_rb)]
+    peer's ``recv`` counter) and TP_REDUCE (rank 0 + rank 1 + the residual), pushes first."""
+    crecv = [p.counter(f"recv_{'od'[stage]}[{l},{rb}]") for rb in range(n_rb)]
     for rb in range(n_rb):
         p.add(TPPush(l, stage, rb * red_rows), (cpart[rb],), crecv[rb])
     for rb in range(n_rb):
         p.add(TPReduce(l, stage, rb * red_rows), (cpart[rb], crecv[rb]), cdone)
-    return crecv[-1]
 
 
 def make_layout(cfg: ModelConfig, max_seq: int, tiling: Tiling | None = None) -> Layout:

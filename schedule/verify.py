@@ -367,9 +367,8 @@ def verify_tp(tapes: list[Tape]) -> TPReport:
     queues are done), and call ``e`` writes and reads slot ``e % 2``. Rank r in call ``e + 2`` has
     finished call ``e + 1``, which waited on a counter the peer signals in call ``e + 1`` (counters
     reach ``target * epoch`` only with that call's signals, and the peer's call ``e + 1`` starts after
-    its call ``e`` ends): so the peer has finished call ``e``, every read of slot ``e % 2`` included
-    (whoever reads it: TP_REDUCE, and with ``Tiling.tp_fold`` GATE_UP and QKV too), before rank r writes
-    that slot again. A rank is never more than one call ahead of its peer.
+    its call ``e`` ends): so the peer has finished call ``e``, every read of slot ``e % 2`` included,
+    before rank r writes that slot again. A rank is never more than one call ahead of its peer.
     """
     problems: list[str] = []
     R = len(tapes)

@@ -171,28 +171,6 @@ def test_run_tp_decoder_several_calls_reuse_the_parity_slots():
     assert len({t for _, t in ref}) > 1                   # the chain does move through the vocabulary
 
 
-@pytest.mark.parametrize("policy", ["cost", "random"])
-def test_tp_fold_decoder_is_bitwise_the_unfolded_decoder(policy):
-    """Tiling.tp_fold in the whole model (each QKV(l > 0) folds the down all-reduce before it): three greedy calls
-    give bitwise the logits, tokens and K/V rows of the unfolded tapes, which match the TP reference."""
-    cfg = _cfg(200)
-    w = decoder_weights(cfg, seed=3)
-    ref = _ref_steps(cfg, w, 5, POS, 3)
-    runs = {}
-    for fold in (0, 1):
-        t = Tiling.for_config(TPLayout.of(cfg, 0, 2).cfg, tp_fold=fold, red_rows=64, o_k=32)
-        c = _compile(cfg, sms=2, lm_rows=16, tiling=t, policy=policy)
-        assert all(isinstance(x.lay, TPDecoderLayout) and x.lay.folds_tp == bool(fold) for x in c.tapes)
-        kv = make_kv_cache(cfg, MAX_SEQ, POS)
-        res = run_tp_decoder(c.tapes, w, kv, 5, POS, seed=fold, calls=3, return_all=True)
-        for (slices, token), (lgr, tr) in zip(res, ref):
-            assert token == tr and rel_err(torch.cat(slices, dim=-1), lgr) <= LOGIT_TOL
-        runs[fold] = (res, kv)
-    for (s0, t0), (s1, t1) in zip(runs[0][0], runs[1][0]):
-        assert t0 == t1 and all(torch.equal(a, b) for a, b in zip(s0, s1))
-    assert all(torch.equal(a, b) for p, q in zip(runs[0][1], runs[1][1]) for a, b in zip(p, q))
-
-
 def test_cross_rank_tie_goes_to_rank_0():
     """Both ranks' LM head slices are the same rows: their maxima are bitwise equal, and the token is
     rank 0's (the lowest global index), as tp_argmax and the unsharded greedy token say."""

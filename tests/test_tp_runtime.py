@@ -130,46 +130,6 @@ def test_tp_layers_match_the_vm_and_the_reference():
         tp_teardown(h)
 
 
-@pytest.mark.parametrize("spec", ["", "row_bytes=0,red_rows=64,o_k=32"])
-def test_tp_fold_kernel_equals_the_unfolded_kernel_bitwise(spec):
-    """Tiling.tp_fold: the next layer's QKV sums the down partials and the peer's push itself (the
-    kernel's gemv_stream TP-fold branch). Over 3 calls (receive slots 1, 0, 1) the folded kernel's
-    outputs and K/V rows equal the unfolded kernel's bit for bit, both ranks alike, and its tapes equal
-    the VM's run. "": the small config's default tiling; the other: a split O projection and two row
-    blocks per stage."""
-    from opcodes import Tiling
-    from opcodes.tp import shard_config
-    w = make_weights(CFG)
-    kv = make_kv_cache(CFG, MAX_SEQ, POS)
-    x = _x(7)
-    runs = {}
-    for fold in (0, 1):
-        t = Tiling.from_spec(shard_config(CFG, 0, 2), f"{spec},tp_fold={fold}")
-        shards, caches = _shards(CFG, w, clone_cache(kv))
-        h = build_tp_layers(shards, caches, CFG, MAX_SEQ, tiling=t)
-        try:
-            assert h.tapes[0].lay.folds_tp == bool(fold)
-            outs, xin = [], x
-            for k in range(CALLS):
-                o = tp_layer_step(h, xin, POS + k)
-                assert torch.equal(o[0], o[1]), f"tp_fold={fold} call {k}: the ranks' outputs differ"
-                outs.append(o[0].clone())
-                xin = o[0]
-            if fold:
-                vm = run_tp(h.tapes, w, clone_cache(kv), x, POS, calls=CALLS, return_all=True)
-                for k in range(CALLS):
-                    assert rel_err(outs[k], vm[k][0]) <= VM_TOL
-            runs[fold] = (outs, caches)
-        finally:
-            tp_teardown(h)
-    for k in range(CALLS):
-        assert torch.equal(runs[0][0][k], runs[1][0][k]), f"call {k}: tp_fold changed the output"
-    for r in range(2):
-        for l in range(CFG.layers):
-            for j in range(2):
-                assert torch.equal(runs[0][1][r][l][j], runs[1][1][r][l][j])
-
-
 def test_a_rank_whose_peer_never_launches_times_out():
     w = make_weights(CFG)
     kv = make_kv_cache(CFG, MAX_SEQ, POS)
@@ -226,34 +186,6 @@ def test_tp_decoder_matches_the_vm():
         assert [int(t[POS + 2]) for t in h.toks] == [vm[2][1]] * 2
     finally:
         tp_teardown(h)
-
-
-def test_tp_fold_decoder_kernel_equals_the_unfolded_kernel_bitwise():
-    """The whole model with Tiling.tp_fold (QKV(1) folds layer 0's down all-reduce): two greedy
-    calls (the second from the token each rank's TP_ARGMAX left) give bitwise the unfolded kernel's
-    logits, tokens and final residual, both ranks alike."""
-    from opcodes import Tiling
-    from opcodes.tp import shard_config
-    cfg = dataclasses.replace(CFG, vocab=200, name="small-2layer-v200")
-    w = decoder_weights(cfg)
-    kv = make_kv_cache(cfg, MAX_SEQ, POS)
-    runs = {}
-    for fold in (0, 1):
-        shards, caches = _shards(cfg, w, clone_cache(kv))
-        h = build_tp_decoder(shards, caches, cfg, MAX_SEQ,
-                             tiling=Tiling.for_config(shard_config(cfg, 0, 2), tp_fold=fold))
-        try:
-            assert h.tapes[0].lay.folds_tp == bool(fold)
-            lg = tp_decode_step(h, 17, POS).clone()
-            tok = tokens(h)
-            new = tp_generate(h, [tok[0]], 1, start_pos=POS + 1)
-            assert torch.equal(h.hidden[0], h.hidden[1])
-            runs[fold] = (lg, tok, new, torch.cat([t.clone() for t in h.logits], -1), h.hidden[0].clone())
-        finally:
-            tp_teardown(h)
-    (lg0, tok0, new0, lgb0, hid0), (lg1, tok1, new1, lgb1, hid1) = runs[0], runs[1]
-    assert torch.equal(lg0, lg1) and tok0 == tok1 and new0 == new1
-    assert torch.equal(lgb0, lgb1) and torch.equal(hid0, hid1)
 
 
 # ---- the time bound --------------------------------------------------------------------------------
