@@ -7,7 +7,7 @@ adds the residual and writes ``x1[r] = x[r] + y[r]``.
 With several, it writes the partial ``opart[oc, r]`` and O_REDUCE adds the chunks and the
 residual: then a chunk's tiles wait only for the attention of the query heads in that chunk,
 not for the whole attention, so the O projection streams while later KV groups still attend.
-Streams ``O_ROWS * O_K * 2`` bytes of Wo; attn (fp32) comes from L2.
+Streams ``O_ROWS * O_K * 2`` bytes of Wo; attn (bf16) comes from L2.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
-from .common import T_WO, gemv_stream, layer_rows, tab_offset
+from .common import T_WO, gemv_stream, layer_rows, tab_offset, to_bf16
 
 
 @triton.jit
@@ -26,7 +26,7 @@ def _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_p
              RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     if O_PART == 0:
         xr = layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, rows, rm, D, DOWN_CHUNKS, RES_FOLD, INTERP)
-        tl.store(x1_ptr + layer * D + rows, xr + y, mask=rm)
+        tl.store(x1_ptr + layer * D + rows, to_bf16(xr + y, INTERP), mask=rm)
     else:
         tl.store(opart_ptr + (layer * O_CHUNKS + oc) * D + rows, y, mask=rm)
 
@@ -63,7 +63,9 @@ class OProj(Instruction):
     device = oproj_device
 
     # x1 = x + attn . Wo^T (written here, or by O_REDUCE from the per-chunk partials ``opart``)
-    SCRATCH = {"x1": "fp32", "opart": "fp32"}
+    # x1 = x + attention out: bf16, as the bf16 reference holds it (GATE_UP streams 2 bytes of it per
+    # weight column instead of 4; RESIDUAL adds the down projection to the rounded value, as the reference)
+    SCRATCH = {"x1": "bf16", "opart": "fp32"}
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
@@ -105,14 +107,14 @@ class OProj(Instruction):
     def cost(self, lay: Layout) -> Cost:
         lo, hi = self._rows(lay)
         k0, k1 = self._ks(lay)
-        return Cost(hbm_bytes=2 * (hi - lo) * (k1 - k0), l2_bytes=4 * (k1 - k0) + 6 * (hi - lo),
+        return Cost(hbm_bytes=2 * (hi - lo) * (k1 - k0), l2_bytes=2 * (k1 - k0) + 6 * (hi - lo),
                     flops=2 * (hi - lo) * (k1 - k0))
 
     def run_torch(self, lay: Layout, st) -> None:
         c = lay.cfg
         lo, hi = self._rows(lay)
         k0, k1 = self._ks(lay)
-        a = st.buf["attn"].view(c.layers, c.q_dim)[self.layer, k0:k1]
+        a = st.buf["attn"].view(c.layers, c.q_dim)[self.layer, k0:k1].float()
         y = st.weights[self.layer]["o"][lo:hi, k0:k1].float() @ a
         if not lay.o_partial:
             x = st.layer_input(self.layer)[lo:hi].float()
