@@ -49,7 +49,7 @@ def layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, rows, rm, D: tl.conste
         if layer == 0:
             v = tl.load(x_ptr + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
         else:
-            y = tl.load(x1_ptr + (layer - 1) * D + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            y = tl.load(x1_ptr + (layer - 1) * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
             for kc in tl.static_range(DOWN_CHUNKS):
                 y += tl.load(dpart_ptr + ((layer - 1) * DOWN_CHUNKS + kc) * D + rows, mask=rm, other=0.0,
                              cache_modifier=".cg")

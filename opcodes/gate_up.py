@@ -100,13 +100,13 @@ class GateUp(Instruction):
     def cost(self, lay: Layout) -> Cost:
         d = lay.cfg.d
         lo, hi = self._rows(lay)
-        return Cost(hbm_bytes=2 * 2 * (hi - lo) * d, l2_bytes=2 * d + 2 * d + 2 * (hi - lo),
+        return Cost(hbm_bytes=2 * 2 * (hi - lo) * d, l2_bytes=4 * d + 2 * d + 2 * (hi - lo),
                     flops=4 * (hi - lo) * d)
 
     def run_torch(self, lay: Layout, st) -> None:
         c = lay.cfg
         lo, hi = self._rows(lay)
-        x = st.buf["x1"].view(c.layers, c.d)[self.layer].float()
+        x = st.buf["x1"].view(c.layers, c.d)[self.layer]
         nw = st.weights[self.layer]["post_norm"].float()
         rstd = torch.rsqrt((x * x).sum() / c.d + c.eps)
         h = x * nw

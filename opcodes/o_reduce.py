@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .base import Cost, Layout, Region, Timing, register
 from .oproj import OProj
-from .common import layer_rows, to_bf16
+from .common import layer_rows
 from .residual import RowBlock
 
 
@@ -27,7 +27,7 @@ def o_reduce_device(layer, row0, x_ptr, xout_ptr, opart_ptr, x1_ptr, dpart_ptr,
     y = layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, rows, rm, D, DOWN_CHUNKS, RES_FOLD, INTERP)
     for oc in range(O_CHUNKS):
         y += tl.load(opart_ptr + (layer * O_CHUNKS + oc) * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
-    tl.store(x1_ptr + layer * D + rows, to_bf16(y, INTERP), mask=rm)
+    tl.store(x1_ptr + layer * D + rows, y, mask=rm)
 
 
 @register

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
-from .common import T_WO, gemv_stream, layer_rows, tab_offset, to_bf16
+from .common import T_WO, gemv_stream, layer_rows, tab_offset
 
 
 @triton.jit
@@ -26,7 +26,7 @@ def _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_p
              RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     if O_PART == 0:
         xr = layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, rows, rm, D, DOWN_CHUNKS, RES_FOLD, INTERP)
-        tl.store(x1_ptr + layer * D + rows, to_bf16(xr + y, INTERP), mask=rm)
+        tl.store(x1_ptr + layer * D + rows, xr + y, mask=rm)
     else:
         tl.store(opart_ptr + (layer * O_CHUNKS + oc) * D + rows, y, mask=rm)
 
@@ -63,9 +63,7 @@ class OProj(Instruction):
     device = oproj_device
 
     # x1 = x + attn . Wo^T (written here, or by O_REDUCE from the per-chunk partials ``opart``)
-    # x1 = x + attention out: bf16, as the bf16 reference holds it (GATE_UP streams 2 bytes of it per
-    # weight column instead of 4; RESIDUAL adds the down projection to the rounded value, as the reference)
-    SCRATCH = {"x1": "bf16", "opart": "fp32"}
+    SCRATCH = {"x1": "fp32", "opart": "fp32"}
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:

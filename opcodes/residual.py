@@ -23,7 +23,7 @@ def residual_device(layer, row0, out_ptr, xout_ptr, x1_ptr, dpart_ptr,
                     INTERP: tl.constexpr):
     rows = row0 + tl.arange(0, RED_ROWS)
     rm = rows < D
-    y = tl.load(x1_ptr + layer * D + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
+    y = tl.load(x1_ptr + layer * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
     for kc in range(DOWN_CHUNKS):
         y += tl.load(dpart_ptr + (layer * DOWN_CHUNKS + kc) * D + rows, mask=rm, other=0.0, cache_modifier=".cg")
     # the last layer writes the caller's tensor, the others the next layer's input
@@ -84,13 +84,13 @@ class Residual(RowBlock):
 
     def cost(self, lay: Layout) -> Cost:
         lo, hi = self._rows(lay)
-        return Cost(hbm_bytes=0, l2_bytes=4 * lay.n_down_k * (hi - lo) + 4 * (hi - lo),
+        return Cost(hbm_bytes=0, l2_bytes=4 * (lay.n_down_k + 1) * (hi - lo) + 2 * (hi - lo),
                     flops=lay.n_down_k * (hi - lo))
 
     def run_torch(self, lay: Layout, st) -> None:
         c = lay.cfg
         lo, hi = self._rows(lay)
-        y = st.buf["x1"].view(c.layers, c.d)[self.layer, lo:hi].float()
+        y = st.buf["x1"].view(c.layers, c.d)[self.layer, lo:hi].clone()
         dp = st.buf["dpart"].view(c.layers, lay.n_down_k, c.d)
         for kc in range(lay.n_down_k):
             y += dp[self.layer, kc, lo:hi]

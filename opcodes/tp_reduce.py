@@ -1,7 +1,7 @@
 """TP_REDUCE: tensor parallel (2 ranks): the all-reduce of one row block, in a fixed rank order.
 
     s[r] = P_0[r] + P_1[r]          (fp32; P_me from this rank's chunks, P_peer from tp_recv)
-    stage 0:  x1[r]   = bf16(x[r] + s[r])            (x: the layer input)
+    stage 0:  x1[r]   = x[r] + s[r]                  (fp32; x: the layer input)
     stage 1:  out[r]  = bf16(x1[r] + s[r])           (the layer's output, as RESIDUAL writes it)
 
 Both ranks add rank 0's partial, then rank 1's, and then the residual, the same fp32 operations on
@@ -42,9 +42,9 @@ def tp_reduce_device(layer, stage, row0, epoch, x_ptr, xout_ptr, out_ptr, x1_ptr
     if stage == 0:
         xin = layer_input(x_ptr, xout_ptr, layer, D)
         xr = tl.load(xin + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.store(x1_ptr + layer * D + rows, to_bf16(xr + s, INTERP), mask=rm)
+        tl.store(x1_ptr + layer * D + rows, xr + s, mask=rm)
     else:
-        y = tl.load(x1_ptr + layer * D + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32) + s
+        y = tl.load(x1_ptr + layer * D + rows, mask=rm, other=0.0, cache_modifier=".cg") + s
         if layer == LAYERS - 1:
             dst = out_ptr
         else:
@@ -69,7 +69,7 @@ class TPReduce(TPRowBlock):
     IN_EVERY_KERNEL = False
     device = tp_reduce_device
 
-    SCRATCH = {"x1": "bf16", "xout": "bf16"}       # declared alike by OPROJ / RESIDUAL
+    SCRATCH = {"x1": "fp32", "xout": "bf16"}       # declared alike by OPROJ / RESIDUAL
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
@@ -104,5 +104,5 @@ class TPReduce(TPRowBlock):
         if self.stage == 0:
             st.buf["x1"].view(c.layers, c.d)[self.layer, lo:hi] = st.layer_input(self.layer)[lo:hi].float() + s
         else:
-            y = st.buf["x1"].view(c.layers, c.d)[self.layer, lo:hi].float() + s
+            y = st.buf["x1"].view(c.layers, c.d)[self.layer, lo:hi] + s
             st.buf["xout"].view(c.layers, c.d)[self.layer, lo:hi] = y.to(torch.bfloat16)

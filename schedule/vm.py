@@ -50,7 +50,7 @@ class VMState:
         d = self.lay.cfg.d
         if self.lay.folds_residual:      # RESIDUAL folded into this layer's readers: as it computes it
             n = self.lay.n_down_k
-            y = self.buf["x1"][(layer - 1) * d: layer * d].float()
+            y = self.buf["x1"][(layer - 1) * d: layer * d].clone()
             dp = self.buf["dpart"].view(self.lay.cfg.layers, n, d)
             for kc in range(n):
                 y += dp[layer - 1, kc]
