@@ -2,8 +2,7 @@
 
     M = max_s m_s;  w_s = 2^(m_s - M);  a = sum_s w_s acc_s / sum_s w_s l_s
 
-Writes the attention output of the head (rounded to bf16, as the bf16 reference holds it) that the O
-projection reads. One instruction per
+Writes the attention output of the head (fp32) that the O projection reads. One instruction per
 query head, all loads issued at once: the merge sits on the critical path between attention and
 the O projection (per KV group, 8 dependent merges took 24 us on the H200).
 Reads ``SPLITS * (hd + 2) * 4`` bytes of partials from L2.
@@ -17,13 +16,11 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, Timing, register
-from .common import to_bf16
 
 
 @triton.jit
 def attn_reduce_device(layer, h, part_o_ptr, part_ml_ptr, attn_ptr,
-                       NQ: tl.constexpr, HD: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                       INTERP: tl.constexpr):
+                       NQ: tl.constexpr, HD: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
     sp = tl.arange(0, SPLITS_PAD)
     sm = sp < SPLITS
     dcol = tl.arange(0, HD)
@@ -36,7 +33,7 @@ def attn_reduce_device(layer, h, part_o_ptr, part_ml_ptr, attn_ptr,
     w = tl.where(sm, tl.exp2(m - mx), 0.0)
     denom = tl.sum(w * l, axis=0)
     out = tl.sum(o * w[:, None], axis=0) / denom
-    tl.store(attn_ptr + layer * (NQ * HD) + h * HD + dcol, to_bf16(out, INTERP))
+    tl.store(attn_ptr + layer * (NQ * HD) + h * HD + dcol, out)
 
 
 @register
@@ -47,15 +44,14 @@ class AttnReduce(Instruction):
 
     NAME = "attn_reduce"
     STAGE = 2
-    ARGS = ("part_o_ptr", "part_ml_ptr", "attn_ptr", "NQ", "HD", "SPLITS", "SPLITS_PAD", "INTERP")
+    ARGS = ("part_o_ptr", "part_ml_ptr", "attn_ptr", "NQ", "HD", "SPLITS", "SPLITS_PAD")
     CONSTEXPRS = {"SPLITS": lambda lay: lay.tiling.attn_splits,
                   "SPLITS_PAD": lambda lay: triton.next_power_of_2(lay.tiling.attn_splits)}
     TIMING = Timing.FIXED
     FIXED_S = 2.1e-6          # measured on the H200 (bench/NOTES.md v7)
     device = attn_reduce_device
 
-    # bf16, as the bf16 reference holds it: OPROJ streams 2 bytes of it per weight column instead of 4
-    SCRATCH = {"attn": "bf16"}
+    SCRATCH = {"attn": "fp32"}
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:

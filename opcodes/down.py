@@ -1,6 +1,6 @@
 """DOWN: one (row tile, K chunk) of the down projection, written as a partial sum.
 
-    dpart[kc, r] = Wdown[r, K_kc] . act[K_kc]     K_kc = [kc*DOWN_K, (kc+1)*DOWN_K) of ffn (act: bf16)
+    dpart[kc, r] = Wdown[r, K_kc] . act[K_kc]     K_kc = [kc*DOWN_K, (kc+1)*DOWN_K) of ffn
 
 A tile waits only for the gate/up tiles of its own K chunk. Partials are summed in a fixed
 order by RESIDUAL, so the result does not depend on the schedule (bitwise).
@@ -80,13 +80,13 @@ class Down(Instruction):
     def cost(self, lay: Layout) -> Cost:
         lo, hi = self._rows(lay)
         k0, k1 = self._ks(lay)
-        return Cost(hbm_bytes=2 * (hi - lo) * (k1 - k0), l2_bytes=2 * (k1 - k0) + 4 * (hi - lo),
+        return Cost(hbm_bytes=2 * (hi - lo) * (k1 - k0), l2_bytes=4 * (k1 - k0) + 4 * (hi - lo),
                     flops=2 * (hi - lo) * (k1 - k0))
 
     def run_torch(self, lay: Layout, st) -> None:
         c = lay.cfg
         lo, hi = self._rows(lay)
         k0, k1 = self._ks(lay)
-        a = st.buf["act"].view(c.layers, c.ffn)[self.layer, k0:k1].float()
+        a = st.buf["act"].view(c.layers, c.ffn)[self.layer, k0:k1]
         y = st.weights[self.layer]["down"][lo:hi, k0:k1].float() @ a
         st.buf["dpart"].view(c.layers, lay.n_down_k, c.d)[self.layer, self.kc, lo:hi] = y

@@ -1,7 +1,7 @@
 """GATE_UP: one row tile of the SwiGLU input projections, with the post-attention RMSNorm.
 
     h      = x1 * rsqrt(mean(x1^2) + eps) * post_norm
-    act[r] = bf16(silu(Wgate[r] . h) * (Wup[r] . h))     for the tile's GU_ROWS rows r
+    act[r] = silu(Wgate[r] . h) * (Wup[r] . h)       for the tile's GU_ROWS rows r
 
 The (1, ffn) activation is produced a block at a time; the down projection consumes each
 block as soon as the tiles of its K range are done. Streams ``2 * GU_ROWS * d * 2`` bytes.
@@ -15,13 +15,13 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
-from .common import T_N2, T_WG, T_WU, gemv_stream, norm_row_vec, rows_dot, tab_offset, to_bf16
+from .common import T_N2, T_WG, T_WU, gemv_stream, norm_row_vec, rows_dot, tab_offset
 
 
 @triton.jit
 def _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_out,
              D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-             GU_RB: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr):
+             GU_RB: tl.constexpr, STAGES: tl.constexpr):
     # whole rows, GU_RB of gate and of up per pipeline stage (Tiling.row_bytes)
     hv, rstd = norm_row_vec(xin, nw_ptr, D, DP, EPS)
     EVEN: tl.constexpr = (D == DP) and (FFN % GU_ROWS == 0)
@@ -30,13 +30,13 @@ def _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_out,
         rm = rows < FFN
         gv = rows_dot(g_ptr, rows, rm, hv, 0, D, D, DP, EVEN) * rstd
         uv = rows_dot(u_ptr, rows, rm, hv, 0, D, D, DP, EVEN) * rstd
-        tl.store(act_out + rows, to_bf16(gv / (1.0 + tl.exp(-gv)) * uv, INTERP), mask=rm)
+        tl.store(act_out + rows, gv / (1.0 + tl.exp(-gv)) * uv, mask=rm)
 
 
 @triton.jit
 def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
                    D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr):
+                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
@@ -50,10 +50,10 @@ def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_pt
         gv = tl.sum(accg, axis=1) * rstd
         uv = tl.sum(accu, axis=1) * rstd
         act = gv / (1.0 + tl.exp(-gv)) * uv
-        tl.store(act_ptr + layer * FFN + rows, to_bf16(act, INTERP), mask=rm)
+        tl.store(act_ptr + layer * FFN + rows, act, mask=rm)
     else:
         _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, D, DP, FFN, EPS, GU_ROWS,
-                 GU_RB, STAGES, INTERP)
+                 GU_RB, STAGES)
 
 
 @register
@@ -65,13 +65,12 @@ class GateUp(Instruction):
     NAME = "gate_up"
     STAGE = 4
     ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB",
-            "BK", "STAGES", "INTERP")
+            "BK", "STAGES")
     CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
                   "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows)}
     device = gate_up_device
 
-    # bf16, as the bf16 reference holds it: DOWN streams 2 bytes of it per weight column instead of 4
-    SCRATCH = {"act": "bf16"}
+    SCRATCH = {"act": "fp32"}
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
@@ -100,7 +99,7 @@ class GateUp(Instruction):
     def cost(self, lay: Layout) -> Cost:
         d = lay.cfg.d
         lo, hi = self._rows(lay)
-        return Cost(hbm_bytes=2 * 2 * (hi - lo) * d, l2_bytes=4 * d + 2 * d + 2 * (hi - lo),
+        return Cost(hbm_bytes=2 * 2 * (hi - lo) * d, l2_bytes=4 * d + 2 * d + 4 * (hi - lo),
                     flops=4 * (hi - lo) * d)
 
     def run_torch(self, lay: Layout, st) -> None:

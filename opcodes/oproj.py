@@ -7,7 +7,7 @@ adds the residual and writes ``x1[r] = x[r] + y[r]``.
 With several, it writes the partial ``opart[oc, r]`` and O_REDUCE adds the chunks and the
 residual: then a chunk's tiles wait only for the attention of the query heads in that chunk,
 not for the whole attention, so the O projection streams while later KV groups still attend.
-Streams ``O_ROWS * O_K * 2`` bytes of Wo; attn (bf16) comes from L2.
+Streams ``O_ROWS * O_K * 2`` bytes of Wo; attn (fp32) comes from L2.
 """
 from __future__ import annotations
 
@@ -105,14 +105,14 @@ class OProj(Instruction):
     def cost(self, lay: Layout) -> Cost:
         lo, hi = self._rows(lay)
         k0, k1 = self._ks(lay)
-        return Cost(hbm_bytes=2 * (hi - lo) * (k1 - k0), l2_bytes=2 * (k1 - k0) + 6 * (hi - lo),
+        return Cost(hbm_bytes=2 * (hi - lo) * (k1 - k0), l2_bytes=4 * (k1 - k0) + 6 * (hi - lo),
                     flops=2 * (hi - lo) * (k1 - k0))
 
     def run_torch(self, lay: Layout, st) -> None:
         c = lay.cfg
         lo, hi = self._rows(lay)
         k0, k1 = self._ks(lay)
-        a = st.buf["attn"].view(c.layers, c.q_dim)[self.layer, k0:k1].float()
+        a = st.buf["attn"].view(c.layers, c.q_dim)[self.layer, k0:k1]
         y = st.weights[self.layer]["o"][lo:hi, k0:k1].float() @ a
         if not lay.o_partial:
             x = st.layer_input(self.layer)[lo:hi].float()
