@@ -48,6 +48,10 @@ class Tiling:
     """How a layer is cut into instructions. Every field is a kernel constexpr."""
 
     qkv_rows: int = 32      # output rows per QKV tile: qkv_rows/2 from each RoPE half of one head
+    # output rows per K or V tile (0: qkv_rows). The list scheduler puts the K/V tiles after the Q
+    # tiles (lower bottom level), so they are the tail wave of the QKV stage that every last attention
+    # split waits for: smaller K/V tiles spread that tail over more SMs
+    kv_rows: int = 0
     o_rows: int = 32        # output rows per O-projection tile
     o_k: int = 0            # n_q*hd columns per O-projection tile (0: all, no split)
     gu_rows: int = 16       # rows of gate AND of up per gate/up tile
@@ -82,12 +86,12 @@ class Tiling:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Tiling.{f.name} must be a positive int, got {v!r}")
-        for k in ("qkv_rows", "o_rows", "gu_rows", "down_rows", "red_rows", "attn_block", "bk", "num_warps"):
+        for k in ("qkv_rows", "kv_rows", "o_rows", "gu_rows", "down_rows", "red_rows", "attn_block", "bk", "num_warps"):
             v = getattr(self, k)
             if v & (v - 1):
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
@@ -97,6 +101,8 @@ class Tiling:
             raise ValueError(f"Tiling.res_fold must be 0 or 1, got {self.res_fold}")
         if self.qkv_rows < 2:
             raise ValueError("Tiling.qkv_rows must be >= 2 (RoPE pairs)")
+        if self.kv_rows == 1:
+            raise ValueError("Tiling.kv_rows must be 0 (qkv_rows) or >= 2 (RoPE pairs)")
         if self.attn_splits < 2:
             raise ValueError("Tiling.attn_splits must be >= 2 (the last split is the key at pos)")
         if self.attn_block < 16:
@@ -190,6 +196,8 @@ class Layout:
         t, c = self.tiling, self.cfg
         if c.hd % t.qkv_rows:
             raise ValueError(f"Tiling.qkv_rows = {t.qkv_rows} must divide hd = {c.hd}")
+        if c.hd % self.kv_rows:
+            raise ValueError(f"Tiling.kv_rows = {t.kv_rows} must divide hd = {c.hd}")
         if t.o_k and t.o_k < c.q_dim and t.o_k % c.hd:
             raise ValueError(f"Tiling.o_k = {t.o_k} must be a multiple of hd = {c.hd} (a K chunk waits "
                              "for whole attention heads)")
@@ -201,8 +209,13 @@ class Layout:
 
     # ---- derived counts -----------------------------------------------------------
     @property
-    def n_qkv_tiles_per_head(self) -> int:
-        return self.cfg.hd // self.tiling.qkv_rows
+    def kv_rows(self) -> int:
+        """Output rows per K or V tile (``Tiling.kv_rows``, 0: ``qkv_rows``)."""
+        return self.tiling.kv_rows or self.tiling.qkv_rows
+
+    def n_tiles_per_head(self, sec: int) -> int:
+        """QKV tiles per head of section ``sec`` (0: q, 1: k, 2: v)."""
+        return self.cfg.hd // (self.tiling.qkv_rows if sec == 0 else self.kv_rows)
 
     @property
     def n_down_k(self) -> int:

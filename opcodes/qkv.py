@@ -65,8 +65,29 @@ def _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, c
 def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
                kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
                D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
-               EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-               DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
+               EPS: tl.constexpr, QKV_ROWS: tl.constexpr, KV_ROWS: tl.constexpr, BK: tl.constexpr,
+               STAGES: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
+    if KV_ROWS == QKV_ROWS:
+        _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
+                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, BK, STAGES,
+                  DOWN_CHUNKS, RES_FOLD, INTERP)
+    elif sec == 0:
+        _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
+                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, BK, STAGES,
+                  DOWN_CHUNKS, RES_FOLD, INTERP)
+    else:
+        _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
+                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, KV_ROWS, BK, STAGES,
+                  DOWN_CHUNKS, RES_FOLD, INTERP)
+
+
+@triton.jit
+def _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
+              kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
+              D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
+              EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+              DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
+    """One tile of ``QKV_ROWS`` rows (the Q tiles' ``Tiling.qkv_rows`` or the K/V tiles' ``kv_rows``)."""
     HALF: tl.constexpr = QKV_ROWS // 2
     w_ptr = section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr)
     xin = layer_input(x_ptr, xout_ptr, layer, D)
@@ -100,14 +121,15 @@ class QKV(Instruction):
     layer: int
     sec: int      # 0: q, 1: k, 2: v
     head: int     # query head (sec 0) or KV head (sec 1, 2)
-    j: int        # which QKV_ROWS/2-wide block of the half-head
+    j: int        # which QKV_ROWS/2-wide (K and V: KV_ROWS/2-wide) block of the half-head
 
     NAME = "qkv"
     STAGE = 0
     ARGS = ("pos", "x_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr",
             "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
-            "D", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD", "INTERP")
-    CONSTEXPRS = {"QKV_ROWS": lambda lay: lay.tiling.qkv_rows}
+            "D", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "KV_ROWS", "BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD",
+            "INTERP")
+    CONSTEXPRS = {"QKV_ROWS": lambda lay: lay.tiling.qkv_rows, "KV_ROWS": lambda lay: lay.kv_rows}
     TABLES = {"cos_ptr": "fp32", "sin_ptr": "fp32"}
     # the new K/V rows live in the caller's cache (row ``pos``): tracked by the verifier, not allocated
     VIRTUAL = ("kv_new_k", "kv_new_v")
@@ -139,12 +161,15 @@ class QKV(Instruction):
         nh = c.n_q if self.sec == 0 else c.n_kv
         if not 0 <= self.head < nh:
             bad.append(f"head {self.head} not in [0, {nh})")
-        if not 0 <= self.j < lay.n_qkv_tiles_per_head:
-            bad.append(f"j {self.j} not in [0, {lay.n_qkv_tiles_per_head})")
+        if self.sec in (0, 1, 2) and not 0 <= self.j < lay.n_tiles_per_head(self.sec):
+            bad.append(f"j {self.j} not in [0, {lay.n_tiles_per_head(self.sec)})")
         return bad
 
+    def _rows(self, lay: Layout) -> int:
+        return lay.tiling.qkv_rows if self.sec == 0 else lay.kv_rows
+
     def _dims(self, lay: Layout) -> tuple[int, int]:
-        half = lay.tiling.qkv_rows // 2
+        half = self._rows(lay) // 2
         return self.j * half, (self.j + 1) * half
 
     def writes(self, lay: Layout) -> list[Region]:
@@ -159,7 +184,7 @@ class QKV(Instruction):
         return lay.input_regions(self.layer, 0, lay.cfg.d)
 
     def cost(self, lay: Layout) -> Cost:
-        d, rows = lay.cfg.d, lay.tiling.qkv_rows
+        d, rows = lay.cfg.d, self._rows(lay)
         return Cost(hbm_bytes=2 * rows * d, l2_bytes=2 * 2 * d + 4 * rows, flops=2 * rows * d)
 
     def run_torch(self, lay: Layout, st) -> None:

@@ -132,11 +132,11 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
         # Q tiles first, grouped by KV head: a group's prefix attention starts when its Q is done
         for g in range(c.n_kv):
             for h in range(g * c.group, (g + 1) * c.group):
-                for j in range(lay.n_qkv_tiles_per_head):
+                for j in range(lay.n_tiles_per_head(0)):
                     p.add(QKV(l, 0, h, j), w_in, cq[g])
         for g in range(c.n_kv):
             for sec in (1, 2):
-                for j in range(lay.n_qkv_tiles_per_head):
+                for j in range(lay.n_tiles_per_head(sec)):
                     p.add(QKV(l, sec, g, j), w_in, ckv[g])
         for g in range(c.n_kv):
             for s in range(t.attn_splits):
