@@ -111,8 +111,8 @@ def parse_args(argv=None):
     p.add_argument("--death-wait-s", type=float, default=2.0, help="the wait time bound in the death stage")
     p.add_argument("--sms", type=int, default=132, help="SMs the precompiled tapes are for (an H200's 132)")
     p.add_argument("--tiling", default="", metavar="K=V,...",
-                   help="tiling overrides of the correct and speed stages' tapes (Tiling.from_spec of a rank's "
-                        "shard), e.g. 'qkv_rows=16'; the default: the shard's Tiling.for_config")
+                   help="tiling overrides of the correct and speed stages' tapes, applied to the default "
+                        "tiling of a rank's shard (TPLayout.default_tiling), e.g. 'qkv_rows=16'")
     p.add_argument("--no-precompile", action="store_true", help="compile the tapes in the workers")
     p.add_argument("--no-baseline", action="store_true", help="skip the NCCL baseline")
     p.add_argument("--profile", action="store_true",
@@ -351,12 +351,13 @@ def _correct_cfg(a):
 
 
 def tp_tiling(a, cfg):
-    """The ``--tiling`` overrides applied to a rank's shard of ``cfg`` (None: the default tiling)."""
+    """The ``--tiling`` overrides applied to the default tiling of a rank's shard of ``cfg``
+    (``TPLayout.default_tiling``; None: that default)."""
     if not a.tiling:
         return None
     from opcodes import Tiling
-    from opcodes.tp import shard_config
-    return Tiling.from_spec(shard_config(cfg, 0, 2), a.tiling)
+    from opcodes.tp import TPLayout, shard_config
+    return TPLayout.default_tiling(shard_config(cfg, 0, 2), **Tiling.parse_spec(a.tiling))
 
 
 def _tape_file(work: str, key: str) -> pathlib.Path:

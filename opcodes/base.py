@@ -120,6 +120,12 @@ class Tiling:
     def from_spec(cls, cfg: ModelConfig, spec: str) -> "Tiling":
         """``for_config`` with the overrides of a ``"name=value,name=value"`` string (integers),
         as the command line's ``--tiling`` takes them."""
+        return cls.for_config(cfg, **cls.parse_spec(spec))
+
+    @staticmethod
+    def parse_spec(spec: str) -> dict:
+        """The overrides of a ``"name=value,name=value"`` string (integers; the names are checked
+        where they are applied)."""
         over = {}
         for item in filter(None, spec.replace(" ", "").split(",")):
             k, _, v = item.partition("=")
@@ -129,7 +135,7 @@ class Tiling:
                 over[k] = int(v)
             except ValueError:
                 raise ValueError(f"--tiling: {k} must be an integer, got {v!r}") from None
-        return cls.for_config(cfg, **over)
+        return over
 
     @classmethod
     def for_config(cls, cfg: ModelConfig, **overrides) -> "Tiling":

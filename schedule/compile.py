@@ -141,7 +141,7 @@ def _compile_tp(cfg, num_sms, max_seq, tiling, policy, model, seed, sequential, 
     if max_seq is None:
         max_seq = 4224 if cfg.d >= 1024 else 256
     sc = shard_config(cfg, 0, tp)
-    tiling = tiling or Tiling.for_config(sc)
+    tiling = tiling or TPLayout.default_tiling(sc)
     ranks = [_compile_layout(TPLayout(shard_config(cfg, r, tp), tiling, max_seq, r, tp), num_sms, policy, model,
                              seed, sequential, lowering, pool_us, elide_waits, time.perf_counter())
              for r in range(tp)]

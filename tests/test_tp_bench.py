@@ -618,7 +618,8 @@ def test_tiling_option_reaches_the_shard_tiling_and_names_a_bad_field():
     a = tp_bench.parse_args(["--tiling", "qkv_rows=16,o_k=2048"])
     cfg = ModelConfig.from_name("llama3.1-70b")
     t = tp_bench.tp_tiling(a, cfg)
-    assert (t.qkv_rows, t.o_k) == (16, 2048)
+    assert (t.qkv_rows, t.kv_rows, t.o_k) == (16, 8, 2048)          # K/V tiles: half the Q tiles' rows
+    assert tp_bench.tp_tiling(tp_bench.parse_args(["--tiling", "o_k=2048"]), cfg).kv_rows == 16
     assert t.down_k == 7168 and shard_config(cfg, 0, 2).ffn == 14336       # the shard's defaults for the rest
     assert tp_bench.tp_tiling(tp_bench.parse_args([]), cfg) is None
     with pytest.raises(ValueError, match="qkv_rowz"):
