@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from opcodes import BY_OPCODE, ModelConfig
+from opcodes import ModelConfig
 from opcodes.reference import make_kv_cache, make_weights, rel_err, rmsnorm
 
 from .driver import ACC_RATIO, CRITERION, _events_median, count_kernels, log, stream_copy_bw
@@ -211,15 +211,14 @@ def run(a, views=None) -> int:
         for i in range(3):
             decode_step(hp, toks[i:i + 1].to(torch.int32).to(dev), pos_last)
         summ = views.summarize(hp.layer.tape, profile_records(hp.layer), pos=pos_last, copy_Bps=bw)
-        # every instruction's (slot, name, layer, sm, wait start, exec start, end) in ns, for
-        # offline critical-path analysis (the Markdown table is medians only)
+        # every instruction's record, for offline critical-path analysis (the Markdown table is
+        # medians only)
+        from interp.profile import instruction_rows
         recs = summ.pop("records")
         out = pathlib.Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        lay_of = [getattr(BY_OPCODE[int(hp.layer.tape.words[r[0], 0])].decode(hp.layer.tape.words[r[0], 6:].tolist()),
-                          "layer", -1) for r in recs]
         with gzip.open(out / f"records-{a.preset}-pos{pos_last}.json.gz", "wt") as f:
-            json.dump([[r[0], r[2], ly, r[3], r[4], r[5], r[6]] for r, ly in zip(recs, lay_of)], f)
+            json.dump(instruction_rows(hp.layer.tape, recs), f)
         print(views.format_summary(summ), flush=True)
         rep["profile"] = summ
         teardown_decoder(hp)

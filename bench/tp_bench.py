@@ -940,17 +940,17 @@ def stage_speed(c: Ctx) -> None:
 
 def _profile_speed(c: Ctx, w, kv, cfg, tapes, tok0: int, P: int) -> None:
     """``--profile``: the profiling kernel of the speed stage's build, 3 steps at ``P``..; this rank's
-    records (slot, opcode, layer, SM, wait start, exec start, end in ns) to
+    records (``interp.profile.instruction_rows``: slot, opcode, layer, SM, wait start, exec start, end
+    in ns, the instruction) to
     ``<out>/tp-records-rank<r>.json.gz`` and a middle layer's stages in the log."""
     import gzip
     import json
 
     import torch.distributed as dist
 
-    from interp.profile import records
+    from interp.profile import instruction_rows, records
     from interp.runtime import profile_records
     from interp.tp import build_tp_decoder, tp_decode_step, tp_teardown
-    from opcodes import BY_OPCODE
     a, r, dev, log = c.a, c.rank, c.dev, c.log
     if dev.type != "cuda":
         log("profile: skipped (profile records come from a GPU)")
@@ -964,10 +964,7 @@ def _profile_speed(c: Ctx, w, kv, cfg, tapes, tok0: int, P: int) -> None:
         recs = records(tape, profile_records(hp.layer))
     finally:
         tp_teardown(hp)
-    rows = []
-    for slot, _, name, sm, tw, te, tend in recs:
-        ins = BY_OPCODE[int(tape.words[slot, 0])].decode(tape.words[slot, 6:].tolist())
-        rows.append([int(slot), name, int(getattr(ins, "layer", -1)), int(sm), int(tw), int(te), int(tend)])
+    rows = instruction_rows(tape, recs)
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     with gzip.open(out / f"tp-records-rank{r}.json.gz", "wt") as f:
@@ -985,8 +982,9 @@ def _profile_speed(c: Ctx, w, kv, cfg, tapes, tok0: int, P: int) -> None:
         ex = sorted((x[5] - t0) / 1e3 for x in xs)
         en = sorted((x[6] - t0) / 1e3 for x in xs)
         du = sorted((x[6] - x[5]) / 1e3 for x in xs)
+        last = max(xs, key=lambda x: x[6])
         log(f"  {name:14s} n={len(xs):4d} exec {ex[0]:9.2f}..{ex[-1]:9.2f} end {en[0]:9.2f}..{en[-1]:9.2f} "
-            f"duration median {_median(du):6.2f} max {du[-1]:6.2f}")
+            f"duration median {_median(du):6.2f} max {du[-1]:6.2f}; last to end: {last[7]}")
 
 
 def _count_kernels_once(fn, dev):

@@ -26,3 +26,15 @@ def records(tape: Tape, prof: torch.Tensor) -> list[tuple]:
         pi = tape.prog_index[slot] if tape.prog_index else slot
         out.append((slot, pi, op.NAME, int(sm), tw - t0, te - t0, tend - t0))
     return out
+
+
+def instruction_rows(tape: Tape, recs: list[tuple]) -> list[list]:
+    """Every instruction's record as a JSON-ready row, for offline critical-path analysis (what the
+    benches' ``--profile`` write to ``*records*.json.gz``): ``[slot, opcode name, layer (-1: none),
+    sm, wait start, exec start, end, instruction]`` (ns from :func:`records`; the instruction as
+    text, e.g. ``qkv layer=40 sec=2 head=1 j=2``, so the file is read without the tape)."""
+    rows = []
+    for slot, _, name, sm, tw, te, tend in recs:
+        ins = BY_OPCODE[int(tape.words[slot, 0])].decode(tape.words[slot, 6:].tolist())
+        rows.append([int(slot), name, int(getattr(ins, "layer", -1)), int(sm), int(tw), int(te), int(tend), str(ins)])
+    return rows

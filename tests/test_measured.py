@@ -95,3 +95,21 @@ def test_profile_critical_path_and_fixed_cost():
         if name != "attn_partial":
             assert d["fixed_ns"] == statistics.median(2000 - b / 1e3 for b in byts), name
     assert "hop us" in format_summary(summ) and summ["stages"]
+
+
+def test_instruction_rows_name_every_slot_and_survive_json():
+    """interp.profile.instruction_rows (what the benches' --profile write): one row per tape slot with
+    its layer and its instruction as text, taken from the tape's words, through JSON unchanged."""
+    from interp.profile import instruction_rows, records
+    comp = compile_model(PRESETS["small-2layer"], 3, max_seq=64)
+    tape = comp.tape
+    prof = torch.zeros(len(tape), 4, dtype=torch.int64)
+    for slot in range(len(tape)):
+        prof[slot] = torch.tensor([10 * slot, 10 * slot + 2, 10 * slot + 7, slot % 3])
+    rows = instruction_rows(tape, records(tape, prof))
+    assert json.loads(json.dumps(rows)) == rows and len(rows) == len(tape)
+    for row in rows:
+        ins = comp.prog.instrs[tape.prog_index[row[0]]]
+        assert row[1] == ins.NAME and row[2] == ins.layer and row[7] == str(ins)
+        assert row[3] == row[0] % 3 and row[6] - row[5] == 5
+    assert {r[2] for r in rows} == {0, 1}
