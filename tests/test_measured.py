@@ -113,3 +113,28 @@ def test_instruction_rows_name_every_slot_and_survive_json():
         assert row[1] == ins.NAME and row[2] == ins.layer and row[7] == str(ins)
         assert row[3] == row[0] % 3 and row[6] - row[5] == 5
     assert {r[2] for r in rows} == {0, 1}
+
+
+def test_records_stage_table_orders_stages_and_names_the_last_to_end(tmp_path):
+    """bench.records on a hand-made records file: stages in the order they start, times from the
+    layer's first wait, the instruction that ends last listed, a missing layer named."""
+    import gzip
+
+    import pytest
+
+    from bench import records as R
+    rows = [[0, "qkv", 1, 0, 1000, 2000, 9000, "qkv layer=1 sec=0 head=0 j=0"],
+            [1, "qkv", 1, 1, 1000, 2000, 12000, "qkv layer=1 sec=1 head=0 j=0"],
+            [2, "oproj", 1, 0, 9000, 13000, 20000, "oproj layer=1 row0=0 oc=0"],
+            [3, "qkv", 0, 0, 0, 10, 20, "qkv layer=0 sec=0 head=0 j=0"]]
+    path = tmp_path / "r.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(rows, f)
+    lines = R.stage_table(R.load(str(path)), 1, tail=1)
+    assert lines[0].startswith("layer 1: 3 instructions") and "19.00 us to its last end" in lines[0]
+    assert lines[1].lstrip().startswith("qkv") and "exec     1.00..    1.00 end     8.00..   11.00" in lines[1]
+    assert "qkv layer=1 sec=1 head=0 j=0" in lines[2] and "ends    11.00" in lines[2]
+    assert lines[3].lstrip().startswith("oproj") and "wait med   4.00" in lines[3]
+    with pytest.raises(ValueError, match="no instruction of layer 7"):
+        R.stage_table(rows, 7)
+    assert R.main([str(path), "--layer", "1"]) == 0
