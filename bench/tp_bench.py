@@ -699,10 +699,9 @@ def stage_death(c: Ctx) -> None:
 
 def stage_correct(c: Ctx) -> None:
     import torch
-    import torch.distributed as dist
 
     from interp.decoder import build_decoder, decode_step, teardown_decoder
-    from interp.tp import build_tp_decoder, tokens, tp_decode_step, tp_teardown
+    from interp.tp import tokens, tp_decode_step, tp_teardown
     from opcodes.reference import make_kv_cache, rel_err
     from opcodes.tp import shard_kv_cache, shard_weights
 
@@ -725,13 +724,7 @@ def stage_correct(c: Ctx) -> None:
         del kv
     torch.cuda.empty_cache()
     log(f"{cfg.name}: weights generated on each GPU in {time.perf_counter() - t0:.1f} s (identical on both ranks)")
-    tapes = _load_tapes(c, "correct", cfg, wait_s=120)
-    t0 = time.perf_counter()
-    h = build_tp_decoder(shard, cache, cfg, a.max_seq, tapes=tapes, verify_tapes=tapes is None, tiling=tp_tiling(a, cfg),
-                         tp_group=dist.group.WORLD, host_group=c.hg, wait_s=a.wait_s)
-    k = h.layer
-    log(f"TP decoder built in {time.perf_counter() - t0:.1f} s: {len(k.tape)} instructions on {k.num_sms} SMs, "
-        f"{k.resources.get('n_regs')} registers, {k.resources.get('n_spills')} spills")
+    h = _build_rank(c, shard, cache, cfg, _load_tapes(c, "correct", cfg, wait_s=120))
     toks = torch.randint(0, cfg.vocab, (steps,), generator=torch.Generator().manual_seed(a.seed + 3))
     tp_logits, tp_tok = [], []
     try:
@@ -838,7 +831,7 @@ def stage_speed(c: Ctx) -> None:
     import torch
     import torch.distributed as dist
 
-    from interp.tp import build_tp_decoder, tp_check, tp_decode_step, tp_launch, tp_teardown
+    from interp.tp import tp_check, tp_decode_step, tp_launch, tp_teardown
     from opcodes.reference import make_kv_cache, rel_err
     from opcodes.tp import shard_config
 
@@ -862,12 +855,7 @@ def stage_speed(c: Ctx) -> None:
     log(f"random shard generated in {time.perf_counter() - t0:.1f} s"
         + (f"; {torch.cuda.memory_allocated(dev) / 2**30:.1f} GiB allocated" if dev.type == "cuda" else ""))
     tapes = _load_tapes(c, "speed", cfg, wait_s=200)
-    t0 = time.perf_counter()
-    h = build_tp_decoder(w, kv, cfg, a.max_seq, tapes=tapes, verify_tapes=tapes is None, tiling=tp_tiling(a, cfg),
-                         tp_group=dist.group.WORLD, host_group=c.hg, wait_s=a.wait_s)
-    k = h.layer
-    log(f"TP decoder built in {time.perf_counter() - t0:.1f} s: {len(k.tape)} instructions on {k.num_sms} SMs, "
-        f"{k.resources.get('n_regs')} registers, {k.resources.get('n_spills')} spills")
+    h = _build_rank(c, w, kv, cfg, tapes)
     tok0 = 1234 % (cfg.vocab - 3)
     try:
         lg_mt = tp_decode_step(h, tok0, P)                 # checked steps
@@ -938,6 +926,23 @@ def stage_speed(c: Ctx) -> None:
     torch.cuda.empty_cache()
 
 
+def _build_rank(c: Ctx, w, kv, cfg, tapes, profile: bool = False):
+    """This rank's ``build_tp_decoder`` of ``cfg`` with the bench's tiling (:func:`tp_tiling`), wait
+    bound and groups, from the precompiled ``tapes`` (None: compiled and verified here); its size
+    logged."""
+    import torch.distributed as dist
+
+    from interp.tp import build_tp_decoder
+    a = c.a
+    t0 = time.perf_counter()
+    h = build_tp_decoder(w, kv, cfg, a.max_seq, tapes=tapes, verify_tapes=tapes is None, tiling=tp_tiling(a, cfg),
+                         tp_group=dist.group.WORLD, host_group=c.hg, wait_s=a.wait_s, profile=profile)
+    k = h.layer
+    c.log(f"TP decoder{' (profiling)' if profile else ''} built in {time.perf_counter() - t0:.1f} s: {len(k.tape)} "
+          f"instructions on {k.num_sms} SMs, {k.resources.get('n_regs')} registers, {k.resources.get('n_spills')} spills")
+    return h
+
+
 def _profile_speed(c: Ctx, w, kv, cfg, tapes, tok0: int, P: int) -> None:
     """``--profile``: the profiling kernel of the speed stage's build, 3 steps at ``P``..; this rank's
     records (``interp.profile.instruction_rows``: slot, opcode, layer, SM, wait start, exec start, end
@@ -946,17 +951,14 @@ def _profile_speed(c: Ctx, w, kv, cfg, tapes, tok0: int, P: int) -> None:
     import gzip
     import json
 
-    import torch.distributed as dist
-
     from interp.profile import instruction_rows, records
     from interp.runtime import profile_records
-    from interp.tp import build_tp_decoder, tp_decode_step, tp_teardown
+    from interp.tp import tp_decode_step, tp_teardown
     a, r, dev, log = c.a, c.rank, c.dev, c.log
     if dev.type != "cuda":
         log("profile: skipped (profile records come from a GPU)")
         return
-    hp = build_tp_decoder(w, kv, cfg, a.max_seq, tapes=tapes, verify_tapes=tapes is None, tiling=tp_tiling(a, cfg),
-                          tp_group=dist.group.WORLD, host_group=c.hg, wait_s=a.wait_s, profile=True)
+    hp = _build_rank(c, w, kv, cfg, tapes, profile=True)
     try:
         for i in range(3):
             tp_decode_step(hp, tok0 + i, P + i)

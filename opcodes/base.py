@@ -219,9 +219,13 @@ class Layout:
         """Output rows per K or V tile (``Tiling.kv_rows``, 0: ``qkv_rows``)."""
         return self.tiling.kv_rows or self.tiling.qkv_rows
 
+    def section_rows(self, sec: int) -> int:
+        """Output rows per QKV tile of section ``sec`` (0: q, ``qkv_rows``; 1, 2: k, v, :attr:`kv_rows`)."""
+        return self.tiling.qkv_rows if sec == 0 else self.kv_rows
+
     def n_tiles_per_head(self, sec: int) -> int:
         """QKV tiles per head of section ``sec`` (0: q, 1: k, 2: v)."""
-        return self.cfg.hd // (self.tiling.qkv_rows if sec == 0 else self.kv_rows)
+        return self.cfg.hd // self.section_rows(sec)
 
     @property
     def n_down_k(self) -> int:

@@ -165,11 +165,8 @@ class QKV(Instruction):
             bad.append(f"j {self.j} not in [0, {lay.n_tiles_per_head(self.sec)})")
         return bad
 
-    def _rows(self, lay: Layout) -> int:
-        return lay.tiling.qkv_rows if self.sec == 0 else lay.kv_rows
-
     def _dims(self, lay: Layout) -> tuple[int, int]:
-        half = self._rows(lay) // 2
+        half = lay.section_rows(self.sec) // 2
         return self.j * half, (self.j + 1) * half
 
     def writes(self, lay: Layout) -> list[Region]:
@@ -184,7 +181,7 @@ class QKV(Instruction):
         return lay.input_regions(self.layer, 0, lay.cfg.d)
 
     def cost(self, lay: Layout) -> Cost:
-        d, rows = lay.cfg.d, self._rows(lay)
+        d, rows = lay.cfg.d, lay.section_rows(self.sec)
         return Cost(hbm_bytes=2 * rows * d, l2_bytes=2 * 2 * d + 4 * rows, flops=2 * rows * d)
 
     def run_torch(self, lay: Layout, st) -> None:
