@@ -23,6 +23,8 @@
 #             bench/generate_bench.py (`megatape generate` against decode_step) and the GPU tests
 #   tp      : two GPUs (nvidia-h200-x2): python3 -m bench.tp_bench (smoke, a dead peer, 8 layers
 #             against one GPU, the 80-layer model beside the NCCL graph), results under $OUT
+#   tpab    : two GPUs: TP tilings ($TPVARIANTS, ';'-separated, '' = default) alternated, $TPLAYERS layers
+#   tpprof  : two GPUs: the records of one TP build ($TPTILING) and a layer's stage table per rank
 #   OLD=DIR : also time the tree in DIR (e.g. the previous commit, `git archive`) first, same
 #             machine, megatape only: an A/B of two trees in one lease
 # $OUT receives at most three files (the device tool returns 8): run.log (everything printed),
@@ -108,7 +110,27 @@ run_part() {
   confirm) run_part bench; run_part checks; run_part multi ;;
   tp)
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 -m bench.tp_bench --out "$RES/tp" ;;
-  *) echo "unknown part $1 (explore|variants|bench|ab|abdec|checks|multi|decoder|layers16|refsens|sanitize|confirm|tp)" >&2; exit 2 ;;
+  tpab)
+    # TP tilings alternated: $TPVARIANTS (';'-separated --tiling specs, '' = the default), round 1 in
+    # order, round 2 reversed, $TPLAYERS layers (default 20) of the speed stage, no NCCL baseline
+    IFS=';' read -r -a vs <<< "${TPVARIANTS:-}"
+    [ ${#vs[@]} -eq 0 ] && vs=("")
+    rev=(); for ((i=${#vs[@]}-1; i>=0; i--)); do rev+=("${vs[i]}"); done
+    n=0
+    for v in "${vs[@]}" "${rev[@]}"; do
+      n=$((n+1))
+      echo "=== tpab $n: tiling '${v:-default}'"
+      NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 -m bench.tp_bench --stages speed --no-baseline \
+        --speed-layers "${TPLAYERS:-20}" ${v:+--tiling "$v"} --out "$RES/tpab-$n" 2>&1 \
+        | grep -E "floor|megatape TP=2: median|FAIL|rror" | sed "s|^|[${v:-default}] |"
+    done ;;
+  tpprof)
+    # the records of the default TP build ($TPLAYERS layers, $TPTILING), one layer's stage table per rank
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 -m bench.tp_bench --stages speed --no-baseline \
+      --profile --stage-timeout speed=400 --speed-layers "${TPLAYERS:-20}" ${TPTILING:+--tiling "$TPTILING"} \
+      --out "$RES/tpprof" 2>&1 | grep -E "floor|median|profile|FAIL|rror"
+    for r in 0 1; do python3 -m bench.records "$RES/tpprof/tp-records-rank$r.json.gz" --tail 2; done ;;
+  *) echo "unknown part $1 (explore|variants|bench|ab|abdec|checks|multi|decoder|layers16|refsens|sanitize|confirm|tp|tpab|tpprof)" >&2; exit 2 ;;
   esac
 }
 for p in "${parts[@]}"; do run_part "$p"; done

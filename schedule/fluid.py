@@ -74,11 +74,10 @@ class FluidModel:
 
     def for_layout(self, lay) -> "FluidModel":
         """This model with per-opcode streaming caps from ``lay``'s tiling: (stages - 1) blocks of
-        (rows x bk) bf16 weights in flight per SM (:meth:`sm_cap`), the rows being each streaming
-        opcode's :meth:`~opcodes.base.Instruction.stream_rows`."""
-        t = lay.tiling
-        inflight = max(1, t.stages - 1) * t.bk * 2
-        cap = {cls: self.sm_cap(cls.stream_rows(lay) * inflight) for cls in REGISTRY.values()
+        (rows x columns) bf16 weights in flight per SM (:meth:`sm_cap`), each streaming opcode's
+        :meth:`~opcodes.base.Instruction.stream_rows` x :meth:`~opcodes.base.Instruction.stream_width`."""
+        stages = max(1, lay.tiling.stages - 1)
+        cap = {cls: self.sm_cap(cls.stream_rows(lay) * cls.stream_width(lay) * 2 * stages) for cls in REGISTRY.values()
                if cls.applies(lay) and cls.stream_rows(lay) > 0}
         cap.update(self.cap)
         return replace(self, cap=cap)
