@@ -43,7 +43,7 @@ def attention_latency(lay: Layout, keys: int, t0: float = ATTN_LATENCY_H200[0], 
 @triton.jit
 def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr,
                         NQ: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                        MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, SPLITS: tl.constexpr,
+                        MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, SPLITS: tl.constexpr, PART_SPLITS: tl.constexpr,
                         ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
     last = s == SPLITS - 1
     chunk = (pos + SPLITS - 2) // (SPLITS - 1)
@@ -77,7 +77,7 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
         m_i = m_new
-    prow = (layer * NQ + qrow) * SPLITS + s
+    prow = (layer * NQ + qrow) * PART_SPLITS + s
     tl.store(part_o_ptr + prow[:, None] * HD + dcol[None, :], acc, mask=hm[:, None])
     tl.store(part_ml_ptr + prow * 2, m_i, mask=hm)
     tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=hm)
@@ -93,11 +93,13 @@ class AttnPartial(Instruction):
     NAME = "attn_partial"
     STAGE = 1
     ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr",
-            "NQ", "HD", "GROUP", "GROUP_PAD", "MAX_SEQ", "QSCALE", "SPLITS", "ATTN_BLOCK", "INTERP", "ATTN_STAGES")
+            "NQ", "HD", "GROUP", "GROUP_PAD", "MAX_SEQ", "QSCALE", "SPLITS", "PART_SPLITS", "ATTN_BLOCK", "INTERP",
+            "ATTN_STAGES")
     CONSTEXPRS = {
         "GROUP": lambda lay: lay.cfg.group,                                  # query heads per KV head
         "GROUP_PAD": lambda lay: max(16, triton.next_power_of_2(lay.cfg.group)),   # rows of tl.dot
         "SPLITS": lambda lay: lay.tiling.attn_splits,
+        "PART_SPLITS": lambda lay: lay.attn_instr_splits,        # partials per query head (row stride)
         "ATTN_BLOCK": lambda lay: lay.tiling.attn_block,
         "ATTN_STAGES": lambda lay: lay.tiling.attn_stages,
         "QSCALE": lambda lay: float(1.4426950408889634 / math.sqrt(lay.cfg.hd)),   # log2(e) / sqrt(hd)
@@ -110,7 +112,7 @@ class AttnPartial(Instruction):
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
-        c, ns = lay.cfg, lay.tiling.attn_splits
+        c, ns = lay.cfg, lay.attn_instr_splits
         return {"part_o": (c.layers, c.n_q, ns, c.hd), "part_ml": (c.layers, c.n_q, ns, 2)}
 
     def latency_time(self, lay: Layout) -> float:
@@ -124,8 +126,8 @@ class AttnPartial(Instruction):
             bad.append(f"layer {self.layer} not in [0, {c.layers})")
         if not 0 <= self.g < c.n_kv:
             bad.append(f"g {self.g} not in [0, {c.n_kv})")
-        if not 0 <= self.s < lay.tiling.attn_splits:
-            bad.append(f"s {self.s} not in [0, {lay.tiling.attn_splits})")
+        if not 0 <= self.s < lay.attn_instr_splits:
+            bad.append(f"s {self.s} not in [0, {lay.attn_instr_splits})")
         return bad
 
     def reads(self, lay: Layout) -> list[Region]:
@@ -138,7 +140,7 @@ class AttnPartial(Instruction):
         return out
 
     def writes(self, lay: Layout) -> list[Region]:
-        c, ns = lay.cfg, lay.tiling.attn_splits
+        c, ns = lay.cfg, lay.attn_instr_splits
         out = []
         for h in range(self.g * c.group, (self.g + 1) * c.group):
             row = (self.layer * c.n_q + h) * ns + self.s
@@ -164,8 +166,8 @@ class AttnPartial(Instruction):
             chunk = cdiv(st.pos, ns - 1)
             start, stop = self.s * chunk, min((self.s + 1) * chunk, st.pos)
         q = st.buf["q"].view(c.layers, c.n_q, c.hd)[self.layer, self.g * c.group:(self.g + 1) * c.group]
-        po = st.buf["part_o"].view(c.layers, c.n_q, ns, c.hd)
-        pml = st.buf["part_ml"].view(c.layers, c.n_q, ns, 2)
+        po = st.buf["part_o"].view(c.layers, c.n_q, lay.attn_instr_splits, c.hd)
+        pml = st.buf["part_ml"].view(c.layers, c.n_q, lay.attn_instr_splits, 2)
         hs = slice(self.g * c.group, (self.g + 1) * c.group)
         if start >= stop:
             po[self.layer, hs, self.s] = 0.0

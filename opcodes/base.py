@@ -65,6 +65,10 @@ class Tiling:
     down_k: int = 7168      # ffn columns (K range) per down-projection tile
     red_rows: int = 1024    # rows per final residual reduction
     attn_splits: int = 16   # splits of the key sequence per KV head
+    # 1: ATTN_REDUCE attends to the key at pos itself (the K/V tiles' new row) while it merges the
+    # prefix splits; there is no last split, so the merge follows the K/V tiles directly instead of
+    # a one-key split in between (the TP rank's K/V tail: run 79)
+    key_in_reduce: int = 0
     attn_block: int = 128   # keys per attention inner block
     # software-pipelining depth of the attention key loop: 3 keeps two 128-key K/V blocks in
     # flight, so a ~270-key split costs ~2 loaded HBM round trips instead of one per block
@@ -92,7 +96,7 @@ class Tiling:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "qkv_bk") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "qkv_bk", "key_in_reduce") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -104,8 +108,9 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        if self.res_fold not in (0, 1):
-            raise ValueError(f"Tiling.res_fold must be 0 or 1, got {self.res_fold}")
+        for k in ("res_fold", "key_in_reduce"):
+            if getattr(self, k) not in (0, 1):
+                raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
             raise ValueError("Tiling.qkv_rows must be >= 2 (RoPE pairs)")
         for k in ("o_bk", "qkv_bk"):
@@ -228,6 +233,18 @@ class Layout:
     def kv_rows(self) -> int:
         """Output rows per K or V tile (``Tiling.kv_rows``, 0: ``qkv_rows``)."""
         return self.tiling.kv_rows or self.tiling.qkv_rows
+
+    @property
+    def prefix_splits(self) -> int:
+        """Attention splits over the cache prefix ``[0, pos)``: ``attn_splits - 1``; the key at ``pos``
+        is the last split's, or with ``Tiling.key_in_reduce`` ATTN_REDUCE's."""
+        return self.tiling.attn_splits - 1
+
+    @property
+    def attn_instr_splits(self) -> int:
+        """ATTN_PARTIAL instructions per KV head: the prefix splits and, unless ATTN_REDUCE takes the
+        key at ``pos`` (``Tiling.key_in_reduce``), the last split."""
+        return self.tiling.attn_splits - self.tiling.key_in_reduce
 
     def section_rows(self, sec: int) -> int:
         """Output rows per QKV tile of section ``sec`` (0: q, ``qkv_rows``; 1, 2: k, v, :attr:`kv_rows`)."""

@@ -9,6 +9,7 @@ Dependencies per layer ``l`` (one counter per arrow group):
     QKV(l, q heads of group g) --q[l,g]--> ATTN_PARTIAL(l, g, *)                  (the cache prefix)
     QKV(l, k/v head g) --kv[l,g]--> ATTN_PARTIAL(l, g, NS-1) (+ q[l,g])      (the key at pos)
     ATTN_PARTIAL(l, g, *) --part[l,g]--> ATTN_REDUCE(l, heads of g)
+    (with Tiling.key_in_reduce there is no split NS-1: kv[l,g] --> ATTN_REDUCE(l, heads of g), + part[l,g])
     ATTN_REDUCE(l, *) --attn[l]--> OPROJ(l, *) --x1[l]--> GATE_UP(l, *)
     GATE_UP(l, rows in K chunk kc) --act[l,kc]--> DOWN(l, *, kc)
     DOWN(l, rows in block rb, *) --dpart[l,rb]--> RESIDUAL(l, rb) --out[l]--> QKV(l+1, *)
@@ -139,11 +140,12 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
                 for j in range(lay.n_tiles_per_head(sec)):
                     p.add(QKV(l, sec, g, j), w_in, ckv[g])
         for g in range(c.n_kv):
-            for s in range(t.attn_splits):
+            for s in range(lay.attn_instr_splits):
                 last = s == t.attn_splits - 1
                 p.add(AttnPartial(l, g, s), (cq[g], ckv[g]) if last else (cq[g],), cp[g])
         for h in range(c.n_q):
-            p.add(AttnReduce(l, h), (cp[h // c.group],), ca[(h * c.hd) // lay.o_k])
+            g = h // c.group
+            p.add(AttnReduce(l, h), (cp[g], ckv[g]) if t.key_in_reduce else (cp[g],), ca[(h * c.hd) // lay.o_k])
         if not lay.o_partial:
             for r in range(0, c.d, t.o_rows):
                 p.add(OProj(l, r, 0), (ca[0],), cx)
