@@ -167,6 +167,16 @@ class Tiling:
             red_rows=min(base.red_rows, next_pow2(d)),
             bk=max(16, min(base.bk, next_pow2(min(d, ffn, cfg.q_dim)))),
         )
+        if d > 2048:
+            # the key at pos merged by ATTN_REDUCE, no one-key split: the 8B decoder -1.3%, a TP rank of
+            # the 70B shape -1.1%, 16 layers of it -1.2% with the O tiles below; the 1B decoder +2.4%
+            # (its QKV is one wave: the prefix splits end with the last split; bench/NOTES.md v48)
+            clamped.update(key_in_reduce=1)
+        if cdiv(d, 2 * base.o_rows) >= 128:
+            # O tiles of twice the rows at half the width (the same 32 KB per pipeline stage) where O
+            # keeps >= 128 of them: the 70B shape's O in one wave of 1 MB tiles (a TP rank's: 512 KB).
+            # TP -1.3%, the 70B layer -0.4..-0.9%, its 16 layers -0.7% (bench/NOTES.md v45, runs 79-82)
+            clamped.update(o_rows=2 * base.o_rows, o_bk=max(16, clamped["bk"] // 2))
         if d <= 2048:
             # small d: gate/up and the LM head stream whole rows in coarse tiles (one 64-row gate/up
             # tile per SM), 5 stages (bench/NOTES.md v28-v30). Not at d 4096: the 8B shape measured

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Layout, Tiling, cdiv, register_layout
+from .base import Layout, Tiling, register_layout
 from .config import ModelConfig
 from .decoder import DecoderLayout
 from .reference import LAYER_KEYS, layer_shapes, rmsnorm, rope, rope_tables
@@ -357,16 +357,10 @@ class TPLayout(Layout):
         70B shape is 128 Q tiles and 32 K/V tiles on 132 SMs; the list scheduler places the K/V tiles
         last, so they are a tail wave every last attention split waits for, and halving them spreads
         it over twice the SMs: 20 layers 5047.7 / 5049.0 -> 5004.0 / 5010.6 us, alternated (-0.8%,
-        bench/NOTES.md v44, run 74; one GPU's 8B decoder measured +2.1% with it).
-        The key at pos goes to ATTN_REDUCE (``key_in_reduce``: no one-key split after that tail, -1.1%,
-        v48, run 80). Where a rank's O projection has at least 128 tiles of twice the rows (the 70B
-        shard: 256 -> 128), O tiles have twice the rows at half the streaming width, one wave of 512 KB
-        tiles instead of two of 256 KB (-1.2%, v45, runs 79-80). ``overrides`` win."""
-        base = Tiling.for_config(sc)
-        q = overrides.get("qkv_rows", base.qkv_rows)
-        auto = {"kv_rows": max(2, q // 2), "key_in_reduce": 1}
-        if cdiv(sc.d, 2 * base.o_rows) >= 128:
-            auto.update(o_rows=2 * base.o_rows, o_bk=max(16, base.bk // 2))
+        bench/NOTES.md v44, run 74; one GPU's 8B decoder measured +2.1% with it). ``overrides`` win.
+        (``Tiling.for_config`` gives the 70B shard ``key_in_reduce`` and O tiles of 64 rows: v45, v48.)"""
+        q = overrides.get("qkv_rows", Tiling.for_config(sc).qkv_rows)
+        auto = {"kv_rows": max(2, q // 2)}
         return Tiling.for_config(sc, **{**auto, **overrides})
 
 

@@ -72,7 +72,7 @@ def test_tensor_parallel_ranks_bitwise():
     x = rand_x(CFG.d, 8)
     sc = TPLayout.of(CFG, 0, 2).cfg
     outs = []
-    for t in (TPLayout.default_tiling(sc, key_in_reduce=0), TPLayout.default_tiling(sc)):
+    for t in (TPLayout.default_tiling(sc), TPLayout.default_tiling(sc, key_in_reduce=1)):
         c = compile_model(CFG, 3, max_seq=64, tiling=t, tp=2, decoder=False)
         kv = make_kv_cache(CFG, 64, 30)
         outs.append(run_tp(c.tapes, w, kv, x, 30, seed=1, calls=2, return_all=True))
