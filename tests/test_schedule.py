@@ -35,7 +35,8 @@ def expected_counts(lay: Layout) -> dict[str, int]:
     c, t = lay.cfg, lay.tiling
     per_layer = {
         "qkv": (c.n_q + 2 * c.n_kv) * (c.hd // t.qkv_rows),   # q heads, k heads, v heads x row tiles
-        "attn_partial": c.n_kv * t.attn_splits,                # one per (KV head, key split)
+        # one per (KV head, key split); with key_in_reduce the merge takes the key at pos: no one-key split
+        "attn_partial": c.n_kv * (t.attn_splits - t.key_in_reduce),
         "oproj": cdiv(c.d, t.o_rows) * lay.n_o_k,             # one per (row tile, K chunk)
         "o_reduce": cdiv(c.d, t.red_rows) if lay.n_o_k > 1 else 0,
         "gate_up": cdiv(c.ffn, t.gu_rows),
