@@ -36,7 +36,7 @@ def _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_out,
 @triton.jit
 def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
                    D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-                   GU_RB: tl.constexpr, GU_BK: tl.constexpr, STAGES: tl.constexpr):
+                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
@@ -44,8 +44,8 @@ def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_pt
     if GU_RB == 0:
         rows = row0 + tl.arange(0, GU_ROWS)
         rm = rows < FFN
-        accg, accu, ss = gemv_stream(g_ptr, rows, u_ptr, rows, rm, xin, nw_ptr, 0, D, D, GU_ROWS, GU_BK, STAGES,
-                                     TWO=True, NORM=True, EVEN=(D % GU_BK == 0) and (FFN % GU_ROWS == 0))
+        accg, accu, ss = gemv_stream(g_ptr, rows, u_ptr, rows, rm, xin, nw_ptr, 0, D, D, GU_ROWS, BK, STAGES,
+                                     TWO=True, NORM=True, EVEN=(D % BK == 0) and (FFN % GU_ROWS == 0))
         rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
         gv = tl.sum(accg, axis=1) * rstd
         uv = tl.sum(accu, axis=1) * rstd
@@ -65,8 +65,8 @@ class GateUp(Instruction):
     NAME = "gate_up"
     STAGE = 4
     ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB",
-            "GU_BK", "STAGES")
-    CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows, "GU_BK": lambda lay: lay.tiling.gu_bk or lay.tiling.bk,
+            "BK", "STAGES")
+    CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
                   "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows)}
     device = gate_up_device
 
@@ -79,10 +79,6 @@ class GateUp(Instruction):
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:
         return 2 * lay.tiling.gu_rows           # gate and up
-
-    @classmethod
-    def stream_width(cls, lay: Layout) -> int:
-        return cls.CONSTEXPRS["GU_BK"](lay)
 
     def check_operands(self, lay: Layout) -> list[str]:
         return (in_range("layer", self.layer, lay.cfg.layers)

@@ -12,7 +12,6 @@ from interp import build_layer, layer_step, teardown
 from opcodes import ModelConfig, Tiling
 from opcodes.base import Layout
 from opcodes.down import Down
-from opcodes.gate_up import GateUp
 from opcodes.oproj import OProj
 from opcodes.qkv import QKV
 from opcodes.reference import make_kv_cache, make_weights, rel_err
@@ -62,8 +61,8 @@ def test_bad_widths_are_named():
         Tiling(qkv_bk=8)
 
 
-@pytest.mark.parametrize("over", [{"gu_rows": 32, "gu_bk": 32, "row_bytes": 0}, {"down_rows": 64, "down_bk": 32}])
-def test_gate_up_and_down_widths_match_the_vm(over):
+@pytest.mark.parametrize("over", [{"down_rows": 64, "down_bk": 32}])
+def test_down_width_matches_the_vm(over):
     w = make_weights(CFG, seed=9)
     x = rand_x(CFG.d, 10)
     kv0 = make_kv_cache(CFG, 64, 13)
@@ -74,5 +73,4 @@ def test_gate_up_and_down_widths_match_the_vm(over):
     ref = run_tape(compile_model(CFG, 5, max_seq=64, tiling=t, pool_us=0).tape, w, clone_cache(kv0), x, 13)
     assert rel_err(y, ref) <= 1e-2
     lay = Layout(CFG, t, 64)
-    cls = GateUp if "gu_bk" in over else Down
-    assert cls.stream_width(lay) == 32 != Layout(CFG, Tiling.for_config(CFG), 64).tiling.bk
+    assert Down.stream_width(lay) == 32 != Layout(CFG, Tiling.for_config(CFG), 64).tiling.bk
