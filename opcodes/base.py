@@ -62,6 +62,9 @@ class Tiling:
     o_k: int = 0            # n_q*hd columns per O-projection tile (0: all, no split)
     gu_rows: int = 16       # rows of gate AND of up per gate/up tile
     down_rows: int = 32     # output rows per down-projection tile
+    # columns a down tile streams per pipeline stage (0: bk): down_rows=64, down_bk=256 on the 70B TP
+    # shard (TPLayout.default_tiling; 20 layers -1.2%, run 83; the 70B layer on one GPU unchanged)
+    down_bk: int = 0
     down_k: int = 7168      # ffn columns (K range) per down-projection tile
     red_rows: int = 1024    # rows per final residual reduction
     attn_splits: int = 16   # splits of the key sequence per KV head
@@ -96,13 +99,13 @@ class Tiling:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "qkv_bk", "key_in_reduce") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "qkv_bk", "key_in_reduce", "down_bk") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Tiling.{f.name} must be a positive int, got {v!r}")
         for k in ("qkv_rows", "kv_rows", "o_rows", "gu_rows", "down_rows", "red_rows", "attn_block", "bk", "num_warps",
-                  "o_bk", "qkv_bk"):
+                  "o_bk", "qkv_bk", "down_bk"):
             v = getattr(self, k)
             if v & (v - 1):
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
@@ -113,7 +116,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
             raise ValueError("Tiling.qkv_rows must be >= 2 (RoPE pairs)")
-        for k in ("o_bk", "qkv_bk"):
+        for k in ("o_bk", "qkv_bk", "down_bk"):
             if 0 < getattr(self, k) < 16:
                 raise ValueError(f"Tiling.{k} must be 0 (bk) or >= 16, got {getattr(self, k)}")
         if self.kv_rows == 1:

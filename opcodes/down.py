@@ -20,14 +20,14 @@ from .common import T_WD, gemv_stream, tab_offset
 @triton.jit
 def down_device(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
                 D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
-                DOWN_CHUNKS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+                DOWN_CHUNKS: tl.constexpr, DOWN_BK: tl.constexpr, STAGES: tl.constexpr):
     w_ptr = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
     out = dpart_ptr + (layer * DOWN_CHUNKS + kc) * D
     rows = row0 + tl.arange(0, DOWN_ROWS)
     rm = rows < D
     acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, act_ptr + layer * FFN, act_ptr, kc * DOWN_K, FFN, DOWN_K,
-                            DOWN_ROWS, BK, STAGES, TWO=False, NORM=False,
-                            EVEN=(FFN % DOWN_K == 0) and (DOWN_K % BK == 0) and (D % DOWN_ROWS == 0))
+                            DOWN_ROWS, DOWN_BK, STAGES, TWO=False, NORM=False,
+                            EVEN=(FFN % DOWN_K == 0) and (DOWN_K % DOWN_BK == 0) and (D % DOWN_ROWS == 0))
     tl.store(out + rows, tl.sum(acc, axis=1), mask=rm)
 
 
@@ -40,9 +40,10 @@ class Down(Instruction):
 
     NAME = "down"
     STAGE = 5
-    ARGS = ("wtab_ptr", "wd_ptr", "act_ptr", "dpart_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS", "BK",
-            "STAGES")
-    CONSTEXPRS = {"DOWN_ROWS": lambda lay: lay.tiling.down_rows, "DOWN_K": lambda lay: lay.tiling.down_k}
+    ARGS = ("wtab_ptr", "wd_ptr", "act_ptr", "dpart_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS",
+            "DOWN_BK", "STAGES")
+    CONSTEXPRS = {"DOWN_ROWS": lambda lay: lay.tiling.down_rows, "DOWN_K": lambda lay: lay.tiling.down_k,
+                  "DOWN_BK": lambda lay: lay.tiling.down_bk or lay.tiling.bk}
     device = down_device
 
     SCRATCH = {"dpart": "fp32"}
@@ -54,6 +55,10 @@ class Down(Instruction):
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:
         return lay.tiling.down_rows
+
+    @classmethod
+    def stream_width(cls, lay: Layout) -> int:
+        return cls.CONSTEXPRS["DOWN_BK"](lay)
 
     def check_operands(self, lay: Layout) -> list[str]:
         return (in_range("layer", self.layer, lay.cfg.layers)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Layout, Tiling, register_layout
+from .base import Layout, Tiling, cdiv, register_layout
 from .config import ModelConfig
 from .decoder import DecoderLayout
 from .reference import LAYER_KEYS, layer_shapes, rmsnorm, rope, rope_tables
@@ -358,9 +358,15 @@ class TPLayout(Layout):
         last, so they are a tail wave every last attention split waits for, and halving them spreads
         it over twice the SMs: 20 layers 5047.7 / 5049.0 -> 5004.0 / 5010.6 us, alternated (-0.8%,
         bench/NOTES.md v44, run 74; one GPU's 8B decoder measured +2.1% with it). ``overrides`` win.
-        (``Tiling.for_config`` gives the 70B shard ``key_in_reduce`` and O tiles of 64 rows: v45, v48.)"""
-        q = overrides.get("qkv_rows", Tiling.for_config(sc).qkv_rows)
+        (``Tiling.for_config`` gives the 70B shard ``key_in_reduce`` and O tiles of 64 rows: v45, v48.)
+        Down tiles of twice the rows at half the width where the shard keeps >= 128 of them per K chunk
+        (the 70B shard: 512 -> 256 tiles of 917 KB): 20 layers -1.2% (v50, run 83; one GPU's 70B layer
+        measured no difference)."""
+        base = Tiling.for_config(sc)
+        q = overrides.get("qkv_rows", base.qkv_rows)
         auto = {"kv_rows": max(2, q // 2)}
+        if cdiv(sc.d, 2 * base.down_rows) >= 128:
+            auto.update(down_rows=2 * base.down_rows, down_bk=max(16, base.bk // 2))
         return Tiling.for_config(sc, **{**auto, **overrides})
 
 

@@ -11,6 +11,7 @@ from conftest import clone_cache, rand_x, require_interpreter
 from interp import build_layer, layer_step, teardown
 from opcodes import ModelConfig, Tiling
 from opcodes.base import Layout
+from opcodes.down import Down
 from opcodes.oproj import OProj
 from opcodes.qkv import QKV
 from opcodes.reference import make_kv_cache, make_weights, rel_err
@@ -58,3 +59,18 @@ def test_bad_widths_are_named():
         Tiling(o_bk=96)
     with pytest.raises(ValueError, match="qkv_bk must be 0"):
         Tiling(qkv_bk=8)
+
+
+@pytest.mark.parametrize("over", [{"down_rows": 64, "down_bk": 32}])
+def test_down_width_matches_the_vm(over):
+    w = make_weights(CFG, seed=9)
+    x = rand_x(CFG.d, 10)
+    kv0 = make_kv_cache(CFG, 64, 13)
+    t = Tiling.for_config(CFG, **over)
+    h = build_layer(w, clone_cache(kv0), CFG.to_dict(), 64, tiling=t)
+    y = layer_step(h, x, 13).clone()
+    teardown(h)
+    ref = run_tape(compile_model(CFG, 5, max_seq=64, tiling=t, pool_us=0).tape, w, clone_cache(kv0), x, 13)
+    assert rel_err(y, ref) <= 1e-2
+    lay = Layout(CFG, t, 64)
+    assert Down.stream_width(lay) == 32 != Layout(CFG, Tiling.for_config(CFG), 64).tiling.bk
