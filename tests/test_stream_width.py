@@ -1,11 +1,9 @@
-"""Per-opcode streaming widths (``Tiling.o_bk``, ``Tiling.qkv_bk``): O tiles and QKV tiles of
-``qkv_rows`` rows stream their own number of columns per pipeline stage, so a tile of twice the
-rows keeps the bytes per stage. Only the fp32 summation order changes: the kernel stays within
-rounding of the tape VM and of the default tiling, and K/V tiles of their own size keep ``bk``."""
+"""Per-opcode streaming widths (``Tiling.o_bk``, ``Tiling.down_bk``): O and down tiles stream their
+own number of columns per pipeline stage, so a tile of twice the rows keeps the bytes per stage.
+Only the fp32 summation order changes: the kernel stays within rounding of the tape VM."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import clone_cache, rand_x, require_interpreter
 from interp import build_layer, layer_step, teardown
@@ -13,7 +11,6 @@ from opcodes import ModelConfig, Tiling
 from opcodes.base import Layout
 from opcodes.down import Down
 from opcodes.oproj import OProj
-from opcodes.qkv import QKV
 from opcodes.reference import make_kv_cache, make_weights, rel_err
 from schedule import compile_model
 from schedule.fluid import FluidModel
@@ -24,7 +21,7 @@ require_interpreter()
 CFG = ModelConfig.from_name("small-2layer")        # d 128, q_dim 128: bk 128
 
 
-@pytest.mark.parametrize("over", [{"o_rows": 64, "o_bk": 32}, {"qkv_bk": 32}, {"qkv_bk": 64, "kv_rows": 16}])
+@pytest.mark.parametrize("over", [{"o_rows": 64, "o_bk": 32}, {"o_rows": 64, "o_bk": 32, "key_in_reduce": 1}])
 def test_kernel_with_own_width_matches_the_vm(over):
     w = make_weights(CFG, seed=7)
     x = rand_x(CFG.d, 8)
@@ -43,11 +40,11 @@ def test_kernel_with_own_width_matches_the_vm(over):
 
 
 def test_widths_reach_the_kernel_and_the_model():
-    t = Tiling.for_config(CFG, o_rows=64, o_bk=32, qkv_bk=64)
+    t = Tiling.for_config(CFG, o_rows=64, o_bk=32)
     lay = Layout(CFG, t, 64)
-    assert OProj.CONSTEXPRS["O_BK"](lay) == 32 and QKV.CONSTEXPRS["Q_BK"](lay) == 64
+    assert OProj.CONSTEXPRS["O_BK"](lay) == 32
     base = Layout(CFG, Tiling.for_config(CFG), 64)
-    assert OProj.CONSTEXPRS["O_BK"](base) == base.tiling.bk == QKV.CONSTEXPRS["Q_BK"](base)
+    assert OProj.CONSTEXPRS["O_BK"](base) == base.tiling.bk
     # the H200 model's per-SM cap follows rows x width: 64 x 32 is half the bytes of 32 x 128 per stage
     m, m0 = FluidModel.h200(lay), FluidModel.h200(base)
     assert m.cap[OProj] < m0.cap[OProj]
@@ -57,8 +54,8 @@ def test_widths_reach_the_kernel_and_the_model():
 def test_bad_widths_are_named():
     with pytest.raises(ValueError, match="o_bk must be a power of two"):
         Tiling(o_bk=96)
-    with pytest.raises(ValueError, match="qkv_bk must be 0"):
-        Tiling(qkv_bk=8)
+    with pytest.raises(ValueError, match="down_bk must be 0"):
+        Tiling(down_bk=8)
 
 
 @pytest.mark.parametrize("over", [{"down_rows": 64, "down_bk": 32}])
