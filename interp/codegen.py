@@ -62,7 +62,8 @@ def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True") -> None:
     step with the counters (never silent). One test per wait on the common path (``seen != wt``),
     the two told apart on the failure path.
 
-    ``tp`` (a tensor-parallel kernel): a counter the peer signals (``peer_sig_ptr[wc] == 1``) may be
+    ``tp`` (a tensor-parallel kernel): a counter the peer signals (``peer_sig_ptr[wc]`` 1, or 2 where
+    the peer signals it through its data, ``Tiling.tp_ll``: the poll checks the words) may be
     past this call's target, since the peer may already be in its next call
     (``schedule.verify.verify_tp`` point 6), so there ``seen > wt`` passes; a counter of this rank
     alone still fails past its target. The polls of a counter the peer signals are system-scope
@@ -79,14 +80,14 @@ def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True") -> None:
             # system scope only where the peer signals the counter; this rank's own counters are
             # released at gpu scope (signal_counter) and acquired at gpu scope
             w(f"{ind}    psig = tl.load(peer_sig_ptr + wc)")
-            w(f"{ind}    seen = poll_tp(cnt_ptr + wc, psig)")
+            w(f"{ind}    seen = poll_tp(cnt_ptr + wc, psig, ll_ptr, ll_tab_ptr, wc, epoch, wt)")
             w(f"{ind}    n = 0")
             # the time bound: read the clock only once a poll has failed (the common path is one poll)
             w(f"{ind}    if seen < wt:")
             w(f"{ind}        t1 = clock_ns({interp})")
             w(f"{ind}        deadline = t1 + tl.load(tp_wait_ptr)")
             w(f"{ind}        while (seen < wt) & (n < spin_limit) & (t1 < deadline):")
-            w(f"{ind}            seen = poll_tp(cnt_ptr + wc, psig)")
+            w(f"{ind}            seen = poll_tp(cnt_ptr + wc, psig, ll_ptr, ll_tab_ptr, wc, epoch, wt)")
             w(f"{ind}            n += 1")
             w(f"{ind}            t1 = clock_ns({interp})")
         else:
@@ -118,7 +119,9 @@ def _emit_signal(w, classes, ind: str, tp: bool) -> None:
         return
     peer_ops = [cls.OPCODE for cls in classes if cls.SIGNALS_PEER]
     w(f"{ind}    if " + " | ".join(f"(op == {o})" for o in peer_ops) + ":")
-    w(f"{ind}        signal_peer_counter(peer_cnt_ptr + sig)")
+    # a counter signalled through data (peer_sig 2, the same index on both ranks): the words were the signal
+    w(f"{ind}        if tl.load(peer_sig_ptr + sig) != 2:")
+    w(f"{ind}            signal_peer_counter(peer_cnt_ptr + sig)")
     w(f"{ind}    else:")
     w(f"{ind}        signal_counter(cnt_ptr + sig)")
 

@@ -330,6 +330,27 @@ def peer_pointers(classes) -> list[str]:
     return ["peer_cnt_ptr"] + [p for cls in classes for p in cls.PEER_POINTERS if p not in TP_POINTERS]
 
 
+def _ll_words(lay, cls, ins, counter: int, tab: torch.Tensor, buf: str | None) -> str:
+    """Extends ``tab[counter]`` (offset in parity slot 0, count, slot stride) by the words ``ins``
+    writes, the signal of a counter signalled through data; returns the buffer they are in (one
+    buffer per kernel, parity-slotted, the words of one counter contiguous)."""
+    (reg,) = ins.writes(lay)
+    if buf not in (None, reg.buf):
+        raise ValueError(f"{cls.NAME}: data-signalled counters in two buffers ({buf}, {reg.buf})")
+    shape, _ = cls.scratch_shapes(lay)[reg.buf], None
+    stride = math.prod(shape) // cls.PARITY_SLOTS.get(reg.buf, 1)
+    lo, n = int(tab[counter, 0]), int(tab[counter, 1])
+    if n == 0:
+        tab[counter] = torch.tensor([reg.lo, reg.hi - reg.lo, stride], dtype=torch.int32)
+    elif reg.lo == lo + n:
+        tab[counter, 1] = n + reg.hi - reg.lo
+    elif reg.hi == lo:
+        tab[counter, 0], tab[counter, 1] = reg.lo, n + reg.hi - reg.lo
+    else:
+        raise ValueError(f"{cls.NAME}: the words signalling counter {counter} are not contiguous")
+    return reg.buf
+
+
 @dataclass
 class Bindings:
     """The device memory a tape's kernel reads and writes, by kernel pointer name."""
@@ -384,10 +405,20 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
         # pointers into the peer's memory are bound by interp.tp.wire_peer, until then a placeholder
         from schedule.tape import decode
         sig = torch.zeros(max(1, tape.n_counters), dtype=torch.int32)
+        ll_tab = torch.zeros(max(1, tape.n_counters), 3, dtype=torch.int32)
+        ll_buf = None
         for d in decode(tape):
-            if type(d.ins).SIGNALS_PEER and d.signal >= 0:
+            cls = type(d.ins)
+            if cls.SIGNALS_PEER and d.signal >= 0:
                 sig[d.signal] = 1
+                if cls.signals_by_data(lay):
+                    sig[d.signal] = 2
+                    ll_buf = _ll_words(lay, cls, d.ins, d.signal, ll_tab, ll_buf)
         avail["peer_sig_ptr"] = sig.to(device)
+        avail["ll_tab_ptr"] = ll_tab.reshape(-1).to(device)
+        if ll_buf:          # no word may carry a call number before the peer writes it
+            scratch[ll_buf].zero_()
+        avail["ll_ptr"] = scratch[ll_buf] if ll_buf else torch.zeros(16, dtype=torch.int64, device=device)
         # every wait's time bound in ns (interp.tp sets it; until then 10 minutes)
         avail["tp_wait_ptr"] = torch.full((2,), 600 * 10**9, dtype=torch.int64, device=device)
         types = kernel_pointers(lay, classes)

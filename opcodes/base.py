@@ -92,11 +92,15 @@ class Tiling:
     # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
     # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
+    # tensor parallel, 1: TP_PUSH signals the peer through its data: every pushed word carries the call
+    # number beside its value (one 8-byte store), and the peer's wait checks the words themselves, so
+    # a push needs no system-scope fence nor a separate signal (a low-latency protocol as NCCL's LL)
+    tp_ll: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "tp_ll") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -108,7 +112,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce"):
+        for k in ("res_fold", "key_in_reduce", "tp_ll"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -415,6 +419,13 @@ class Instruction:
     #: tensor parallel: True where the instruction's signal is a counter of the PEER rank (same
     #: index in the peer's tape), not of its own rank
     SIGNALS_PEER: ClassVar[bool] = False
+
+    @classmethod
+    def signals_by_data(cls, lay: "Layout") -> bool:
+        """Whether this (``SIGNALS_PEER``) opcode's signal is its data (``Tiling.tp_ll``): its words carry
+        the call number, the kernel makes no signal of its own and the peer's waits check the words
+        of its :meth:`writes` region."""
+        return False
     #: tensor parallel: True where the regions :meth:`writes` names are in the PEER rank's buffers
     WRITES_PEER: ClassVar[bool] = False
     #: scratch buffers allocated as several slots, call ``epoch`` using slot ``epoch % n``:
@@ -589,7 +600,11 @@ PER_CALL_POINTERS = {"x_ptr": "bf16", "out_ptr": "bf16"}
 #: (where such an opcode's signal goes), per counter of this rank 1 if the peer signals it (a wait
 #: on it may find the counter past its target: the peer may be a call ahead, ``schedule.verify.verify_tp``),
 #: and the time bound of every wait (one int64, nanoseconds; ``interp.tp`` sets it)
-TP_POINTERS = {"peer_cnt_ptr": "i32", "peer_sig_ptr": "i32", "tp_wait_ptr": "i64"}
+#: ``peer_sig_ptr`` is 2 for a counter the peer signals through data (:meth:`Instruction.signals_by_data`):
+#: ``ll_tab_ptr`` holds, per counter, the words its producers write (offset in parity slot 0, count,
+#: slot stride) in ``ll_ptr`` (this rank's buffer they write), each word ``call << 32 | value bits``
+TP_POINTERS = {"peer_cnt_ptr": "i32", "peer_sig_ptr": "i32", "tp_wait_ptr": "i64", "ll_tab_ptr": "i32",
+               "ll_ptr": "i64"}
 
 
 def signals_peer(classes) -> bool:

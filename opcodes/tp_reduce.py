@@ -22,7 +22,7 @@ from .base import Cost, Layout, Region, Timing, register
 from .common import layer_input, to_bf16
 from .oproj import OProj
 from .residual import Residual
-from .tp_push import TPRowBlock, recv_slot, tp_partial
+from .tp_push import TPRowBlock, ll_unpack, ll_unpack_torch, recv_slot, tp_partial
 
 
 @triton.jit
@@ -33,8 +33,8 @@ def tp_reduce_device(layer, stage, row0, epoch, x_ptr, xout_ptr, out_ptr, x1_ptr
     rm = rows < D
     mine = tp_partial(layer, stage, rows, rm, opart_ptr, dpart_ptr, D, O_CHUNKS, DOWN_CHUNKS, RED_ROWS)
     slot = epoch % 2
-    peer = tl.load(tp_recv_ptr + ((slot * LAYERS + layer) * 2 + stage) * D + rows, mask=rm, other=0.0,
-                   cache_modifier=".cg")
+    peer = ll_unpack(tl.load(tp_recv_ptr + ((slot * LAYERS + layer) * 2 + stage) * D + rows, mask=rm, other=0,
+                             volatile=True), epoch)
     if TP_RANK == 0:
         s = mine + peer
     else:
@@ -99,7 +99,7 @@ class TPReduce(TPRowBlock):
         c = lay.cfg
         lo, hi = self._rows(lay)
         mine = self.own_partial(lay, st)
-        peer = recv_slot(lay, st.buf["tp_recv"], st.epoch)[self.layer, self.stage, lo:hi]
+        peer = ll_unpack_torch(recv_slot(lay, st.buf["tp_recv"], st.epoch)[self.layer, self.stage, lo:hi], st.epoch)
         s = mine + peer if lay.tp_rank == 0 else peer + mine
         if self.stage == 0:
             st.buf["x1"].view(c.layers, c.d)[self.layer, lo:hi] = st.layer_input(self.layer)[lo:hi].float() + s
