@@ -113,11 +113,15 @@ def _emit_signal(w, classes, ind: str, tp: bool) -> None:
     """The instruction's signal: this rank's counter, or (a ``SIGNALS_PEER`` opcode of a
     tensor-parallel kernel) the peer's counter of the same index, with a system-scope release."""
     w(f"{ind}sig = tl.load(ins + 5)")
-    w(f"{ind}if sig >= 0:")
+    both = [cls.OPCODE for cls in classes if cls.TO_BOTH]     # their words are their signal (Tiling.tp_direct)
+    w(f"{ind}if (sig >= 0)" + "".join(f" & (op != {o})" for o in both) + ":")
     if not tp:
         w(f"{ind}    signal_counter(cnt_ptr + sig)")
         return
     peer_ops = [cls.OPCODE for cls in classes if cls.SIGNALS_PEER]
+    if not peer_ops:            # a tp_direct kernel: no TP_PUSH
+        w(f"{ind}    signal_counter(cnt_ptr + sig)")
+        return
     w(f"{ind}    if " + " | ".join(f"(op == {o})" for o in peer_ops) + ":")
     # a counter signalled through data (peer_sig 2, the same index on both ranks): the words were the signal
     w(f"{ind}        if tl.load(peer_sig_ptr + sig) != 2:")

@@ -330,25 +330,18 @@ def peer_pointers(classes) -> list[str]:
     return ["peer_cnt_ptr"] + [p for cls in classes for p in cls.PEER_POINTERS if p not in TP_POINTERS]
 
 
-def _ll_words(lay, cls, ins, counter: int, tab: torch.Tensor, buf: str | None) -> str:
-    """Extends ``tab[counter]`` (offset in parity slot 0, count, slot stride) by the words ``ins``
-    writes, the signal of a counter signalled through data; returns the buffer they are in (one
-    buffer per kernel, parity-slotted, the words of one counter contiguous)."""
-    (reg,) = ins.writes(lay)
-    if buf not in (None, reg.buf):
-        raise ValueError(f"{cls.NAME}: data-signalled counters in two buffers ({buf}, {reg.buf})")
-    shape, _ = cls.scratch_shapes(lay)[reg.buf], None
-    stride = math.prod(shape) // cls.PARITY_SLOTS.get(reg.buf, 1)
-    lo, n = int(tab[counter, 0]), int(tab[counter, 1])
-    if n == 0:
-        tab[counter] = torch.tensor([reg.lo, reg.hi - reg.lo, stride], dtype=torch.int32)
-    elif reg.lo == lo + n:
-        tab[counter, 1] = n + reg.hi - reg.lo
-    elif reg.hi == lo:
-        tab[counter, 0], tab[counter, 1] = reg.lo, n + reg.hi - reg.lo
-    else:
-        raise ValueError(f"{cls.NAME}: the words signalling counter {counter} are not contiguous")
-    return reg.buf
+def _ll_words(lay, d, counter: int, buf: str, stride: int, tab: torch.Tensor) -> None:
+    """``tab[counter]`` (offset in parity slot 0, count, slot stride): the words of ``buf`` that the
+    instruction ``d``, which waits on the data-signalled ``counter``, reads: one range; every waiter on
+    one counter reads the same."""
+    regs = [r for r in d.ins.reads(lay) if r.buf == buf]
+    if len(regs) != 1:
+        raise ValueError(f"{d.ins}: waits on data-signalled counter {counter} but reads {len(regs)} ranges of {buf}")
+    (reg,) = regs
+    row = torch.tensor([reg.lo, reg.hi - reg.lo, stride], dtype=torch.int32)
+    if int(tab[counter, 1]) and not torch.equal(tab[counter], row):
+        raise ValueError(f"data-signalled counter {counter}: its waiters read different words")
+    tab[counter] = row
 
 
 @dataclass
@@ -407,13 +400,22 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
         sig = torch.zeros(max(1, tape.n_counters), dtype=torch.int32)
         ll_tab = torch.zeros(max(1, tape.n_counters), 3, dtype=torch.int32)
         ll_buf = None
-        for d in decode(tape):
+        decoded = decode(tape)
+        for d in decoded:
             cls = type(d.ins)
-            if cls.SIGNALS_PEER and d.signal >= 0:
-                sig[d.signal] = 1
-                if cls.signals_by_data(lay):
-                    sig[d.signal] = 2
-                    ll_buf = _ll_words(lay, cls, d.ins, d.signal, ll_tab, ll_buf)
+            if (cls.SIGNALS_PEER or cls.TO_BOTH) and d.signal >= 0:
+                sig[d.signal] = 2 if cls.signals_by_data(lay) else 1
+                if sig[d.signal] == 2:
+                    (reg,) = d.ins.writes(lay)
+                    if ll_buf not in (None, reg.buf):
+                        raise ValueError(f"{cls.NAME}: data-signalled counters in two buffers ({ll_buf}, {reg.buf})")
+                    ll_buf = reg.buf
+        if ll_buf:                 # a data-signalled wait checks the words its instruction reads
+            stride = math.prod(tape.buffers()[ll_buf][0]) // 2          # two parity slots
+            for d in decoded:
+                for c, _ in d.waits:
+                    if sig[c] == 2:
+                        _ll_words(lay, d, c, ll_buf, stride, ll_tab)
         avail["peer_sig_ptr"] = sig.to(device)
         avail["ll_tab_ptr"] = ll_tab.reshape(-1).to(device)
         if ll_buf:          # no word may carry a call number before the peer writes it

@@ -96,11 +96,14 @@ class Tiling:
     # number beside its value (one 8-byte store), and the peer's wait checks the words themselves, so
     # a push needs no system-scope fence nor a separate signal (a low-latency protocol as NCCL's LL)
     tp_ll: int = 0
+    # tensor parallel, 1 (needs tp_ll): O and down tiles write their partial rows, tagged with the call,
+    # into both ranks' tp_parts, and TP_REDUCE waits on those words: no TP_PUSH stage, no dispatch hop
+    tp_direct: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "tp_ll") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "tp_ll", "tp_direct") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -112,7 +115,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "tp_ll"):
+        for k in ("res_fold", "key_in_reduce", "tp_ll", "tp_direct"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -422,12 +425,31 @@ class Instruction:
 
     @classmethod
     def signals_by_data(cls, lay: "Layout") -> bool:
-        """Whether this (``SIGNALS_PEER``) opcode's signal is its data (``Tiling.tp_ll``): its words carry
-        the call number, the kernel makes no signal of its own and the peer's waits check the words
-        of its :meth:`writes` region."""
+        """Whether this (``SIGNALS_PEER`` or ``TO_BOTH``) opcode's signal is its data (``Tiling.tp_ll``):
+        its words carry the call number, the kernel makes no signal of its own and a wait on its
+        counter checks the words the waiting instruction reads from the buffer they are in."""
         return False
     #: tensor parallel: True where the regions :meth:`writes` names are in the PEER rank's buffers
     WRITES_PEER: ClassVar[bool] = False
+    #: tensor parallel: True where the instruction signals the counter of its index on BOTH ranks and
+    #: writes the regions of :meth:`writes` in both ranks' buffers (``Tiling.tp_direct``: an O or down
+    #: tile's partial goes to its rank and to the peer, and each rank's TP_REDUCE waits on both)
+    TO_BOTH: ClassVar[bool] = False
+
+    @classmethod
+    def signal_ranks(cls, r: int) -> tuple[int, ...]:
+        """The ranks whose counter of its index an instruction of rank ``r`` signals."""
+        return (r, 1 - r) if cls.TO_BOTH else (1 - r,) if cls.SIGNALS_PEER else (r,)
+
+    def mirror_writes(self, lay: "Layout") -> list:
+        """``TO_BOTH``: the regions the PEER's instance of this instruction writes in this rank's buffers
+        (for checking one rank's tape alone)."""
+        return []
+
+    @classmethod
+    def write_ranks(cls, r: int) -> tuple[int, ...]:
+        """The ranks whose buffers an instruction of rank ``r`` writes (its :meth:`writes` regions)."""
+        return (r, 1 - r) if cls.TO_BOTH else (1 - r,) if cls.WRITES_PEER else (r,)
     #: scratch buffers allocated as several slots, call ``epoch`` using slot ``epoch % n``:
     #: name -> n. :meth:`scratch_shapes` gives the whole allocation; :meth:`reads` / :meth:`writes`
     #: name offsets inside one slot (the verifier checks one slot per call)
@@ -609,7 +631,7 @@ TP_POINTERS = {"peer_cnt_ptr": "i32", "peer_sig_ptr": "i32", "tp_wait_ptr": "i64
 
 def signals_peer(classes) -> bool:
     """Whether a kernel of these opcodes is a tensor-parallel one (it signals the peer's counters)."""
-    return any(cls.SIGNALS_PEER for cls in classes)
+    return any(cls.SIGNALS_PEER or cls.TO_BOTH for cls in classes)
 #: the per-layer offset table of :attr:`Layout.TENSORS`
 TABLE_POINTER = ("wtab_ptr", "i64")
 

@@ -120,6 +120,38 @@ def ll_unpack_torch(w: torch.Tensor, epoch: int) -> torch.Tensor:
     return torch.where((w >> 32) == int(epoch), y, torch.full_like(y, float("nan")))
 
 
+# ---- tp_parts (Tiling.tp_direct): the partial rows O and down tiles write into both ranks -----------------
+# One parity slot is [layer][stage 0: row block][src rank][O chunk][row] then [stage 1: ... down chunk ...]:
+# a row block's words, both ranks' and every chunk's, are one contiguous range (what TP_REDUCE waits on).
+
+def parts_slot_words(lay: Layout) -> int:
+    """Words of one parity slot of ``tp_parts``."""
+    return lay.cfg.layers * 2 * lay.cfg.d * (lay.n_o_k + lay.n_down_k)
+
+
+def parts_shape(lay: Layout) -> tuple[int, int]:
+    """``tp_parts``: two parity slots, empty unless ``Tiling.tp_direct`` (the writers and TP_REDUCE declare it
+    alike, so that every TP kernel has the pointer TP_REDUCE takes)."""
+    return (2, parts_slot_words(lay) if lay.tiling.tp_direct else 0)
+
+
+def parts_offset(lay: Layout, layer: int, stage: int, row: int, src: int, ch: int) -> int:
+    """The word of ``row`` of rank ``src``'s chunk ``ch`` of ``stage`` (0: O, 1: down) in one slot."""
+    d, rr = lay.cfg.d, lay.tiling.red_rows
+    chs = lay.n_o_k if stage == 0 else lay.n_down_k
+    base = layer * 2 * d * (lay.n_o_k + lay.n_down_k) + stage * 2 * d * lay.n_o_k
+    return base + ((row // rr * 2 + src) * chs + ch) * rr + row % rr
+
+
+@triton.jit
+def parts_offsets(layer, stage, rows, src, ch, D: tl.constexpr, RED_ROWS: tl.constexpr, O_CHUNKS: tl.constexpr,
+                  DOWN_CHUNKS: tl.constexpr):
+    """:func:`parts_offset` of the rows ``rows`` (a tensor), in the kernel."""
+    chs = tl.where(stage == 0, O_CHUNKS, DOWN_CHUNKS)
+    base = layer * (2 * D * (O_CHUNKS + DOWN_CHUNKS)) + stage * (2 * D * O_CHUNKS)
+    return base + ((rows // RED_ROWS * 2 + src) * chs + ch) * RED_ROWS + rows % RED_ROWS
+
+
 def recv_slot(lay: Layout, buf: torch.Tensor, epoch: int) -> torch.Tensor:
     """The slot of ``tp_recv`` (a flat tensor of both slots) that call ``epoch`` uses, as [layers, 2, d]."""
     c = lay.cfg
@@ -154,7 +186,8 @@ class TPPush(TPRowBlock):
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
-        return {"tp_recv": (2, lay.cfg.layers, len(STAGES), lay.cfg.d)}
+        # empty with Tiling.tp_direct (no TP_PUSH; TP_REDUCE declares it alike for its pointer)
+        return {"tp_recv": (2, lay.cfg.layers, len(STAGES), 0 if lay.tiling.tp_direct else lay.cfg.d)}
 
     def reads(self, lay: Layout) -> list[Region]:
         return self.own_parts(lay)

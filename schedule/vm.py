@@ -279,7 +279,8 @@ def _run_tp(tapes: list[Tape], weights: dict, kv_cache: list, inp: torch.Tensor,
         k, s, d = rng.choice(ready) if rng is not None else ready[0]
         d.ins.run_torch(k.tape.lay, k.st)
         if d.signal >= 0:
-            counters[1 - k.r if type(d.ins).SIGNALS_PEER else k.r][d.signal] += 1
+            for sr in type(d.ins).signal_ranks(k.r):
+                counters[sr][d.signal] += 1
         if k.heads[s] < len(k.queues[s]):
             k.heads[s] += 1
         else:

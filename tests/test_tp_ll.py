@@ -1,9 +1,12 @@
-"""TP_PUSH signalling through its data (``Tiling.tp_ll``): each pushed word carries the call number in
-its high half, the kernel makes no system-scope fence nor signal for the push, and the peer's wait on
-the push's counter checks the words (``interp.sync.ll_seen``). Run in the CPU loopback (both ranks
-in this process under the Triton interpreter): the same results, bitwise, as the counter protocol;
-a peer that never launches is still reported in bounded time; and after a failure no word of an
-earlier call is taken for one of the next (the buffer is zeroed with the counters)."""
+"""Cross-rank signals through data. ``Tiling.tp_ll``: each TP_PUSH word carries the call number in its
+high half, the kernel makes no system-scope fence nor signal for the push, and the peer's wait on the
+push's counter checks the words (``interp.sync.ll_seen``). ``Tiling.tp_direct`` (with tp_ll): no
+TP_PUSH at all, the O and down tiles (OPROJ_TP / DOWN_TP) write their rows into both ranks' ``tp_parts``
+and TP_REDUCE waits on those words. In the tape VM and the CPU loopback (both ranks in this process
+under the Triton interpreter): the same results, bitwise, as the counter protocol; a peer that never
+launches is still reported in bounded time; after a failure no word of an earlier call is taken for
+one of the next (the buffer is zeroed with the counters); the verifier names a reduce that does not
+wait for the words it reads."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +18,11 @@ from interp.tp import INTERPRETER_TP_SPIN_LIMIT, build_tp_layers, tp_layer_step,
 from opcodes import PRESETS
 from opcodes.reference import make_kv_cache, make_weights
 from opcodes.tp import TPLayout, shard_config, shard_kv_cache, shard_weights
+from opcodes.tp_reduce import TPReduce
+from schedule import compile_model
+from schedule.tape import Tape, decode
+from schedule.verify import TapeError, verify_tp
+from schedule.vm import run_tp
 
 require_interpreter()
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -23,8 +31,11 @@ CFG = PRESETS["small-2layer"]
 MAX_SEQ, POS = 64, 19
 
 
-def _tiling(ll: int):
-    return TPLayout.default_tiling(shard_config(CFG, 0, 2), tp_ll=ll)
+MODES = {0: {}, 1: {"tp_ll": 1}, 2: {"tp_ll": 1, "tp_direct": 1}}     # counters, tp_ll, tp_direct
+
+
+def _tiling(mode: int):
+    return TPLayout.default_tiling(shard_config(CFG, 0, 2), **MODES[mode])
 
 
 def _build(ll: int, kv, **kw):
@@ -38,10 +49,43 @@ def _x(seed: int) -> torch.Tensor:
     return torch.randn(1, CFG.d, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-def test_data_signals_give_the_counter_protocols_results_bitwise():
+def test_the_vm_gives_the_same_results_without_tp_push():
+    w = make_weights(CFG)
+    x = _x(4)
+    outs, pushes = [], []
+    for mode in (0, 2):
+        c = compile_model(CFG, 3, max_seq=MAX_SEQ, tiling=_tiling(mode), tp=2, decoder=False)
+        pushes.append(sum(d.ins.NAME == "tp_push" for d in decode(c.tapes[0])))
+        outs.append(run_tp(c.tapes, w, make_kv_cache(CFG, MAX_SEQ, POS), x, POS, seed=2, calls=3, return_all=True))
+    assert pushes == [CFG.layers * 2, 0]
+    for a, b in zip(*outs):
+        assert torch.equal(b[0], b[1]) and torch.equal(a[0], b[0])
+
+
+def test_verifier_names_a_reduce_that_does_not_wait_for_the_words():
+    c = compile_model(CFG, 2, max_seq=MAX_SEQ, tiling=_tiling(2), tp=2, decoder=False, pool_us=0.0)
+    t0, t1 = c.tapes
+    words = t0.words.clone()
+    k = next(d.slot for d in decode(t0) if isinstance(d.ins, TPReduce) and d.ins.stage == 0)
+    words[k, 1], words[k, 2] = -1, 0                     # drop its wait on recv_o
+    bad = Tape(t0.lay, t0.num_sms, words, t0.offsets.clone(), list(t0.counters), list(t0.prog_index),
+               dict(t0.meta), t0.pool_counter)
+    with pytest.raises(TapeError, match=r"rank 0 instruction \d+ \(tp_reduce, sm \d\): reads rank 0's tp_parts"
+                                        r"\[\d+:\d+\] written by rank \d instruction \d+ \(oproj_tp"):
+        verify_tp([bad, t1])
+
+
+def test_direct_needs_tp_ll():
+    with pytest.raises(ValueError, match="tp_direct = 1 needs tp_ll = 1"):
+        compile_model(CFG, 2, max_seq=MAX_SEQ, tiling=TPLayout.default_tiling(shard_config(CFG, 0, 2), tp_direct=1),
+                      tp=2, decoder=False)
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_data_signals_give_the_counter_protocols_results_bitwise(mode):
     kv = make_kv_cache(CFG, MAX_SEQ, POS)
     outs = []
-    for ll in (0, 1):
+    for ll in (0, mode):
         h = _build(ll, clone_cache(kv))
         try:
             if ll:
@@ -60,9 +104,10 @@ def test_data_signals_give_the_counter_protocols_results_bitwise():
         assert torch.equal(a, b) and not a.isnan().any()
 
 
-def test_a_dead_peer_is_reported_and_no_stale_word_is_taken():
+@pytest.mark.parametrize("mode", [1, 2])
+def test_a_dead_peer_is_reported_and_no_stale_word_is_taken(mode):
     kv = make_kv_cache(CFG, MAX_SEQ, POS)
-    h = _build(1, clone_cache(kv), spin_limit=400)
+    h = _build(mode, clone_cache(kv), spin_limit=400)
     try:
         for k in h.ranks:
             k.spin_limit = INTERPRETER_TP_SPIN_LIMIT

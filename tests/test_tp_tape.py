@@ -57,7 +57,7 @@ def test_tp1_is_unchanged_and_tp2_layouts():
     b = compile_model(CFG2, 3, max_seq=MAX_SEQ, decoder=False, tp=1)
     assert torch.equal(a.tape.words, b.tape.words) and type(a.tape.lay) is Layout
     assert not (TPPush.IN_EVERY_KERNEL or TPReduce.IN_EVERY_KERNEL) and TPPush.SIGNALS_PEER and TPPush.WRITES_PEER
-    assert list(REGISTRY)[-4:-2] == ["tp_push", "tp_reduce"]        # then the cross-rank argmax (test_tp_decoder)
+    assert list(REGISTRY)[-6:-4] == ["tp_push", "tp_reduce"]   # then the cross-rank argmax, oproj_tp, down_tp
     c = _compile(CFG2)
     assert len(c.tapes) == 2 and "cross-rank" in str(c.report)
     for r, t in enumerate(c.tapes):
@@ -233,4 +233,4 @@ def k_red(layer, stage, row0, epoch, x_ptr, xout_ptr, out_ptr, x1_ptr, opart_ptr
           L: tl.constexpr, D: tl.constexpr, OC: tl.constexpr, DC: tl.constexpr, RR: tl.constexpr,
           RANK: tl.constexpr):
     tp_reduce_device(layer, stage, row0, epoch, x_ptr, xout_ptr, out_ptr, x1_ptr, opart_ptr, dpart_ptr, recv_ptr,
-                     L, D, OC, DC, RR, RANK, True)
+                     recv_ptr, L, D, OC, DC, RR, RANK, False, True)
