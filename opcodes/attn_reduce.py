@@ -111,7 +111,9 @@ class AttnReduce(Instruction):
 
     def cost(self, lay: Layout) -> Cost:
         c, ns = lay.cfg, lay.attn_instr_splits
-        return Cost(hbm_bytes=0, l2_bytes=4 * (ns * (c.hd + 2) + c.hd), flops=3 * ns * c.hd)
+        # with key_in_reduce the key at pos (K and V rows) is read here: counted once per KV group
+        key = 2 * 2 * c.hd if lay.tiling.key_in_reduce and self.h % c.group == 0 else 0
+        return Cost(hbm_bytes=key, l2_bytes=4 * (ns * (c.hd + 2) + c.hd), flops=3 * ns * c.hd)
 
     def run_torch(self, lay: Layout, st) -> None:
         c, ns = lay.cfg, lay.attn_instr_splits
