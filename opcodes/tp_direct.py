@@ -40,15 +40,17 @@ def oproj_tp_device(layer, row0, oc, epoch, wtab_ptr, wo_ptr, attn_ptr, tp_parts
                     LAYERS: tl.constexpr, D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, O_ROWS: tl.constexpr,
                     O_K: tl.constexpr, O_BK: tl.constexpr, STAGES: tl.constexpr, RED_ROWS: tl.constexpr,
                     O_CHUNKS: tl.constexpr, DOWN_CHUNKS: tl.constexpr, TP_RANK: tl.constexpr):
-    QD: tl.constexpr = NQ * HD
-    w_ptr = wo_ptr + tab_offset(wtab_ptr, layer, T_WO)
     rows = row0 + tl.arange(0, O_ROWS)
     rm = rows < D
+    # the GEMV of oproj_device (written out again: a shared helper reorders the one-GPU kernels' PTX)
+    QD: tl.constexpr = NQ * HD
+    w_ptr = wo_ptr + tab_offset(wtab_ptr, layer, T_WO)
     acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, attn_ptr + layer * QD, attn_ptr, oc * O_K, QD, O_K,
                             O_ROWS, O_BK, STAGES, TWO=False, NORM=False,
                             EVEN=(QD % O_K == 0) and (O_K % O_BK == 0) and (D % O_ROWS == 0))
-    _store_both(tl.sum(acc, axis=1), rows, rm, layer, 0, oc, epoch, tp_parts_ptr, peer_parts_ptr, LAYERS, D,
-                RED_ROWS, O_CHUNKS, DOWN_CHUNKS, TP_RANK)
+    y = tl.sum(acc, axis=1)
+    _store_both(y, rows, rm, layer, 0, oc, epoch, tp_parts_ptr, peer_parts_ptr, LAYERS, D, RED_ROWS, O_CHUNKS,
+                DOWN_CHUNKS, TP_RANK)
 
 
 @triton.jit
@@ -56,14 +58,16 @@ def down_tp_device(layer, row0, kc, epoch, wtab_ptr, wd_ptr, act_ptr, tp_parts_p
                    LAYERS: tl.constexpr, D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr,
                    DOWN_K: tl.constexpr, DOWN_BK: tl.constexpr, STAGES: tl.constexpr, RED_ROWS: tl.constexpr,
                    O_CHUNKS: tl.constexpr, DOWN_CHUNKS: tl.constexpr, TP_RANK: tl.constexpr):
-    w_ptr = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
     rows = row0 + tl.arange(0, DOWN_ROWS)
     rm = rows < D
+    # the GEMV of down_device (written out again, as above)
+    w_ptr = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
     acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, act_ptr + layer * FFN, act_ptr, kc * DOWN_K, FFN, DOWN_K,
                             DOWN_ROWS, DOWN_BK, STAGES, TWO=False, NORM=False,
                             EVEN=(FFN % DOWN_K == 0) and (DOWN_K % DOWN_BK == 0) and (D % DOWN_ROWS == 0))
-    _store_both(tl.sum(acc, axis=1), rows, rm, layer, 1, kc, epoch, tp_parts_ptr, peer_parts_ptr, LAYERS, D,
-                RED_ROWS, O_CHUNKS, DOWN_CHUNKS, TP_RANK)
+    y = tl.sum(acc, axis=1)
+    _store_both(y, rows, rm, layer, 1, kc, epoch, tp_parts_ptr, peer_parts_ptr, LAYERS, D, RED_ROWS, O_CHUNKS,
+                DOWN_CHUNKS, TP_RANK)
 
 
 class _ToBoth:
