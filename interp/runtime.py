@@ -404,7 +404,7 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
         for d in decoded:
             cls = type(d.ins)
             if (cls.SIGNALS_PEER or cls.TO_BOTH) and d.signal >= 0:
-                sig[d.signal] = 2 if cls.signals_by_data(lay) else 1
+                sig[d.signal] = 2 if cls.TO_BOTH else 1      # a TO_BOTH opcode's words are its signal
                 if sig[d.signal] == 2:
                     (reg,) = d.ins.writes(lay)
                     if ll_buf not in (None, reg.buf):

@@ -39,9 +39,9 @@ LL_BLOCK = 1024
 
 @triton.jit
 def ll_seen(ll_ptr, ll_tab_ptr, wc, epoch, wt):
-    """One poll of a counter the peer signals through its data: ``wt`` (the target) once every word
-    of its producers (``ll_tab_ptr[wc]``: offset in parity slot 0, count, slot stride) carries this
-    call's number in its high half, else ``wt - 1``. Volatile loads: each poll reads memory."""
+    """One poll of a counter signalled through data: ``wt`` (the target) once every word a wait on it
+    checks (``ll_tab_ptr[wc]``: offset in parity slot 0, count, slot stride) carries this call's number
+    in its high half, else ``wt - 1``. Volatile loads: each poll reads memory."""
     off = tl.load(ll_tab_ptr + 3 * wc) + (epoch % 2) * tl.load(ll_tab_ptr + 3 * wc + 2)
     n = tl.load(ll_tab_ptr + 3 * wc + 1)
     bad = wc * 0
@@ -53,16 +53,24 @@ def ll_seen(ll_ptr, ll_tab_ptr, wc, epoch, wt):
 
 
 @triton.jit
-def poll_tp(ptr, peer, ll_ptr, ll_tab_ptr, wc, epoch, wt):
+def poll_tp(ptr, peer):
     """Tensor parallel: one poll of a counter, a system-scope acquire where the peer GPU signals it
-    (``peer`` == 1), a check of the words it signals with where it signals through data (``peer`` == 2,
-    :func:`ll_seen`), else a gpu-scope acquire (this rank's own SMs release it at gpu scope)."""
-    if peer == 2:
-        v = ll_seen(ll_ptr, ll_tab_ptr, wc, epoch, wt)
-    elif peer != 0:
+    (``peer`` != 0), else a gpu-scope one (this rank's own SMs release it at gpu scope)."""
+    if peer != 0:
         v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
     else:
         v = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    return v
+
+
+@triton.jit
+def poll_tp_ll(ptr, peer, ll_ptr, ll_tab_ptr, wc, epoch, wt):
+    """:func:`poll_tp` in a kernel with data-signalled counters (``Tiling.tp_direct``): where ``peer``
+    is 2 the poll checks the words (:func:`ll_seen`)."""
+    if peer == 2:
+        v = ll_seen(ll_ptr, ll_tab_ptr, wc, epoch, wt)
+    else:
+        v = poll_tp(ptr, peer)
     return v
 
 

@@ -92,18 +92,15 @@ class Tiling:
     # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
     # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
-    # tensor parallel, 1: TP_PUSH signals the peer through its data: every pushed word carries the call
-    # number beside its value (one 8-byte store), and the peer's wait checks the words themselves, so
-    # a push needs no system-scope fence nor a separate signal (a low-latency protocol as NCCL's LL)
-    tp_ll: int = 0
-    # tensor parallel, 1 (needs tp_ll): O and down tiles write their partial rows, tagged with the call,
-    # into both ranks' tp_parts, and TP_REDUCE waits on those words: no TP_PUSH stage, no dispatch hop
+    # tensor parallel, 1: O and down tiles write their partial rows, each word tagged with the call, into
+    # both ranks' tp_parts, and TP_REDUCE_D waits on those words (no fence, no counter): no TP_PUSH stage,
+    # no dispatch hop (opcodes/tp_direct.py; not yet measured on a GPU: bench/NOTES.md v54)
     tp_direct: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "tp_ll", "tp_direct") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "tp_direct") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -115,7 +112,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "tp_ll", "tp_direct"):
+        for k in ("res_fold", "key_in_reduce", "tp_direct"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -423,17 +420,12 @@ class Instruction:
     #: index in the peer's tape), not of its own rank
     SIGNALS_PEER: ClassVar[bool] = False
 
-    @classmethod
-    def signals_by_data(cls, lay: "Layout") -> bool:
-        """Whether this (``SIGNALS_PEER`` or ``TO_BOTH``) opcode's signal is its data (``Tiling.tp_ll``):
-        its words carry the call number, the kernel makes no signal of its own and a wait on its
-        counter checks the words the waiting instruction reads from the buffer they are in."""
-        return False
     #: tensor parallel: True where the regions :meth:`writes` names are in the PEER rank's buffers
     WRITES_PEER: ClassVar[bool] = False
     #: tensor parallel: True where the instruction signals the counter of its index on BOTH ranks and
     #: writes the regions of :meth:`writes` in both ranks' buffers (``Tiling.tp_direct``: an O or down
-    #: tile's partial goes to its rank and to the peer, and each rank's TP_REDUCE waits on both)
+    #: tile's partial goes to its rank and to the peer, and each rank's TP_REDUCE_D waits on both). Its
+    #: signal is its data: words tagged with the call, which a wait on the counter checks
     TO_BOTH: ClassVar[bool] = False
 
     @classmethod
@@ -622,11 +614,16 @@ PER_CALL_POINTERS = {"x_ptr": "bf16", "out_ptr": "bf16"}
 #: (where such an opcode's signal goes), per counter of this rank 1 if the peer signals it (a wait
 #: on it may find the counter past its target: the peer may be a call ahead, ``schedule.verify.verify_tp``),
 #: and the time bound of every wait (one int64, nanoseconds; ``interp.tp`` sets it)
-#: ``peer_sig_ptr`` is 2 for a counter the peer signals through data (:meth:`Instruction.signals_by_data`):
-#: ``ll_tab_ptr`` holds, per counter, the words its producers write (offset in parity slot 0, count,
-#: slot stride) in ``ll_ptr`` (this rank's buffer they write), each word ``call << 32 | value bits``
-TP_POINTERS = {"peer_cnt_ptr": "i32", "peer_sig_ptr": "i32", "tp_wait_ptr": "i64", "ll_tab_ptr": "i32",
-               "ll_ptr": "i64"}
+TP_POINTERS = {"peer_cnt_ptr": "i32", "peer_sig_ptr": "i32", "tp_wait_ptr": "i64"}
+#: and where a ``TO_BOTH`` opcode is in the kernel (``Tiling.tp_direct``): ``peer_sig_ptr`` is 2 for the
+#: counters it signals through its data, ``ll_tab_ptr`` holds per counter the words a wait on it checks
+#: (offset in parity slot 0, count, slot stride) in ``ll_ptr`` (this rank's buffer of those words)
+LL_POINTERS = {"ll_tab_ptr": "i32", "ll_ptr": "i64"}
+
+
+def data_signals(classes) -> bool:
+    """Whether a kernel of these opcodes has waits on words (a ``TO_BOTH`` opcode's signals)."""
+    return any(cls.TO_BOTH for cls in classes)
 
 
 def signals_peer(classes) -> bool:
@@ -649,6 +646,8 @@ def pointer_types(lay: Layout, used=()) -> dict[str, str]:
     _merge(out, {p: "bf16" for _, p in lay.MODEL_TENSORS}, "pointer", type(lay).__name__)
     if signals_peer(kernel_classes(used)):
         _merge(out, dict(TP_POINTERS), "pointer", "the tensor-parallel runtime")
+    if data_signals(kernel_classes(used)):
+        _merge(out, dict(LL_POINTERS), "pointer", "the tensor-parallel runtime")
     return {k: v for k, (_, v) in out.items()}
 
 
@@ -667,4 +666,6 @@ def kernel_pointers(lay: Layout, used=()) -> dict[str, str]:
                 taken.add(a)
     if signals_peer(kernel_classes(used)):
         taken.update(TP_POINTERS)
+    if data_signals(kernel_classes(used)):
+        taken.update(LL_POINTERS)
     return {k: v for k, v in known.items() if k in taken}

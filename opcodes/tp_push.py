@@ -47,21 +47,6 @@ def tp_partial(layer, stage, rows, rm, opart_ptr, dpart_ptr, D: tl.constexpr, O_
 
 
 @triton.jit
-def ll_pack(y, epoch):
-    """fp32 values -> the 8-byte words of ``tp_recv``: ``epoch << 32 | bits(y)``, one store each, so a
-    word read whole is this call's value exactly when its high half is ``epoch``."""
-    return (epoch.to(tl.int64) << 32) | (y.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
-
-
-@triton.jit
-def ll_unpack(w, epoch):
-    """The fp32 values of ``tp_recv`` words; NaN where a word is not this call's (never, if the wait
-    checked them: a NaN in the output is a broken protocol made loud)."""
-    y = w.to(tl.int32).to(tl.float32, bitcast=True)
-    return tl.where((w >> 32).to(tl.int32) == epoch, y, float("nan"))
-
-
-@triton.jit
 def tp_push_device(layer, stage, row0, epoch, opart_ptr, dpart_ptr, peer_recv_ptr,
                    LAYERS: tl.constexpr, D: tl.constexpr, O_CHUNKS: tl.constexpr, DOWN_CHUNKS: tl.constexpr,
                    RED_ROWS: tl.constexpr):
@@ -69,7 +54,7 @@ def tp_push_device(layer, stage, row0, epoch, opart_ptr, dpart_ptr, peer_recv_pt
     rm = rows < D
     y = tp_partial(layer, stage, rows, rm, opart_ptr, dpart_ptr, D, O_CHUNKS, DOWN_CHUNKS, RED_ROWS)
     slot = epoch % 2
-    tl.store(peer_recv_ptr + ((slot * LAYERS + layer) * 2 + stage) * D + rows, ll_pack(y, epoch), mask=rm)
+    tl.store(peer_recv_ptr + ((slot * LAYERS + layer) * 2 + stage) * D + rows, y, mask=rm)
 
 
 class TPRowBlock(RowBlock):
@@ -108,50 +93,6 @@ class TPRowBlock(RowBlock):
         return Region("tp_recv", base + lo, base + hi)
 
 
-def ll_pack_torch(y: torch.Tensor, epoch: int) -> torch.Tensor:
-    """:func:`ll_pack` in torch (the tape VM): fp32 -> int64 words."""
-    return (y.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF) | (int(epoch) << 32)
-
-
-def ll_unpack_torch(w: torch.Tensor, epoch: int) -> torch.Tensor:
-    """:func:`ll_unpack` in torch: the fp32 values, NaN where a word is not call ``epoch``'s."""
-    lo = w & 0xFFFFFFFF
-    y = torch.where(lo >= 2 ** 31, lo - 2 ** 32, lo).to(torch.int32).view(torch.float32)
-    return torch.where((w >> 32) == int(epoch), y, torch.full_like(y, float("nan")))
-
-
-# ---- tp_parts (Tiling.tp_direct): the partial rows O and down tiles write into both ranks -----------------
-# One parity slot is [layer][stage 0: row block][src rank][O chunk][row] then [stage 1: ... down chunk ...]:
-# a row block's words, both ranks' and every chunk's, are one contiguous range (what TP_REDUCE waits on).
-
-def parts_slot_words(lay: Layout) -> int:
-    """Words of one parity slot of ``tp_parts``."""
-    return lay.cfg.layers * 2 * lay.cfg.d * (lay.n_o_k + lay.n_down_k)
-
-
-def parts_shape(lay: Layout) -> tuple[int, int]:
-    """``tp_parts``: two parity slots, empty unless ``Tiling.tp_direct`` (the writers and TP_REDUCE declare it
-    alike, so that every TP kernel has the pointer TP_REDUCE takes)."""
-    return (2, parts_slot_words(lay) if lay.tiling.tp_direct else 0)
-
-
-def parts_offset(lay: Layout, layer: int, stage: int, row: int, src: int, ch: int) -> int:
-    """The word of ``row`` of rank ``src``'s chunk ``ch`` of ``stage`` (0: O, 1: down) in one slot."""
-    d, rr = lay.cfg.d, lay.tiling.red_rows
-    chs = lay.n_o_k if stage == 0 else lay.n_down_k
-    base = layer * 2 * d * (lay.n_o_k + lay.n_down_k) + stage * 2 * d * lay.n_o_k
-    return base + ((row // rr * 2 + src) * chs + ch) * rr + row % rr
-
-
-@triton.jit
-def parts_offsets(layer, stage, rows, src, ch, D: tl.constexpr, RED_ROWS: tl.constexpr, O_CHUNKS: tl.constexpr,
-                  DOWN_CHUNKS: tl.constexpr):
-    """:func:`parts_offset` of the rows ``rows`` (a tensor), in the kernel."""
-    chs = tl.where(stage == 0, O_CHUNKS, DOWN_CHUNKS)
-    base = layer * (2 * D * (O_CHUNKS + DOWN_CHUNKS)) + stage * (2 * D * O_CHUNKS)
-    return base + ((rows // RED_ROWS * 2 + src) * chs + ch) * RED_ROWS + rows % RED_ROWS
-
-
 def recv_slot(lay: Layout, buf: torch.Tensor, epoch: int) -> torch.Tensor:
     """The slot of ``tp_recv`` (a flat tensor of both slots) that call ``epoch`` uses, as [layers, 2, d]."""
     c = lay.cfg
@@ -177,17 +118,11 @@ class TPPush(TPRowBlock):
     PEER_POINTERS = {"peer_recv_ptr": "tp_recv"}     # the peer's tp_recv
     device = tp_push_device
 
-    # [slot, layer, stage, d]: what the peer pushed, as ``epoch << 32 | fp32 bits`` words (ll_pack)
-    SCRATCH = {"tp_recv": "i64"}
-
-    @classmethod
-    def signals_by_data(cls, lay: Layout) -> bool:
-        return bool(lay.tiling.tp_ll)
+    SCRATCH = {"tp_recv": "fp32"}     # [slot, layer, stage, d]: what the peer pushed
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
-        # empty with Tiling.tp_direct (no TP_PUSH; TP_REDUCE declares it alike for its pointer)
-        return {"tp_recv": (2, lay.cfg.layers, len(STAGES), 0 if lay.tiling.tp_direct else lay.cfg.d)}
+        return {"tp_recv": (2, lay.cfg.layers, len(STAGES), lay.cfg.d)}
 
     def reads(self, lay: Layout) -> list[Region]:
         return self.own_parts(lay)
@@ -202,5 +137,4 @@ class TPPush(TPRowBlock):
 
     def run_torch(self, lay: Layout, st) -> None:
         lo, hi = self._rows(lay)
-        recv_slot(lay, st.peer_buf["tp_recv"], st.epoch)[self.layer, self.stage, lo:hi] = \
-            ll_pack_torch(self.own_partial(lay, st), st.epoch)
+        recv_slot(lay, st.peer_buf["tp_recv"], st.epoch)[self.layer, self.stage, lo:hi] = self.own_partial(lay, st)

@@ -29,7 +29,7 @@ the same program, on their own shards): the O projection always writes partials,
 A TP_PUSH's signal is the counter of the same index in the peer's program (``SIGNALS_PEER``): the
 program's producer count of ``recv_*`` is its own pushes, which equal the peer's. With
 ``Tiling.tp_direct`` there is no TP_PUSH: OPROJ_TP / DOWN_TP tiles write their rows into both ranks'
-``tp_parts`` and signal ``recv_o[l,rb]`` / ``recv_d[l,rb]`` on both (``TO_BOTH``), which TP_REDUCE waits on.
+``tp_parts`` and signal ``recv_o[l,rb]`` / ``recv_d[l,rb]`` on both (``TO_BOTH``), which TP_REDUCE_D waits on.
 
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from opcodes import (QKV, AttnPartial, AttnReduce, Down, DownTP, GateUp, Instruction, Layout, ModelConfig, OProj,
-                     OProjTP, OReduce, Residual, Tiling, TPPush, TPReduce, cdiv)
+                     OProjTP, OReduce, Residual, Tiling, TPPush, TPReduce, TPReduceD, cdiv)
 from opcodes.base import NO_COUNTER, scratch_buffers
 
 
@@ -92,8 +92,6 @@ class Program:
 
 def check_layout(lay: Layout) -> None:
     t = lay.tiling
-    if t.tp_direct and not t.tp_ll:
-        raise ValueError("Tiling.tp_direct = 1 needs tp_ll = 1 (the O and down tiles' words are their signal)")
     if t.tp_direct and lay.cfg.d % t.red_rows:
         raise ValueError(f"Tiling.tp_direct = 1 needs red_rows = {t.red_rows} to divide d = {lay.cfg.d} "
                          "(a row block's words are one range of tp_parts)")
@@ -159,13 +157,13 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
         if not lay.o_partial:
             for r in range(0, c.d, t.o_rows):
                 p.add(OProj(l, r, 0), (ca[0],), cx)
-        elif direct:         # O tiles send their rows to both ranks; TP_REDUCE waits on the words
+        elif direct:         # O tiles send their rows to both ranks; TP_REDUCE_D waits on the words
             crecv = [p.counter(f"recv_o[{l},{rb}]") for rb in range(n_rb)]
             for oc in range(n_oc):
                 for r in range(0, c.d, t.o_rows):
                     p.add(OProjTP(l, r, oc), (ca[oc],), crecv[r // t.red_rows])
             for rb in range(n_rb):
-                p.add(TPReduce(l, 0, rb * t.red_rows), (crecv[rb],), cx)
+                p.add(TPReduceD(l, 0, rb * t.red_rows), (crecv[rb],), cx)
         else:
             co = [p.counter(f"opart[{l},{rb}]") for rb in range(n_rb)]
             for oc in range(n_oc):
@@ -185,7 +183,7 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
                 p.add((DownTP if direct else Down)(l, r, kc), (cact[kc],), cd[r // t.red_rows])
         if direct:
             for rb in range(n_rb):
-                p.add(TPReduce(l, 1, rb * t.red_rows), (cd[rb],), cout)
+                p.add(TPReduceD(l, 1, rb * t.red_rows), (cd[rb],), cout)
         elif tp:
             _all_reduce(p, l, 1, cd, cout, n_rb, t.red_rows)
         elif not fold:

@@ -1,12 +1,11 @@
-"""Cross-rank signals through data. ``Tiling.tp_ll``: each TP_PUSH word carries the call number in its
-high half, the kernel makes no system-scope fence nor signal for the push, and the peer's wait on the
-push's counter checks the words (``interp.sync.ll_seen``). ``Tiling.tp_direct`` (with tp_ll): no
-TP_PUSH at all, the O and down tiles (OPROJ_TP / DOWN_TP) write their rows into both ranks' ``tp_parts``
-and TP_REDUCE waits on those words. In the tape VM and the CPU loopback (both ranks in this process
-under the Triton interpreter): the same results, bitwise, as the counter protocol; a peer that never
-launches is still reported in bounded time; after a failure no word of an earlier call is taken for
-one of the next (the buffer is zeroed with the counters); the verifier names a reduce that does not
-wait for the words it reads."""
+"""The tensor-parallel all-reduces signalled through their data (``Tiling.tp_direct``): O and down
+tiles (OPROJ_TP / DOWN_TP) write their rows, each word tagged with the call, into both ranks'
+``tp_parts``; TP_REDUCE_D waits on those words (``interp.sync.ll_seen``) and sums rank 0's chunks,
+rank 1's, then the two: no TP_PUSH, no fence, no counter. In the tape VM and the CPU loopback (both
+ranks in this process under the Triton interpreter): bitwise the counter protocol's results; a peer
+that never launches is still reported in bounded time; after a failure no word of an earlier call is
+taken for one of the next (the buffer is zeroed with the counters); the verifier names a reduce that
+does not wait for the words it reads; the default kernels hold none of it."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +17,7 @@ from interp.tp import INTERPRETER_TP_SPIN_LIMIT, build_tp_layers, tp_layer_step,
 from opcodes import PRESETS
 from opcodes.reference import make_kv_cache, make_weights
 from opcodes.tp import TPLayout, shard_config, shard_kv_cache, shard_weights
-from opcodes.tp_reduce import TPReduce
+from opcodes.tp_direct import TPReduceD
 from schedule import compile_model
 from schedule.tape import Tape, decode
 from schedule.verify import TapeError, verify_tp
@@ -31,7 +30,7 @@ CFG = PRESETS["small-2layer"]
 MAX_SEQ, POS = 64, 19
 
 
-MODES = {0: {}, 1: {"tp_ll": 1}, 2: {"tp_ll": 1, "tp_direct": 1}}     # counters, tp_ll, tp_direct
+MODES = {0: {}, 1: {"tp_direct": 1}}      # the counter protocol (TP_PUSH), the data signals
 
 
 def _tiling(mode: int):
@@ -53,7 +52,7 @@ def test_the_vm_gives_the_same_results_without_tp_push():
     w = make_weights(CFG)
     x = _x(4)
     outs, pushes = [], []
-    for mode in (0, 2):
+    for mode in (0, 1):
         c = compile_model(CFG, 3, max_seq=MAX_SEQ, tiling=_tiling(mode), tp=2, decoder=False)
         pushes.append(sum(d.ins.NAME == "tp_push" for d in decode(c.tapes[0])))
         outs.append(run_tp(c.tapes, w, make_kv_cache(CFG, MAX_SEQ, POS), x, POS, seed=2, calls=3, return_all=True))
@@ -63,29 +62,34 @@ def test_the_vm_gives_the_same_results_without_tp_push():
 
 
 def test_verifier_names_a_reduce_that_does_not_wait_for_the_words():
-    c = compile_model(CFG, 2, max_seq=MAX_SEQ, tiling=_tiling(2), tp=2, decoder=False, pool_us=0.0)
+    c = compile_model(CFG, 2, max_seq=MAX_SEQ, tiling=_tiling(1), tp=2, decoder=False, pool_us=0.0)
     t0, t1 = c.tapes
     words = t0.words.clone()
-    k = next(d.slot for d in decode(t0) if isinstance(d.ins, TPReduce) and d.ins.stage == 0)
+    k = next(d.slot for d in decode(t0) if isinstance(d.ins, TPReduceD) and d.ins.stage == 0)
     words[k, 1], words[k, 2] = -1, 0                     # drop its wait on recv_o
     bad = Tape(t0.lay, t0.num_sms, words, t0.offsets.clone(), list(t0.counters), list(t0.prog_index),
                dict(t0.meta), t0.pool_counter)
-    with pytest.raises(TapeError, match=r"rank 0 instruction \d+ \(tp_reduce, sm \d\): reads rank 0's tp_parts"
+    with pytest.raises(TapeError, match=r"rank 0 instruction \d+ \(tp_reduce_d, sm \d\): reads rank 0's tp_parts"
                                         r"\[\d+:\d+\] written by rank \d instruction \d+ \(oproj_tp"):
         verify_tp([bad, t1])
 
 
-def test_direct_needs_tp_ll():
-    with pytest.raises(ValueError, match="tp_direct = 1 needs tp_ll = 1"):
-        compile_model(CFG, 2, max_seq=MAX_SEQ, tiling=TPLayout.default_tiling(shard_config(CFG, 0, 2), tp_direct=1),
-                      tp=2, decoder=False)
+def test_only_direct_kernels_hold_the_word_waits():
+    from interp.codegen import kernel_source
+    from opcodes import kernel_constexprs, kernel_pointers
+    srcs = {}
+    for mode in (0, 1):
+        c = compile_model(CFG, 2, max_seq=MAX_SEQ, tiling=_tiling(mode), tp=2, decoder=False)
+        lay, classes = c.tapes[0].lay, c.tapes[0].classes()
+        srcs[mode] = kernel_source(kernel_pointers(lay, used=classes), kernel_constexprs(lay, used=classes), classes)
+    assert "poll_tp_ll" not in srcs[0] and "ll_ptr" not in srcs[0] and "oproj_tp" not in srcs[0]
+    assert "poll_tp_ll" in srcs[1] and "tp_push" not in srcs[1]
 
 
-@pytest.mark.parametrize("mode", [1, 2])
-def test_data_signals_give_the_counter_protocols_results_bitwise(mode):
+def test_data_signals_give_the_counter_protocols_results_bitwise():
     kv = make_kv_cache(CFG, MAX_SEQ, POS)
     outs = []
-    for ll in (0, mode):
+    for ll in (0, 1):
         h = _build(ll, clone_cache(kv))
         try:
             if ll:
@@ -104,10 +108,9 @@ def test_data_signals_give_the_counter_protocols_results_bitwise(mode):
         assert torch.equal(a, b) and not a.isnan().any()
 
 
-@pytest.mark.parametrize("mode", [1, 2])
-def test_a_dead_peer_is_reported_and_no_stale_word_is_taken(mode):
+def test_a_dead_peer_is_reported_and_no_stale_word_is_taken():
     kv = make_kv_cache(CFG, MAX_SEQ, POS)
-    h = _build(mode, clone_cache(kv), spin_limit=400)
+    h = _build(1, clone_cache(kv), spin_limit=400)
     try:
         for k in h.ranks:
             k.spin_limit = INTERPRETER_TP_SPIN_LIMIT
@@ -122,7 +125,7 @@ def test_a_dead_peer_is_reported_and_no_stale_word_is_taken(mode):
         for _ in range(2):
             with pytest.raises(MegakernelError) as ei:
                 tp_layer_step(h, x, POS, ranks=(0,))
-            assert "recv_" in str(ei.value) and "tp_reduce" in str(ei.value)
+            assert "recv_" in str(ei.value) and "tp_reduce_d" in str(ei.value)
             assert h.calls == 0
         for k in h.ranks:
             k.spin_limit = INTERPRETER_TP_SPIN_LIMIT
@@ -132,7 +135,7 @@ def test_a_dead_peer_is_reported_and_no_stale_word_is_taken(mode):
         tp_teardown(h)
 
 
-def test_tp_ll_must_be_0_or_1():
+def test_tp_direct_must_be_0_or_1():
     from opcodes import Tiling
-    with pytest.raises(ValueError, match="tp_ll must be 0 or 1"):
-        Tiling(tp_ll=2)
+    with pytest.raises(ValueError, match="tp_direct must be 0 or 1"):
+        Tiling(tp_direct=2)
