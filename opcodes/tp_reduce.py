@@ -76,14 +76,17 @@ class TPReduce(TPRowBlock):
         return {"x1": OProj.scratch_shapes(lay)["x1"], "xout": Residual.scratch_shapes(lay)["xout"]}
 
     def reads(self, lay: Layout) -> list[Region]:
+        return self.own_parts(lay) + [self.recv_region(lay)] + self.residual_reads(lay)
+
+    def residual_reads(self, lay: Layout) -> list[Region]:
+        """What the sum is added to: x1 (stage 1) or the layer input (stage 0; none for layer 0's x)."""
         d = lay.cfg.d
         lo, hi = self._rows(lay)
-        out = self.own_parts(lay) + [self.recv_region(lay)]
         if self.stage == 1:
-            out.append(Region("x1", self.layer * d + lo, self.layer * d + hi))
-        elif self.layer > 0:
-            out.append(Region("xout", (self.layer - 1) * d + lo, (self.layer - 1) * d + hi))
-        return out
+            return [Region("x1", self.layer * d + lo, self.layer * d + hi)]
+        if self.layer > 0:
+            return [Region("xout", (self.layer - 1) * d + lo, (self.layer - 1) * d + hi)]
+        return []
 
     def writes(self, lay: Layout) -> list[Region]:
         lo, hi = self._rows(lay)
@@ -95,12 +98,17 @@ class TPReduce(TPRowBlock):
         n = lay.n_o_k if self.stage == 0 else lay.n_down_k
         return Cost(hbm_bytes=0, l2_bytes=4 * (n + 3) * (hi - lo), flops=(n + 2) * (hi - lo))
 
-    def run_torch(self, lay: Layout, st) -> None:
-        c = lay.cfg
+    def stage_sum(self, lay: Layout, st) -> torch.Tensor:
+        """The all-reduced partial of the block: rank 0's + rank 1's (torch, fp32)."""
         lo, hi = self._rows(lay)
         mine = self.own_partial(lay, st)
         peer = recv_slot(lay, st.buf["tp_recv"], st.epoch)[self.layer, self.stage, lo:hi]
-        s = mine + peer if lay.tp_rank == 0 else peer + mine
+        return mine + peer if lay.tp_rank == 0 else peer + mine
+
+    def run_torch(self, lay: Layout, st) -> None:
+        c = lay.cfg
+        lo, hi = self._rows(lay)
+        s = self.stage_sum(lay, st)
         if self.stage == 0:
             st.buf["x1"].view(c.layers, c.d)[self.layer, lo:hi] = st.layer_input(self.layer)[lo:hi].float() + s
         else:
