@@ -380,7 +380,7 @@ class FakeLayer:            # a rank's kernel handle: check() as LayerHandle's (
         self.status = torch.ones(3, 8, dtype=torch.int32)
         self.counters = torch.full((5,), 7, dtype=torch.int32)
         self.ctl = torch.ones(4, dtype=torch.int32)
-        self.bindings = types.SimpleNamespace(pointers={"ll_ptr": torch.ones(4, dtype=torch.int64)})   # tp_ll words
+        self.bindings = types.SimpleNamespace(pointers={"ll_ptr": torch.ones(4, dtype=torch.int64)})   # tp_direct's words
     def check(self, sync=True):
         if self.fail:
             self.counters.zero_()
