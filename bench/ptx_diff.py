@@ -3,6 +3,7 @@
     python3 -m bench.ptx_diff REV_A [REV_B]      (REV_B: the working tree)
     MEGATAPE_TILING=stages=5 python3 -m bench.ptx_diff --resources   (this tree's kernel only)
     MEGATAPE_PRESET=llama3.2-1b MEGATAPE_DECODER=1 python3 -m bench.ptx_diff be1d810   (the decoder's kernel)
+    MEGATAPE_TP=1 python3 -m bench.ptx_diff 219da59     (rank 0's tensor-parallel kernel of the preset's layers)
 
 Each tree's generated interpreter kernel is compiled for sm_90 (Triton's bundled ptxas) with the
 70B layer's constexprs, the launch options of ``build_layer`` and 16-byte-aligned pointers, and the
@@ -31,7 +32,11 @@ from opcodes import PRESETS, Layout, Tiling
 cfg = PRESETS[os.environ.get("MEGATAPE_PRESET", "llama70b-layer")]
 over = dict(kv.split("=") for kv in filter(None, os.environ.get("MEGATAPE_TILING", "").split(",")))
 til = Tiling.for_config(cfg, **{k: int(v) for k, v in over.items()})
-if os.environ.get("MEGATAPE_DECODER"):      # the whole-model kernel (embed, lm_head, argmax)
+if os.environ.get("MEGATAPE_TP"):           # rank 0's kernel of the layers on two GPUs (its shard's default tiling)
+    from opcodes.tp import TPLayout, shard_config
+    sc = shard_config(cfg, 0, 2)
+    lay = TPLayout(sc, TPLayout.default_tiling(sc, **{k: int(v) for k, v in over.items()}), 1152, 0, 2)
+elif os.environ.get("MEGATAPE_DECODER"):    # the whole-model kernel (embed, lm_head, argmax)
     from opcodes.decoder import DecoderLayout
     lay = DecoderLayout(cfg, til, 1152)
 else:

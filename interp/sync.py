@@ -34,7 +34,7 @@ def signal_peer_counter(ptr):
 
 
 #: words of a data-signalled counter (``peer == 2``) checked per block of one poll
-LL_BLOCK = 1024
+LL_BLOCK = tl.constexpr(1024)
 
 
 @triton.jit
