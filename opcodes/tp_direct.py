@@ -29,8 +29,7 @@ from .base import Cost, Layout, Region, register
 from .common import T_WD, T_WO, gemv_stream, tab_offset
 from .down import Down
 from .oproj import OProj
-from .common import layer_input, to_bf16
-from .tp_reduce import TPReduce
+from .tp_reduce import TPReduce, reduce_store
 
 
 @triton.jit
@@ -234,18 +233,7 @@ def tp_reduce_d_device(layer, stage, row0, epoch, x_ptr, xout_ptr, out_ptr, x1_p
     rm = rows < D
     s = _parts_sum(tp_parts_ptr, layer, stage, rows, rm, 0, epoch, LAYERS, D, RED_ROWS, O_CHUNKS, DOWN_CHUNKS) + \
         _parts_sum(tp_parts_ptr, layer, stage, rows, rm, 1, epoch, LAYERS, D, RED_ROWS, O_CHUNKS, DOWN_CHUNKS)
-    # the epilogue of tp_reduce_device (written out again: a shared helper would reorder the default TP kernel)
-    if stage == 0:
-        xin = layer_input(x_ptr, xout_ptr, layer, D)
-        xr = tl.load(xin + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.store(x1_ptr + layer * D + rows, xr + s, mask=rm)
-    else:
-        y = tl.load(x1_ptr + layer * D + rows, mask=rm, other=0.0, cache_modifier=".cg") + s
-        if layer == LAYERS - 1:
-            dst = out_ptr
-        else:
-            dst = xout_ptr + layer * D
-        tl.store(dst + rows, to_bf16(y, INTERP), mask=rm)
+    reduce_store(s, layer, stage, rows, rm, x_ptr, xout_ptr, out_ptr, x1_ptr, LAYERS, D, INTERP)
 
 
 @register

@@ -39,6 +39,14 @@ def tp_reduce_device(layer, stage, row0, epoch, x_ptr, xout_ptr, out_ptr, x1_ptr
         s = mine + peer
     else:
         s = peer + mine
+    reduce_store(s, layer, stage, rows, rm, x_ptr, xout_ptr, out_ptr, x1_ptr, LAYERS, D, INTERP)
+
+
+@triton.jit
+def reduce_store(s, layer, stage, rows, rm, x_ptr, xout_ptr, out_ptr, x1_ptr, LAYERS: tl.constexpr, D: tl.constexpr,
+                 INTERP: tl.constexpr):
+    """The all-reduced ``s`` of ``rows`` added to the residual: ``x1`` (stage 0) or the layer's bf16
+    output (stage 1). TP_REDUCE's and TP_REDUCE_D's epilogue."""
     if stage == 0:
         xin = layer_input(x_ptr, xout_ptr, layer, D)
         xr = tl.load(xin + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
