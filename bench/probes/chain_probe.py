@@ -103,7 +103,103 @@ def chain_per_tile(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_ptr, out_
         tl.atomic_add(cnt_ptr + sc, 1, sem="release", scope="gpu")
 
 
-def plan(layers: int, sms: int, stages=((96, 32, 2048), (64, 32, 2048), (128, 128, 2048), (128, 32, 4096))):
+# the 1B decoder's GEMV stages per layer: (tiles, rows, K); down's 32 x 4096 tiles as 64 x 2048 (the same
+# 256 KB), so that every tile is whole rows of 2048 columns for the row-block variants
+STAGE_SHAPES = ((96, 32, 2048), (64, 32, 2048), (128, 128, 2048), (128, 64, 2048))
+RR_ = 8                             # a row block: 8 rows x 2048 columns of bf16 = 32 KB
+RR = tl.constexpr(RR_)
+KR = tl.constexpr(2048)
+
+
+@triton.jit
+def _wait(cnt_ptr, err_ptr, wc, tgt):
+    seen = tl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
+    n = 0
+    while (seen < tgt) & (n < SPIN):
+        seen = tl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
+        n += 1
+    if seen < tgt:
+        tl.atomic_add(err_ptr, 1)
+
+
+@triton.jit
+def rows_flat(tab_ptr, start_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch, STAGES: tl.constexpr):
+    # one pipelined loop over the SM's row blocks; a tile's vector is loaded once, after its wait, at
+    # its first block (inside a branch: not pipelined, so never read before the wait), and carried
+    pid = tl.program_id(0)
+    b0 = tl.load(start_ptr + pid)
+    b1 = tl.load(start_ptr + pid + 1)
+    rows = tl.arange(0, RR)
+    cols = tl.arange(0, KR)
+    hv = tl.zeros([KR], dtype=tl.float32)
+    for j in tl.range(b0, b1, num_stages=STAGES):
+        e = tab_ptr + j * 6
+        w = tl.load(w_ptr + j * (RR * KR) + rows[:, None] * KR + cols[None, :], eviction_policy="evict_first")
+        if tl.load(e + 1) != 0:                 # a tile's first block
+            wc = tl.load(e + 2)
+            if wc >= 0:
+                _wait(cnt_ptr, err_ptr, wc, tl.load(e + 3) * epoch)
+            hv = tl.load(x_ptr + cols, cache_modifier=".cg")
+        tl.store(out_ptr + tl.load(e + 4) * RR + rows, tl.sum(w.to(tl.float32) * hv[None, :], 1))
+        sc = tl.load(e + 5)
+        if sc >= 0:
+            tl.atomic_add(cnt_ptr + sc, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def rows_per_tile(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch,
+                  STAGES: tl.constexpr):
+    # the row loop of today's GATE_UP / LM_HEAD: wait, the vector, a pipelined loop per tile, the signal
+    pid = tl.program_id(0)
+    t0 = tl.load(tstart_ptr + pid)
+    t1 = tl.load(tstart_ptr + pid + 1)
+    rows = tl.arange(0, RR)
+    cols = tl.arange(0, KR)
+    for t in range(t0, t1):
+        s = tl.load(tiles_ptr + t)
+        s1 = tl.load(tiles_ptr + t + 1)
+        wc = tl.load(tab_ptr + s * 6 + 2)
+        if wc >= 0:
+            _wait(cnt_ptr, err_ptr, wc, tl.load(tab_ptr + s * 6 + 3) * epoch)
+        hv = tl.load(x_ptr + cols, cache_modifier=".cg")
+        for j in tl.range(s, s1, num_stages=STAGES):
+            w = tl.load(w_ptr + j * (RR * KR) + rows[:, None] * KR + cols[None, :], eviction_policy="evict_first")
+            tl.store(out_ptr + tl.load(tab_ptr + j * 6 + 4) * RR + rows, tl.sum(w.to(tl.float32) * hv[None, :], 1))
+        tl.atomic_add(cnt_ptr + tl.load(tab_ptr + (s1 - 1) * 6 + 5), 1, sem="release", scope="gpu")
+
+
+def plan_rows(layers: int, sms: int, stages=STAGE_SHAPES):
+    """:func:`plan` for the row-block kernels: a block is RR whole rows (column 1: 1 at a tile's first
+    block; column 4: the block's output index, RR rows from index * RR)."""
+    queues = [[] for _ in range(sms)]
+    cnt = 0
+    for _ in range(layers):
+        for si, (ntiles, rows, k) in enumerate(stages):
+            if ntiles > sms or k != KR.value:
+                raise ValueError(f"stage {si}: {ntiles} tiles of K {k} on {sms} SMs (one wave of K {KR.value})")
+            prev_tiles = stages[si - 1][0] if si > 0 else stages[-1][0]
+            for t in range(ntiles):
+                blocks = [[0, 0, -1, 0, 0, -1] for _ in range(rows // RR_)]
+                blocks[0][1] = 1
+                if cnt > 0:
+                    blocks[0][2], blocks[0][3] = cnt - 1, prev_tiles
+                blocks[-1][5] = cnt
+                queues[t].append(blocks)
+            cnt += 1
+    tab, start, tiles, tstart = [], [0], [], [0]
+    for q in queues:
+        for blocks in q:
+            tiles.append(len(tab))
+            tab.extend(blocks)
+        start.append(len(tab))
+        tstart.append(len(tiles))
+    tiles.append(len(tab))
+    for j, r in enumerate(tab):
+        r[0], r[4] = j * RR_ * KR.value, j
+    return tab, start, tiles, tstart, len(tab) * RR_ * KR.value, len(tab), cnt
+
+
+def plan(layers: int, sms: int, stages=STAGE_SHAPES):
     """The block table: per SM its tiles in layer / stage order, each tile's blocks row group by row
     group (the columns of a row group in order, the sum stored at its last block). Returns the table
     [blocks, 6], each SM's first block, the tiles' first blocks, each SM's first tile, the weight
@@ -142,16 +238,25 @@ def plan(layers: int, sms: int, stages=((96, 32, 2048), (64, 32, 2048), (128, 12
     return tab, start, tiles, tstart, woff, out, cnt
 
 
-def run(device="cuda", layers=16, sms=None, steps=20, stages=5, check=True):
+#: variant -> (kernel, plan, outputs per block row group, per-tile tables)
+VARIANTS = {"per_tile": ("chain_per_tile", plan, ROWS_, True), "flat": ("chain_flat", plan, ROWS_, False),
+            "rows_per_tile": ("rows_per_tile", plan_rows, RR_, True), "rows_flat": ("rows_flat", plan_rows, RR_, False)}
+
+
+def launch(name, tables, x, w, out, cnt, err, epoch, sms, stages):
+    kern, _, _, per_tile = VARIANTS[name]
+    tab_t, start_t, tiles_t, tstart_t = tables
+    k = globals()[kern]
+    if per_tile:
+        k[(sms,)](tab_t, start_t, tiles_t, tstart_t, x, w, out, cnt, err, epoch, STAGES=stages, num_warps=8)
+    else:
+        k[(sms,)](tab_t, start_t, x, w, out, cnt, err, epoch, STAGES=stages, num_warps=8)
+
+
+def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
     dev = torch.device(device)
     sms = sms or torch.cuda.get_device_properties(dev).multi_processor_count
-    tab, start, tiles, tstart, nw, nout, ncnt = plan(layers, sms)
     i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)      # noqa: E731
-    tab_t, start_t, tiles_t, tstart_t = i64(tab).reshape(-1), i64(start), i64(tiles), i64(tstart)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    w = (torch.randn(nw, generator=g) * 0.02).to(torch.bfloat16).to(dev)
-    x = torch.randn(4096, generator=g).to(dev)
-    res = {}
     a = torch.empty(1 << 28, device=dev, dtype=torch.bfloat16)
     b = torch.empty_like(a)
     ev = lambda: torch.cuda.Event(enable_timing=True)                   # noqa: E731
@@ -161,21 +266,24 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5, check=True):
         e0.record(); b.copy_(a); e1.record(); torch.cuda.synchronize(); ts.append(e0.elapsed_time(e1))
     bw = 2 * a.numel() * 2 / (statistics.median(ts) * 1e-3)
     del a, b
-    floor_us = nw * 2 / bw * 1e6
-    outs = {}
-    for name in ("per_tile", "flat", "per_tile", "flat"):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(4096, generator=g).to(dev)
+    res, outs, built = {}, {}, {}
+    for name in list(VARIANTS) + list(VARIANTS)[::-1]:
+        _, planner, orows, _ = VARIANTS[name]
+        if planner not in built:
+            tab, start, tiles, tstart, nw, nout, ncnt = planner(layers, sms)
+            w = (torch.randn(nw, generator=g) * 0.02).to(torch.bfloat16).to(dev)
+            built[planner] = ((i64(tab).reshape(-1), i64(start), i64(tiles), i64(tstart)), w, nout, ncnt)
+        tables, w, nout, ncnt = built[planner]
         cnt = torch.zeros(ncnt, dtype=torch.int32, device=dev)
         err = torch.zeros(1, dtype=torch.int32, device=dev)
-        out = torch.zeros(nout * ROWS_, dtype=torch.float32, device=dev)
+        out = torch.zeros(nout * orows, dtype=torch.float32, device=dev)
         times = []
         for step in range(1, steps + 1):
             e0, e1 = ev(), ev()
             e0.record()
-            if name == "flat":
-                chain_flat[(sms,)](tab_t, start_t, x, w, out, cnt, err, step, STAGES=stages, num_warps=8)
-            else:
-                chain_per_tile[(sms,)](tab_t, start_t, tiles_t, tstart_t, x, w, out, cnt, err, step, STAGES=stages,
-                                       num_warps=8)
+            launch(name, tables, x, w, out, cnt, err, step, sms, stages)
             e1.record()
             torch.cuda.synchronize()
             times.append(e0.elapsed_time(e1) * 1e3)
@@ -183,14 +291,16 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5, check=True):
             raise RuntimeError(f"{name}: {int(err.item())} waits gave up")
         outs.setdefault(name, out.clone())
         res.setdefault(name, []).append(statistics.median(times[2:]))
-    if check:
-        if not torch.equal(outs["flat"], outs["per_tile"]):
-            raise RuntimeError("flat and per_tile outputs differ")
+    for x_, y_ in (("flat", "per_tile"), ("rows_flat", "rows_per_tile")):
+        if not torch.equal(outs[x_], outs[y_]):
+            raise RuntimeError(f"{x_} and {y_} outputs differ")
+    nbytes = built[plan][1].numel() * 2
+    floor_us = nbytes / bw * 1e6
     print(f"{torch.cuda.get_device_name(dev)}: {layers} layers of the 1B's GEMV stages on {sms} SMs, "
-          f"{nw * 2 / 1e6:.1f} MB, stream copy {bw / 1e12:.3f} TB/s, floor {floor_us:.1f} us, pipeline {stages}")
+          f"{nbytes / 1e6:.1f} MB, stream copy {bw / 1e12:.3f} TB/s, floor {floor_us:.1f} us, pipeline {stages}")
     for name, v in res.items():
         m = statistics.median(v)
-        print(f"  {name:9s} {' / '.join(f'{t:.1f}' for t in v)} us  ({m / floor_us:.3f}x the floor, "
+        print(f"  {name:13s} {' / '.join(f'{t:.1f}' for t in v)} us  ({m / floor_us:.3f}x the floor, "
               f"{m / layers:.1f} us per layer)")
     return res, floor_us
 
