@@ -19,7 +19,7 @@ import sys
 import opcodes
 from opcodes import HEADER, WORDS
 from opcodes.base import kernel_classes
-from opcodes.base import PER_CALL_POINTERS, data_signals, signals_peer
+from opcodes.base import PER_CALL_POINTERS, signals_peer
 
 #: runtime parameters of the kernel before the model's buffers
 FIXED_PARAMS = ("tape_ptr", "qoff_ptr", "cnt_ptr", "status_ptr", "prof_ptr", "ptab_ptr", "ctl_ptr", "spin_limit")
@@ -54,7 +54,7 @@ def _check_args(classes, pointers: dict, constexprs) -> None:
                             f"an entry in some opcode's CONSTEXPRS or in Layout.constexprs")
 
 
-def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True", ll: bool = False) -> None:
+def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True") -> None:
     """The instruction's waits (bounded polls; a failed one is written to the status block).
     During call ``e`` a counter ends at exactly ``target * e`` (the verifier: every wait's target is
     the number of its producers): below it after ``spin_limit`` polls, a producer never signalled;
@@ -62,9 +62,7 @@ def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True", ll: bool = 
     step with the counters (never silent). One test per wait on the common path (``seen != wt``),
     the two told apart on the failure path.
 
-    ``tp`` (a tensor-parallel kernel): a counter the peer signals (``peer_sig_ptr[wc]`` 1, or 2 where
-    it is signalled through data, ``ll``: a kernel with ``Tiling.tp_direct``'s opcodes, whose poll then
-    checks the words, ``interp.sync.poll_tp_ll``) may be
+    ``tp`` (a tensor-parallel kernel): a counter the peer signals (``peer_sig_ptr[wc] == 1``) may be
     past this call's target, since the peer may already be in its next call
     (``schedule.verify.verify_tp`` point 6), so there ``seen > wt`` passes; a counter of this rank
     alone still fails past its target. The polls of a counter the peer signals are system-scope
@@ -73,7 +71,6 @@ def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True", ll: bool = 
     most ``tl.load(tp_wait_ptr)`` ns of ``interp.sync.clock_ns`` (the globaltimer; the host's clock
     under the interpreter), as a peer driven by another process may never launch; a wait that runs
     out of time fails with ``FAIL_TIME``. ``interp``: the kernel's interpreter flag (source text)."""
-    poll = "poll_tp_ll(cnt_ptr + wc, psig, ll_ptr, ll_tab_ptr, wc, epoch, wt)" if ll else "poll_tp(cnt_ptr + wc, psig)"
     for k in range(opcodes.MAX_WAITS):
         w(f"{ind}wc = tl.load(ins + {1 + 2 * k})")
         w(f"{ind}wt = tl.load(ins + {2 + 2 * k}) * epoch")
@@ -82,14 +79,14 @@ def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True", ll: bool = 
             # system scope only where the peer signals the counter; this rank's own counters are
             # released at gpu scope (signal_counter) and acquired at gpu scope
             w(f"{ind}    psig = tl.load(peer_sig_ptr + wc)")
-            w(f"{ind}    seen = {poll}")
+            w(f"{ind}    seen = poll_tp(cnt_ptr + wc, psig)")
             w(f"{ind}    n = 0")
             # the time bound: read the clock only once a poll has failed (the common path is one poll)
             w(f"{ind}    if seen < wt:")
             w(f"{ind}        t1 = clock_ns({interp})")
             w(f"{ind}        deadline = t1 + tl.load(tp_wait_ptr)")
             w(f"{ind}        while (seen < wt) & (n < spin_limit) & (t1 < deadline):")
-            w(f"{ind}            seen = {poll}")
+            w(f"{ind}            seen = poll_tp(cnt_ptr + wc, psig)")
             w(f"{ind}            n += 1")
             w(f"{ind}            t1 = clock_ns({interp})")
         else:
@@ -115,15 +112,11 @@ def _emit_signal(w, classes, ind: str, tp: bool) -> None:
     """The instruction's signal: this rank's counter, or (a ``SIGNALS_PEER`` opcode of a
     tensor-parallel kernel) the peer's counter of the same index, with a system-scope release."""
     w(f"{ind}sig = tl.load(ins + 5)")
-    both = [cls.OPCODE for cls in classes if cls.TO_BOTH]     # their words are their signal (Tiling.tp_direct)
-    w(f"{ind}if " + ("(sig >= 0)" + "".join(f" & (op != {o})" for o in both) if both else "sig >= 0") + ":")
+    w(f"{ind}if sig >= 0:")
     if not tp:
         w(f"{ind}    signal_counter(cnt_ptr + sig)")
         return
     peer_ops = [cls.OPCODE for cls in classes if cls.SIGNALS_PEER]
-    if not peer_ops:            # a tp_direct kernel: no TP_PUSH
-        w(f"{ind}    signal_counter(cnt_ptr + sig)")
-        return
     w(f"{ind}    if " + " | ".join(f"(op == {o})" for o in peer_ops) + ":")
     w(f"{ind}        signal_peer_counter(peer_cnt_ptr + sig)")
     w(f"{ind}    else:")
@@ -146,7 +139,6 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     constexprs = sorted(constexprs)
     _check_args(classes, pointers, constexprs)
     tp = signals_peer(classes)          # a tensor-parallel kernel (interp.tp): peer signals and waits
-    ll = data_signals(classes)          # ... some of them through data (Tiling.tp_direct)
     n_ops = max(len(c.operand_names()) for c in classes)
     interp = "INTERP" if "INTERP" in constexprs else "True"   # the kernel's interpreter flag
     L = []
@@ -154,8 +146,7 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("# Generated by interp/codegen.py from the opcode registry. Do not edit: regenerate.")
     w("import triton")
     w("import triton.language as tl")
-    w("from interp.sync import signal_counter" + (", signal_peer_counter, clock_ns, poll_tp" if tp else "")
-      + (", poll_tp_ll" if ll else ""))
+    w("from interp.sync import signal_counter" + (", signal_peer_counter, clock_ns, poll_tp" if tp else ""))
     w("from triton.language.extra.cuda import globaltimer as _globaltimer")
     for cls in classes:
         w(f"from {cls.__module__} import {cls.__name__} as _{cls.NAME}_cls")
@@ -255,7 +246,7 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("        t_wait = _now(PROFILE)")
     for k in range(n_ops):
         w(f"        a{k} = tl.load(ins + {HEADER + k})")
-    _emit_waits(w, "        ", tp, interp, ll)
+    _emit_waits(w, "        ", tp, interp)
     w("        if failed == 0:")
     w("            t_exec = _now(PROFILE)")
     _emit_dispatch(w, classes, "            ")

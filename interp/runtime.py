@@ -330,20 +330,6 @@ def peer_pointers(classes) -> list[str]:
     return ["peer_cnt_ptr"] + [p for cls in classes for p in cls.PEER_POINTERS if p not in TP_POINTERS]
 
 
-def _ll_words(lay, d, counter: int, buf: str, stride: int, tab: torch.Tensor) -> None:
-    """``tab[counter]`` (offset in parity slot 0, count, slot stride): the words of ``buf`` that the
-    instruction ``d``, which waits on the data-signalled ``counter``, reads: one range; every waiter on
-    one counter reads the same."""
-    regs = [r for r in d.ins.reads(lay) if r.buf == buf]
-    if len(regs) != 1:
-        raise ValueError(f"{d.ins}: waits on data-signalled counter {counter} but reads {len(regs)} ranges of {buf}")
-    (reg,) = regs
-    row = torch.tensor([reg.lo, reg.hi - reg.lo, stride], dtype=torch.int32)
-    if int(tab[counter, 1]) and not torch.equal(tab[counter], row):
-        raise ValueError(f"data-signalled counter {counter}: its waiters read different words")
-    tab[counter] = row
-
-
 @dataclass
 class Bindings:
     """The device memory a tape's kernel reads and writes, by kernel pointer name."""
@@ -398,29 +384,10 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
         # pointers into the peer's memory are bound by interp.tp.wire_peer, until then a placeholder
         from schedule.tape import decode
         sig = torch.zeros(max(1, tape.n_counters), dtype=torch.int32)
-        ll_tab = torch.zeros(max(1, tape.n_counters), 3, dtype=torch.int32)
-        ll_buf = None
-        decoded = decode(tape)
-        for d in decoded:
-            cls = type(d.ins)
-            if (cls.SIGNALS_PEER or cls.TO_BOTH) and d.signal >= 0:
-                sig[d.signal] = 2 if cls.TO_BOTH else 1      # a TO_BOTH opcode's words are its signal
-                if sig[d.signal] == 2:
-                    (reg,) = d.ins.writes(lay)
-                    if ll_buf not in (None, reg.buf):
-                        raise ValueError(f"{cls.NAME}: data-signalled counters in two buffers ({ll_buf}, {reg.buf})")
-                    ll_buf = reg.buf
-        if ll_buf:                 # a data-signalled wait checks the words its instruction reads
-            stride = math.prod(tape.buffers()[ll_buf][0]) // 2          # two parity slots
-            for d in decoded:
-                for c, _ in d.waits:
-                    if sig[c] == 2:
-                        _ll_words(lay, d, c, ll_buf, stride, ll_tab)
+        for d in decode(tape):
+            if type(d.ins).SIGNALS_PEER and d.signal >= 0:
+                sig[d.signal] = 1
         avail["peer_sig_ptr"] = sig.to(device)
-        avail["ll_tab_ptr"] = ll_tab.reshape(-1).to(device)
-        if ll_buf:          # no word may carry a call number before the peer writes it
-            scratch[ll_buf].zero_()
-        avail["ll_ptr"] = scratch[ll_buf] if ll_buf else torch.zeros(16, dtype=torch.int64, device=device)
         # every wait's time bound in ns (interp.tp sets it; until then 10 minutes)
         avail["tp_wait_ptr"] = torch.full((2,), 600 * 10**9, dtype=torch.int64, device=device)
         types = kernel_pointers(lay, classes)

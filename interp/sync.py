@@ -33,25 +33,6 @@ def signal_peer_counter(ptr):
     tl.atomic_add(ptr, 1, sem="release", scope="sys")
 
 
-#: words of a data-signalled counter (``peer == 2``) checked per block of one poll
-LL_BLOCK = tl.constexpr(1024)
-
-
-@triton.jit
-def ll_seen(ll_ptr, ll_tab_ptr, wc, epoch, wt):
-    """One poll of a counter signalled through data: ``wt`` (the target) once every word a wait on it
-    checks (``ll_tab_ptr[wc]``: offset in parity slot 0, count, slot stride) carries this call's number
-    in its high half, else ``wt - 1``. Volatile loads: each poll reads memory."""
-    off = tl.load(ll_tab_ptr + 3 * wc) + (epoch % 2) * tl.load(ll_tab_ptr + 3 * wc + 2)
-    n = tl.load(ll_tab_ptr + 3 * wc + 1)
-    bad = wc * 0
-    for b in range(0, n, LL_BLOCK):
-        idx = b + tl.arange(0, LL_BLOCK)
-        w = tl.load(ll_ptr + off + idx, mask=idx < n, other=0, volatile=True)
-        bad += tl.sum(((idx < n) & ((w >> 32).to(tl.int32) != epoch)).to(tl.int32), axis=0)
-    return tl.where(bad == 0, wt, wt - 1)
-
-
 @triton.jit
 def poll_tp(ptr, peer):
     """Tensor parallel: one poll of a counter, a system-scope acquire where the peer GPU signals it
@@ -60,17 +41,6 @@ def poll_tp(ptr, peer):
         v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
     else:
         v = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-    return v
-
-
-@triton.jit
-def poll_tp_ll(ptr, peer, ll_ptr, ll_tab_ptr, wc, epoch, wt):
-    """:func:`poll_tp` in a kernel with data-signalled counters (``Tiling.tp_direct``): where ``peer``
-    is 2 the poll checks the words (:func:`ll_seen`)."""
-    if peer == 2:
-        v = ll_seen(ll_ptr, ll_tab_ptr, wc, epoch, wt)
-    else:
-        v = poll_tp(ptr, peer)
     return v
 
 

@@ -516,9 +516,8 @@ def _place_symmetric(h: LayerHandle, rank: int, group, hg) -> tuple:
         else:
             store = h.scratch if name in h.scratch else h.state
             store[name] = mine
-            for ptr, bound in list(b.pointers.items()):     # tp_recv_ptr, and ll_ptr where it is the same
-                if bound is t:
-                    b.pointers[ptr] = mine
+            if f"{name}_ptr" in b.pointers:
+                b.pointers[f"{name}_ptr"] = mine
         for p in ptrs:
             peer[p] = theirs
     b.table.copy_(torch.tensor([t.data_ptr() for t in b.pointers.values()], dtype=torch.int64))
@@ -734,9 +733,6 @@ def _reset(k: LayerHandle) -> None:
     k.status.zero_()
     k.counters.zero_()
     k.ctl.zero_()
-    ll = k.bindings.pointers.get("ll_ptr")
-    if ll is not None:       # the call count starts over: no word may still carry one of its numbers
-        ll.zero_()
 
 
 def check(h: TPHandle) -> None:

@@ -92,15 +92,11 @@ class Tiling:
     # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
     # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
-    # tensor parallel, 1: O and down tiles write their partial rows, each word tagged with the call, into
-    # both ranks' tp_parts, and TP_REDUCE_D waits on those words (no fence, no counter): no TP_PUSH stage,
-    # no dispatch hop (opcodes/tp_direct.py; not yet measured on a GPU: bench/NOTES.md v54)
-    tp_direct: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "tp_direct") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -112,7 +108,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "tp_direct"):
+        for k in ("res_fold", "key_in_reduce"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -419,29 +415,8 @@ class Instruction:
     #: tensor parallel: True where the instruction's signal is a counter of the PEER rank (same
     #: index in the peer's tape), not of its own rank
     SIGNALS_PEER: ClassVar[bool] = False
-
     #: tensor parallel: True where the regions :meth:`writes` names are in the PEER rank's buffers
     WRITES_PEER: ClassVar[bool] = False
-    #: tensor parallel: True where the instruction signals the counter of its index on BOTH ranks and
-    #: writes the regions of :meth:`writes` in both ranks' buffers (``Tiling.tp_direct``: an O or down
-    #: tile's partial goes to its rank and to the peer, and each rank's TP_REDUCE_D waits on both). Its
-    #: signal is its data: words tagged with the call, which a wait on the counter checks
-    TO_BOTH: ClassVar[bool] = False
-
-    @classmethod
-    def signal_ranks(cls, r: int) -> tuple[int, ...]:
-        """The ranks whose counter of its index an instruction of rank ``r`` signals."""
-        return (r, 1 - r) if cls.TO_BOTH else (1 - r,) if cls.SIGNALS_PEER else (r,)
-
-    def mirror_writes(self, lay: "Layout") -> list:
-        """``TO_BOTH``: the regions the PEER's instance of this instruction writes in this rank's buffers
-        (for checking one rank's tape alone)."""
-        return []
-
-    @classmethod
-    def write_ranks(cls, r: int) -> tuple[int, ...]:
-        """The ranks whose buffers an instruction of rank ``r`` writes (its :meth:`writes` regions)."""
-        return (r, 1 - r) if cls.TO_BOTH else (1 - r,) if cls.WRITES_PEER else (r,)
     #: scratch buffers allocated as several slots, call ``epoch`` using slot ``epoch % n``:
     #: name -> n. :meth:`scratch_shapes` gives the whole allocation; :meth:`reads` / :meth:`writes`
     #: name offsets inside one slot (the verifier checks one slot per call)
@@ -615,20 +590,11 @@ PER_CALL_POINTERS = {"x_ptr": "bf16", "out_ptr": "bf16"}
 #: on it may find the counter past its target: the peer may be a call ahead, ``schedule.verify.verify_tp``),
 #: and the time bound of every wait (one int64, nanoseconds; ``interp.tp`` sets it)
 TP_POINTERS = {"peer_cnt_ptr": "i32", "peer_sig_ptr": "i32", "tp_wait_ptr": "i64"}
-#: and where a ``TO_BOTH`` opcode is in the kernel (``Tiling.tp_direct``): ``peer_sig_ptr`` is 2 for the
-#: counters it signals through its data, ``ll_tab_ptr`` holds per counter the words a wait on it checks
-#: (offset in parity slot 0, count, slot stride) in ``ll_ptr`` (this rank's buffer of those words)
-LL_POINTERS = {"ll_tab_ptr": "i32", "ll_ptr": "i64"}
-
-
-def data_signals(classes) -> bool:
-    """Whether a kernel of these opcodes has waits on words (a ``TO_BOTH`` opcode's signals)."""
-    return any(cls.TO_BOTH for cls in classes)
 
 
 def signals_peer(classes) -> bool:
     """Whether a kernel of these opcodes is a tensor-parallel one (it signals the peer's counters)."""
-    return any(cls.SIGNALS_PEER or cls.TO_BOTH for cls in classes)
+    return any(cls.SIGNALS_PEER for cls in classes)
 #: the per-layer offset table of :attr:`Layout.TENSORS`
 TABLE_POINTER = ("wtab_ptr", "i64")
 
@@ -646,8 +612,6 @@ def pointer_types(lay: Layout, used=()) -> dict[str, str]:
     _merge(out, {p: "bf16" for _, p in lay.MODEL_TENSORS}, "pointer", type(lay).__name__)
     if signals_peer(kernel_classes(used)):
         _merge(out, dict(TP_POINTERS), "pointer", "the tensor-parallel runtime")
-    if data_signals(kernel_classes(used)):
-        _merge(out, dict(LL_POINTERS), "pointer", "the tensor-parallel runtime")
     return {k: v for k, (_, v) in out.items()}
 
 
@@ -666,6 +630,4 @@ def kernel_pointers(lay: Layout, used=()) -> dict[str, str]:
                 taken.add(a)
     if signals_peer(kernel_classes(used)):
         taken.update(TP_POINTERS)
-    if data_signals(kernel_classes(used)):
-        taken.update(LL_POINTERS)
     return {k: v for k, v in known.items() if k in taken}

@@ -39,14 +39,6 @@ def tp_reduce_device(layer, stage, row0, epoch, x_ptr, xout_ptr, out_ptr, x1_ptr
         s = mine + peer
     else:
         s = peer + mine
-    reduce_store(s, layer, stage, rows, rm, x_ptr, xout_ptr, out_ptr, x1_ptr, LAYERS, D, INTERP)
-
-
-@triton.jit
-def reduce_store(s, layer, stage, rows, rm, x_ptr, xout_ptr, out_ptr, x1_ptr, LAYERS: tl.constexpr, D: tl.constexpr,
-                 INTERP: tl.constexpr):
-    """The all-reduced ``s`` of ``rows`` added to the residual: ``x1`` (stage 0) or the layer's bf16
-    output (stage 1). TP_REDUCE's and TP_REDUCE_D's epilogue."""
     if stage == 0:
         xin = layer_input(x_ptr, xout_ptr, layer, D)
         xr = tl.load(xin + rows, mask=rm, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -84,17 +76,14 @@ class TPReduce(TPRowBlock):
         return {"x1": OProj.scratch_shapes(lay)["x1"], "xout": Residual.scratch_shapes(lay)["xout"]}
 
     def reads(self, lay: Layout) -> list[Region]:
-        return self.own_parts(lay) + [self.recv_region(lay)] + self.residual_reads(lay)
-
-    def residual_reads(self, lay: Layout) -> list[Region]:
-        """What the sum is added to: x1 (stage 1) or the layer input (stage 0; none for layer 0's x)."""
         d = lay.cfg.d
         lo, hi = self._rows(lay)
+        out = self.own_parts(lay) + [self.recv_region(lay)]
         if self.stage == 1:
-            return [Region("x1", self.layer * d + lo, self.layer * d + hi)]
-        if self.layer > 0:
-            return [Region("xout", (self.layer - 1) * d + lo, (self.layer - 1) * d + hi)]
-        return []
+            out.append(Region("x1", self.layer * d + lo, self.layer * d + hi))
+        elif self.layer > 0:
+            out.append(Region("xout", (self.layer - 1) * d + lo, (self.layer - 1) * d + hi))
+        return out
 
     def writes(self, lay: Layout) -> list[Region]:
         lo, hi = self._rows(lay)
@@ -106,17 +95,12 @@ class TPReduce(TPRowBlock):
         n = lay.n_o_k if self.stage == 0 else lay.n_down_k
         return Cost(hbm_bytes=0, l2_bytes=4 * (n + 3) * (hi - lo), flops=(n + 2) * (hi - lo))
 
-    def stage_sum(self, lay: Layout, st) -> torch.Tensor:
-        """The all-reduced partial of the block: rank 0's + rank 1's (torch, fp32)."""
-        lo, hi = self._rows(lay)
-        mine = self.own_partial(lay, st)
-        peer = recv_slot(lay, st.buf["tp_recv"], st.epoch)[self.layer, self.stage, lo:hi]
-        return mine + peer if lay.tp_rank == 0 else peer + mine
-
     def run_torch(self, lay: Layout, st) -> None:
         c = lay.cfg
         lo, hi = self._rows(lay)
-        s = self.stage_sum(lay, st)
+        mine = self.own_partial(lay, st)
+        peer = recv_slot(lay, st.buf["tp_recv"], st.epoch)[self.layer, self.stage, lo:hi]
+        s = mine + peer if lay.tp_rank == 0 else peer + mine
         if self.stage == 0:
             st.buf["x1"].view(c.layers, c.d)[self.layer, lo:hi] = st.layer_input(self.layer)[lo:hi].float() + s
         else:

@@ -27,17 +27,15 @@ the same program, on their own shards): the O projection always writes partials,
     (+ opart / dpart[l,rb])  TP_REDUCE(l, 0, rb) --x1[l]-->   TP_REDUCE(l, 1, rb) --out[l]-->
 
 A TP_PUSH's signal is the counter of the same index in the peer's program (``SIGNALS_PEER``): the
-program's producer count of ``recv_*`` is its own pushes, which equal the peer's. With
-``Tiling.tp_direct`` there is no TP_PUSH: OPROJ_TP / DOWN_TP tiles write their rows into both ranks'
-``tp_parts`` and signal ``recv_o[l,rb]`` / ``recv_d[l,rb]`` on both (``TO_BOTH``), which TP_REDUCE_D waits on.
+program's producer count of ``recv_*`` is its own pushes, which equal the peer's.
 
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from opcodes import (QKV, AttnPartial, AttnReduce, Down, DownTP, GateUp, Instruction, Layout, ModelConfig, OProj,
-                     OProjTP, OReduce, Residual, Tiling, TPPush, TPReduce, TPReduceD, cdiv)
+from opcodes import (QKV, AttnPartial, AttnReduce, Down, GateUp, Instruction, Layout, ModelConfig, OProj,
+                     OReduce, Residual, Tiling, TPPush, TPReduce, cdiv)
 from opcodes.base import NO_COUNTER, scratch_buffers
 
 
@@ -70,9 +68,7 @@ class Program:
         return out
 
     def targets(self) -> list[int]:
-        """Per counter, the signals a call brings: one per producer, two for a ``TO_BOTH`` producer
-        (its own and its peer's instance signal both ranks' counter)."""
-        return [sum(len(type(self.instrs[i]).signal_ranks(0)) for i in p) for p in self.producers()]
+        return [len(p) for p in self.producers()]
 
     def classes(self) -> list[type[Instruction]]:
         """The opcodes the program uses, by opcode number."""
@@ -92,9 +88,6 @@ class Program:
 
 def check_layout(lay: Layout) -> None:
     t = lay.tiling
-    if t.tp_direct and lay.cfg.d % t.red_rows:
-        raise ValueError(f"Tiling.tp_direct = 1 needs red_rows = {t.red_rows} to divide d = {lay.cfg.d} "
-                         "(a row block's words are one range of tp_parts)")
     if t.down_k % t.gu_rows and t.down_k < lay.cfg.ffn:
         raise ValueError(f"Tiling.down_k = {t.down_k} must be a multiple of gu_rows = {t.gu_rows} "
                          "(a gate/up tile signals the counter of one K chunk)")
@@ -117,7 +110,6 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
     """
     check_layout(lay)
     tp = getattr(lay, "tp_size", 1) > 1
-    direct = tp and bool(lay.tiling.tp_direct)
     c, t = lay.cfg, lay.tiling
     p = prog if prog is not None else Program(lay)
     prev_out = input_counter
@@ -157,13 +149,6 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
         if not lay.o_partial:
             for r in range(0, c.d, t.o_rows):
                 p.add(OProj(l, r, 0), (ca[0],), cx)
-        elif direct:         # O tiles send their rows to both ranks; TP_REDUCE_D waits on the words
-            crecv = [p.counter(f"recv_o[{l},{rb}]") for rb in range(n_rb)]
-            for oc in range(n_oc):
-                for r in range(0, c.d, t.o_rows):
-                    p.add(OProjTP(l, r, oc), (ca[oc],), crecv[r // t.red_rows])
-            for rb in range(n_rb):
-                p.add(TPReduceD(l, 0, rb * t.red_rows), (crecv[rb],), cx)
         else:
             co = [p.counter(f"opart[{l},{rb}]") for rb in range(n_rb)]
             for oc in range(n_oc):
@@ -176,15 +161,10 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
                     p.add(OReduce(l, rb * t.red_rows), (co[rb],), cx)
         for r in range(0, c.ffn, t.gu_rows):
             p.add(GateUp(l, r), (cx,), cact[r // t.down_k])
-        if direct:
-            cd = [p.counter(f"recv_d[{l},{rb}]") for rb in range(n_rb)]
         for kc in range(lay.n_down_k):
             for r in range(0, c.d, t.down_rows):
-                p.add((DownTP if direct else Down)(l, r, kc), (cact[kc],), cd[r // t.red_rows])
-        if direct:
-            for rb in range(n_rb):
-                p.add(TPReduceD(l, 1, rb * t.red_rows), (cd[rb],), cout)
-        elif tp:
+                p.add(Down(l, r, kc), (cact[kc],), cd[r // t.red_rows])
+        if tp:
             _all_reduce(p, l, 1, cd, cout, n_rb, t.red_rows)
         elif not fold:
             for rb in range(n_rb):

@@ -17,9 +17,8 @@ Checks, in order:
 
 A tensor-parallel rank's tape alone (:func:`verify`) is checked as if its peer ran the same tape:
 an instruction that signals the peer's counter (``SIGNALS_PEER``) or writes the peer's buffer
-(``WRITES_PEER``) counts as signalling / writing the same counter / buffer here, and a ``TO_BOTH``
-one as itself and its peer instance (two signals; its writes and :meth:`mirror_writes`), which is
-exact when both ranks run the same program in the same schedule. :func:`verify_tp` checks the real system: both
+(``WRITES_PEER``) counts as signalling / writing the same counter / buffer here, which is exact when
+both ranks run the same program in the same schedule. :func:`verify_tp` checks the real system: both
 tapes, their 2 x num_sms queues and the cross-rank edges.
 """
 from __future__ import annotations
@@ -123,8 +122,8 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
     # -- 3. counters --------------------------------------------------------------------
     producers: dict[int, list[Decoded]] = defaultdict(list)
     for d in decoded:
-        if d.signal != NO_COUNTER:      # a TO_BOTH instruction: its own signal and its peer instance's
-            producers[d.signal] += [d] * len(type(d.ins).signal_ranks(0))
+        if d.signal != NO_COUNTER:
+            producers[d.signal].append(d)
     for d in decoded:
         for c, t in d.waits:
             have = len(producers.get(c, []))
@@ -134,7 +133,7 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
     # -- 4. outputs written exactly once ------------------------------------------------
     writes: dict[str, list[tuple[int, int, Decoded]]] = defaultdict(list)
     for d in decoded:
-        for r in d.ins.writes(lay) + (d.ins.mirror_writes(lay) if type(d.ins).TO_BOTH else []):
+        for r in d.ins.writes(lay):
             writes[r.buf].append((r.lo, r.hi, d))
     bufs = tape.buffers()
     slots = _parity_slots(tape.classes())
@@ -312,7 +311,7 @@ def _deadlocks(tape: Tape, decoded, producers, sequential: bool) -> list[str]:
                 heads[s] += 1
                 progress = True
                 if d.signal != NO_COUNTER:
-                    done[d.signal] += len(type(d.ins).signal_ranks(0))
+                    done[d.signal] += 1
             if sequential and heads[s] < len(q):
                 d = q[heads[s]]
                 c, t = next((c, t) for c, t in d.waits if done[c] < t)
@@ -412,8 +411,7 @@ def verify_tp(tapes: list[Tape]) -> TPReport:
     for r in range(R):
         for d in dec[r]:
             if d.signal != NO_COUNTER:
-                for sr in type(d.ins).signal_ranks(r):
-                    producers[gid(sr, d.signal)].append((r, d))
+                producers[gid(1 - r if type(d.ins).SIGNALS_PEER else r, d.signal)].append((r, d))
     n_cross = 0
     waits_peer = [False] * R
     prod_ranks = {g: {pr for pr, _ in ps} for g, ps in producers.items()}     # which ranks signal g
@@ -433,12 +431,12 @@ def verify_tp(tapes: list[Tape]) -> TPReport:
     for r in range(R):
         for d in dec[r]:
             cls = type(d.ins)
-            for dst in cls.write_ranks(r):
-                for reg in d.ins.writes(tapes[r].lay):
-                    writes[dst][reg.buf].append((reg.lo, reg.hi, r, d))
-                    if dst != r and cls.PARITY_SLOTS.get(reg.buf, 1) != 2:
-                        problems.append(f"{name(r, d)}: writes rank {dst}'s {reg.buf}, which is not double-buffered "
-                                        f"(PARITY_SLOTS: 2 slots, one per call parity)")
+            dst = 1 - r if cls.WRITES_PEER else r
+            for reg in d.ins.writes(tapes[r].lay):
+                writes[dst][reg.buf].append((reg.lo, reg.hi, r, d))
+                if cls.WRITES_PEER and cls.PARITY_SLOTS.get(reg.buf, 1) != 2:
+                    problems.append(f"{name(r, d)}: writes rank {dst}'s {reg.buf}, which is not double-buffered "
+                                    f"(PARITY_SLOTS: 2 slots, one per call parity)")
     for r in range(R):
         bufs = tapes[r].buffers()
         slots = _parity_slots(tapes[r].classes())
@@ -506,8 +504,8 @@ def verify_tp(tapes: list[Tape]) -> TPReport:
         for b, ws in ws_sorted.items():
             rs = runs[b] = []
             for k, (lo, hi, wr, w) in enumerate(ws):
-                srs = type(w.ins).signal_ranks(wr)     # the counter covering this write: the buffer owner's
-                g = NO_COUNTER if w.signal == NO_COUNTER else gid(r if r in srs else srs[0], w.signal)
+                g = NO_COUNTER if w.signal == NO_COUNTER else gid(1 - wr if type(w.ins).SIGNALS_PEER else wr,
+                                                                  w.signal)
                 if rs and rs[-1][2] == g and rs[-1][1] == lo:
                     rs[-1][1] = hi
                 else:
@@ -562,8 +560,7 @@ def verify_tp(tapes: list[Tape]) -> TPReport:
                 heads[q] += 1
                 progress = True
                 if d.signal != NO_COUNTER:
-                    for sr in type(d.ins).signal_ranks(r):
-                        done[gid(sr, d.signal)] += 1
+                    done[gid(1 - r if type(d.ins).SIGNALS_PEER else r, d.signal)] += 1
     for q in order:
         r, lst = q[0], by_q[q]
         if heads[q] < len(lst):

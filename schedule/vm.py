@@ -18,16 +18,6 @@ from opcodes import Layout, scratch_buffers
 from .tape import Tape, decode
 
 
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "i32": torch.int32, "i64": torch.int64}
-
-
-def _unwritten(shape, dtype: str) -> torch.Tensor:
-    """A scratch buffer before any instruction writes it: NaN (floats), so a read of an element
-    nobody wrote shows; 0 (integers: a TP_PUSH word of call 0, which no call accepts)."""
-    fill = float("nan") if dtype in ("fp32", "bf16") else 0
-    return torch.full((math.prod(shape),), fill, dtype=_DTYPES[dtype])
-
 class DeadlockError(RuntimeError):
     pass
 
@@ -49,7 +39,9 @@ class VMState:
         self.state = dict(state or {})
         # the opcodes' build-time tables (e.g. RoPE's cos / sin), by kernel pointer name
         self.tables = {k: v for cls in classes for k, v in cls.tables(lay, "cpu").items()}
-        self.buf = {name: _unwritten(shape, t) for name, (shape, t) in scratch_buffers(lay, classes).items()}
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        self.buf = {name: torch.full((math.prod(shape),), float("nan"), dtype=dt[t])
+                    for name, (shape, t) in scratch_buffers(lay, classes).items()}
 
     def layer_input(self, layer: int) -> torch.Tensor:
         if layer == 0:
@@ -225,7 +217,8 @@ def _run_tp(tapes: list[Tape], weights: dict, kv_cache: list, inp: torch.Tensor,
     persist = []
     for r in range(R):
         bufs = scratch_buffers(lays[r], classes[r])
-        persist.append({n: _unwritten(*bufs[n]) for cls in classes[r] for n in cls.PARITY_SLOTS})
+        persist.append({n: torch.full((math.prod(bufs[n][0]),), float("nan"), dtype=torch.float32)
+                        for cls in classes[r] for n in cls.PARITY_SLOTS})
     rng = random.Random(seed) if seed is not None else None
     counters = [[0] * t.n_counters for t in tapes]
     outputs: list[list] = [[None] * R for _ in range(calls)]
@@ -279,8 +272,7 @@ def _run_tp(tapes: list[Tape], weights: dict, kv_cache: list, inp: torch.Tensor,
         k, s, d = rng.choice(ready) if rng is not None else ready[0]
         d.ins.run_torch(k.tape.lay, k.st)
         if d.signal >= 0:
-            for sr in type(d.ins).signal_ranks(k.r):
-                counters[sr][d.signal] += 1
+            counters[1 - k.r if type(d.ins).SIGNALS_PEER else k.r][d.signal] += 1
         if k.heads[s] < len(k.queues[s]):
             k.heads[s] += 1
         else:

@@ -37,7 +37,6 @@ CASES = [
     ("llama3.1-8b", 1152, "decoder"),             # the column loop, whole model
     ("llama70b-layer", 4224, "tp-layer"),         # tensor parallel (rank 1 of 2): TP_PUSH / TP_REDUCE, peer signals
     ("llama3.2-1b", 1152, "tp-decoder"),          # ... the whole model: TP_ARGMAX_PUSH / TP_ARGMAX too
-    ("llama70b-layer", 4224, "tp-direct"),        # ... Tiling.tp_direct: OPROJ_TP / DOWN_TP / TP_REDUCE_D, word waits
 ]
 
 
@@ -66,10 +65,7 @@ def _main(preset: str, max_seq: int, what: str) -> None:
     cfg = PRESETS[preset]
     kw = {"lowering": decoder_lowering(sample=True)} if what == "sampling" else {}
     if what.startswith("tp-"):      # rank 1's tape (its kernel: the peer pointers, sys-scope peer signals / waits)
-        if what == "tp-direct":
-            from opcodes.tp import TPLayout, shard_config
-            kw = {"tiling": TPLayout.default_tiling(shard_config(cfg, 1, 2), tp_direct=1)}
-        tape = compile_model(cfg, 132, max_seq=max_seq, decoder=(what == "tp-decoder"), tp=2, **kw).tapes[1]
+        tape = compile_model(cfg, 132, max_seq=max_seq, decoder=(what == "tp-decoder"), tp=2).tapes[1]
     else:
         tape = compile_model(cfg, 132, max_seq=max_seq, decoder=(what != "layer"), **kw).tape
     ck = compile_sm90(tape, profile=(what == "profile"))

@@ -365,7 +365,7 @@ def test_per_rank_build_argument_errors():
 
 
 _EXCHANGE = r'''
-import os, sys, datetime, types
+import os, sys, datetime
 import torch, torch.distributed as dist
 from interp import tp
 from interp.runtime import MegakernelError
@@ -380,7 +380,6 @@ class FakeLayer:            # a rank's kernel handle: check() as LayerHandle's (
         self.status = torch.ones(3, 8, dtype=torch.int32)
         self.counters = torch.full((5,), 7, dtype=torch.int32)
         self.ctl = torch.ones(4, dtype=torch.int32)
-        self.bindings = types.SimpleNamespace(pointers={"ll_ptr": torch.ones(4, dtype=torch.int64)})   # tp_direct's words
     def check(self, sync=True):
         if self.fail:
             self.counters.zero_()
@@ -397,8 +396,7 @@ try:
 except MegakernelError as e:
     ok = ("rank 0: megakernel stopped" in str(e) and "recv_o" in str(e) and "rank 1:" not in str(e)
           and e.stuck == [(0, 0, 5, "tp_reduce", "9 (recv_o[0,0])", 2, 0, 1, 4)])
-    reset = (h.calls == 0 and not h.layer.counters.any() and not h.layer.status.any() and not h.layer.ctl.any()
-             and not h.layer.bindings.pointers["ll_ptr"].any())
+    reset = h.calls == 0 and not h.layer.counters.any() and not h.layer.status.any() and not h.layer.ctl.any()
     print("RAISED", ok, reset)
 h.layer.fail = False                          # both fine now: no error on either rank
 h.layer.counters.fill_(3)
