@@ -127,14 +127,7 @@ def _emit_dispatch(w, classes, ind: str) -> None:
     for j, cls in enumerate(classes):
         ops = [f"a{k}" for k in range(len(cls.operand_names()))]
         w(f"{ind}{'if' if j == 0 else 'elif'} op == {cls.OPCODE}:  # {cls.NAME}")
-        if cls.CHAINS:
-            # it ran `skip` more slots of this queue (Instruction.CHAINS): the signal below is the last one's
-            w(f"{ind}    skip = _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS) + ["i", "tape_ptr", "cnt_ptr", "PROFILE"])
-              + ")")
-            w(f"{ind}    i += skip")
-            w(f"{ind}    ins = tape_ptr + i * {WORDS}")
-        else:
-            w(f"{ind}    _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS)) + ")")
+        w(f"{ind}    _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS)) + ")")
 
 
 def kernel_source(pointers: dict, constexprs, used=()) -> str:

@@ -92,17 +92,11 @@ class Tiling:
     # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
     # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
-    # 1: an SM's consecutive GATE_UP tiles of one layer that wait on nothing (after the repeated waits
-    # are elided) stream in one pipelined loop: the first tile's instruction carries the number that
-    # follow it (``GateUp.run``, set by Tape.chain_gate_up) and signals each tile as it ends, so the
-    # pipeline does not drain and refill between them (bench/probes/flat_probe.py, run 64; NOTES v57).
-    # The column loop only (d > 2048); not under PROFILE (each tile keeps its own record there)
-    gu_chain: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "gu_chain") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -114,7 +108,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "gu_chain"):
+        for k in ("res_fold", "key_in_reduce"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -414,10 +408,6 @@ class Instruction:
     #: tapes that hold it (every branch changes the register allocation of the whole loop, so a
     #: rarely used opcode should not tax the kernels that never run it; bench/NOTES.md v21, v25)
     IN_EVERY_KERNEL: ClassVar[bool] = True
-    #: the device function may run the slots that follow its own (a chain: GATE_UP with
-    #: Tiling.gu_chain): the kernel passes it (slot, tape_ptr, cnt_ptr, PROFILE) after its ARGS and
-    #: continues after the slots it returns, signalling the last one; it signals the others itself
-    CHAINS: ClassVar[bool] = False
     #: True: the opcode belongs to whole-model programs (it embeds tokens or reads the logits) and
     #: applies only to a layout with ``Layout.WHOLE_MODEL``
     WHOLE_MODEL: ClassVar[bool] = False
@@ -482,11 +472,6 @@ class Instruction:
 
     def operands(self) -> tuple[int, ...]:
         return tuple(getattr(self, n) for n in self.operand_names())
-
-    def unchained(self) -> "Instruction":
-        """This instruction as the program lowered it: without what a tape pass added for the kernel
-        alone (GATE_UP's ``run``), for comparing a tape with its program."""
-        return dataclasses.replace(self, run=0) if self.CHAINS else self
 
     @classmethod
     def decode(cls, words) -> "Instruction":

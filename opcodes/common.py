@@ -24,27 +24,6 @@ T_VC = tl.constexpr(Layout.column("vc"))
 
 
 @triton.jit
-def signal_counter(ptr):
-    """Make this CTA's writes visible, then count one producer done (the producer side of
-    ``interp.sync``: the kernel's signal after each instruction, and GATE_UP's within a chain)."""
-    tl.debug_barrier()
-    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def signal_counter_in_loop(ptr, INTERP: tl.constexpr):
-    """:func:`signal_counter` inside a software-pipelined loop: Triton's pipeliner leaves a loop with a
-    ``tl.debug_barrier`` in it unpipelined (checked offline: 92 KB of shared memory -> 1 KB), so on
-    the GPU the CTA barrier is a ``bar.sync 0`` of inline PTX, which it does not see (the same barrier:
-    every thread's stores before it, the release atomic after it, in the PTX of GATE_UP's chain)."""
-    if INTERP:
-        tl.debug_barrier()
-    else:
-        tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
 def tab_offset(wtab_ptr, layer, idx):
     """Element offset of tensor ``idx`` of ``layer`` from the layer-0 tensor (16-byte aligned)."""
     return tl.multiple_of(tl.load(wtab_ptr + layer * NTAB + idx), 8)

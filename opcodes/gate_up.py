@@ -14,11 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import HEADER, WORDS, Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
-from .common import T_N2, T_WG, T_WU, gemv_stream, norm_row_vec, rows_dot, signal_counter_in_loop, tab_offset
-
-WORDS_ = tl.constexpr(WORDS)
-HEADER_ = tl.constexpr(HEADER)
+from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
+from .common import T_N2, T_WG, T_WU, gemv_stream, norm_row_vec, rows_dot, tab_offset
 
 
 @triton.jit
@@ -37,61 +34,14 @@ def _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_out,
 
 
 @triton.jit
-def _gu_chain(slot, n, tape_ptr, cnt_ptr, g_ptr, u_ptr, nw_ptr, xin, act_out, D: tl.constexpr, EPS: tl.constexpr,
-              GU_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr):
-    # tiles slot .. slot + n - 1 (GATE_UP of one layer, consecutive on this SM, none waiting) in one
-    # pipelined loop: each tile's row0 is its slot's operand, its sums are gemv_stream's (the same
-    # order, so the same bits), and every tile but the last signals its own counter as it ends (the
-    # kernel signals the last one)
-    NK: tl.constexpr = D // BK
-    r = tl.arange(0, GU_ROWS)
-    c = tl.arange(0, BK)
-    accg = tl.zeros([GU_ROWS, BK], dtype=tl.float32)
-    accu = tl.zeros([GU_ROWS, BK], dtype=tl.float32)
-    ss = tl.zeros([BK], dtype=tl.float32)
-    for it in tl.range(0, n * NK, num_stages=STAGES):
-        t = it // NK
-        kb = it - t * NK
-        rows = tl.load(tape_ptr + (slot + t) * WORDS_ + HEADER_ + 1) + r
-        cols = kb * BK + c
-        xv = tl.load(xin + cols, cache_modifier=".cg").to(tl.float32)
-        nw = tl.load(nw_ptr + cols).to(tl.float32)
-        wg = tl.load(g_ptr + rows[:, None] * D + cols[None, :], eviction_policy="evict_first")
-        wu = tl.load(u_ptr + rows[:, None] * D + cols[None, :], eviction_policy="evict_first")
-        ss += xv * xv
-        hv = (xv * nw)[None, :]
-        accg += wg.to(tl.float32) * hv
-        accu += wu.to(tl.float32) * hv
-        if kb == NK - 1:
-            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
-            gv = tl.sum(accg, axis=1) * rstd
-            uv = tl.sum(accu, axis=1) * rstd
-            tl.store(act_out + rows, gv / (1.0 + tl.exp(-gv)) * uv)
-            if t < n - 1:
-                sig = tl.load(tape_ptr + (slot + t) * WORDS_ + 5)
-                if sig >= 0:
-                    signal_counter_in_loop(cnt_ptr + sig, INTERP)
-            accg = tl.zeros([GU_ROWS, BK], dtype=tl.float32)
-            accu = tl.zeros([GU_ROWS, BK], dtype=tl.float32)
-            ss = tl.zeros([BK], dtype=tl.float32)
-
-
-@triton.jit
-def gate_up_device(layer, row0, run, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
+def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
                    D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GU_CHAIN: tl.constexpr,
-                   INTERP: tl.constexpr, slot, tape_ptr, cnt_ptr, PROFILE: tl.constexpr):
-    # returns the slots after this one that it ran (GateUp.run with Tiling.gu_chain; else 0)
+                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
     xin = x1_ptr + layer * D
-    skip = run * 0
-    if GU_CHAIN and (GU_RB == 0) and (not PROFILE) and (D % BK == 0) and (FFN % GU_ROWS == 0):
-        _gu_chain(slot, run + 1, tape_ptr, cnt_ptr, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, D, EPS,
-                  GU_ROWS, BK, STAGES, INTERP)
-        skip = run
-    elif GU_RB == 0:
+    if GU_RB == 0:
         rows = row0 + tl.arange(0, GU_ROWS)
         rm = rows < FFN
         accg, accu, ss = gemv_stream(g_ptr, rows, u_ptr, rows, rm, xin, nw_ptr, 0, D, D, GU_ROWS, BK, STAGES,
@@ -104,7 +54,6 @@ def gate_up_device(layer, row0, run, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, a
     else:
         _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, D, DP, FFN, EPS, GU_ROWS,
                  GU_RB, STAGES)
-    return skip
 
 
 @register
@@ -112,19 +61,13 @@ def gate_up_device(layer, row0, run, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, a
 class GateUp(Instruction):
     layer: int
     row0: int
-    # the GATE_UP slots right after this one on its SM that it streams in the same loop
-    # (Tiling.gu_chain: Tape.chain_gate_up sets it; 0 otherwise, and the VM runs every slot as before)
-    run: int = 0
 
     NAME = "gate_up"
     STAGE = 4
     ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB",
-            "BK", "STAGES", "GU_CHAIN", "INTERP")
+            "BK", "STAGES")
     CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
-                  "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows),
-                  "GU_CHAIN": lambda lay: lay.tiling.gu_chain}
-    #: the kernel passes the slot, the tape and the counters and advances past the slots it returns
-    CHAINS = True
+                  "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows)}
     device = gate_up_device
 
     SCRATCH = {"act": "fp32"}
@@ -139,8 +82,7 @@ class GateUp(Instruction):
 
     def check_operands(self, lay: Layout) -> list[str]:
         return (in_range("layer", self.layer, lay.cfg.layers)
-                + tile_start("row0", self.row0, lay.tiling.gu_rows, lay.cfg.ffn)
-                + in_range("run", self.run, cdiv(lay.cfg.ffn, lay.tiling.gu_rows)))   # at most a layer's other tiles
+                + tile_start("row0", self.row0, lay.tiling.gu_rows, lay.cfg.ffn))
 
     def _rows(self, lay: Layout) -> tuple[int, int]:
         return self.row0, min(self.row0 + lay.tiling.gu_rows, lay.cfg.ffn)

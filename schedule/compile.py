@@ -110,8 +110,6 @@ def _compile_layout(lay: Layout, num_sms: int, policy: str, model: CostModel | N
     tape = encode(sched)
     if elide_waits:
         tape = tape.elide_repeated_waits()
-    if lay.tiling.gu_chain:
-        tape = tape.chain_gate_up()
     report = verify(tape, prog, sequential=sequential)
     return Compiled(prog, sched, tape, report, model, time.perf_counter() - t0)
 

@@ -103,36 +103,6 @@ class Tape:
         return Tape(self.lay, self.num_sms, words, self.offsets.clone(), list(self.counters), list(self.prog_index),
                     meta, self.pool_counter)
 
-    def chain_gate_up(self) -> "Tape":
-        """This tape with GATE_UP chains (``Tiling.gu_chain``): in each SM queue, a GATE_UP followed by
-        GATE_UPs of the same layer that wait on nothing gets ``run`` = their number, and the kernel
-        streams them all in its pipelined loop (the pipeline does not drain between them). Run after
-        :meth:`elide_repeated_waits` (a layer's later GATE_UP tiles on an SM wait on nothing then).
-        The slots stay in the tape: the VM, the verifier and a kernel without chains run each one."""
-        from opcodes import REGISTRY
-        gu = REGISTRY["gate_up"]
-        idx = HEADER + gu.operand_names().index("run")
-        layer = HEADER + gu.operand_names().index("layer")
-        words = self.words.clone()
-        chains = 0
-        for s in range(self.num_sms):
-            ks = list(self.sm_range(s))
-            j = 0
-            while j < len(ks):
-                k = ks[j]
-                n = 0
-                if int(words[k, 0]) == gu.OPCODE:
-                    while (j + n + 1 < len(ks) and int(words[ks[j + n + 1], 0]) == gu.OPCODE
-                           and int(words[ks[j + n + 1], layer]) == int(words[k, layer])
-                           and all(int(words[ks[j + n + 1], 1 + 2 * w]) == NO_COUNTER for w in range(MAX_WAITS))):
-                        n += 1
-                    words[k, idx] = n
-                    chains += n > 0
-                j += n + 1
-        meta = dict(self.meta, gu_chains=chains)
-        return Tape(self.lay, self.num_sms, words, self.offsets.clone(), list(self.counters), list(self.prog_index),
-                    meta, self.pool_counter)
-
     def tickets_per_call(self) -> int:
         """How far the pool counter advances in one call: every pool instruction is one ticket,
         and every SM takes one more ticket, past the end, before it stops."""

@@ -107,13 +107,12 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
                 problems.append(f"{_name(tape, d)}: uses {_cname(tape, pc)}, the pool's ticket counter "
                                 f"(only the pool's tickets may move it)")
             decoded.append(d)
-    problems += _chain_problems(tape, decoded, off)
     if problems:
         raise TapeError(problems)
     # -- 2. completeness ----------------------------------------------------------------
     if prog is not None:
         want = Counter(prog.instrs)
-        have = Counter(d.ins.unchained() for d in decoded)
+        have = Counter(d.ins for d in decoded)
         for ins, k in (want - have).items():
             problems.append(f"{ins} is missing from the tape ({k} of {want[ins]} absent)")
         for ins, k in (have - want).items():
@@ -189,33 +188,6 @@ def verify(tape: Tape, prog: Program | None = None, sequential: bool = False) ->
     if problems:
         raise TapeError(problems)
     return Report(n, tape.n_counters, tape.num_sms, n_regions)
-
-
-def _chain_problems(tape: Tape, decoded, off) -> list[str]:
-    """A chain head (``Instruction.CHAINS``, e.g. GATE_UP's ``run``) runs the slots after it in its
-    own loop and the kernel skips them: they must be in the same SM queue, the same opcode and layer,
-    and wait on nothing (their waits would never be made). Pool slots cannot chain (any SM takes them)."""
-    out = []
-    by_slot = {d.slot: d for d in decoded}
-    for d in decoded:
-        run = getattr(d.ins, "run", 0) if type(d.ins).CHAINS else 0
-        if not run:
-            continue
-        if d.sm == Tape.POOL:
-            out.append(f"{_name(tape, d)}: a pool instruction cannot run the slots after it (run={run})")
-            continue
-        for k in range(d.slot + 1, d.slot + run + 1):
-            e = by_slot.get(k)
-            if k >= off[d.sm + 1] or e is None or e.sm != d.sm:
-                out.append(f"{_name(tape, d)}: run={run} reaches past the end of sm {d.sm}'s queue (slot {k})")
-                break
-            if type(e.ins) is not type(d.ins) or e.ins.layer != d.ins.layer:
-                out.append(f"{_name(tape, d)}: run={run} covers {_name(tape, e)}, not a {d.ins.NAME} of layer "
-                           f"{d.ins.layer}")
-            elif e.waits:
-                out.append(f"{_name(tape, d)}: run={run} covers {_name(tape, e)}, which waits on "
-                           f"{_cname(tape, e.waits[0][0])} (a chained slot's waits are never made)")
-    return out
 
 
 def _parity_slots(classes) -> dict[str, int]:
