@@ -181,8 +181,13 @@ class Tiling:
             # small d: gate/up and the LM head stream whole rows in coarse tiles (one 64-row gate/up
             # tile per SM), 5 stages (bench/NOTES.md v28-v30). Not at d 4096: the 8B shape measured
             # 5018 us with the row loop against 4425 without (run 47). The residual folded into the
-            # next layer's readers: 1B 1005.0 -> 980.0 us at pos 1024 (run 51); the 8B shape +4.0%
-            clamped.update(row_bytes=ROW_BYTES, stages=5, gu_rows=min(64, next_pow2(ffn)), res_fold=1)
+            # next layer's readers: 1B 1005.0 -> 980.0 us at pos 1024 (run 51); the 8B shape +4.0%.
+            # CTAs of 4 warps at half the streaming width (the same work per thread): the 1B's one-wave
+            # stages are latency-bound and half the threads join each reduction and barrier: 1B
+            # 979.6-986.8 -> 949.3-952.6 us at pos 1024 and 979.6-981.1 -> 950.9 at pos 128 (-3.0..-3.2%,
+            # runs 96-97); the 8B shape +3.2% (run 98), so not there (bench/NOTES.md v58)
+            clamped.update(row_bytes=ROW_BYTES, stages=5, gu_rows=min(64, next_pow2(ffn)), res_fold=1,
+                           num_warps=4, bk=max(16, min(256, clamped["bk"])))
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown Tiling fields {sorted(unknown)}")
