@@ -31,6 +31,17 @@ SPIN = tl.constexpr(1 << 22)        # polls before a wait gives up (the run then
 
 
 @triton.jit
+def _wait(cnt_ptr, err_ptr, wc, tgt):
+    seen = tl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
+    n = 0
+    while (seen < tgt) & (n < SPIN):
+        seen = tl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
+        n += 1
+    if seen < tgt:
+        tl.atomic_add(err_ptr, 1)
+
+
+@triton.jit
 def _block(tab, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, WAIT: tl.constexpr, SIG: tl.constexpr):
     # one block: table row j = (weight offset, x offset: what the addresses below compute; wait counter,
     # its target per call, out index, signal counter; -1: none)
@@ -44,14 +55,7 @@ def _block(tab, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, WAIT: tl
     if WAIT:
         wc = tl.load(e + 2)
         if wc >= 0:
-            tgt = tl.load(e + 3) * epoch
-            seen = tl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
-            n = 0
-            while (seen < tgt) & (n < SPIN):
-                seen = tl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
-                n += 1
-            if seen < tgt:
-                tl.atomic_add(err_ptr, 1)
+            _wait(cnt_ptr, err_ptr, wc, tl.load(e + 3) * epoch)
     xv = tl.load(x_ptr + (j % 4) * BK + cols, cache_modifier=".cg")
     acc += w.to(tl.float32) * xv[None, :]
     oi = tl.load(e + 4)
@@ -88,14 +92,7 @@ def chain_per_tile(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_ptr, out_
         e = tab_ptr + s * 6
         wc = tl.load(e + 2)
         if wc >= 0:
-            tgt = tl.load(e + 3) * epoch
-            seen = tl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
-            n = 0
-            while (seen < tgt) & (n < SPIN):
-                seen = tl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
-                n += 1
-            if seen < tgt:
-                tl.atomic_add(err_ptr, 1)
+            _wait(cnt_ptr, err_ptr, wc, tl.load(e + 3) * epoch)
         acc = tl.zeros([BR, BK], dtype=tl.float32)
         for j in tl.range(s, s1, num_stages=STAGES):
             acc = _block(tab_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, False, False)
@@ -109,17 +106,6 @@ STAGE_SHAPES = ((96, 32, 2048), (64, 32, 2048), (128, 128, 2048), (128, 64, 2048
 RR_ = 8                             # a row block: 8 rows x 2048 columns of bf16 = 32 KB
 RR = tl.constexpr(RR_)
 KR = tl.constexpr(2048)
-
-
-@triton.jit
-def _wait(cnt_ptr, err_ptr, wc, tgt):
-    seen = tl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
-    n = 0
-    while (seen < tgt) & (n < SPIN):
-        seen = tl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
-        n += 1
-    if seen < tgt:
-        tl.atomic_add(err_ptr, 1)
 
 
 @triton.jit
@@ -168,6 +154,20 @@ def rows_per_tile(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_ptr, out_p
         tl.atomic_add(cnt_ptr + tl.load(tab_ptr + (s1 - 1) * 6 + 5), 1, sem="release", scope="gpu")
 
 
+def _flatten(queues):
+    """The SMs' queues of tiles (lists of block rows) as one table: the blocks in SM order, each SM's
+    first block (and the end), each tile's first block (and the end), each SM's first tile."""
+    tab, start, tiles, tstart = [], [0], [], [0]
+    for q in queues:
+        for blocks in q:
+            tiles.append(len(tab))
+            tab.extend(blocks)
+        start.append(len(tab))
+        tstart.append(len(tiles))
+    tiles.append(len(tab))
+    return tab, start, tiles, tstart
+
+
 def plan_rows(layers: int, sms: int, stages=STAGE_SHAPES):
     """:func:`plan` for the row-block kernels: a block is RR whole rows (column 1: 1 at a tile's first
     block; column 4: the block's output index, RR rows from index * RR)."""
@@ -186,14 +186,7 @@ def plan_rows(layers: int, sms: int, stages=STAGE_SHAPES):
                 blocks[-1][5] = cnt
                 queues[t].append(blocks)
             cnt += 1
-    tab, start, tiles, tstart = [], [0], [], [0]
-    for q in queues:
-        for blocks in q:
-            tiles.append(len(tab))
-            tab.extend(blocks)
-        start.append(len(tab))
-        tstart.append(len(tiles))
-    tiles.append(len(tab))
+    tab, start, tiles, tstart = _flatten(queues)
     for j, r in enumerate(tab):
         r[0], r[4] = j * RR_ * KR.value, j
     return tab, start, tiles, tstart, len(tab) * RR_ * KR.value, len(tab), cnt
@@ -225,14 +218,7 @@ def plan(layers: int, sms: int, stages=STAGE_SHAPES):
                 blocks[-1][5] = cnt
                 queues[t].append(blocks)
             cnt += 1
-    tab, start, tiles, tstart = [], [0], [], [0]
-    for q in queues:
-        for blocks in q:
-            tiles.append(len(tab))
-            tab.extend(blocks)
-        start.append(len(tab))
-        tstart.append(len(tiles))
-    tiles.append(len(tab))
+    tab, start, tiles, tstart = _flatten(queues)
     for j, r in enumerate(tab):            # the kernels' addresses: weights in table order, x by j % 4
         r[0], r[1] = j * ROWS_ * COLS_, (j % 4) * COLS_
     return tab, start, tiles, tstart, woff, out, cnt
