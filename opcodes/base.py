@@ -187,7 +187,7 @@ class Tiling:
             # 979.6-986.8 -> 949.3-952.6 us at pos 1024 and 979.6-981.1 -> 950.9 at pos 128 (-3.0..-3.2%,
             # runs 96-97); the 8B shape +3.2% (run 98), so not there (bench/NOTES.md v58)
             clamped.update(row_bytes=ROW_BYTES, stages=5, gu_rows=min(64, next_pow2(ffn)), res_fold=1,
-                           num_warps=4, bk=max(16, min(256, clamped["bk"])))
+                           num_warps=4, bk=min(256, clamped["bk"]))
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown Tiling fields {sorted(unknown)}")

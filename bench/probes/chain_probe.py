@@ -42,20 +42,26 @@ def _wait(cnt_ptr, err_ptr, wc, tgt):
 
 
 @triton.jit
+def _tile_wait(e, cnt_ptr, err_ptr, epoch):
+    # the wait of table row e (a tile's first block): counter e[2] (-1: none) to e[3] per call
+    wc = tl.load(e + 2)
+    if wc >= 0:
+        _wait(cnt_ptr, err_ptr, wc, tl.load(e + 3) * epoch)
+
+
+@triton.jit
 def _block(tab, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, WAIT: tl.constexpr, SIG: tl.constexpr):
     # one block: table row j = (weight offset, x offset: what the addresses below compute; wait counter,
     # its target per call, out index, signal counter; -1: none)
     # the weights are packed in table order (block j at j * BR * BK: prepacked per SM queue) and the
-    # block's vector is x[(j % 4) * BK :][:BK], so both addresses are arithmetic in j and the software
-    # pipeliner streams them (an address loaded from the table is not pipelined: 17 KB of shared memory)
+    # block's vector is x[(j % 4) * BK :][:BK]: both addresses are arithmetic in j (an address loaded
+    # from the table pipelines too, given tl.multiple_of hints: NOTES, "The rewrite the probes point to")
     e = tab + j * 6
     rows = tl.arange(0, BR)
     cols = tl.arange(0, BK)
     w = tl.load(w_ptr + j * (BR * BK) + rows[:, None] * BK + cols[None, :], eviction_policy="evict_first")
     if WAIT:
-        wc = tl.load(e + 2)
-        if wc >= 0:
-            _wait(cnt_ptr, err_ptr, wc, tl.load(e + 3) * epoch)
+        _tile_wait(e, cnt_ptr, err_ptr, epoch)
     xv = tl.load(x_ptr + (j % 4) * BK + cols, cache_modifier=".cg")
     acc += w.to(tl.float32) * xv[None, :]
     oi = tl.load(e + 4)
@@ -89,10 +95,7 @@ def chain_per_tile(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_ptr, out_
     for t in range(t0, t1):
         s = tl.load(tiles_ptr + t)
         s1 = tl.load(tiles_ptr + t + 1)
-        e = tab_ptr + s * 6
-        wc = tl.load(e + 2)
-        if wc >= 0:
-            _wait(cnt_ptr, err_ptr, wc, tl.load(e + 3) * epoch)
+        _tile_wait(tab_ptr + s * 6, cnt_ptr, err_ptr, epoch)
         acc = tl.zeros([BR, BK], dtype=tl.float32)
         for j in tl.range(s, s1, num_stages=STAGES):
             acc = _block(tab_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, False, False)
@@ -122,9 +125,7 @@ def rows_flat(tab_ptr, start_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch
         e = tab_ptr + j * 6
         w = tl.load(w_ptr + j * (RR * KR) + rows[:, None] * KR + cols[None, :], eviction_policy="evict_first")
         if tl.load(e + 1) != 0:                 # a tile's first block
-            wc = tl.load(e + 2)
-            if wc >= 0:
-                _wait(cnt_ptr, err_ptr, wc, tl.load(e + 3) * epoch)
+            _tile_wait(e, cnt_ptr, err_ptr, epoch)
             hv = tl.load(x_ptr + cols, cache_modifier=".cg")
         tl.store(out_ptr + tl.load(e + 4) * RR + rows, tl.sum(w.to(tl.float32) * hv[None, :], 1))
         sc = tl.load(e + 5)
@@ -144,9 +145,7 @@ def rows_per_tile(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_ptr, out_p
     for t in range(t0, t1):
         s = tl.load(tiles_ptr + t)
         s1 = tl.load(tiles_ptr + t + 1)
-        wc = tl.load(tab_ptr + s * 6 + 2)
-        if wc >= 0:
-            _wait(cnt_ptr, err_ptr, wc, tl.load(tab_ptr + s * 6 + 3) * epoch)
+        _tile_wait(tab_ptr + s * 6, cnt_ptr, err_ptr, epoch)
         hv = tl.load(x_ptr + cols, cache_modifier=".cg")
         for j in tl.range(s, s1, num_stages=STAGES):
             w = tl.load(w_ptr + j * (RR * KR) + rows[:, None] * KR + cols[None, :], eviction_policy="evict_first")
@@ -198,8 +197,7 @@ def plan(layers: int, sms: int, stages=STAGE_SHAPES):
     [blocks, 6], each SM's first block, the tiles' first blocks, each SM's first tile, the weight
     elements and the output rows."""
     queues = [[] for _ in range(sms)]
-    woff = out = 0
-    cnt = 0
+    out = cnt = 0
     for _ in range(layers):
         for si, (ntiles, rows, k) in enumerate(stages):
             if ntiles > sms:
@@ -210,9 +208,7 @@ def plan(layers: int, sms: int, stages=STAGE_SHAPES):
                 blocks = []
                 for rg in range(rows // ROWS_):
                     for cb in range(k // COLS_):
-                        last_cb = cb == k // COLS_ - 1
-                        blocks.append([woff, cb * COLS_, -1, 0, out if last_cb else -1, -1])
-                        woff += ROWS_ * COLS_
+                        blocks.append([0, 0, -1, 0, out if cb == k // COLS_ - 1 else -1, -1])
                     out += 1
                 blocks[0][2], blocks[0][3] = prev, (prev_tiles if prev >= 0 else 0)
                 blocks[-1][5] = cnt
@@ -221,18 +217,17 @@ def plan(layers: int, sms: int, stages=STAGE_SHAPES):
     tab, start, tiles, tstart = _flatten(queues)
     for j, r in enumerate(tab):            # the kernels' addresses: weights in table order, x by j % 4
         r[0], r[1] = j * ROWS_ * COLS_, (j % 4) * COLS_
-    return tab, start, tiles, tstart, woff, out, cnt
+    return tab, start, tiles, tstart, len(tab) * ROWS_ * COLS_, out, cnt
 
 
 #: variant -> (kernel, plan, outputs per block row group, per-tile tables)
-VARIANTS = {"per_tile": ("chain_per_tile", plan, ROWS_, True), "flat": ("chain_flat", plan, ROWS_, False),
-            "rows_per_tile": ("rows_per_tile", plan_rows, RR_, True), "rows_flat": ("rows_flat", plan_rows, RR_, False)}
+VARIANTS = {"per_tile": (chain_per_tile, plan, ROWS_, True), "flat": (chain_flat, plan, ROWS_, False),
+            "rows_per_tile": (rows_per_tile, plan_rows, RR_, True), "rows_flat": (rows_flat, plan_rows, RR_, False)}
 
 
 def launch(name, tables, x, w, out, cnt, err, epoch, sms, stages):
-    kern, _, _, per_tile = VARIANTS[name]
+    k, _, _, per_tile = VARIANTS[name]
     tab_t, start_t, tiles_t, tstart_t = tables
-    k = globals()[kern]
     if per_tile:
         k[(sms,)](tab_t, start_t, tiles_t, tstart_t, x, w, out, cnt, err, epoch, STAGES=stages, num_warps=8)
     else:
