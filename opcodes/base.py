@@ -185,9 +185,12 @@ class Tiling:
             # CTAs of 4 warps at half the streaming width (the same work per thread): the 1B's one-wave
             # stages are latency-bound and half the threads join each reduction and barrier: 1B
             # 979.6-986.8 -> 949.3-952.6 us at pos 1024 and 979.6-981.1 -> 950.9 at pos 128 (-3.0..-3.2%,
-            # runs 96-97); the 8B shape +3.2% (run 98), so not there (bench/NOTES.md v58)
+            # runs 96-97); the 8B shape +3.2% (run 98), so not there (bench/NOTES.md v58). Under 4 warps,
+            # O and down in half-height tiles, down in one K chunk (one wave of 128 tiles each, half the
+            # bytes per tile, one partial per row): 957.6-962.8 -> 921.7-931.2 us at pos 1024 (v59, run 101)
             clamped.update(row_bytes=ROW_BYTES, stages=5, gu_rows=min(64, next_pow2(ffn)), res_fold=1,
-                           num_warps=4, bk=min(256, clamped["bk"]))
+                           num_warps=4, bk=min(256, clamped["bk"]), o_rows=min(16, clamped["o_rows"]),
+                           down_rows=min(16, clamped["down_rows"]), down_k=ffn)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown Tiling fields {sorted(unknown)}")
