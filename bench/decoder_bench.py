@@ -163,12 +163,15 @@ def run(a, views=None) -> int:
     g = torch.Generator(device="cpu").manual_seed(a.seed + 3)
     toks = torch.randint(0, cfg.vocab, (a.steps,), generator=g)
     t0 = time.perf_counter()
-    dh = build_decoder(w, kv, cfg, a.max_seq)
+    from opcodes import Tiling
+    til = Tiling.from_spec(cfg, a.tiling) if getattr(a, "tiling", "") else None
+    dh = build_decoder(w, kv, cfg, a.max_seq, tiling=til)
     log(f"built in {time.perf_counter() - t0:.1f} s: {len(dh.layer.tape)} instructions on {dh.layer.num_sms} SMs")
     acc = check_steps(lambda tk, p: decode_step(dh, tk.to(torch.int32).to(dev), p), w, kv_ref, cfg, toks, a.prefill)
     dh.layer.check()
     errs = acc.pop("errs")
-    rep = {"card": card, "date": datetime.date.today().isoformat(), "preset": cfg.name, "bytes_per_step": bytes_step,
+    rep = {"card": card, "date": datetime.date.today().isoformat(), "preset": cfg.name, "tiling": a.tiling or "default",
+           "bytes_per_step": bytes_step,
            "stream_copy_Bps": bw, "floor_us": floor_us, "logits_rel_err_max": max(errs)}
     log(f"logits vs eager reference: max rel err {max(errs):.2e} over {a.steps} steps; vs fp32: "
         f"{acc['rel_err_vs_fp32_max']:.2e} (the bf16 reference {acc['bf16_ref_vs_fp32_max']:.2e}); criterion "
@@ -207,7 +210,7 @@ def run(a, views=None) -> int:
         if views is None:
             raise ValueError("--profile needs the views: run it as 'megatape bench-decoder --profile'")
         from interp.runtime import profile_records
-        hp = build_decoder(w, kv, cfg, a.max_seq, profile=True)
+        hp = build_decoder(w, kv, cfg, a.max_seq, tiling=til, profile=True)
         for i in range(3):
             decode_step(hp, toks[i:i + 1].to(torch.int32).to(dev), pos_last)
         summ = views.summarize(hp.layer.tape, profile_records(hp.layer), pos=pos_last, copy_Bps=bw)

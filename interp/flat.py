@@ -1,7 +1,7 @@
 """The tables of the flat loop (``Tiling.flat``; the loop itself is ``interp.codegen._emit_flat``).
 
-A *run* is a maximal sequence of consecutive streaming instructions (opcodes with ``flat_store``) in
-one SM's queue; a pool slot of such an opcode is a run of its own (an SM takes pool slots one at a
+A *run* is a maximal sequence of consecutive streaming instructions (opcodes whose ``FLAT_BIT``
+``Tiling.flat`` sets) in one SM's queue; a pool slot of such an opcode is a run of its own (an SM takes pool slots one at a
 time). The kernel streams a run as one software-pipelined loop over its tiles' blocks
 (``Instruction.flat_blocks``: ``FLAT_ROWS`` whole rows of d columns each), so the weights of a tile's
 first blocks are in flight while the tile before it ends and while the SM waits for the tile's
@@ -25,11 +25,12 @@ from schedule.tape import Tape, decode_slot
 
 def _runs(tape: Tape) -> list[list[int]]:
     """The runs of slots, in tape order."""
+    mask = tape.lay.tiling.flat
     runs = []
     for sm in range(tape.num_sms):
         cur: list[int] = []
         for k in tape.sm_range(sm):
-            if type(decode_slot(tape, k, sm).ins).flat_store is not None:
+            if type(decode_slot(tape, k, sm).ins).FLAT_BIT & mask:
                 cur.append(k)
             else:
                 if cur:
@@ -37,7 +38,7 @@ def _runs(tape: Tape) -> list[list[int]]:
                 cur = []
         if cur:
             runs.append(cur)
-    runs += [[k] for k in tape.pool_range() if type(decode_slot(tape, k).ins).flat_store is not None]
+    runs += [[k] for k in tape.pool_range() if type(decode_slot(tape, k).ins).FLAT_BIT & mask]
     return runs
 
 

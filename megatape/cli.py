@@ -594,7 +594,9 @@ def _add_bench_decoder(sub, presets) -> None:
                    help="skip the baselines (torch.compile of a static-cache decoder, transformers' generate)")
     d.add_argument("--variants", default="", help="extra tilings/build options to time, ';'-separated "
                    "(as for megatape bench --variants)")
-    d.add_argument("--profile", action="store_true", help="profile the default build and summarise it")
+    d.add_argument("--tiling", default="", metavar="SPEC", help="the main build's tiling overrides, "
+                   "'name=value,...' (default: the preset's Tiling.for_config); --profile profiles this build")
+    d.add_argument("--profile", action="store_true", help="profile the main build and summarise it")
     d.add_argument("--tp", type=int, choices=(1, 2), default=1,
                    help="2: tensor parallel over two GPUs, one process each (bench/tp_bench.py: smoke, peer-death, "
                    "correctness and speed stages; writes <out>/decoder-<preset>-tp2.json and .md; --no-compile "

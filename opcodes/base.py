@@ -94,11 +94,11 @@ class Tiling:
     # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
     # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
-    # 1: the streaming instructions (QKV, OPROJ, GATE_UP, DOWN) run as blocks of 8 whole rows of d
-    # columns (two 4-row halves: a RoPE pair's, gate and up) in one pipelined loop over each run of
-    # them in an SM's queue, waiting at a tile's first block and signalling at its last, so the next
-    # tile's weights are in flight while this one ends and while the SM waits (bench/NOTES.md v60).
-    # Needs d = n_q*hd = down_k, res_fold, no O split (Layout.flat_problems)
+    # > 0: the streaming instructions of the opcodes whose FLAT_BIT it sets (QKV 1, OPROJ 2, GATE_UP 4,
+    # DOWN 8) run as blocks of 8 whole rows of d columns (two 4-row halves: a RoPE pair's, gate and
+    # up) in one pipelined loop over each run of them in an SM's queue, waiting at a tile's first
+    # block and signalling at its last, so the next tile's weights are in flight while this one ends
+    # and while the SM waits (bench/NOTES.md v60; what each needs: Layout.flat_problems)
     flat: int = 0
 
     def __post_init__(self):
@@ -116,7 +116,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "flat"):
+        for k in ("res_fold", "key_in_reduce"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -252,34 +252,22 @@ class Layout:
         if t.flat:
             bad = self.flat_problems()
             if bad:
-                raise ValueError("Tiling.flat = 1 needs " + "; ".join(bad))
+                raise ValueError(f"Tiling.flat = {t.flat} needs " + "; ".join(bad))
 
     def flat_problems(self) -> list[str]:
-        """Why this layout cannot run ``Tiling.flat`` (empty: it can): every streaming tile must be
-        whole blocks of ``FLAT_ROWS`` rows of ``d`` columns with no masks."""
+        """Why this layout cannot run ``Tiling.flat`` (empty: it can): every streaming tile of the
+        opcodes it names must be whole blocks of ``FLAT_ROWS`` rows of ``d`` columns with no masks
+        (each opcode's ``flat_problems``)."""
         c, t = self.cfg, self.tiling
         out = []
-        if c.q_dim != c.d:
-            out.append(f"n_q*hd = {c.q_dim} equal to d = {c.d}")
-        if t.down_k != c.d:
-            out.append(f"Tiling.down_k = {t.down_k} equal to d = {c.d}")
+        unknown = t.flat & ~sum(cls.FLAT_BIT for cls in REGISTRY.values())
+        if unknown:
+            out.append(f"bits of opcodes with a flat form (not {unknown:#x})")
         if c.d & (c.d - 1):
             out.append(f"d = {c.d} a power of two")
-        if c.ffn % c.d:
-            out.append(f"ffn = {c.ffn} a multiple of d = {c.d}")
-        if not self.folds_residual:
-            out.append("Tiling.res_fold = 1 (one GPU)")
-        if self.n_o_k > 1:
-            out.append("an O projection in one K chunk (Tiling.o_k = 0)")
-        half = FLAT_ROWS // 2
-        for name, rows, per in (("qkv_rows", t.qkv_rows, 2 * half), ("kv_rows", self.kv_rows, 2 * half),
-                                ("o_rows", t.o_rows, FLAT_ROWS), ("gu_rows", t.gu_rows, half),
-                                ("down_rows", t.down_rows, FLAT_ROWS)):
-            if rows % per:
-                out.append(f"Tiling.{name} = {rows} a multiple of {per}")
-        for name, n, rows in (("d", c.d, t.o_rows), ("d", c.d, t.down_rows), ("ffn", c.ffn, t.gu_rows)):
-            if n % rows:
-                out.append(f"{name} = {n} a multiple of {rows}")
+        for cls in REGISTRY.values():
+            if t.flat & cls.FLAT_BIT:
+                out += [f"{p} ({cls.NAME})" for p in cls.flat_problems(self)]
         return out
 
     @classmethod
@@ -371,6 +359,8 @@ class Layout:
                    MAX_SEQ=self.max_seq,
                    EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp),
                    RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k)
+        if t.flat:      # the flat loop's opcodes (interp.codegen); kernels without it stay as they were
+            out.update(FLAT=t.flat)
         return out
 
     # ---- serialisation --------------------------------------------------------------
@@ -486,6 +476,8 @@ class Instruction:
     #: and :meth:`flat_blocks`
     flat_vector = None
     flat_store = None
+    #: its bit in ``Tiling.flat`` (0: no flat form)
+    FLAT_BIT: ClassVar[int] = 0
 
     # ---- declarations ---------------------------------------------------------------
     @classmethod
@@ -521,6 +513,11 @@ class Instruction:
 
     def latency_time(self, lay: Layout) -> float:
         raise NotImplementedError
+
+    @classmethod
+    def flat_problems(cls, lay: Layout) -> list[str]:
+        """What its flat form needs that ``lay`` lacks, as "<what it needs>" messages."""
+        return []
 
     def flat_blocks(self, lay: Layout) -> list[tuple]:
         """The flat loop's blocks of this tile, in order: ``((tensor_a, row_a), (tensor_b, row_b), layer,

@@ -64,6 +64,17 @@ class Down(Instruction):
     device = down_device
     flat_vector = down_flat_vector
     flat_store = down_flat_store
+    FLAT_BIT = 8
+
+    @classmethod
+    def flat_problems(cls, lay: Layout) -> list[str]:
+        c, t = lay.cfg, lay.tiling
+        out = []
+        if t.down_k != c.d or c.ffn % c.d:
+            out.append(f"Tiling.down_k = {t.down_k} equal to d = {c.d}, dividing ffn = {c.ffn}")
+        if t.down_rows % FLAT_ROWS or c.d % t.down_rows:
+            out.append(f"Tiling.down_rows = {t.down_rows} a multiple of {FLAT_ROWS} dividing d = {c.d}")
+        return out
 
     SCRATCH = {"dpart": "fp32"}
 

@@ -89,6 +89,14 @@ class GateUp(Instruction):
     device = gate_up_device
     flat_vector = gate_up_flat_vector
     flat_store = gate_up_flat_store
+    FLAT_BIT = 4
+
+    @classmethod
+    def flat_problems(cls, lay: Layout) -> list[str]:
+        t, ffn = lay.tiling, lay.cfg.ffn
+        if t.gu_rows % (FLAT_ROWS // 2) or ffn % t.gu_rows:
+            return [f"Tiling.gu_rows = {t.gu_rows} a multiple of {FLAT_ROWS // 2} dividing ffn = {ffn}"]
+        return []
 
     SCRATCH = {"act": "fp32"}
 

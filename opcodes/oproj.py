@@ -85,6 +85,19 @@ class OProj(Instruction):
     device = oproj_device
     flat_vector = oproj_flat_vector
     flat_store = oproj_flat_store
+    FLAT_BIT = 2
+
+    @classmethod
+    def flat_problems(cls, lay: Layout) -> list[str]:
+        c, t = lay.cfg, lay.tiling
+        out = [] if lay.folds_residual else ["Tiling.res_fold = 1 (one GPU)"]
+        if c.q_dim != c.d:
+            out.append(f"n_q*hd = {c.q_dim} equal to d = {c.d}")
+        if lay.n_o_k > 1:
+            out.append("one K chunk (Tiling.o_k = 0)")
+        if t.o_rows % FLAT_ROWS or c.d % t.o_rows:
+            out.append(f"Tiling.o_rows = {t.o_rows} a multiple of {FLAT_ROWS} dividing d = {c.d}")
+        return out
 
     # x1 = x + attn . Wo^T (written here, or by O_REDUCE from the per-chunk partials ``opart``)
     SCRATCH = {"x1": "fp32", "opart": "fp32"}

@@ -165,6 +165,15 @@ class QKV(Instruction):
     device = qkv_device
     flat_vector = qkv_flat_vector
     flat_store = qkv_flat_store
+    FLAT_BIT = 1
+
+    @classmethod
+    def flat_problems(cls, lay: Layout) -> list[str]:
+        out = [] if lay.folds_residual else ["Tiling.res_fold = 1 (one GPU)"]
+        for name, rows in (("qkv_rows", lay.tiling.qkv_rows), ("kv_rows", lay.kv_rows)):
+            if rows % FLAT_ROWS:
+                out.append(f"Tiling.{name} = {rows} a multiple of {FLAT_ROWS}")
+        return out
 
     SCRATCH = {"q": "fp32", "kv_new_k": "bf16", "kv_new_v": "bf16"}
 
