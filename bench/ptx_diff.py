@@ -86,6 +86,8 @@ src = ASTSource(fn=k, signature=sig, constexprs={(k.arg_names.index(n),): v for 
 ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                     options={"num_warps": lay.tiling.num_warps, "num_stages": 1, "launch_cooperative_grid": True})
 open(sys.argv[2], "w").write(ck.asm["ptx"])
+if os.environ.get("MEGATAPE_TTGIR"):        # also the TTGIR (where the pipeliner put each load)
+    open(os.environ["MEGATAPE_TTGIR"], "w").write(ck.asm["ttgir"])
 print(f"shared memory {ck.metadata.shared} bytes", file=sys.stderr)
 '''
 

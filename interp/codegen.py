@@ -142,6 +142,7 @@ def _emit_flat(w, classes, ind: str, tp: bool, interp: str, n_ops: int) -> None:
     w(f"{ind}fb1 = tl.load(fr + 1)")
     w(f"{ind}fi0 = i")
     w(f"{ind}hv = tl.zeros([D], dtype=tl.float32)")
+    w(f"{ind}hv2 = tl.zeros([1, D], dtype=tl.bfloat16)")
     w(f"{ind}fscale = tl.sum(hv, axis=0)")
     w(f"{ind}frr = tl.arange(0, FR)")
     w(f"{ind}fcols = tl.arange(0, D)")
@@ -172,7 +173,14 @@ def _emit_flat(w, classes, ind: str, tp: bool, interp: str, n_ops: int) -> None:
         w(f"{i3}    if (FLAT & {cls.FLAT_BIT}) != 0:")
         w(f"{i3}        if op == {cls.OPCODE}:  # {cls.NAME}")
         w(f"{i3}            hv, fscale = _{cls.NAME}_fv(" + ", ".join(ops + list(cls.ARGS)) + ")")
-    w(f"{i2}fy = tl.sum(fw.to(tl.float32) * hv[None, :], axis=1) * fscale")
+    # the vector goes through this SM's row of fvec (bf16, as the reference rounds it) and comes back
+    # as a [1, D] bf16 load, which Triton lays out as it lays out the block's rows: the loop carries it
+    # as the dot uses it (a carried fp32 [D] vector was converted through shared memory at every block)
+    w(f"{i3}    if failed == 0:")
+    w(f"{i3}        tl.store(fvec_ptr + sm * D + fcols, to_bf16(hv, {interp}))")
+    w(f"{i3}        cta_barrier_in_loop({interp})")
+    w(f"{i3}        hv2 = tl.load(fvec_ptr + sm * D + fcols[None, :])")
+    w(f"{i2}fy = tl.sum(fw.to(tl.float32) * hv2.to(tl.float32), axis=1) * fscale")
     w(f"{i2}if failed == 0:")
     for cls in flat:
         ops = [f"a{k}" for k in range(len(cls.operand_names()))]
@@ -214,9 +222,9 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     if flat and tp:
         raise ValueError("the flat loop (Tiling.flat) is not for tensor-parallel kernels")
     w("from interp.sync import signal_counter" + (", signal_peer_counter, clock_ns, poll_tp" if tp else "")
-      + (", signal_counter_in_loop" if flat else ""))
+      + (", signal_counter_in_loop, cta_barrier_in_loop" if flat else ""))
     if flat:
-        w("from opcodes.common import FR, FH")
+        w("from opcodes.common import FR, FH, to_bf16")
     w("from triton.language.extra.cuda import globaltimer as _globaltimer")
     for cls in classes:
         w(f"from {cls.__module__} import {cls.__name__} as _{cls.NAME}_cls")

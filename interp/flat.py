@@ -14,6 +14,8 @@ schedule.
           rows (their first column included), their row stride, and ``slot | first << 32 |
           last << 33 | block-in-tile << 40`` (first / last: the tile's first / last block)
 ``fbase`` layer 0's Wq: the kernel reaches every streamed matrix from it
+``fvec``  bf16 [SMs, d]: the current tile's input vector, written at its first block and read back
+          in the layout of the blocks' columns
 """
 from __future__ import annotations
 
@@ -78,4 +80,6 @@ def flat_tables(tape: Tape, weights: dict, device) -> dict:
                 blocks.append((oa, ob, sa, meta))
         frun[run[0]] = torch.tensor([b0, len(blocks), len(run)], dtype=torch.int32)
     fblk = torch.tensor(blocks or [(0, 0, 0, 0)], dtype=torch.int64)
-    return {"frun_ptr": frun.reshape(-1).to(device), "fblk_ptr": fblk.reshape(-1).to(device), "fbase_ptr": base}
+    fvec = torch.zeros(tape.num_sms * d, dtype=torch.bfloat16, device=device)
+    return {"frun_ptr": frun.reshape(-1).to(device), "fblk_ptr": fblk.reshape(-1).to(device), "fbase_ptr": base,
+            "fvec_ptr": fvec}

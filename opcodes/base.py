@@ -656,8 +656,8 @@ TP_POINTERS = {"peer_cnt_ptr": "i32", "peer_sig_ptr": "i32", "tp_wait_ptr": "i64
 #: the pointers of a flat kernel (``Tiling.flat``; built by ``interp.flat``): per tape slot the run of
 #: streaming instructions that starts there (first block, end block, slots; 0 0 0: none), per block its
 #: two halves' element offsets from ``fbase``, their row stride and its slot and flags, and ``fbase``
-#: itself (layer 0's Wq: every streamed matrix is reached from it)
-FLAT_POINTERS = {"frun_ptr": "i32", "fblk_ptr": "i64", "fbase_ptr": "bf16"}
+#: itself (layer 0's Wq: every streamed matrix is reached from it), and per SM a row of d (the tile's vector)
+FLAT_POINTERS = {"frun_ptr": "i32", "fblk_ptr": "i64", "fbase_ptr": "bf16", "fvec_ptr": "bf16"}
 
 
 def signals_peer(classes) -> bool:

@@ -43,7 +43,7 @@ def test_widths_reach_the_kernel_and_the_model():
     t = Tiling.for_config(CFG, o_rows=64, o_bk=32)
     lay = Layout(CFG, t, 64)
     assert OProj.CONSTEXPRS["O_BK"](lay) == 32
-    base = Layout(CFG, Tiling.for_config(CFG), 64)
+    base = Layout(CFG, Tiling.for_config(CFG, o_rows=32), 64)      # 32 rows (d <= 2048 defaults to 16)
     assert OProj.CONSTEXPRS["O_BK"](base) == base.tiling.bk
     # the H200 model's per-SM cap follows rows x width: 64 x 32 is half the bytes of 32 x 128 per stage
     m, m0 = FluidModel.h200(lay), FluidModel.h200(base)
