@@ -373,9 +373,6 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
     avail.update({f"{n}_ptr": t for n, t in {**scratch, **state}.items()})
     for cls in classes:
         avail.update(cls.tables(lay, device))
-    if lay.tiling.flat:
-        from .flat import flat_tables
-        avail.update(flat_tables(tape, weights, device))
     # the kernel holds every opcode's branch: a pointer no opcode on this tape takes is never
     # dereferenced, and points at a small zeroed buffer
     on_tape = {a for cls in classes for a in cls.ARGS}

@@ -26,25 +26,6 @@ def signal_counter(ptr):
 
 
 @triton.jit
-def cta_barrier_in_loop(INTERP: tl.constexpr):
-    """A CTA barrier inside a software-pipelined loop (the flat loop, ``Tiling.flat``): Triton's
-    pipeliner leaves a loop with a ``tl.debug_barrier`` in it unpipelined, so on the GPU it is a
-    ``bar.sync 0`` of inline PTX, which the pipeliner does not see (bench/NOTES.md v57)."""
-    if INTERP:
-        tl.debug_barrier()
-    else:
-        tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def signal_counter_in_loop(ptr, INTERP: tl.constexpr):
-    """:func:`signal_counter` inside a software-pipelined loop: every thread's stores, the barrier
-    (:func:`cta_barrier_in_loop`), the release atomic."""
-    cta_barrier_in_loop(INTERP)
-    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
 def signal_peer_counter(ptr):
     """Tensor parallel: make this CTA's writes (its stores into the peer's memory included) visible
     to the peer GPU, then count one producer done on the PEER's counter (system scope)."""

@@ -3,7 +3,7 @@
 Importing this package registers every opcode; their numbers come from the order below and
 nowhere else (the tape, the VM and the generated interpreter all read :data:`REGISTRY`).
 """
-from .base import (BY_OPCODE, FLAT_ROWS, HEADER, LAYOUTS, MAX_OPERANDS, MAX_WAITS, NO_COUNTER, REGISTRY, WORDS, Cost,
+from .base import (BY_OPCODE, HEADER, LAYOUTS, MAX_OPERANDS, MAX_WAITS, NO_COUNTER, REGISTRY, WORDS, Cost,
                    Instruction, Layout, Region, Tiling, Timing, cdiv, kernel_constexprs, kernel_pointers,
                    layout_from_json, next_pow2, register, register_layout, scratch_buffers, state_buffers,
                    unregister)

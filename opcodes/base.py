@@ -41,8 +41,6 @@ def cdiv(a: int, b: int) -> int:
 
 #: bytes per pipeline stage of the row-streaming GEMV loop where ``Tiling.for_config`` picks it
 ROW_BYTES = 32768
-#: rows of d columns per block of the flat streaming loop (``Tiling.flat``): two halves of FLAT_ROWS/2
-FLAT_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -94,17 +92,11 @@ class Tiling:
     # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
     # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
-    # > 0: the streaming instructions of the opcodes whose FLAT_BIT it sets (QKV 1, OPROJ 2, GATE_UP 4,
-    # DOWN 8) run as blocks of 8 whole rows of d columns (two 4-row halves: a RoPE pair's, gate and
-    # up) in one pipelined loop over each run of them in an SM's queue, waiting at a tile's first
-    # block and signalling at its last, so the next tile's weights are in flight while this one ends
-    # and while the SM waits (bench/NOTES.md v60; what each needs: Layout.flat_problems)
-    flat: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "flat") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -249,27 +241,6 @@ class Layout:
             raise ValueError(f"Tiling.o_k = {t.o_k} must be a multiple of hd = {c.hd} (a K chunk waits "
                              "for whole attention heads)")
 
-        if t.flat:
-            bad = self.flat_problems()
-            if bad:
-                raise ValueError(f"Tiling.flat = {t.flat} needs " + "; ".join(bad))
-
-    def flat_problems(self) -> list[str]:
-        """Why this layout cannot run ``Tiling.flat`` (empty: it can): every streaming tile of the
-        opcodes it names must be whole blocks of ``FLAT_ROWS`` rows of ``d`` columns with no masks
-        (each opcode's ``flat_problems``)."""
-        c, t = self.cfg, self.tiling
-        out = []
-        unknown = t.flat & ~sum(cls.FLAT_BIT for cls in REGISTRY.values())
-        if unknown:
-            out.append(f"bits of opcodes with a flat form (not {unknown:#x})")
-        if c.d & (c.d - 1):
-            out.append(f"d = {c.d} a power of two")
-        for cls in REGISTRY.values():
-            if t.flat & cls.FLAT_BIT:
-                out += [f"{p} ({cls.NAME})" for p in cls.flat_problems(self)]
-        return out
-
     @classmethod
     def column(cls, key: str) -> int:
         """The offset-table column of per-layer tensor ``key``."""
@@ -355,13 +326,10 @@ class Layout:
         """Kernel constants of the model's shape and of the streaming loops (opcodes add their
         own, :attr:`Instruction.CONSTEXPRS`); ``interp``: running under the Triton interpreter."""
         c, t = self.cfg, self.tiling
-        out = dict(LAYERS=c.layers, D=c.d, DP=next_pow2(c.d), FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd,
-                   MAX_SEQ=self.max_seq,
-                   EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp),
-                   RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k)
-        if t.flat:      # the flat loop's opcodes (interp.codegen); kernels without it stay as they were
-            out.update(FLAT=t.flat)
-        return out
+        return dict(LAYERS=c.layers, D=c.d, DP=next_pow2(c.d), FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd,
+                    MAX_SEQ=self.max_seq,
+                    EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp),
+                    RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k)
 
     # ---- serialisation --------------------------------------------------------------
     def extra(self) -> dict:
@@ -469,15 +437,6 @@ class Instruction:
     #: sums in another order). Opcodes that round operands to bf16 on purpose allow more.
     TORCH_RTOL: ClassVar[float] = 1e-4
     device = None                     # set by subclasses (a triton JITFunction)
-    #: the flat loop (``Tiling.flat``): an opcode whose tiles are whole blocks of ``FLAT_ROWS`` rows of
-    #: d columns sets ``flat_vector(<operands...>, <ARGS...>) -> (hv, scale)`` (its input vector, read
-    #: once after its waits, [DP] fp32, and the scale of every dot) and ``flat_store(y, bi, <operands...>,
-    #: <ARGS...>)`` (the epilogue of its block ``bi``: ``y`` the block's FLAT_ROWS dots, the two halves'),
-    #: and :meth:`flat_blocks`
-    flat_vector = None
-    flat_store = None
-    #: its bit in ``Tiling.flat`` (0: no flat form)
-    FLAT_BIT: ClassVar[int] = 0
 
     # ---- declarations ---------------------------------------------------------------
     @classmethod
@@ -513,18 +472,6 @@ class Instruction:
 
     def latency_time(self, lay: Layout) -> float:
         raise NotImplementedError
-
-    @classmethod
-    def flat_problems(cls, lay: Layout) -> list[str]:
-        """What its flat form needs that ``lay`` lacks, as "<what it needs>" messages."""
-        return []
-
-    def flat_blocks(self, lay: Layout) -> list[tuple]:
-        """The flat loop's blocks of this tile, in order: ``((tensor_a, row_a), (tensor_b, row_b), layer,
-        col0)``, two halves of ``FLAT_ROWS // 2`` consecutive rows, of ``weights["layers"][layer][tensor_a]``
-        from row ``row_a`` and of ``tensor_b`` from ``row_b``, columns ``[col0, col0 + d)`` (only for
-        opcodes with ``flat_store``; both tensors have one row stride)."""
-        raise NotImplementedError(f"{self.NAME} has no flat blocks")
 
     # ---- encoding -----------------------------------------------------------------
     @classmethod
@@ -653,13 +600,6 @@ PER_CALL_POINTERS = {"x_ptr": "bf16", "out_ptr": "bf16"}
 TP_POINTERS = {"peer_cnt_ptr": "i32", "peer_sig_ptr": "i32", "tp_wait_ptr": "i64"}
 
 
-#: the pointers of a flat kernel (``Tiling.flat``; built by ``interp.flat``): per tape slot the run of
-#: streaming instructions that starts there (first block, end block, slots; 0 0 0: none), per block its
-#: two halves' element offsets from ``fbase``, their row stride and its slot and flags, and ``fbase``
-#: itself (layer 0's Wq: every streamed matrix is reached from it), and per SM a row of d (the tile's vector)
-FLAT_POINTERS = {"frun_ptr": "i32", "fblk_ptr": "i64", "fbase_ptr": "bf16", "fvec_ptr": "bf16"}
-
-
 def signals_peer(classes) -> bool:
     """Whether a kernel of these opcodes is a tensor-parallel one (it signals the peer's counters)."""
     return any(cls.SIGNALS_PEER for cls in classes)
@@ -680,8 +620,6 @@ def pointer_types(lay: Layout, used=()) -> dict[str, str]:
     _merge(out, {p: "bf16" for _, p in lay.MODEL_TENSORS}, "pointer", type(lay).__name__)
     if signals_peer(kernel_classes(used)):
         _merge(out, dict(TP_POINTERS), "pointer", "the tensor-parallel runtime")
-    if lay.tiling.flat:
-        _merge(out, dict(FLAT_POINTERS), "pointer", "the flat loop")
     return {k: v for k, (_, v) in out.items()}
 
 
@@ -700,6 +638,4 @@ def kernel_pointers(lay: Layout, used=()) -> dict[str, str]:
                 taken.add(a)
     if signals_peer(kernel_classes(used)):
         taken.update(TP_POINTERS)
-    if lay.tiling.flat:
-        taken.update(FLAT_POINTERS)
     return {k: v for k, v in known.items() if k in taken}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .base import FLAT_ROWS, Layout
+from .base import Layout
 
 # Columns of the per-layer offset table (``Layout.TENSORS``): the kernel reaches layer l's copy
 # of a tensor at the layer-0 pointer plus ``wtab[l, column]`` elements.
@@ -21,19 +21,6 @@ T_WU = tl.constexpr(Layout.column("up"))
 T_WD = tl.constexpr(Layout.column("down"))
 T_KC = tl.constexpr(Layout.column("kc"))
 T_VC = tl.constexpr(Layout.column("vc"))
-
-
-#: rows per block of the flat loop (``Tiling.flat``) and per half of a block
-FR = tl.constexpr(FLAT_ROWS)
-FH = tl.constexpr(FLAT_ROWS // 2)
-
-
-@triton.jit
-def flat_halves(y):
-    """The two halves of a flat block's ``FR`` dots: rows ``[0, FH)`` and ``[FH, FR)``."""
-    y2 = tl.reshape(y, [2, FH])
-    h = tl.arange(0, 2)[:, None]
-    return tl.sum(tl.where(h == 0, y2, 0.0), axis=0), tl.sum(tl.where(h == 1, y2, 0.0), axis=0)
 
 
 @triton.jit

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import FLAT_ROWS, Cost, Instruction, Layout, Region, in_range, register, tile_start
-from .common import FR, T_WD, gemv_stream, tab_offset
+from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
+from .common import T_WD, gemv_stream, tab_offset
 
 
 @triton.jit
@@ -31,23 +31,6 @@ def down_device(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
     tl.store(out + rows, tl.sum(acc, axis=1), mask=rm)
 
 
-@triton.jit
-def down_flat_vector(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
-                     D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
-                     DOWN_CHUNKS: tl.constexpr, DOWN_BK: tl.constexpr, STAGES: tl.constexpr):
-    # the flat loop's vector (Tiling.flat: DOWN_K = D): the activation's K chunk kc
-    return tl.load(act_ptr + layer * FFN + kc * DOWN_K + tl.arange(0, DOWN_K), cache_modifier=".cg"),\
-        (layer * 0 + 1).to(tl.float32)        # no scale (a tensor: the loop carries it)
-
-
-@triton.jit
-def down_flat_store(y, bi, layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
-                    D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
-                    DOWN_CHUNKS: tl.constexpr, DOWN_BK: tl.constexpr, STAGES: tl.constexpr):
-    # block bi: the partials of rows [row0 + bi*FR, + FR) (Down.flat_blocks)
-    tl.store(dpart_ptr + (layer * DOWN_CHUNKS + kc) * D + row0 + bi * FR + tl.arange(0, FR), y)
-
-
 @register
 @dataclass(frozen=True)
 class Down(Instruction):
@@ -62,19 +45,6 @@ class Down(Instruction):
     CONSTEXPRS = {"DOWN_ROWS": lambda lay: lay.tiling.down_rows, "DOWN_K": lambda lay: lay.tiling.down_k,
                   "DOWN_BK": lambda lay: lay.tiling.down_bk or lay.tiling.bk}
     device = down_device
-    flat_vector = down_flat_vector
-    flat_store = down_flat_store
-    FLAT_BIT = 8
-
-    @classmethod
-    def flat_problems(cls, lay: Layout) -> list[str]:
-        c, t = lay.cfg, lay.tiling
-        out = []
-        if t.down_k != c.d or c.ffn % c.d:
-            out.append(f"Tiling.down_k = {t.down_k} equal to d = {c.d}, dividing ffn = {c.ffn}")
-        if t.down_rows % FLAT_ROWS or c.d % t.down_rows:
-            out.append(f"Tiling.down_rows = {t.down_rows} a multiple of {FLAT_ROWS} dividing d = {c.d}")
-        return out
 
     SCRATCH = {"dpart": "fp32"}
 
@@ -94,12 +64,6 @@ class Down(Instruction):
         return (in_range("layer", self.layer, lay.cfg.layers)
                 + tile_start("row0", self.row0, lay.tiling.down_rows, lay.cfg.d)
                 + in_range("kc", self.kc, lay.n_down_k))
-
-    def flat_blocks(self, lay: Layout) -> list[tuple]:
-        fr, fh = FLAT_ROWS, FLAT_ROWS // 2
-        k0 = self.kc * lay.tiling.down_k
-        return [(("down", r), ("down", r + fh), self.layer, k0)
-                for r in range(self.row0, self.row0 + lay.tiling.down_rows, fr)]
 
     def _rows(self, lay: Layout) -> tuple[int, int]:
         return self.row0, min(self.row0 + lay.tiling.down_rows, lay.cfg.d)

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import FLAT_ROWS, Cost, Instruction, Layout, Region, in_range, register, tile_start
-from .common import FH, T_N2, T_WG, T_WU, flat_halves, gemv_stream, norm_row_vec, rows_dot, tab_offset
+from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
+from .common import T_N2, T_WG, T_WU, gemv_stream, norm_row_vec, rows_dot, tab_offset
 
 
 @triton.jit
@@ -56,24 +56,6 @@ def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_pt
                  GU_RB, STAGES)
 
 
-@triton.jit
-def gate_up_flat_vector(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
-                        D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr,
-                        GU_ROWS: tl.constexpr, GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
-    # the flat loop's vector (Tiling.flat): x1 times post_norm, and the rsqrt of x1's mean square
-    return norm_row_vec(x1_ptr + layer * D, n2_ptr + tab_offset(wtab_ptr, layer, T_N2), D, DP, EPS)
-
-
-@triton.jit
-def gate_up_flat_store(y, bi, layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
-                       D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr,
-                       GU_ROWS: tl.constexpr, GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
-    # block bi: FH rows of gate, then the same FH rows of up (GateUp.flat_blocks)
-    gv, uv = flat_halves(y)
-    rows = row0 + bi * FH + tl.arange(0, FH)
-    tl.store(act_ptr + layer * FFN + rows, gv / (1.0 + tl.exp(-gv)) * uv)
-
-
 @register
 @dataclass(frozen=True)
 class GateUp(Instruction):
@@ -87,16 +69,6 @@ class GateUp(Instruction):
     CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
                   "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows)}
     device = gate_up_device
-    flat_vector = gate_up_flat_vector
-    flat_store = gate_up_flat_store
-    FLAT_BIT = 4
-
-    @classmethod
-    def flat_problems(cls, lay: Layout) -> list[str]:
-        t, ffn = lay.tiling, lay.cfg.ffn
-        if t.gu_rows % (FLAT_ROWS // 2) or ffn % t.gu_rows:
-            return [f"Tiling.gu_rows = {t.gu_rows} a multiple of {FLAT_ROWS // 2} dividing ffn = {ffn}"]
-        return []
 
     SCRATCH = {"act": "fp32"}
 
@@ -111,10 +83,6 @@ class GateUp(Instruction):
     def check_operands(self, lay: Layout) -> list[str]:
         return (in_range("layer", self.layer, lay.cfg.layers)
                 + tile_start("row0", self.row0, lay.tiling.gu_rows, lay.cfg.ffn))
-
-    def flat_blocks(self, lay: Layout) -> list[tuple]:
-        fh = FLAT_ROWS // 2
-        return [(("gate", r), ("up", r), self.layer, 0) for r in range(self.row0, self.row0 + lay.tiling.gu_rows, fh)]
 
     def _rows(self, lay: Layout) -> tuple[int, int]:
         return self.row0, min(self.row0 + lay.tiling.gu_rows, lay.cfg.ffn)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import FLAT_ROWS, Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
-from .common import FR, T_WO, gemv_stream, layer_rows, tab_offset
+from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
+from .common import T_WO, gemv_stream, layer_rows, tab_offset
 
 
 @triton.jit
@@ -47,27 +47,6 @@ def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x
              O_PART, DOWN_CHUNKS, RES_FOLD, INTERP)
 
 
-@triton.jit
-def oproj_flat_vector(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_ptr, opart_ptr, dpart_ptr,
-                      D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, O_ROWS: tl.constexpr, O_K: tl.constexpr,
-                      O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, O_BK: tl.constexpr, STAGES: tl.constexpr,
-                      DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
-    # the flat loop's vector (Tiling.flat: one K chunk, NQ*HD = D): the layer's attention output
-    return tl.load(attn_ptr + layer * (NQ * HD) + tl.arange(0, D), cache_modifier=".cg"),\
-        (layer * 0 + 1).to(tl.float32)        # no scale (a tensor: the loop carries it)
-
-
-@triton.jit
-def oproj_flat_store(y, bi, layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_ptr, opart_ptr,
-                     dpart_ptr, D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, O_ROWS: tl.constexpr,
-                     O_K: tl.constexpr, O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, O_BK: tl.constexpr,
-                     STAGES: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
-    # block bi: rows [row0 + bi*FR, + FR) (OProj.flat_blocks), the residual added
-    rows = row0 + bi * FR + tl.arange(0, FR)
-    _o_store(y, rows, rows < D, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr, D, O_CHUNKS, O_PART,
-             DOWN_CHUNKS, RES_FOLD, INTERP)
-
-
 @register
 @dataclass(frozen=True)
 class OProj(Instruction):
@@ -83,21 +62,6 @@ class OProj(Instruction):
                   "O_CHUNKS": lambda lay: lay.n_o_k, "O_PART": lambda lay: int(lay.o_partial),
                   "O_BK": lambda lay: lay.tiling.o_bk or lay.tiling.bk}
     device = oproj_device
-    flat_vector = oproj_flat_vector
-    flat_store = oproj_flat_store
-    FLAT_BIT = 2
-
-    @classmethod
-    def flat_problems(cls, lay: Layout) -> list[str]:
-        c, t = lay.cfg, lay.tiling
-        out = [] if lay.folds_residual else ["Tiling.res_fold = 1 (one GPU)"]
-        if c.q_dim != c.d:
-            out.append(f"n_q*hd = {c.q_dim} equal to d = {c.d}")
-        if lay.n_o_k > 1:
-            out.append("one K chunk (Tiling.o_k = 0)")
-        if t.o_rows % FLAT_ROWS or c.d % t.o_rows:
-            out.append(f"Tiling.o_rows = {t.o_rows} a multiple of {FLAT_ROWS} dividing d = {c.d}")
-        return out
 
     # x1 = x + attn . Wo^T (written here, or by O_REDUCE from the per-chunk partials ``opart``)
     SCRATCH = {"x1": "fp32", "opart": "fp32"}
@@ -110,10 +74,6 @@ class OProj(Instruction):
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:
         return lay.tiling.o_rows
-
-    def flat_blocks(self, lay: Layout) -> list[tuple]:
-        fr, fh = FLAT_ROWS, FLAT_ROWS // 2
-        return [(("o", r), ("o", r + fh), self.layer, 0) for r in range(self.row0, self.row0 + lay.tiling.o_rows, fr)]
 
     @classmethod
     def stream_width(cls, lay: Layout) -> int:

@@ -17,10 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import FLAT_ROWS, Cost, Instruction, Layout, Region, register
+from .base import Cost, Instruction, Layout, Region, register
 from .reference import rope_tables
-from .common import (FH, T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, flat_halves, gemv_stream, layer_input, layer_rows,
-                     tab_offset, to_bf16)
+from .common import T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, gemv_stream, layer_input, tab_offset, to_bf16
 
 SECTIONS = ("q", "k", "v")
 
@@ -116,34 +115,6 @@ def _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab
                 NQ, HD, MAX_SEQ, INTERP)
 
 
-@triton.jit
-def qkv_flat_vector(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
-                    wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
-                    D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
-                    EPS: tl.constexpr, QKV_ROWS: tl.constexpr, KV_ROWS: tl.constexpr, BK: tl.constexpr,
-                    STAGES: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
-    # the flat loop's vector (Tiling.flat): the layer's input (x1 + the down partials folded in,
-    # rounded as RESIDUAL rounds) times in_norm, and the rsqrt of its mean square
-    cols = tl.arange(0, D)
-    xv = layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, cols, cols < D, D, DOWN_CHUNKS, RES_FOLD, INTERP)
-    nw = tl.load(n1_ptr + tab_offset(wtab_ptr, layer, T_N1) + cols).to(tl.float32)
-    return xv * nw, 1.0 / tl.sqrt(tl.sum(xv * xv, axis=0) / D + EPS)
-
-
-@triton.jit
-def qkv_flat_store(y, bi, layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr,
-                   wk_ptr, wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
-                   D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
-                   EPS: tl.constexpr, QKV_ROWS: tl.constexpr, KV_ROWS: tl.constexpr, BK: tl.constexpr,
-                   STAGES: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
-    # block bi: dims [j*half + bi*FH, + FH) of both halves of the head (QKV.flat_blocks), roped and stored
-    y1, y2 = flat_halves(y)
-    half = tl.where(sec == 0, QKV_ROWS // 2, KV_ROWS // 2)
-    dims = j * half + bi * FH + tl.arange(0, FH)
-    _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
-                NQ, HD, MAX_SEQ, INTERP)
-
-
 @register
 @dataclass(frozen=True)
 class QKV(Instruction):
@@ -163,17 +134,6 @@ class QKV(Instruction):
     # the new K/V rows live in the caller's cache (row ``pos``): tracked by the verifier, not allocated
     VIRTUAL = ("kv_new_k", "kv_new_v")
     device = qkv_device
-    flat_vector = qkv_flat_vector
-    flat_store = qkv_flat_store
-    FLAT_BIT = 1
-
-    @classmethod
-    def flat_problems(cls, lay: Layout) -> list[str]:
-        out = [] if lay.folds_residual else ["Tiling.res_fold = 1 (one GPU)"]
-        for name, rows in (("qkv_rows", lay.tiling.qkv_rows), ("kv_rows", lay.kv_rows)):
-            if rows % FLAT_ROWS:
-                out.append(f"Tiling.{name} = {rows} a multiple of {FLAT_ROWS}")
-        return out
 
     SCRATCH = {"q": "fp32", "kv_new_k": "bf16", "kv_new_v": "bf16"}
 
@@ -208,12 +168,6 @@ class QKV(Instruction):
     def _dims(self, lay: Layout) -> tuple[int, int]:
         half = lay.section_rows(self.sec) // 2
         return self.j * half, (self.j + 1) * half
-
-    def flat_blocks(self, lay: Layout) -> list[tuple]:
-        lo, hi = self._dims(lay)
-        key, fh, h2 = SECTIONS[self.sec], FLAT_ROWS // 2, lay.cfg.hd // 2
-        base = self.head * lay.cfg.hd
-        return [((key, base + r), (key, base + h2 + r), self.layer, 0) for r in range(lo, hi, fh)]
 
     def writes(self, lay: Layout) -> list[Region]:
         c = lay.cfg
