@@ -26,20 +26,6 @@ def signal_counter(ptr):
 
 
 @triton.jit
-def poll_counter(ptr, INTERP: tl.constexpr):
-    """One poll of a counter of this GPU: an acquire load at gpu scope, which every warp issues itself
-    (an acquire ``atomic_add(ptr, 0)`` is one thread's read-modify-write at the counter's L2 slice,
-    where the SMs of a stage queue behind one another, broadcast to the CTA); the interpreter, which
-    runs no PTX, reads it with that atomic."""
-    if INTERP:
-        v = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-    else:
-        v = tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-    return v
-
-
-@triton.jit
 def signal_peer_counter(ptr):
     """Tensor parallel: make this CTA's writes (its stores into the peer's memory included) visible
     to the peer GPU, then count one producer done on the PEER's counter (system scope)."""

@@ -92,14 +92,11 @@ class Tiling:
     # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
     # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
-    # 1: waits poll their counter with an acquire load (every warp its own) instead of an acquire
-    # atomic read (bench/NOTES.md v64)
-    poll_ld: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "poll_ld") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -111,7 +108,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "poll_ld"):
+        for k in ("res_fold", "key_in_reduce"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -329,13 +326,10 @@ class Layout:
         """Kernel constants of the model's shape and of the streaming loops (opcodes add their
         own, :attr:`Instruction.CONSTEXPRS`); ``interp``: running under the Triton interpreter."""
         c, t = self.cfg, self.tiling
-        out = dict(LAYERS=c.layers, D=c.d, DP=next_pow2(c.d), FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd,
+        return dict(LAYERS=c.layers, D=c.d, DP=next_pow2(c.d), FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd,
                     MAX_SEQ=self.max_seq,
                     EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp),
                     RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k)
-        if t.poll_ld:
-            out.update(POLL_LD=True)
-        return out
 
     # ---- serialisation --------------------------------------------------------------
     def extra(self) -> dict:
