@@ -153,8 +153,6 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("")
     for cls in classes:
         w(f"_{cls.NAME} = _{cls.NAME}_cls.device")
-        if cls.prewait is not None:
-            w(f"_{cls.NAME}_pre = _{cls.NAME}_cls.prewait")
     w("")
     w("")
     w("@triton.jit")
@@ -248,11 +246,6 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("        t_wait = _now(PROFILE)")
     for k in range(n_ops):
         w(f"        a{k} = tl.load(ins + {HEADER + k})")
-    for cls in classes:
-        if cls.prewait is not None:
-            ops = [f"a{k}" for k in range(len(cls.operand_names()))]
-            w(f"        if op == {cls.OPCODE}:  # {cls.NAME}: before its waits")
-            w(f"            _{cls.NAME}_pre(" + ", ".join(ops + list(cls.PREWAIT_ARGS)) + ")")
     _emit_waits(w, "        ", tp, interp)
     w("        if failed == 0:")
     w("            t_exec = _now(PROFILE)")

@@ -83,34 +83,6 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
     tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=hm)
 
 
-@triton.jit
-def attn_partial_prewait(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr,
-                         NQ: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                         MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, SPLITS: tl.constexpr,
-                         PART_SPLITS: tl.constexpr, ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr,
-                         ATTN_STAGES: tl.constexpr, ATTN_PF: tl.constexpr):
-    # before the split's waits (Tiling.attn_pf): an L2 prefetch of the cache rows of a prefix split's
-    # first pipelined blocks, written by earlier calls (not the last split's key at pos)
-    if ATTN_PF:
-        if not INTERP:
-            if s < SPLITS - 1:
-                chunk = (pos + SPLITS - 2) // (SPLITS - 1)
-                start = s * chunk
-                stop = tl.minimum(s * chunk + chunk, pos)
-                if stop > start:
-                    NL: tl.constexpr = HD // 64                          # 128-byte lines of a cache row
-                    NPF: tl.constexpr = ATTN_BLOCK * (ATTN_STAGES - 1) * NL
-                    j = tl.arange(0, NPF)                               # one line per thread and step
-                    keys = tl.minimum(start + j // NL, stop - 1)
-                    off = g * (MAX_SEQ * HD) + keys * HD + (j % NL) * 64
-                    kp = kc_ptr + tab_offset(wtab_ptr, layer, T_KC) + off
-                    vp = vc_ptr + tab_offset(wtab_ptr, layer, T_VC) + off
-                    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [kp],
-                                              dtype=tl.int32, is_pure=False, pack=1)
-                    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [vp],
-                                              dtype=tl.int32, is_pure=False, pack=1)
-
-
 @register
 @dataclass(frozen=True)
 class AttnPartial(Instruction):
@@ -131,13 +103,10 @@ class AttnPartial(Instruction):
         "ATTN_BLOCK": lambda lay: lay.tiling.attn_block,
         "ATTN_STAGES": lambda lay: lay.tiling.attn_stages,
         "QSCALE": lambda lay: float(1.4426950408889634 / math.sqrt(lay.cfg.hd)),   # log2(e) / sqrt(hd)
-        "ATTN_PF": lambda lay: bool(lay.tiling.attn_pf),
     }
-    prewait = attn_partial_prewait
     TIMING = Timing.LATENCY
     TORCH_RTOL = 1e-2         # the tensor-core dots take bf16 q and p; run_torch keeps them fp32
     device = attn_partial_device
-    PREWAIT_ARGS = ARGS + ("ATTN_PF",)
 
     SCRATCH = {"part_o": "fp32", "part_ml": "fp32"}
 
