@@ -393,6 +393,17 @@ def cmd_bench(a) -> int:
 def cmd_bench_decoder(a) -> int:
     if a.tp == 2:
         return _bench_decoder_tp(a)
+    if a.tiling.strip():        # a bad --tiling is named here, before any GPU work
+        from opcodes import ModelConfig, Tiling
+        from opcodes.decoder import DecoderLayout
+        try:
+            DecoderLayout(ModelConfig.from_name(a.preset), Tiling.from_spec(ModelConfig.from_name(a.preset), a.tiling),
+                          a.max_seq)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            print(f"megatape bench-decoder: error: {msg if msg.startswith('--tiling') else '--tiling: ' + msg}",
+                  file=sys.stderr)
+            return 2
     from bench.decoder_bench import run
     return int(run(a, views=_views()) or 0)
 
@@ -400,7 +411,8 @@ def cmd_bench_decoder(a) -> int:
 def _bench_decoder_tp(a, prog: str = "megatape bench-decoder") -> int:
     """``--tp 2``: bench/tp_bench.py's launcher (two GPUs, one process each; it sets the NCCL /
     symmetric-memory switches that keep NVLink multicast off for itself and its children)."""
-    bad = [f for f, on in (("--variants", bool(a.variants.strip())), ("--profile", a.profile)) if on]
+    bad = [f for f, on in (("--variants", bool(a.variants.strip())), ("--tiling", bool(a.tiling.strip())),
+                           ("--profile", a.profile)) if on]
     if bad:
         print(f"{prog}: error: {', '.join(bad)} are not supported with --tp 2", file=sys.stderr)
         return 2

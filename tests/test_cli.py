@@ -176,6 +176,21 @@ def test_bench_decoder_parses_here(monkeypatch):
     assert main(["bench-decoder", "--pos", "128"]) == 0 and seen[1].prefill == 128
 
 
+def test_bench_decoder_tiling(monkeypatch, capsys):
+    """--tiling reaches the bench as given; a bad one is one line naming --tiling, before any GPU work."""
+    import bench.decoder_bench
+    seen = []
+    monkeypatch.setattr(bench.decoder_bench, "run", lambda a, views=None: seen.append(a) or 0)
+    assert main(["bench-decoder", "--tiling", "o_rows=32,stages=4"]) == 0 and seen[0].tiling == "o_rows=32,stages=4"
+    for bad, what in (("o_rowz=32", "o_rowz"), ("stages", "name=value"), ("qkv_rows=48", "qkv_rows"),
+                      ("o_rows=3", "power of two")):
+        rc, out, err = run_main(capsys, "bench-decoder", "--tiling", bad)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and "--tiling" in err and what in err, err
+    rc, out, err = run_main(capsys, "bench-decoder", "--tp", "2", "--tiling", "stages=4")
+    assert rc == 2 and "--tiling" in err
+    assert len(seen) == 1
+
+
 def test_bench_decoder_report_format(tmp_path):
     """decoder-<preset>-pos<P>.json: the latency issue's top-level keys and row objects."""
     import json
