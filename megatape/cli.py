@@ -396,9 +396,9 @@ def cmd_bench_decoder(a) -> int:
     if a.tiling.strip():        # a bad --tiling is named here, before any GPU work
         from opcodes import ModelConfig, Tiling
         from opcodes.decoder import DecoderLayout
+        cfg = ModelConfig.from_name(a.preset)
         try:
-            DecoderLayout(ModelConfig.from_name(a.preset), Tiling.from_spec(ModelConfig.from_name(a.preset), a.tiling),
-                          a.max_seq)
+            DecoderLayout(cfg, Tiling.from_spec(cfg, a.tiling), a.max_seq)
         except (ValueError, TypeError) as e:
             msg = str(e)
             print(f"megatape bench-decoder: error: {msg if msg.startswith('--tiling') else '--tiling: ' + msg}",
