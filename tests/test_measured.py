@@ -75,11 +75,18 @@ def test_profile_summary_of_synthetic_timestamps():
 def test_profile_critical_path_and_fixed_cost():
     """Per stage of a layer: what it adds after the previous stage's last end, and the hop of its
     late instructions; per opcode: the time over what the bytes take at an even share."""
-    from megatape.views.profile import critical_path, format_summary, summarize
+    from megatape.views.profile import critical_path, format_summary, layer_timeline, summarize
     # two layers, stages 0 (a) and 1 (b): b's first waiting instruction starts 2 us after a's end
     recs = {l: [(0, "a", 0, 0, 10_000 + l), (0, "a", 0, 0, 8_000), (1, "b", 500, 12_000 + l, 15_000 + 3 * l),
                 (1, "b", 9_000, 9_500, 11_000)] for l in (0, 1)}
     rows = critical_path(recs)
+    tl_ = layer_timeline(recs)
+    assert tl_["layer"] == 1 and [r["stage"] for r in tl_["rows"]] == ["a", "b"]
+    a, b = tl_["rows"]
+    assert (a["n"], a["exec_ns"], a["end_ns"], a["median_wait_ns"]) == (2, (0, 0), (8_000, 10_001), 0)
+    # b's instructions start 9.5 us and 12.001 us after the layer's first start: the late tile shows
+    assert (b["wait0_ns"], b["exec_ns"], b["end_ns"]) == (500, (9_500, 12_001), (11_000, 15_003))
+    assert b["median_exec_ns"] == (1_500 + 3_002) / 2 and b["median_wait_ns"] == (500 + 11_501) / 2
     assert [r["stage"] for r in rows] == ["b"]
     assert rows[0]["adds_ns"] == 5_000 + 1                 # median of 5000 and 5002
     assert rows[0]["hop_ns"] == 2_000                      # 12000 - 10000, both layers
@@ -95,6 +102,7 @@ def test_profile_critical_path_and_fixed_cost():
         if name != "attn_partial":
             assert d["fixed_ns"] == statistics.median(2000 - b / 1e3 for b in byts), name
     assert "hop us" in format_summary(summ) and summ["stages"]
+    assert "as it ran" in format_summary(summ) and summ["layer_timeline"]["layer"] == 0
 
 
 def test_instruction_rows_name_every_slot_and_survive_json():

@@ -1,7 +1,8 @@
 """Summaries of a measured timeline (a profiling launch of the kernel).
 
 :func:`summarize` reports per opcode: count, busy time, wait time, HBM bytes and the bandwidth
-achieved while that opcode was running anywhere on the chip; :func:`format_summary` prints it as a
+achieved while that opcode was running anywhere on the chip; per stage of a layer what it adds to
+the critical path (:func:`critical_path`) and one layer as it ran (:func:`layer_timeline`); :func:`format_summary` prints it as a
 Markdown table and :func:`timeline_line` as one line. The buffer itself is read by
 :func:`interp.profile.records`.
 """
@@ -56,7 +57,30 @@ def summarize(tape: Tape, prof: torch.Tensor, pos: int | None = None, copy_Bps: 
                          fixed_ns=statistics.median(t - b / fair for t, b in ts) if fair else None)
     return dict(makespan_ns=makespan, ops=ops, total_wait_ns=sum(per_sm_wait.values()),
                 total_busy_ns=sum(per_sm_busy.values()), num_sms=tape.num_sms,
-                max_sm_wait_ns=max(per_sm_wait.values()), stages=critical_path(layer_recs), records=recs)
+                max_sm_wait_ns=max(per_sm_wait.values()), stages=critical_path(layer_recs),
+                layer_timeline=layer_timeline(layer_recs), records=recs)
+
+
+def layer_timeline(layer_recs: dict, layer: int | None = None) -> dict | None:
+    """One layer's stages as they ran (default: the middle layer), in the order they started: per
+    stage its instructions' first wait start, the spread of their exec starts and of their ends (ns
+    from the layer's first exec start), and their median exec and wait times. The spread of a
+    stage's starts is what the per-opcode table cannot show: tiles that began late, not slowly."""
+    if not layer_recs:
+        return None
+    layer = sorted(layer_recs)[len(layer_recs) // 2] if layer is None else layer
+    by_stage: dict = defaultdict(list)
+    for stage, name, tw, te, tend in layer_recs[layer]:
+        by_stage[(stage, name)].append((tw, te, tend))
+    t0 = min(te for _, te, _ in (r for rs in by_stage.values() for r in rs))
+    rows = []
+    for (stage, name), rs in sorted(by_stage.items(), key=lambda kv: min(te for _, te, _ in kv[1])):
+        rows.append(dict(stage=name, n=len(rs), wait0_ns=min(tw for tw, _, _ in rs) - t0,
+                         exec_ns=(min(te for _, te, _ in rs) - t0, max(te for _, te, _ in rs) - t0),
+                         end_ns=(min(e for _, _, e in rs) - t0, max(e for _, _, e in rs) - t0),
+                         median_exec_ns=statistics.median(e - te for _, te, e in rs),
+                         median_wait_ns=statistics.median(te - tw for tw, te, _ in rs)))
+    return dict(layer=layer, rows=rows)
 
 
 def critical_path(layer_recs: dict) -> list[dict]:
@@ -102,6 +126,16 @@ def format_summary(s: dict) -> str:
         for r in s["stages"]:
             hop = "-" if r["hop_ns"] is None else f"{r['hop_ns'] / 1e3:.2f}"
             lines.append(f"| {r['stage']} | {r['adds_ns'] / 1e3:.2f} | {hop} | {r['layers']} |")
+    tl_ = s.get("layer_timeline")
+    if tl_:
+        lines += ["", f"layer {tl_['layer']} as it ran (us from its first instruction's start)",
+                  "| stage | n | first wait | exec starts | ends | median exec | median wait |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in tl_["rows"]:
+            (a, b), (c, d) = r["exec_ns"], r["end_ns"]
+            lines.append(f"| {r['stage']} | {r['n']} | {r['wait0_ns'] / 1e3:.1f} | {a / 1e3:.1f}..{b / 1e3:.1f} | "
+                         f"{c / 1e3:.1f}..{d / 1e3:.1f} | {r['median_exec_ns'] / 1e3:.2f} | "
+                         f"{r['median_wait_ns'] / 1e3:.2f} |")
     return "\n".join(lines)
 
 
