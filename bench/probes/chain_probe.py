@@ -50,6 +50,28 @@ def _tile_wait(e, cnt_ptr, err_ptr, epoch):
 
 
 @triton.jit
+def _sm_span(off_ptr):
+    # this SM's [lo, hi) of a per-SM offset table (its blocks, or its tiles)
+    pid = tl.program_id(0)
+    return tl.load(off_ptr + pid), tl.load(off_ptr + pid + 1)
+
+
+@triton.jit
+def _tile_start(tab_ptr, tiles_ptr, t, cnt_ptr, err_ptr, epoch):
+    # tile t of the per-tile plans: its blocks [s, s1) (tiles_ptr: every tile's first block), after its wait
+    s = tl.load(tiles_ptr + t)
+    s1 = tl.load(tiles_ptr + t + 1)
+    _tile_wait(tab_ptr + s * 6, cnt_ptr, err_ptr, epoch)
+    return s, s1
+
+
+@triton.jit
+def _tile_signal(tab_ptr, s1, cnt_ptr):
+    # the per-tile plans' signal: the counter of the tile's last block (table row s1 - 1)
+    tl.atomic_add(cnt_ptr + tl.load(tab_ptr + (s1 - 1) * 6 + 5), 1, sem="release", scope="gpu")
+
+
+@triton.jit
 def _block(tab, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, WAIT: tl.constexpr, SIG: tl.constexpr):
     # one block: table row j = (weight offset, x offset: what the addresses below compute; wait counter,
     # its target per call, out index, signal counter; -1: none)
@@ -77,9 +99,7 @@ def _block(tab, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, WAIT: tl
 
 @triton.jit
 def chain_flat(tab_ptr, start_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch, STAGES: tl.constexpr):
-    pid = tl.program_id(0)
-    b0 = tl.load(start_ptr + pid)
-    b1 = tl.load(start_ptr + pid + 1)
+    b0, b1 = _sm_span(start_ptr)
     acc = tl.zeros([BR, BK], dtype=tl.float32)
     for j in tl.range(b0, b1, num_stages=STAGES):
         acc = _block(tab_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, True, True)
@@ -89,18 +109,13 @@ def chain_flat(tab_ptr, start_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoc
 def chain_per_tile(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch,
                    STAGES: tl.constexpr):
     # tiles_ptr: the first block of every tile, in queue order; tstart_ptr: each SM's first tile
-    pid = tl.program_id(0)
-    t0 = tl.load(tstart_ptr + pid)
-    t1 = tl.load(tstart_ptr + pid + 1)
+    t0, t1 = _sm_span(tstart_ptr)
     for t in range(t0, t1):
-        s = tl.load(tiles_ptr + t)
-        s1 = tl.load(tiles_ptr + t + 1)
-        _tile_wait(tab_ptr + s * 6, cnt_ptr, err_ptr, epoch)
+        s, s1 = _tile_start(tab_ptr, tiles_ptr, t, cnt_ptr, err_ptr, epoch)
         acc = tl.zeros([BR, BK], dtype=tl.float32)
         for j in tl.range(s, s1, num_stages=STAGES):
             acc = _block(tab_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, False, False)
-        sc = tl.load(tab_ptr + (s1 - 1) * 6 + 5)
-        tl.atomic_add(cnt_ptr + sc, 1, sem="release", scope="gpu")
+        _tile_signal(tab_ptr, s1, cnt_ptr)
 
 
 # the 1B decoder's GEMV stages per layer: (tiles, rows, K); down's 32 x 4096 tiles as 64 x 2048 (the same
@@ -115,9 +130,7 @@ KR = tl.constexpr(2048)
 def rows_flat(tab_ptr, start_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch, STAGES: tl.constexpr):
     # one pipelined loop over the SM's row blocks; a tile's vector is loaded once, after its wait, at
     # its first block (inside a branch: not pipelined, so never read before the wait), and carried
-    pid = tl.program_id(0)
-    b0 = tl.load(start_ptr + pid)
-    b1 = tl.load(start_ptr + pid + 1)
+    b0, b1 = _sm_span(start_ptr)
     rows = tl.arange(0, RR)
     cols = tl.arange(0, KR)
     hv = tl.zeros([KR], dtype=tl.float32)
@@ -137,20 +150,16 @@ def rows_flat(tab_ptr, start_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch
 def rows_per_tile(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch,
                   STAGES: tl.constexpr):
     # the row loop of today's GATE_UP / LM_HEAD: wait, the vector, a pipelined loop per tile, the signal
-    pid = tl.program_id(0)
-    t0 = tl.load(tstart_ptr + pid)
-    t1 = tl.load(tstart_ptr + pid + 1)
+    t0, t1 = _sm_span(tstart_ptr)
     rows = tl.arange(0, RR)
     cols = tl.arange(0, KR)
     for t in range(t0, t1):
-        s = tl.load(tiles_ptr + t)
-        s1 = tl.load(tiles_ptr + t + 1)
-        _tile_wait(tab_ptr + s * 6, cnt_ptr, err_ptr, epoch)
+        s, s1 = _tile_start(tab_ptr, tiles_ptr, t, cnt_ptr, err_ptr, epoch)
         hv = tl.load(x_ptr + cols, cache_modifier=".cg")
         for j in tl.range(s, s1, num_stages=STAGES):
             w = tl.load(w_ptr + j * (RR * KR) + rows[:, None] * KR + cols[None, :], eviction_policy="evict_first")
             tl.store(out_ptr + tl.load(tab_ptr + j * 6 + 4) * RR + rows, tl.sum(w.to(tl.float32) * hv[None, :], 1))
-        tl.atomic_add(cnt_ptr + tl.load(tab_ptr + (s1 - 1) * 6 + 5), 1, sem="release", scope="gpu")
+        _tile_signal(tab_ptr, s1, cnt_ptr)
 
 
 def _flatten(queues):

@@ -72,14 +72,14 @@ def layer_timeline(layer_recs: dict, layer: int | None = None) -> dict | None:
     by_stage: dict = defaultdict(list)
     for stage, name, tw, te, tend in layer_recs[layer]:
         by_stage[(stage, name)].append((tw, te, tend))
-    t0 = min(te for _, te, _ in (r for rs in by_stage.values() for r in rs))
+    cols = {k: tuple(zip(*rs)) for k, rs in by_stage.items()}          # (wait starts, exec starts, ends)
+    t0 = min(min(te) for _, te, _ in cols.values())
     rows = []
-    for (stage, name), rs in sorted(by_stage.items(), key=lambda kv: min(te for _, te, _ in kv[1])):
-        rows.append(dict(stage=name, n=len(rs), wait0_ns=min(tw for tw, _, _ in rs) - t0,
-                         exec_ns=(min(te for _, te, _ in rs) - t0, max(te for _, te, _ in rs) - t0),
-                         end_ns=(min(e for _, _, e in rs) - t0, max(e for _, _, e in rs) - t0),
-                         median_exec_ns=statistics.median(e - te for _, te, e in rs),
-                         median_wait_ns=statistics.median(te - tw for tw, te, _ in rs)))
+    for (stage, name), (tw, te, tend) in sorted(cols.items(), key=lambda kv: min(kv[1][1])):
+        rows.append(dict(stage=name, n=len(te), wait0_ns=min(tw) - t0,
+                         exec_ns=(min(te) - t0, max(te) - t0), end_ns=(min(tend) - t0, max(tend) - t0),
+                         median_exec_ns=statistics.median(e - x for x, e in zip(te, tend)),
+                         median_wait_ns=statistics.median(x - w for w, x in zip(tw, te))))
     return dict(layer=layer, rows=rows)
 
 
