@@ -47,7 +47,7 @@ def _check_args(classes, pointers: dict, constexprs) -> None:
     """Every parameter a device function takes has a declaration."""
     known = set(pointers) | set(constexprs) | {"pos", "epoch"} | set(PER_CALL_POINTERS)   # pos, epoch: the call's
     for cls in classes:
-        bad = [a for a in cls.ARGS + cls.PREWAIT_ARGS if a not in known]
+        bad = [a for a in cls.ARGS if a not in known]
         if bad:
             raise TypeError(f"opcode {cls.NAME} takes kernel parameters {bad} that nothing declares: a pointer "
                             f"needs an owner (a layout tensor, an opcode's scratch / state / TABLES), a constexpr "
@@ -153,8 +153,6 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("")
     for cls in classes:
         w(f"_{cls.NAME} = _{cls.NAME}_cls.device")
-        if cls.prewait is not None:
-            w(f"_{cls.NAME}_pre = _{cls.NAME}_cls.prewait")
     w("")
     w("")
     w("@triton.jit")
@@ -248,11 +246,6 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("        t_wait = _now(PROFILE)")
     for k in range(n_ops):
         w(f"        a{k} = tl.load(ins + {HEADER + k})")
-    for cls in classes:
-        if cls.prewait is not None:
-            ops = [f"a{k}" for k in range(len(cls.operand_names()))]
-            w(f"        if op == {cls.OPCODE}:  # {cls.NAME}: before its waits")
-            w(f"            _{cls.NAME}_pre(" + ", ".join(ops + list(cls.PREWAIT_ARGS)) + ")")
     _emit_waits(w, "        ", tp, interp)
     w("        if failed == 0:")
     w("            t_exec = _now(PROFILE)")

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, Timing, cdiv, register
-from .common import T_KC, T_VC, T_WO, mma, tab_offset, to_bf16
+from .common import T_KC, T_VC, mma, tab_offset, to_bf16
 
 
 #: an attention split on the H200: (t0, per loaded HBM round trip, per key block) seconds, fitted
@@ -83,27 +83,6 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
     tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=hm)
 
 
-@triton.jit
-def attn_partial_prewait(layer, g, s, wtab_ptr, wo_ptr, D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr,
-                         NKV: tl.constexpr, PART_SPLITS: tl.constexpr, O_L2: tl.constexpr, INTERP: tl.constexpr):
-    # Tiling.o_l2: before the split's waits, one thread asks the TMA engine to bring this split's share
-    # of the layer's Wo (NQ*HD x D bf16, contiguous) into L2, which the O tiles read after the attention;
-    # weights only, so it may run before anything this call writes (the interpreter has no L2: nothing)
-    if O_L2:
-        if not INTERP:
-            TOTAL: tl.constexpr = NQ * HD * D * 2                       # bytes of Wo
-            CHUNK: tl.constexpr = ((TOTAL + NKV * PART_SPLITS - 1) // (NKV * PART_SPLITS) + 15) // 16 * 16
-            idx = g * PART_SPLITS + s
-            lo = idx * CHUNK
-            size = tl.minimum(TOTAL - lo, CHUNK)
-            if size > 0:
-                base = wo_ptr + tab_offset(wtab_ptr, layer, T_WO) + lo // 2
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                    "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                    "=r,l,r", [base, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @register
 @dataclass(frozen=True)
 class AttnPartial(Instruction):
@@ -124,10 +103,7 @@ class AttnPartial(Instruction):
         "ATTN_BLOCK": lambda lay: lay.tiling.attn_block,
         "ATTN_STAGES": lambda lay: lay.tiling.attn_stages,
         "QSCALE": lambda lay: float(1.4426950408889634 / math.sqrt(lay.cfg.hd)),   # log2(e) / sqrt(hd)
-        "O_L2": lambda lay: bool(lay.tiling.o_l2),
     }
-    prewait = attn_partial_prewait
-    PREWAIT_ARGS = ("wtab_ptr", "wo_ptr", "D", "NQ", "HD", "NKV", "PART_SPLITS", "O_L2", "INTERP")
     TIMING = Timing.LATENCY
     TORCH_RTOL = 1e-2         # the tensor-core dots take bf16 q and p; run_torch keeps them fp32
     device = attn_partial_device

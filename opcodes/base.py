@@ -92,14 +92,11 @@ class Tiling:
     # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
     # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
-    # 1: before its waits, each ATTN_PARTIAL asks the TMA engine to prefetch its share of its layer's Wo
-    # into L2 (one bulk prefetch), so the O tiles after the attention stream from L2 (bench/NOTES.md v67)
-    o_l2: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "o_l2") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -111,7 +108,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "o_l2"):
+        for k in ("res_fold", "key_in_reduce"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -440,11 +437,6 @@ class Instruction:
     #: sums in another order). Opcodes that round operands to bf16 on purpose allow more.
     TORCH_RTOL: ClassVar[float] = 1e-4
     device = None                     # set by subclasses (a triton JITFunction)
-    #: a ``@triton.jit`` function the kernel calls before the instruction's waits, with its operands and
-    #: :attr:`PREWAIT_ARGS` (None: nothing); it may only read what earlier calls wrote (or no buffer
-    #: at all: an L2 prefetch of weights)
-    prewait = None
-    PREWAIT_ARGS: ClassVar[tuple[str, ...]] = ()
 
     # ---- declarations ---------------------------------------------------------------
     @classmethod
@@ -638,7 +630,7 @@ def kernel_pointers(lay: Layout, used=()) -> dict[str, str]:
     known = pointer_types(lay, used)
     taken = set()
     for cls in kernel_classes(used):
-        for a in cls.ARGS + cls.PREWAIT_ARGS:
+        for a in cls.ARGS:
             if a.endswith("_ptr") and a not in PER_CALL_POINTERS:
                 if a not in known:
                     raise TypeError(f"opcode {cls.NAME} takes pointer {a!r}, which no opcode or layout declares "

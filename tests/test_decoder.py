@@ -388,25 +388,3 @@ def test_decoder_tape_json_round_trip():
     assert back.lay.lm_rows == 16 and back.lay.emb_cols == 32
     assert torch.equal(back.words, comp.tape.words) and torch.equal(back.offsets, comp.tape.offsets)
     verify(back, comp.prog)
-
-
-def test_o_l2_prefetch_changes_no_result():
-    """Tiling.o_l2: ATTN_PARTIAL's L2 prefetch of Wo before its waits moves no data the kernel computes
-    with (a no-op under the interpreter, which has no L2; the sm_90 build: test_kernels_compile), and the
-    kernel calls it before the instruction's waits."""
-    w = decoder_weights()
-    outs = []
-    for o_l2 in (0, 1):
-        kv = make_kv_cache(CFG, MAX_SEQ, 0)
-        h = build_decoder(w, kv, CFG.to_dict(), MAX_SEQ, tiling=Tiling.for_config(CFG, **FAST, o_l2=o_l2), lm_rows=16)
-        outs.append([decode_step(h, torch.tensor([t]), p).clone() for p, t in enumerate((5, 17))])
-        teardown(h)
-    assert all(torch.equal(a, b) for a, b in zip(*outs))
-    from interp.codegen import kernel_source
-    from opcodes import AttnPartial, kernel_constexprs, kernel_pointers
-    lay = DecoderLayout(CFG, Tiling.for_config(CFG, o_l2=1), MAX_SEQ)
-    src = kernel_source(kernel_pointers(lay), list(kernel_constexprs(lay)))
-    pre, wait = src.index(f"if op == {AttnPartial.OPCODE}:  # attn_partial: before its waits"), src.index("wc = tl.load")
-    assert pre < wait
-    with pytest.raises(ValueError, match="o_l2 must be 0 or 1"):
-        Tiling(o_l2=2)
