@@ -4,6 +4,7 @@
     MEGATAPE_TILING=stages=5 python3 -m bench.ptx_diff --resources   (this tree's kernel only)
     MEGATAPE_PRESET=llama3.2-1b MEGATAPE_DECODER=1 python3 -m bench.ptx_diff be1d810   (the decoder's kernel)
     MEGATAPE_TP=1 python3 -m bench.ptx_diff 219da59     (rank 0's tensor-parallel kernel of the preset's layers)
+    MEGATAPE_TTGIR=a.ttgir MEGATAPE_PTX=a.ptx python3 -m bench.ptx_diff --resources   (also write the TTGIR, the PTX)
 
 Each tree's generated interpreter kernel is compiled for sm_90 (Triton's bundled ptxas) with the
 70B layer's constexprs, the launch options of ``build_layer`` and 16-byte-aligned pointers, and the
@@ -88,6 +89,8 @@ ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
 open(sys.argv[2], "w").write(ck.asm["ptx"])
 if os.environ.get("MEGATAPE_TTGIR"):        # also the TTGIR (where the pipeliner put each load)
     open(os.environ["MEGATAPE_TTGIR"], "w").write(ck.asm["ttgir"])
+if os.environ.get("MEGATAPE_PTX"):          # and the PTX itself (the order of the loads and their waits)
+    open(os.environ["MEGATAPE_PTX"], "w").write(ck.asm["ptx"])
 print(f"shared memory {ck.metadata.shared} bytes", file=sys.stderr)
 '''
 
