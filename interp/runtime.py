@@ -293,8 +293,7 @@ class LayerHandle:
 
 def _device_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        import os   # EXPERIMENT (v69): co-resident CTAs per SM
-        return torch.cuda.get_device_properties(device).multi_processor_count * int(os.environ.get("MEGATAPE_CTAS_PER_SM", "1"))
+        return torch.cuda.get_device_properties(device).multi_processor_count
     return 1       # the Triton interpreter runs programs one after another
 
 
