@@ -47,7 +47,7 @@ def _check_args(classes, pointers: dict, constexprs) -> None:
     """Every parameter a device function takes has a declaration."""
     known = set(pointers) | set(constexprs) | {"pos", "epoch"} | set(PER_CALL_POINTERS)   # pos, epoch: the call's
     for cls in classes:
-        bad = [a for a in cls.ARGS + cls.PRE_ARGS + ((cls.PRE_ON,) if cls.pre is not None else ()) if a not in known]
+        bad = [a for a in cls.ARGS if a not in known]
         if bad:
             raise TypeError(f"opcode {cls.NAME} takes kernel parameters {bad} that nothing declares: a pointer "
                             f"needs an owner (a layout tensor, an opcode's scratch / state / TABLES), a constexpr "
@@ -72,47 +72,40 @@ def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True") -> None:
     under the interpreter), as a peer driven by another process may never launch; a wait that runs
     out of time fails with ``FAIL_TIME``. ``interp``: the kernel's interpreter flag (source text)."""
     for k in range(opcodes.MAX_WAITS):
-        ind = _emit_wait(w, ind, f"tl.load(ins + {1 + 2 * k})", f"tl.load(ins + {2 + 2 * k}) * epoch", tp, interp)
-
-
-def _emit_wait(w, ind: str, wc: str, wt: str, tp: bool, interp: str) -> str:
-    """One wait of :func:`_emit_waits`, on counter ``wc`` to target ``wt`` (source expressions; a
-    counter < 0: none); returns the indent the next wait nests at."""
-    w(f"{ind}wc = {wc}")
-    w(f"{ind}wt = {wt}")
-    w(f"{ind}if (wc >= 0) & (failed == 0):")
-    if tp:
-        # system scope only where the peer signals the counter; this rank's own counters are
-        # released at gpu scope (signal_counter) and acquired at gpu scope
-        w(f"{ind}    psig = tl.load(peer_sig_ptr + wc)")
-        w(f"{ind}    seen = poll_tp(cnt_ptr + wc, psig)")
-        w(f"{ind}    n = 0")
-        # the time bound: read the clock only once a poll has failed (the common path is one poll)
-        w(f"{ind}    if seen < wt:")
-        w(f"{ind}        t1 = clock_ns({interp})")
-        w(f"{ind}        deadline = t1 + tl.load(tp_wait_ptr)")
-        w(f"{ind}        while (seen < wt) & (n < spin_limit) & (t1 < deadline):")
-        w(f"{ind}            seen = poll_tp(cnt_ptr + wc, psig)")
-        w(f"{ind}            n += 1")
-        w(f"{ind}            t1 = clock_ns({interp})")
-    else:
-        w(f"{ind}    seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
-        w(f"{ind}    n = 0")
-        w(f"{ind}    while (seen < wt) & (n < spin_limit):")
-        w(f"{ind}        seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
-        w(f"{ind}        n += 1")
-    w(f"{ind}    if seen != wt:")
-    if tp:
-        w(f"{ind}        if (seen < wt) | (psig == 0):")
-        ind += "    "
-    w(f"{ind}        failed = sm * 0 + 1")
-    if tp:
-        w(f"{ind}        code = tl.where(seen < wt, tl.where(n < spin_limit, {FAIL_TIME}, {FAIL_TIMEOUT}), "
-          f"{FAIL_PAST_TARGET})")
-    else:
-        w(f"{ind}        code = tl.where(seen < wt, {FAIL_TIMEOUT}, {FAIL_PAST_TARGET})")
-    w(f"{ind}        _fail(status_ptr, sm, i, op, wc, wt, seen, epoch, code)")
-    return ind
+        w(f"{ind}wc = tl.load(ins + {1 + 2 * k})")
+        w(f"{ind}wt = tl.load(ins + {2 + 2 * k}) * epoch")
+        w(f"{ind}if (wc >= 0) & (failed == 0):")
+        if tp:
+            # system scope only where the peer signals the counter; this rank's own counters are
+            # released at gpu scope (signal_counter) and acquired at gpu scope
+            w(f"{ind}    psig = tl.load(peer_sig_ptr + wc)")
+            w(f"{ind}    seen = poll_tp(cnt_ptr + wc, psig)")
+            w(f"{ind}    n = 0")
+            # the time bound: read the clock only once a poll has failed (the common path is one poll)
+            w(f"{ind}    if seen < wt:")
+            w(f"{ind}        t1 = clock_ns({interp})")
+            w(f"{ind}        deadline = t1 + tl.load(tp_wait_ptr)")
+            w(f"{ind}        while (seen < wt) & (n < spin_limit) & (t1 < deadline):")
+            w(f"{ind}            seen = poll_tp(cnt_ptr + wc, psig)")
+            w(f"{ind}            n += 1")
+            w(f"{ind}            t1 = clock_ns({interp})")
+        else:
+            w(f"{ind}    seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
+            w(f"{ind}    n = 0")
+            w(f"{ind}    while (seen < wt) & (n < spin_limit):")
+            w(f"{ind}        seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
+            w(f"{ind}        n += 1")
+        w(f"{ind}    if seen != wt:")
+        if tp:
+            w(f"{ind}        if (seen < wt) | (psig == 0):")
+            ind += "    "
+        w(f"{ind}        failed = sm * 0 + 1")
+        if tp:
+            w(f"{ind}        code = tl.where(seen < wt, tl.where(n < spin_limit, {FAIL_TIME}, {FAIL_TIMEOUT}), "
+              f"{FAIL_PAST_TARGET})")
+        else:
+            w(f"{ind}        code = tl.where(seen < wt, {FAIL_TIMEOUT}, {FAIL_PAST_TARGET})")
+        w(f"{ind}        _fail(status_ptr, sm, i, op, wc, wt, seen, epoch, code)")
 
 
 def _emit_signal(w, classes, ind: str, tp: bool) -> None:
@@ -120,44 +113,21 @@ def _emit_signal(w, classes, ind: str, tp: bool) -> None:
     tensor-parallel kernel) the peer's counter of the same index, with a system-scope release."""
     w(f"{ind}sig = tl.load(ins + 5)")
     w(f"{ind}if sig >= 0:")
-    peer_ops = [cls.OPCODE for cls in classes if cls.SIGNALS_PEER]
-    if not tp or not peer_ops:
+    if not tp:
         w(f"{ind}    signal_counter(cnt_ptr + sig)")
         return
+    peer_ops = [cls.OPCODE for cls in classes if cls.SIGNALS_PEER]
     w(f"{ind}    if " + " | ".join(f"(op == {o})" for o in peer_ops) + ":")
     w(f"{ind}        signal_peer_counter(peer_cnt_ptr + sig)")
     w(f"{ind}    else:")
     w(f"{ind}        signal_counter(cnt_ptr + sig)")
 
 
-def _emit_dispatch(w, classes, ind: str, pre_arg: bool = False) -> None:
-    if pre_arg:         # the branch of the opcode with a pre call: no test of op
-        (cls,) = classes
-        ops = [f"a{k}" for k in range(len(cls.operand_names()))]
-        w(f"{ind}_{cls.NAME}(" + ", ".join(ops + list(cls.ARGS) + ["pre"]) + ")")
-        return
+def _emit_dispatch(w, classes, ind: str) -> None:
     for j, cls in enumerate(classes):
-        ops = [f"a{k}" for k in range(len(cls.operand_names()))] + list(cls.ARGS)
-        if cls.pre is not None:
-            ops.append("0")     # its pre call is off (PRE_ON false): the device function takes 0
+        ops = [f"a{k}" for k in range(len(cls.operand_names()))]
         w(f"{ind}{'if' if j == 0 else 'elif'} op == {cls.OPCODE}:  # {cls.NAME}")
-        w(f"{ind}    _{cls.NAME}(" + ", ".join(ops) + ")")
-
-
-def _emit_exec(w, classes, ind: str, tp: bool, pre_arg: bool = False) -> None:
-    """After an instruction's waits: its device function (one of ``classes``; with ``pre_arg`` the
-    one class, given ``pre``), its signal and its profile record."""
-    w(f"{ind}if failed == 0:")
-    w(f"{ind}    t_exec = _now(PROFILE)")
-    _emit_dispatch(w, classes, ind + "    ", pre_arg)
-    _emit_signal(w, classes, ind + "    ", tp)
-    w(f"{ind}    if PROFILE:")
-    w(f"{ind}        t_end = _now(PROFILE)")
-    w(f"{ind}        pp = prof_ptr + i * {PROF_WORDS}")
-    w(f"{ind}        tl.store(pp, t_wait)")
-    w(f"{ind}        tl.store(pp + 1, t_exec)")
-    w(f"{ind}        tl.store(pp + 2, t_end)")
-    w(f"{ind}        tl.store(pp + 3, sm.to(tl.int64))")
+        w(f"{ind}    _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS)) + ")")
 
 
 def kernel_source(pointers: dict, constexprs, used=()) -> str:
@@ -183,8 +153,6 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("")
     for cls in classes:
         w(f"_{cls.NAME} = _{cls.NAME}_cls.device")
-        if cls.pre is not None:
-            w(f"_{cls.NAME}_pre = _{cls.NAME}_cls.pre")
     w("")
     w("")
     w("@triton.jit")
@@ -278,36 +246,18 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("        t_wait = _now(PROFILE)")
     for k in range(n_ops):
         w(f"        a{k} = tl.load(ins + {HEADER + k})")
-    # an opcode with a ``pre`` call (at most one) has, where its PRE_ON constexpr holds, a branch of its
-    # own: with two waits, the first (the gate) is met before the call, the second after it; with one
-    # (the gate elided: this SM met it earlier in its queue), the call comes first. What the call
-    # returns is the device function's last argument (defined and used inside the branch). Where
-    # PRE_ON is false, or without such an opcode, every opcode shares one body, the device function
-    # of an opcode with a pre call given 0.
-    pre = [cls for cls in classes if cls.pre is not None]
-    if len(pre) > 1:
-        raise TypeError(f"at most one opcode may have a pre call, got {[c.NAME for c in pre]}")
-    if pre:
-        (cls,) = pre
-        ops = [f"a{k}" for k in range(len(cls.operand_names()))]
-        ind = "                "
-        w(f"        if {cls.PRE_ON}:")
-        w(f"            if op == {cls.OPCODE}:  # {cls.NAME}: the gate, its pre call, its last wait")
-        w(f"{ind}two = tl.load(ins + 3) >= 0")
-        _emit_wait(w, ind, "tl.where(two, tl.load(ins + 1), -1)", "tl.load(ins + 2) * epoch", tp, interp)
-        w(f"{ind}pre = _{cls.NAME}_pre(" + ", ".join(ops + list(cls.PRE_ARGS)) + ")")
-        _emit_wait(w, ind, "tl.load(ins + tl.where(two, 3, 1))", "tl.load(ins + tl.where(two, 4, 2)) * epoch",
-                   tp, interp)
-        _emit_exec(w, [cls], ind, tp, pre_arg=True)
-        w("            else:")
-        _emit_waits(w, ind, tp, interp)
-        _emit_exec(w, [c for c in classes if c is not cls], ind, tp)
-        w("        else:")
-        _emit_waits(w, "            ", tp, interp)
-        _emit_exec(w, classes, "            ", tp)
-    else:
-        _emit_waits(w, "        ", tp, interp)
-        _emit_exec(w, classes, "        ", tp)
+    _emit_waits(w, "        ", tp, interp)
+    w("        if failed == 0:")
+    w("            t_exec = _now(PROFILE)")
+    _emit_dispatch(w, classes, "            ")
+    _emit_signal(w, classes, "            ", tp)
+    w("            if PROFILE:")
+    w("                t_end = _now(PROFILE)")
+    w(f"                pp = prof_ptr + i * {PROF_WORDS}")
+    w("                tl.store(pp, t_wait)")
+    w("                tl.store(pp + 1, t_exec)")
+    w("                tl.store(pp + 2, t_end)")
+    w("                tl.store(pp + 3, sm.to(tl.int64))")
     w("        i += 1")
     w("        if ((in_pool == 1) | (i >= stop)) & (failed == 0):  # queue done: the next pool ticket")
     w("            i, stop, in_pool = _ticket(qoff_ptr, cnt_ptr, epoch, i, stop, in_pool)")

@@ -437,16 +437,6 @@ class Instruction:
     #: sums in another order). Opcodes that round operands to bf16 on purpose allow more.
     TORCH_RTOL: ClassVar[float] = 1e-4
     device = None                     # set by subclasses (a triton JITFunction)
-    #: a ``@triton.jit`` function the kernel calls between the instruction's two waits (before its
-    #: only one where the first was elided), with its operands and :attr:`PRE_ARGS`; what it returns
-    #: is the device function's last argument (None: no such call). It may only read what no
-    #: instruction of the call writes (weights); the first wait gates when its loads may start
-    #: (OPROJ's tile in registers once the layer's attention partials are done, bench/NOTES.md v72)
-    pre = None
-    PRE_ARGS: ClassVar[tuple[str, ...]] = ()
-    #: the constexpr (one of the opcode's CONSTEXPRS) under which the kernel makes the pre call; where
-    #: it is false the kernel is the one it would be without a pre call, the device function given 0
-    PRE_ON: ClassVar[str] = ""
 
     # ---- declarations ---------------------------------------------------------------
     @classmethod
@@ -640,7 +630,7 @@ def kernel_pointers(lay: Layout, used=()) -> dict[str, str]:
     known = pointer_types(lay, used)
     taken = set()
     for cls in kernel_classes(used):
-        for a in cls.ARGS + cls.PRE_ARGS:
+        for a in cls.ARGS:
             if a.endswith("_ptr") and a not in PER_CALL_POINTERS:
                 if a not in known:
                     raise TypeError(f"opcode {cls.NAME} takes pointer {a!r}, which no opcode or layout declares "

@@ -32,42 +32,18 @@ def _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_p
 
 
 @triton.jit
-def oproj_pre(layer, row0, oc, wtab_ptr, wo_ptr, D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr,
-              O_ROWS: tl.constexpr, O_K: tl.constexpr, O_PRE: tl.constexpr):
-    # between the waits (O_PRE): once every attention partial of the layer is done (the HBM then idle
-    # but for what O itself loads), the whole tile of Wo into registers while the SM waits for the
-    # merges (bench/NOTES.md v72)
-    if O_PRE:
-        QD: tl.constexpr = NQ * HD
-        rows = row0 + tl.arange(0, O_ROWS)
-        cols = oc * O_K + tl.arange(0, O_K)
-        w = tl.load(wo_ptr + tab_offset(wtab_ptr, layer, T_WO) + rows[:, None] * QD + cols[None, :],
-                    mask=(rows < D)[:, None], other=0.0, eviction_policy="evict_first")
-    else:
-        w = 0
-    return w
-
-
-@triton.jit
 def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_ptr, opart_ptr, dpart_ptr,
                  D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, O_ROWS: tl.constexpr, O_K: tl.constexpr,
                  O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, O_BK: tl.constexpr, STAGES: tl.constexpr,
-                 DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, O_PRE: tl.constexpr, INTERP: tl.constexpr, pre):
+                 DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     QD: tl.constexpr = NQ * HD
-    if O_PRE:       # the tile came in with the pre call: the attention from L2, one dot
-        rows = row0 + tl.arange(0, O_ROWS)
-        rm = rows < D
-        xv = tl.load(attn_ptr + layer * QD + oc * O_K + tl.arange(0, O_K), cache_modifier=".cg")
-        y = tl.sum(pre.to(tl.float32) * xv[None, :], axis=1)
-    else:
-        w_ptr = wo_ptr + tab_offset(wtab_ptr, layer, T_WO)
-        rows = row0 + tl.arange(0, O_ROWS)
-        rm = rows < D
-        acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, attn_ptr + layer * QD, attn_ptr, oc * O_K, QD, O_K,
-                                O_ROWS, O_BK, STAGES, TWO=False, NORM=False,
-                                EVEN=(QD % O_K == 0) and (O_K % O_BK == 0) and (D % O_ROWS == 0))
-        y = tl.sum(acc, axis=1)
-    _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr, D, O_CHUNKS,
+    w_ptr = wo_ptr + tab_offset(wtab_ptr, layer, T_WO)
+    rows = row0 + tl.arange(0, O_ROWS)
+    rm = rows < D
+    acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, attn_ptr + layer * QD, attn_ptr, oc * O_K, QD, O_K,
+                            O_ROWS, O_BK, STAGES, TWO=False, NORM=False,
+                            EVEN=(QD % O_K == 0) and (O_K % O_BK == 0) and (D % O_ROWS == 0))
+    _o_store(tl.sum(acc, axis=1), rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr, D, O_CHUNKS,
              O_PART, DOWN_CHUNKS, RES_FOLD, INTERP)
 
 
@@ -81,25 +57,11 @@ class OProj(Instruction):
     NAME = "oproj"
     STAGE = 3
     ARGS = ("x_ptr", "xout_ptr", "wtab_ptr", "wo_ptr", "attn_ptr", "x1_ptr", "opart_ptr", "dpart_ptr",
-            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "O_PART", "O_BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD",
-            "O_PRE", "INTERP")
+            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "O_PART", "O_BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD", "INTERP")
     CONSTEXPRS = {"O_ROWS": lambda lay: lay.tiling.o_rows, "O_K": lambda lay: lay.o_k,
                   "O_CHUNKS": lambda lay: lay.n_o_k, "O_PART": lambda lay: int(lay.o_partial),
-                  "O_BK": lambda lay: lay.tiling.o_bk or lay.tiling.bk,
-                  "O_PRE": lambda lay: OProj.preloads(lay)}
+                  "O_BK": lambda lay: lay.tiling.o_bk or lay.tiling.bk}
     device = oproj_device
-    pre = oproj_pre
-    PRE_ARGS = ("wtab_ptr", "wo_ptr", "D", "NQ", "HD", "O_ROWS", "O_K", "O_PRE")
-    PRE_ON = "O_PRE"
-
-    @classmethod
-    def preloads(cls, lay: Layout) -> bool:
-        """Whether a tile is loaded into registers by the pre call, gated on every attention partial
-        of its layer (the lowering then gives the partials one counter a layer, ``schedule.program``):
-        where the whole tile fits in 512 bytes a thread (the 1B's 16 x 2048 under 4 warps), in one
-        K chunk of a power-of-two width (no partials: not a tensor-parallel shard)."""
-        t, o_k = lay.tiling, lay.o_k
-        return not lay.o_partial and o_k & (o_k - 1) == 0 and t.o_rows * o_k * 2 <= 512 * 32 * t.num_warps
 
     # x1 = x + attn . Wo^T (written here, or by O_REDUCE from the per-chunk partials ``opart``)
     SCRATCH = {"x1": "fp32", "opart": "fp32"}

@@ -11,8 +11,6 @@ Dependencies per layer ``l`` (one counter per arrow group):
     ATTN_PARTIAL(l, g, *) --part[l,g]--> ATTN_REDUCE(l, heads of g)
     (with Tiling.key_in_reduce there is no split NS-1: kv[l,g] --> ATTN_REDUCE(l, heads of g), + part[l,g])
     ATTN_REDUCE(l, *) --attn[l]--> OPROJ(l, *) --x1[l]--> GATE_UP(l, *)
-    (where ``OProj.preloads``: one counter part[l] for every partial of the layer, which each O tile
-    also waits on first: its pre call loads the tile's weights between the two waits)
     GATE_UP(l, rows in K chunk kc) --act[l,kc]--> DOWN(l, *, kc)
     DOWN(l, rows in block rb, *) --dpart[l,rb]--> RESIDUAL(l, rb) --out[l]--> QKV(l+1, *)
 
@@ -119,10 +117,7 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
     for l in range(c.layers):
         cq = [p.counter(f"q[{l},{g}]") for g in range(c.n_kv)]
         ckv = [p.counter(f"kv[{l},{g}]") for g in range(c.n_kv)]
-        if OProj.preloads(lay):    # one counter for every partial of the layer: it gates the O tiles' loads
-            cp = [p.counter(f"part[{l}]")] * c.n_kv
-        else:
-            cp = [p.counter(f"part[{l},{g}]") for g in range(c.n_kv)]
+        cp = [p.counter(f"part[{l},{g}]") for g in range(c.n_kv)]
         n_oc = lay.n_o_k
         ca = [p.counter(f"attn[{l},{oc}]" if n_oc > 1 else f"attn[{l}]") for oc in range(n_oc)]
         cx = p.counter(f"x1[{l}]")
@@ -153,7 +148,7 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
             p.add(AttnReduce(l, h), (cp[g], ckv[g]) if t.key_in_reduce else (cp[g],), ca[(h * c.hd) // lay.o_k])
         if not lay.o_partial:
             for r in range(0, c.d, t.o_rows):
-                p.add(OProj(l, r, 0), (cp[0], ca[0]) if OProj.preloads(lay) else (ca[0],), cx)
+                p.add(OProj(l, r, 0), (ca[0],), cx)
         else:
             co = [p.counter(f"opart[{l},{rb}]") for rb in range(n_rb)]
             for oc in range(n_oc):

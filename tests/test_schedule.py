@@ -14,7 +14,7 @@ import networkx as nx
 import pytest
 import torch
 
-from opcodes import (QKV, OProj, BY_OPCODE, HEADER, NO_COUNTER, PRESETS, REGISTRY, WORDS, Layout, ModelConfig, Tiling,
+from opcodes import (QKV, BY_OPCODE, HEADER, NO_COUNTER, PRESETS, REGISTRY, WORDS, Layout, ModelConfig, Tiling,
                      cdiv)
 from schedule import (CostModel, Schedule, Tape, compile_model, decode, encode, list_schedule, lower,
                       random_schedule, round_robin, simulate, verify)
@@ -148,16 +148,10 @@ def test_dependencies_are_tile_granular(name, tiling):
                 want |= {(1, ins.g), (2, ins.g)}
             assert heads == want, (ins, sorted(heads))
         elif ins.NAME == "attn_reduce":
-            # a head's merge waits for all the splits of its group; where the O tiles preload their
-            # weights, the partials of the layer share one counter (it gates those loads)
+            # a head's merge waits for all the splits of its group
             prods = [prog.instrs[j] for cnt in prog.waits[i] for j in producers[cnt]]
-            groups = range(c.n_kv) if OProj.preloads(lay) else [ins.h // c.group]
-            assert {(p.g, p.s) for p in prods} == {(g, s) for g in groups for s in range(t.attn_splits)}, ins
-        elif ins.NAME == "oproj" and OProj.preloads(lay):
-            # first the layer's partials (the gate of its pre call), then the merges
-            gate, merged = ([prog.instrs[j] for j in producers[cnt]] for cnt in prog.waits[i])
-            assert {p.NAME for p in gate} == {"attn_partial"} and len(gate) == c.n_kv * t.attn_splits
-            assert {p.NAME for p in merged} == {"attn_reduce"} and len(merged) == c.n_q
+            g = ins.h // c.group
+            assert {(p.g, p.s) for p in prods} == {(g, s) for s in range(t.attn_splits)}, ins
     # K chunks and residual blocks really are several here
     assert cdiv(c.ffn, t.down_k) > 1 and cdiv(c.d, t.red_rows) > 1
 
