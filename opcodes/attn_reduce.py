@@ -22,26 +22,14 @@ import triton.language as tl
 
 from .attn_partial import AttnPartial
 from .base import Cost, Instruction, Layout, Region, Timing, register
-from .common import T_KC, T_VC, T_WO, tab_offset, to_bf16
+from .common import T_KC, T_VC, tab_offset, to_bf16
 
 
 @triton.jit
 def attn_reduce_device(layer, h, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr, attn_ptr,
                        NQ: tl.constexpr, HD: tl.constexpr, PART_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
                        GROUP: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr,
-                       KEY_IN_REDUCE: tl.constexpr, INTERP: tl.constexpr, wo_ptr, D: tl.constexpr,
-                       WO_L2: tl.constexpr):
-    if WO_L2:
-        if not INTERP:
-            # once its group's partials are done (its wait), one thread asks the TMA engine to bring the
-            # head's share of the layer's Wo (NQ*HD x D bf16, contiguous) into L2 for the O tiles
-            # (bench/NOTES.md v73; the interpreter has no L2: nothing)
-            CHUNK: tl.constexpr = NQ * HD * D * 2 // NQ
-            base = wo_ptr + tab_offset(wtab_ptr, layer, T_WO) + h * (CHUNK // 2)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [base, CHUNK], dtype=tl.int32, is_pure=False, pack=1)
+                       KEY_IN_REDUCE: tl.constexpr, INTERP: tl.constexpr):
     sp = tl.arange(0, SPLITS_PAD)
     sm = sp < PART_SPLITS
     dcol = tl.arange(0, HD)
@@ -80,14 +68,11 @@ class AttnReduce(Instruction):
     NAME = "attn_reduce"
     STAGE = 2
     ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr", "attn_ptr", "NQ", "HD",
-            "PART_SPLITS", "SPLITS_PAD", "GROUP", "MAX_SEQ", "QSCALE", "KEY_IN_REDUCE", "INTERP", "wo_ptr", "D",
-            "WO_L2")
+            "PART_SPLITS", "SPLITS_PAD", "GROUP", "MAX_SEQ", "QSCALE", "KEY_IN_REDUCE", "INTERP")
     CONSTEXPRS = {"PART_SPLITS": AttnPartial.CONSTEXPRS["PART_SPLITS"],
                   "SPLITS_PAD": lambda lay: triton.next_power_of_2(lay.attn_instr_splits),
                   "GROUP": AttnPartial.CONSTEXPRS["GROUP"], "QSCALE": AttnPartial.CONSTEXPRS["QSCALE"],
-                  "KEY_IN_REDUCE": lambda lay: lay.tiling.key_in_reduce,
-                  # Wo into L2 where it is at most 16 MB (of the H200's 50 MB L2): the 1B's 8 MB
-                  "WO_L2": lambda lay: lay.cfg.q_dim * lay.cfg.d * 2 <= 16 << 20}
+                  "KEY_IN_REDUCE": lambda lay: lay.tiling.key_in_reduce}
     TIMING = Timing.FIXED
     FIXED_S = 2.1e-6          # measured on the H200 (bench/NOTES.md v7)
     device = attn_reduce_device
