@@ -61,3 +61,115 @@ def test_chain_probe_plan_is_one_wave_per_stage():
     # the second stage's tile waits for both tiles of the first; every tile's last block signals
     assert [r[2:4] for r in tab if r[2] >= 0] == [[0, 2]]
     assert sorted(r[5] for r in tab if r[5] >= 0) == [0, 0, 1]
+
+
+# ---- bench/probes/gluon_chain_probe.py: the chain streamed by a warp-specialized TMA loader (Gluon) ----------
+# Gluon kernels do not run under the interpreter: on this CPU host the kernel is compiled for sm_90 (in a
+# process without TRITON_INTERPRET) and its TTGIR / PTX checked for the structure the probe claims; the
+# fp32 reference the GPU run checks its outputs against is checked here against the loop reference above.
+H200_SMEM_PER_BLOCK = 232448
+
+
+def test_gluon_chain_reference_matches_the_loop_reference():
+    from bench.probes import gluon_chain_probe as gcp
+    tab, start, tiles, tstart, nw, nout, ncnt = cp.plan(2, 2, SHAPES)
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(nw, generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(4096, generator=g)
+    got = gcp.reference(tab, w, x, nout, chunk=5)          # several chunks
+    torch.testing.assert_close(got, _reference(cp.plan, tab, w, x, nout), rtol=1e-5, atol=1e-5)
+    bad = [list(r) for r in tab]
+    bad[1][0] += 1                                          # not packed in table order: the TMA rows would be wrong
+    with pytest.raises(ValueError, match="table order"):
+        gcp.reference(bad, w, x, nout)
+
+
+def test_gluon_chain_check_accepts_the_chain_and_rejects_errors():
+    # the GPU run's check of every variant (counters, error word, outputs), here on chain_probe's flat kernel
+    from bench.probes import gluon_chain_probe as gcp
+    assert gcp.signals_per_call(cp.plan(1, 2, ((2, 32, 2048), (1, 16, 2048)))[0], 2).tolist() == [2, 1]
+    tab, start, tiles, tstart, nw, nout, ncnt = cp.plan(2, 1, SHAPES)
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(nw, generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(4096, generator=g)
+    cnt, err = torch.zeros(ncnt, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    out = torch.zeros(nout * cp.ROWS_)
+    tables = (_i64(tab).reshape(-1), _i64(start), _i64(tiles), _i64(tstart))
+    for epoch in (1, 2):
+        cp.launch("flat", tables, x, w, out, cnt, err, epoch, 1, 3)
+    ref, per_call = gcp.reference(tab, w, x, nout), gcp.signals_per_call(tab, ncnt)
+    assert gcp.check("flat", out, cnt, err, 2, ref, per_call) < 1e-5
+    with pytest.raises(RuntimeError, match="counters"):
+        gcp.check("flat", out, cnt, err, 3, ref, per_call)
+    with pytest.raises(RuntimeError, match="gave up"):
+        gcp.check("flat", out, cnt, torch.ones(1, dtype=torch.int32), 2, ref, per_call)
+    bad = out.clone()
+    bad[-1] += 1e-2
+    with pytest.raises(RuntimeError, match="reference"):
+        gcp.check("flat", bad, cnt, err, 2, ref, per_call)
+
+
+def test_gluon_chain_descriptor_is_the_compiled_signature():
+    from triton.runtime.jit import mangle_type
+    from bench.probes import gluon_chain_probe as gcp
+    w = torch.zeros(6 * gcp.ROWS_ * gcp.COLS_, dtype=torch.bfloat16)
+    d = gcp.make_desc(w)
+    assert list(d.shape) == [6 * gcp.ROWS_, gcp.COLS_] and list(d.strides) == [gcp.COLS_, 1]
+    assert list(d.block_shape) == [gcp.ROWS_, gcp.BOX_] and max(d.block_shape) <= 256      # TMA's box limit
+    assert gcp.ROWS_ * gcp.BOX_ * 2 * gcp.NSUB_ == gcp.BLOCK_BYTES_ == 32768
+    assert mangle_type(d).startswith("tensordesc<bf16[16, 256],NVMMASharedLayout(swizzle_byte_width=0,")
+    with pytest.raises(ValueError, match="ring"):
+        gcp.launch_ws((None, None), None, d, None, None, None, 1, 1, gcp.MAX_RING + 1)
+
+
+def _ws_compile(tmp_path, ring):
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(root), TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-m", "bench.probes.gluon_chain_probe", "--compile", str(ring), str(tmp_path)],
+                       capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert r.returncode == 0, f"the Gluon kernel does not compile for sm_90:\n{r.stderr[-3000:]}"
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    return got, (tmp_path / "chain_ws.ptx").read_text(), (tmp_path / "chain_ws.ttgir").read_text()
+
+
+def test_gluon_chain_ws_compiles_for_sm90(tmp_path):
+    import re
+    ring = 5
+    got, ptx, ttgir = _ws_compile(tmp_path, ring)
+    # shared memory: the ring (5 slots of 4 [16, 256] bf16 boxes) and its barriers, within an H200 block
+    assert ring * 32768 <= got["shared"] <= H200_SMEM_PER_BLOCK, got["shared"]
+    assert got["tensordesc_meta"][0]["block_size"] == [16, 256] and got["tensordesc_meta"][0]["swizzle"] == 0
+    # the partitions (TTGIR): a default region of 4 warps and one 1-warp worker at 24 registers
+    assert '"ttg.num-warps" = 4 : i32' in ttgir
+    assert "ttg.warp_specialize(" in ttgir and "requestedRegisters = array<i32: 24>" in ttgir
+    default = ttgir.split("ttg.warp_specialize(", 1)[1].split("partition0(", 1)[0]
+    worker = ttgir.split("partition0(", 1)[1].split("ttg.warp_return", 1)[0]
+    assert worker.split("{", 1)[0].rstrip().endswith("num_warps(1)")
+    # the loader: slot waits, the expected bytes, the block's 4 TMA boxes; never a counter, never a global load
+    assert worker.count("ttng.async_tma_copy_global_to_local") == 4
+    assert "ttng.wait_barrier" in worker and "ttng.barrier_expect" in worker and ", 32768," in worker
+    assert "tt.atomic_rmw" not in worker and "tt.load" not in worker
+    # the consumer: the acquire poll, the ready wait, the slot release, the release signal; no TMA
+    assert "tt.atomic_rmw add, acquire, gpu" in default and "tt.atomic_rmw add, release, gpu" in default
+    assert "ttng.wait_barrier" in default and "ttng.arrive_barrier" in default and "ttng.fence_async_shared" in default
+    assert "async_tma_copy" not in default
+    # PTX: TMA loads, mbarriers, the warp groups' register hand-over, 8 warps launched for num_warps=4 + 1
+    tma_load = r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.mbarrier::complete_tx::bytes"
+    assert len(re.findall(tma_load, ptx)) == 4
+    assert "mbarrier.arrive.expect_tx.shared.b64" in ptx and "mbarrier.arrive.shared::cta.b64" in ptx
+    assert ptx.count("mbarrier.try_wait.parity") >= 2 and ptx.count("mbarrier.init.shared") == 2 * ring
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx) and re.search(r"setmaxnreg\.inc\.sync", ptx)
+    assert ".reqntid 256" in ptx and got["num_warps"] == 8
+    assert re.search(r"(ld|atom)\.global\.gpu\.acquire", ptx) and "atom.global.gpu.release.add" in ptx
+    assert "fence.proxy.async.shared::cta" in ptx
+    # ptxas (bundled, sm_90a): no spills
+    m = re.fullmatch(r"(\d+) registers, (\d+) / (\d+) bytes spill stores / loads", got["resources"])
+    assert m, got["resources"]
+    print(f"gluon chain_ws ring {ring}: {got['shared']} bytes shared, {got['resources']}")
+    assert int(m.group(2)) == 0 and int(m.group(3)) == 0, got["resources"]

@@ -1,0 +1,359 @@
+"""chain_probe's chain of dependent one-wave GEMV stages, streamed by a warp-specialized TMA loader
+(Gluon), against chain_probe's `per_tile` and `flat` Triton kernels in the same process.
+
+    python3 -m bench.probes.gluon_chain_probe [stages...]     (a GPU (H200); default 5; ring min(stages, 7))
+    python3 -m bench.probes.gluon_chain_probe --compile [RING [DIR]]   (no GPU: sm_90 offline)
+
+The workload, the plan, the counters and the epoch scheme are chain_probe's (`cp.plan`: the 1B's QKV /
+O / gate-up / down per layer, 16 layers, tile i of a stage on SM i, each tile's first block waiting
+for every tile of the stage before, its last block releasing its own stage's counter; per-call
+targets multiplied by the call number, so the counters are never reset). What differs is the loop's
+shape, the one the published megakernels use and Triton cannot express:
+
+    ws : one persistent CTA per SM (grid = SMs, all co-resident), split by `gl.warp_specialize` into
+         a loader partition (1 warp, 24 registers) that walks the SM's whole queue of blocks and
+         issues the TMA loads of each block into a ring of RING shared-memory slots, waiting only
+         for free slots (an `empty` mbarrier per slot), never on the cross-CTA counters (weights do
+         not depend on them); and the consumer (the default partition, 4 warps) that, at a tile's
+         first block, polls the previous stage's counter (acquire, bounded: on giving up it bumps
+         the error word and goes on), then for every block reads the vector slice (fp32, `.cg`,
+         after the wait), waits for the slot's `ready` mbarrier (TMA transaction bytes), multiplies
+         the [16, 1024] bf16 block from shared memory by the slice into a [16, 256] fp32 register
+         accumulator, releases the slot (fence.proxy.async, a partition barrier, one arrive on
+         `empty`), stores the row group's 16 sums at its last block and releases the stage counter
+         at the tile's last (a partition barrier, then one atomic_add(sem="release", scope="gpu")).
+
+A block is chain_probe's (16 rows x 1024 columns of bf16 = 32 KB, block j at element j * 16384, so
+the weights are a [blocks * 16, 1024] row-major matrix). TMA boxes are at most 256 elements a
+dimension, so a block is 4 boxes of [16, 256], all four counted on the slot's one `ready` barrier
+(expect 32768 bytes). No swizzle: a box is 16 rows of 512 contiguous bytes, and the consumer's warps
+each read whole rows, 16 bytes a thread, which is conflict-free without one (`gl.bank_conflicts`
+asserts 0 when the kernel compiles); a 128-byte swizzle would clamp the box to [16, 64], 16 TMA
+messages a block instead of 4. A ring slot is [4, 16, 256] bf16; RING slots (default 5, at most 7:
+7 x 32 KB + the barriers fits the H200's 227 KB) take RING x 32 KB of shared memory. Launch:
+num_warps=4 (the consumer; the loader's warp adds a warp group: 256 threads), maxnreg=128 (32K
+registers a CTA; `setmaxnreg` moves the loader's group to 24 and the consumer's to 232). Unlike
+chain_probe's `flat`, which streams the vector with the weights (before the wait), this reads it
+after the wait, as a real kernel must (chain_probe's `rows_flat` does too).
+
+Outputs are checked against an fp32 torch reference of the same chain (`reference`) and the error
+word and counters after one call, before any timing; then the variants are timed alternated
+(`per_tile`, `flat`, `ws`, then reversed), medians of `steps` calls each after two warm-up calls.
+The floor is the weights' bytes over the stream-copy bandwidth measured in the same run.
+
+Offline (`--compile`): the kernel compiled for sm_90 with the launch's options and the signature the
+runtime would give the launch's arguments (tests/test_probes.py checks it, with TRITON_INTERPRET
+unset); prints JSON (shared memory, ptxas registers / spills) and writes the PTX and TTGIR to DIR.
+
+Status: written and compiled offline only (triton 3.6.0, sm_90: 0 spills); it has not run on a GPU yet.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from bench.probes import chain_probe as cp
+
+ROWS_, COLS_ = cp.ROWS_, cp.COLS_   # chain_probe's block: 16 x 1024 bf16 = 32 KB
+BOX_ = 256                          # a TMA box: [16, 256] (TMA's limit is 256 elements a dimension)
+NSUB_ = COLS_ // BOX_               # boxes per block
+BLOCK_BYTES_ = ROWS_ * COLS_ * 2
+MAX_RING = 7                        # 7 x 32 KB + barriers fits 232448 bytes (an H200 block's maximum)
+BR, BK, BOX, NSUB = gl.constexpr(ROWS_), gl.constexpr(COLS_), gl.constexpr(BOX_), gl.constexpr(NSUB_)
+BLOCK_BYTES = gl.constexpr(BLOCK_BYTES_)
+SPIN = gl.constexpr(cp.SPIN.value)  # polls before a wait gives up (the run then reports an error)
+#: the launch's options (the offline compile uses the same)
+LAUNCH = dict(num_warps=4, maxnreg=128)
+#: the weights' shared layout: no swizzle, so a [16, 256] box is 16 rows of 512 contiguous bytes
+SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
+
+@gluon.jit
+def _poll(cnt_ptr, err_ptr, wc, tgt):
+    # chain_probe's bounded acquire poll of counter wc up to tgt
+    seen = gl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
+    n = 0
+    while (seen < tgt) & (n < SPIN):
+        seen = gl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
+        n += 1
+    if seen < tgt:
+        gl.atomic_add(err_ptr, 1)
+
+
+@gluon.jit
+def _row(tab_ptr, j, ok):
+    # table row j's wait counter, its per-call target, out index, signal counter (-1: none; ok False: none)
+    e = tab_ptr + j * 6
+    return (gl.load(e + 2, mask=ok, other=-1).to(gl.int32), gl.load(e + 3, mask=ok, other=0).to(gl.int32),
+            gl.load(e + 4, mask=ok, other=-1).to(gl.int32), gl.load(e + 5, mask=ok, other=-1).to(gl.int32))
+
+
+@gluon.jit
+def _loader(w_desc, bufs, ready, empty, b0, b1, RING: gl.constexpr):
+    # 1 warp: every block of the SM's queue into the ring, in order; waits only for a free slot
+    s = 0
+    ph = 0
+    for j in range(b0, b1):
+        mbarrier.wait(empty.index(s), ph ^ 1)     # a fresh barrier passes parity 1: the first lap never waits
+        mbarrier.expect(ready.index(s), BLOCK_BYTES)
+        for c in gl.static_range(NSUB):
+            tma.async_copy_global_to_shared(w_desc, [j * BR, c * BOX], ready.index(s), bufs.index(s * NSUB + c))
+        s += 1
+        if s == RING:
+            s = 0
+            ph ^= 1
+
+
+@gluon.jit
+def _consumer(tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, ready, empty,
+              RING: gl.constexpr, L: gl.constexpr):
+    # the default partition (4 warps): waits, vector, multiply-accumulate from shared memory, stores, signals
+    gl.static_assert(NSUB == 4)
+    rows = gl.arange(0, BR, layout=gl.SliceLayout(1, L))
+    cols = gl.arange(0, BOX, layout=gl.SliceLayout(0, L))
+    acc = gl.zeros([BR, BOX], gl.float32, L)
+    s = 0
+    ph = 0
+    wc, tg, oi, sc = _row(tab_ptr, b0, b0 < b1)
+    for j in range(b0, b1):
+        nwc, ntg, noi, nsc = _row(tab_ptr, j + 1, j + 1 < b1)     # the next block's row, a block early
+        if wc >= 0:                                                  # a tile's first block
+            _poll(cnt_ptr, err_ptr, wc, tg * epoch)
+        xb = x_ptr + (j % 4) * BK                                    # chain_probe's x[(j % 4) * 1024:][:1024]
+        x0 = gl.load(xb + cols, cache_modifier=".cg")
+        x1 = gl.load(xb + BOX + cols, cache_modifier=".cg")
+        x2 = gl.load(xb + 2 * BOX + cols, cache_modifier=".cg")
+        x3 = gl.load(xb + 3 * BOX + cols, cache_modifier=".cg")
+        mbarrier.wait(ready.index(s), ph)
+        w0 = bufs.index(s * NSUB).load(L)
+        gl.static_assert(gl.bank_conflicts(w0.type, bufs.index(0).type) == 0)    # checked when compiled
+        acc += w0.to(gl.float32) * x0[None, :]
+        acc += bufs.index(s * NSUB + 1).load(L).to(gl.float32) * x1[None, :]
+        acc += bufs.index(s * NSUB + 2).load(L).to(gl.float32) * x2[None, :]
+        acc += bufs.index(s * NSUB + 3).load(L).to(gl.float32) * x3[None, :]
+        fence_async_shared()        # the generic-proxy reads before the next TMA (async proxy) write
+        gl.thread_barrier()         # every consumer warp has read the slot
+        mbarrier.arrive(empty.index(s))
+        if oi >= 0:                                                  # a row group's last block
+            gl.store(out_ptr + oi * BR + rows, gl.sum(acc, 1))
+            acc = gl.zeros([BR, BOX], gl.float32, L)
+        if sc >= 0:                                                  # a tile's last block
+            gl.thread_barrier()
+            gl.atomic_add(cnt_ptr + sc, 1, sem="release", scope="gpu")
+        s += 1
+        if s == RING:
+            s = 0
+            ph ^= 1
+        wc, tg, oi, sc = nwc, ntg, noi, nsc
+
+
+@gluon.jit(do_not_specialize=["epoch"])
+def chain_ws(tab_ptr, start_ptr, x_ptr, w_desc, out_ptr, cnt_ptr, err_ptr, epoch, RING: gl.constexpr):
+    NW: gl.constexpr = gl.num_warps()
+    # a [16, 256] box read 8 bf16 (16 bytes) a thread, a warp per 512-byte row
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
+    pid = gl.program_id(0)
+    b0 = gl.load(start_ptr + pid).to(gl.int32)       # this SM's blocks [b0, b1)
+    b1 = gl.load(start_ptr + pid + 1).to(gl.int32)
+    bufs = gl.allocate_shared_memory(w_desc.dtype, [RING * NSUB, BR, BOX], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(RING):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, ready, empty, RING, L)),
+        (_loader, (w_desc, bufs, ready, empty, b0, b1, RING)),
+    ], [1], [24])
+    for i in gl.static_range(RING):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+def make_desc(w: torch.Tensor) -> TensorDescriptor:
+    """The TMA descriptor of chain_probe's packed weights (block j at element j * 16384) as a
+    [blocks * 16, 1024] bf16 matrix, [16, 256] boxes."""
+    return TensorDescriptor.from_tensor(w.view(-1, COLS_), [ROWS_, BOX_], SMEM_LAYOUT)
+
+
+def launch_ws(tables, x, desc, out, cnt, err, epoch, sms, ring):
+    if not 1 <= ring <= MAX_RING:
+        raise ValueError(f"ring {ring}: 1..{MAX_RING} slots of 32 KB fit an H200 block's shared memory")
+    tab_t, start_t = tables[0], tables[1]
+    chain_ws[(sms,)](tab_t, start_t, x, desc, out, cnt, err, epoch, RING=ring, **LAUNCH)
+
+
+def reference(tab, w: torch.Tensor, x: torch.Tensor, nout: int, chunk: int = 4096) -> torch.Tensor:
+    """fp32 torch sums of cp.plan's chain from the table alone: block j (table row r: weights at
+    w[r[0]:] as [16, 1024], vector x[r[1]:][:1024]) summed over its row group's blocks, stored at
+    out[r[4] * 16:][:16] of the group's last block. [nout * 16] fp32 on w's device."""
+    dev = w.device
+    t = torch.as_tensor(tab, dtype=torch.int64).to(dev).view(-1, 6)
+    nb = t.shape[0]
+    ar = torch.arange(nb, device=dev)
+    if not torch.equal(t[:, 0], ar * (ROWS_ * COLS_)):
+        raise ValueError("the weights are not packed in table order (block j at j * 16384): not cp.plan's")
+    last = torch.nonzero(t[:, 4] >= 0).flatten()                  # every row group's last block
+    grp = t[last[torch.searchsorted(last, ar)], 4]                 # each block's output row group
+    w3 = w[:nb * ROWS_ * COLS_].view(nb, ROWS_, COLS_)
+    xf = x.float()
+    ref = torch.zeros(nout, ROWS_, dtype=torch.float32, device=dev)
+    cols = torch.arange(COLS_, device=dev)
+    for a in range(0, nb, chunk):
+        b = min(nb, a + chunk)
+        xs = xf[t[a:b, 1:2] + cols]                                # [chunk, 1024]
+        ref.index_add_(0, grp[a:b], (w3[a:b].float() * xs[:, None, :]).sum(-1))   # no matmul: no TF32
+    return ref.flatten()
+
+
+def signals_per_call(tab, ncnt: int) -> torch.Tensor:
+    """How many tiles release each counter in one call (a stage's tiles: its counter's per-call rise)."""
+    sc = torch.as_tensor(tab, dtype=torch.int64).view(-1, 6)[:, 5]
+    return torch.bincount(sc[sc >= 0], minlength=ncnt).to(torch.int32)
+
+
+def check(name, out, cnt, err, calls, ref, per_call, tol=1e-4) -> float:
+    """After ``calls`` calls of a variant: no wait gave up, every counter rose by its stage's tiles per
+    call, the outputs are the reference's (fp32, rtol = atol = tol). Returns the largest difference."""
+    if int(err.item()):
+        raise RuntimeError(f"{name}: {int(err.item())} waits gave up")
+    if not torch.equal(cnt.cpu(), per_call.cpu() * calls):
+        raise RuntimeError(f"{name}: counters {cnt.cpu().tolist()[:8]}... after {calls} calls, expected "
+                           f"{(per_call.cpu() * calls).tolist()[:8]}... (each tile signals once a call)")
+    diff = (out - ref).abs().max().item()
+    if not torch.allclose(out, ref, rtol=tol, atol=tol):
+        raise RuntimeError(f"{name}: outputs differ from the fp32 reference (max abs diff {diff:.3g})")
+    return diff
+
+
+# ---- offline compile (no GPU) ----------------------------------------------------------------------------
+def compile_sm90(ring: int = 5):
+    """chain_ws compiled for sm_90 with LAUNCH's options and the signature the runtime gives the
+    launch's arguments (the descriptor's type from a CPU stand-in). Needs TRITON_INTERPRET unset when triton
+    is first imported (under it gluon's own @triton.jit helpers, gl.sum's among them, are interpreted
+    functions, which the compiler rejects: "Unsupported function referenced: ...InterpretedFunction")."""
+    if os.environ.get("TRITON_INTERPRET") not in (None, "", "0"):
+        raise RuntimeError("compile_sm90: unset TRITON_INTERPRET (Gluon kernels are compiled, never interpreted)")
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+    desc = make_desc(torch.zeros(ROWS_ * COLS_ * 4, dtype=torch.bfloat16))
+    sig = {"tab_ptr": "*i64", "start_ptr": "*i64", "x_ptr": "*fp32", "w_desc": mangle_type(desc), "out_ptr": "*fp32",
+           "cnt_ptr": "*i32", "err_ptr": "*i32", "epoch": "i32", "RING": "constexpr"}
+    names = chain_ws.arg_names
+    src = GluonASTSource(fn=chain_ws, signature={n: sig[n] for n in names},
+                         constexprs={(names.index("RING"),): ring},
+                         attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*"})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH))
+
+
+def _compile_main(ring: int, out_dir: str | None) -> int:
+    from bench.ptx_diff import resources
+    d = pathlib.Path(out_dir or tempfile.mkdtemp(prefix="gluon_chain_"))
+    d.mkdir(parents=True, exist_ok=True)
+    ck = compile_sm90(ring)
+    (d / "chain_ws.ptx").write_text(ck.asm["ptx"])
+    (d / "chain_ws.ttgir").write_text(ck.asm["ttgir"])
+    print(json.dumps({"ring": ring, "shared": ck.metadata.shared, "num_warps": ck.metadata.num_warps,
+                      "tensordesc_meta": ck.metadata.tensordesc_meta, "resources": resources(d / "chain_ws.ptx"),
+                      "ptx": str(d / "chain_ws.ptx"), "ttgir": str(d / "chain_ws.ttgir")}))
+    return 0
+
+
+# ---- the GPU run ------------------------------------------------------------------------------------------
+def _stream_bw(dev) -> float:
+    """chain_probe's stream-copy bandwidth (bytes/s): 2 x 512 MB copied, median of 8."""
+    a = torch.empty(1 << 28, device=dev, dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    ts = []
+    for _ in range(8):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record(); b.copy_(a); e1.record(); torch.cuda.synchronize(); ts.append(e0.elapsed_time(e1))
+    del a, b
+    return 2 * (1 << 28) * 2 / (statistics.median(ts) * 1e-3)
+
+
+NAMES = ("per_tile", "flat", "ws")
+
+
+def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
+    """Every variant checked once against the reference, then timed alternated: ``stages`` is the
+    Triton kernels' pipeline depth and the ws ring's slots."""
+    dev = torch.device(device)
+    sms = sms or torch.cuda.get_device_properties(dev).multi_processor_count
+    ring = min(stages, MAX_RING)
+    bw = _stream_bw(dev)
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)      # noqa: E731
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(4096, generator=g).to(dev)
+    tab, start, tiles, tstart, nw, nout, ncnt = cp.plan(layers, sms)
+    w = (torch.randn(nw, generator=g) * 0.02).to(torch.bfloat16).to(dev)
+    tables = (i64(tab).reshape(-1), i64(start), i64(tiles), i64(tstart))
+    desc = make_desc(w)
+    ref = reference(tab, w, x, nout)
+    per_call = signals_per_call(tab, ncnt).to(dev)
+
+    def call(name, out, cnt, err, epoch):
+        if name == "ws":
+            launch_ws(tables, x, desc, out, cnt, err, epoch, sms, ring)
+        else:
+            cp.launch(name, tables, x, w, out, cnt, err, epoch, sms, stages)
+
+    fresh = lambda: (torch.zeros(nout * ROWS_, dtype=torch.float32, device=dev),       # noqa: E731
+                     torch.zeros(ncnt, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev))
+    for name in NAMES:                          # checked (and compiled) before any timing
+        out, cnt, err = fresh()
+        call(name, out, cnt, err, 1)
+        torch.cuda.synchronize()
+        print(f"  {name}: matches the fp32 reference (max abs diff {check(name, out, cnt, err, 1, ref, per_call):.2e})")
+    res = {}
+    for name in NAMES + NAMES[::-1]:
+        out, cnt, err = fresh()
+        times = []
+        for step in range(1, steps + 1):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            call(name, out, cnt, err, step)
+            e1.record()
+            torch.cuda.synchronize()
+            times.append(e0.elapsed_time(e1) * 1e3)
+        check(name, out, cnt, err, steps, ref, per_call)
+        res.setdefault(name, []).append(statistics.median(times[2:]))
+    nbytes = w.numel() * 2
+    floor_us = nbytes / bw * 1e6
+    print(f"{torch.cuda.get_device_name(dev)}: {layers} layers of the 1B's GEMV stages on {sms} SMs, "
+          f"{nbytes / 1e6:.1f} MB, stream copy {bw / 1e12:.3f} TB/s, floor {floor_us:.1f} us, "
+          f"pipeline {stages} (ws: ring of {ring} x 32 KB)")
+    for name, v in res.items():
+        m = statistics.median(v)
+        print(f"  {name:9s} {' / '.join(f'{t:.1f}' for t in v)} us  ({m / floor_us:.3f}x the floor, "
+              f"{m / layers:.1f} us per layer)")
+    return res, floor_us
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if os.environ.get("TRITON_INTERPRET") not in (None, "", "0"):
+        print("TRITON_INTERPRET is set: Gluon kernels are never interpreted; unset it", file=sys.stderr)
+        return 2
+    if args[:1] == ["--compile"]:
+        return _compile_main(int(args[1]) if len(args) > 1 else 5, args[2] if len(args) > 2 else None)
+    for st in [int(s) for s in (args or ["5"])]:
+        run(stages=st)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
