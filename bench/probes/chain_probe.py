@@ -284,15 +284,21 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
     for x_, y_ in (("flat", "per_tile"), ("rows_flat", "rows_per_tile")):
         if not torch.equal(outs[x_], outs[y_]):
             raise RuntimeError(f"{x_} and {y_} outputs differ")
-    nbytes = built[plan][1].numel() * 2
+    floor_us = report(dev, layers, sms, built[plan][1].numel() * 2, bw, f"pipeline {stages}", res, 13)
+    return res, floor_us
+
+
+def report(dev, layers: int, sms: int, nbytes: int, bw: float, what: str, res: dict, width: int) -> float:
+    """Print each variant's times against the floor (``nbytes`` over the stream copy's ``bw``);
+    returns the floor in us."""
     floor_us = nbytes / bw * 1e6
     print(f"{torch.cuda.get_device_name(dev)}: {layers} layers of the 1B's GEMV stages on {sms} SMs, "
-          f"{nbytes / 1e6:.1f} MB, stream copy {bw / 1e12:.3f} TB/s, floor {floor_us:.1f} us, pipeline {stages}")
+          f"{nbytes / 1e6:.1f} MB, stream copy {bw / 1e12:.3f} TB/s, floor {floor_us:.1f} us, {what}")
     for name, v in res.items():
         m = statistics.median(v)
-        print(f"  {name:13s} {' / '.join(f'{t:.1f}' for t in v)} us  ({m / floor_us:.3f}x the floor, "
+        print(f"  {name:{width}s} {' / '.join(f'{t:.1f}' for t in v)} us  ({m / floor_us:.3f}x the floor, "
               f"{m / layers:.1f} us per layer)")
-    return res, floor_us
+    return floor_us
 
 
 if __name__ == "__main__":

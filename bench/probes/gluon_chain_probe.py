@@ -72,23 +72,10 @@ BLOCK_BYTES_ = ROWS_ * COLS_ * 2
 MAX_RING = 7                        # 7 x 32 KB + barriers fits 232448 bytes (an H200 block's maximum)
 BR, BK, BOX, NSUB = gl.constexpr(ROWS_), gl.constexpr(COLS_), gl.constexpr(BOX_), gl.constexpr(NSUB_)
 BLOCK_BYTES = gl.constexpr(BLOCK_BYTES_)
-SPIN = gl.constexpr(cp.SPIN.value)  # polls before a wait gives up (the run then reports an error)
 #: the launch's options (the offline compile uses the same)
 LAUNCH = dict(num_warps=4, maxnreg=128)
 #: the weights' shared layout: no swizzle, so a [16, 256] box is 16 rows of 512 contiguous bytes
 SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-
-
-@gluon.jit
-def _poll(cnt_ptr, err_ptr, wc, tgt):
-    # chain_probe's bounded acquire poll of counter wc up to tgt
-    seen = gl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
-    n = 0
-    while (seen < tgt) & (n < SPIN):
-        seen = gl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
-        n += 1
-    if seen < tgt:
-        gl.atomic_add(err_ptr, 1)
 
 
 @gluon.jit
@@ -129,7 +116,7 @@ def _consumer(tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, re
     for j in range(b0, b1):
         nwc, ntg, noi, nsc = _row(tab_ptr, j + 1, j + 1 < b1)     # the next block's row, a block early
         if wc >= 0:                                                  # a tile's first block
-            _poll(cnt_ptr, err_ptr, wc, tg * epoch)
+            cp._wait(cnt_ptr, err_ptr, wc, tg * epoch)     # chain_probe's bounded acquire poll (a @triton.jit helper)
         xb = x_ptr + (j % 4) * BK                                    # chain_probe's x[(j % 4) * 1024:][:1024]
         x0 = gl.load(xb + cols, cache_modifier=".cg")
         x1 = gl.load(xb + BOX + cols, cache_modifier=".cg")
@@ -331,15 +318,8 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
             times.append(e0.elapsed_time(e1) * 1e3)
         check(name, out, cnt, err, steps, ref, per_call)
         res.setdefault(name, []).append(statistics.median(times[2:]))
-    nbytes = w.numel() * 2
-    floor_us = nbytes / bw * 1e6
-    print(f"{torch.cuda.get_device_name(dev)}: {layers} layers of the 1B's GEMV stages on {sms} SMs, "
-          f"{nbytes / 1e6:.1f} MB, stream copy {bw / 1e12:.3f} TB/s, floor {floor_us:.1f} us, "
-          f"pipeline {stages} (ws: ring of {ring} x 32 KB)")
-    for name, v in res.items():
-        m = statistics.median(v)
-        print(f"  {name:9s} {' / '.join(f'{t:.1f}' for t in v)} us  ({m / floor_us:.3f}x the floor, "
-              f"{m / layers:.1f} us per layer)")
+    floor_us = cp.report(dev, layers, sms, w.numel() * 2, bw, f"pipeline {stages} (ws: ring of {ring} x 32 KB)",
+                         res, 9)
     return res, floor_us
 
 
