@@ -142,8 +142,8 @@ def test_gluon_chain_ws_compiles_for_sm90(tmp_path):
     import re
     ring = 5
     got, ptx, ttgir = _ws_compile(tmp_path, ring)
-    # shared memory: the ring (5 slots of 4 [16, 256] bf16 boxes) and its barriers, within an H200 block
-    assert ring * 32768 <= got["shared"] <= H200_SMEM_PER_BLOCK, got["shared"]
+    # shared memory: the ring (5 slots of 4 [16, 256] bf16 boxes), the vector (16 KB) and the barriers
+    assert ring * 32768 + 16384 <= got["shared"] <= H200_SMEM_PER_BLOCK, got["shared"]
     assert got["tensordesc_meta"][0]["block_size"] == [16, 256] and got["tensordesc_meta"][0]["swizzle"] == 0
     # the partitions (TTGIR): a default region of 4 warps and one 1-warp worker at 24 registers
     assert '"ttg.num-warps" = 4 : i32' in ttgir
@@ -159,6 +159,8 @@ def test_gluon_chain_ws_compiles_for_sm90(tmp_path):
     assert "tt.atomic_rmw add, acquire, gpu" in default and "tt.atomic_rmw add, release, gpu" in default
     assert "ttng.wait_barrier" in default and "ttng.arrive_barrier" in default and "ttng.fence_async_shared" in default
     assert "async_tma_copy" not in default
+    # the vector: staged in shared memory once a tile (a local store), read back a slice a block
+    assert "ttg.local_store" in default and "ttg.local_load" in default
     # PTX: TMA loads, mbarriers, the warp groups' register hand-over, 8 warps launched for num_warps=4 + 1
     tma_load = r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.mbarrier::complete_tx::bytes"
     assert len(re.findall(tma_load, ptx)) == 4

@@ -1,7 +1,7 @@
 """chain_probe's chain of dependent one-wave GEMV stages, streamed by a warp-specialized TMA loader
 (Gluon), against chain_probe's `per_tile` and `flat` Triton kernels in the same process.
 
-    python3 -m bench.probes.gluon_chain_probe [stages...]     (a GPU (H200); default 5; ring min(stages, 7))
+    python3 -m bench.probes.gluon_chain_probe [stages...]     (a GPU (H200); default 5; ring min(stages, 6))
     python3 -m bench.probes.gluon_chain_probe --compile [RING [DIR]]   (no GPU: sm_90 offline)
 
 The workload, the plan, the counters and the epoch scheme are chain_probe's (`cp.plan`: the 1B's QKV /
@@ -16,8 +16,10 @@ shape, the one the published megakernels use and Triton cannot express:
          for free slots (an `empty` mbarrier per slot), never on the cross-CTA counters (weights do
          not depend on them); and the consumer (the default partition, 4 warps) that, at a tile's
          first block, polls the previous stage's counter (acquire, bounded: on giving up it bumps
-         the error word and goes on), then for every block reads the vector slice (fp32, `.cg`,
-         after the wait), waits for the slot's `ready` mbarrier (TMA transaction bytes), multiplies
+         the error word and goes on) and stages the whole vector (4096 fp32, `.cg`, after the wait)
+         in shared memory, then for every block reads its slice from there (one L2 round trip a
+         tile: read from global for every block, run 122 measured ws at 1.94x the floor), waits for
+         the slot's `ready` mbarrier (TMA transaction bytes), multiplies
          the [16, 1024] bf16 block from shared memory by the slice into a [16, 256] fp32 register
          accumulator, releases the slot (fence.proxy.async, a partition barrier, one arrive on
          `empty`), stores the row group's 16 sums at its last block and releases the stage counter
@@ -29,8 +31,8 @@ dimension, so a block is 4 boxes of [16, 256], all four counted on the slot's on
 (expect 32768 bytes). No swizzle: a box is 16 rows of 512 contiguous bytes, and the consumer's warps
 each read whole rows, 16 bytes a thread, which is conflict-free without one (`gl.bank_conflicts`
 asserts 0 when the kernel compiles); a 128-byte swizzle would clamp the box to [16, 64], 16 TMA
-messages a block instead of 4. A ring slot is [4, 16, 256] bf16; RING slots (default 5, at most 7:
-7 x 32 KB + the barriers fits the H200's 227 KB) take RING x 32 KB of shared memory. Launch:
+messages a block instead of 4. A ring slot is [4, 16, 256] bf16; RING slots (default 5, at most 6:
+6 x 32 KB + the 16 KB vector + the barriers fit the H200's 227 KB) take RING x 32 KB of shared memory. Launch:
 num_warps=4 (the consumer; the loader's warp adds a warp group: 256 threads), maxnreg=128 (32K
 registers a CTA; `setmaxnreg` moves the loader's group to 24 and the consumer's to 232). Unlike
 chain_probe's `flat`, which streams the vector with the weights (before the wait), this reads it
@@ -45,7 +47,9 @@ Offline (`--compile`): the kernel compiled for sm_90 with the launch's options a
 runtime would give the launch's arguments (tests/test_probes.py checks it, with TRITON_INTERPRET
 unset); prints JSON (shared memory, ptxas registers / spills) and writes the PTX and TTGIR to DIR.
 
-Status: written and compiled offline only (triton 3.6.0, sm_90: 0 spills); it has not run on a GPU yet.
+Measured (runs 122-125, H200; bench/NOTES.md "Gluon probe outcome"): ws is correct, and with the
+vector staged once a tile 40.4-42.4 us a layer at ring 6 / 5 against per_tile's 43.9-44.1 and flat's
+35.3-36.5 (rows_flat, run 93: 40.4-41.5); 8 consumer warps (GLUON_WS_WARPS=8) are no faster.
 """
 from __future__ import annotations
 
@@ -69,11 +73,12 @@ ROWS_, COLS_ = cp.ROWS_, cp.COLS_   # chain_probe's block: 16 x 1024 bf16 = 32 K
 BOX_ = 256                          # a TMA box: [16, 256] (TMA's limit is 256 elements a dimension)
 NSUB_ = COLS_ // BOX_               # boxes per block
 BLOCK_BYTES_ = ROWS_ * COLS_ * 2
-MAX_RING = 7                        # 7 x 32 KB + barriers fits 232448 bytes (an H200 block's maximum)
+MAX_RING = 6                        # 6 x 32 KB + the 16 KB vector + barriers fit 232448 bytes (an H200 block's maximum)
 BR, BK, BOX, NSUB = gl.constexpr(ROWS_), gl.constexpr(COLS_), gl.constexpr(BOX_), gl.constexpr(NSUB_)
 BLOCK_BYTES = gl.constexpr(BLOCK_BYTES_)
 #: the launch's options (the offline compile uses the same)
-LAUNCH = dict(num_warps=4, maxnreg=128)
+_W = int(os.environ.get("GLUON_WS_WARPS", "4"))
+LAUNCH = dict(num_warps=_W, maxnreg=128 if _W == 4 else 168)
 #: the weights' shared layout: no swizzle, so a [16, 256] box is 16 rows of 512 contiguous bytes
 SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
@@ -103,12 +108,15 @@ def _loader(w_desc, bufs, ready, empty, b0, b1, RING: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, ready, empty,
+def _consumer(tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, xs, ready, empty,
               RING: gl.constexpr, L: gl.constexpr):
     # the default partition (4 warps): waits, vector, multiply-accumulate from shared memory, stores, signals
     gl.static_assert(NSUB == 4)
     rows = gl.arange(0, BR, layout=gl.SliceLayout(1, L))
-    cols = gl.arange(0, BOX, layout=gl.SliceLayout(0, L))
+    # the whole vector (4 x 1024 fp32: row r * NSUB + c of xs is x[r * 1024 + c * 256:][:256]) staged in
+    # shared memory once a tile, after its wait: one L2 round trip a tile, not one a block
+    xo = gl.arange(0, 4 * NSUB, layout=gl.SliceLayout(1, L))[:, None] * BOX + \
+        gl.arange(0, BOX, layout=gl.SliceLayout(0, L))[None, :]
     acc = gl.zeros([BR, BOX], gl.float32, L)
     s = 0
     ph = 0
@@ -117,11 +125,15 @@ def _consumer(tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, re
         nwc, ntg, noi, nsc = _row(tab_ptr, j + 1, j + 1 < b1)     # the next block's row, a block early
         if wc >= 0:                                                  # a tile's first block
             cp._wait(cnt_ptr, err_ptr, wc, tg * epoch)     # chain_probe's bounded acquire poll (a @triton.jit helper)
-        xb = x_ptr + (j % 4) * BK                                    # chain_probe's x[(j % 4) * 1024:][:1024]
-        x0 = gl.load(xb + cols, cache_modifier=".cg")
-        x1 = gl.load(xb + BOX + cols, cache_modifier=".cg")
-        x2 = gl.load(xb + 2 * BOX + cols, cache_modifier=".cg")
-        x3 = gl.load(xb + 3 * BOX + cols, cache_modifier=".cg")
+        if (wc >= 0) | (j == b0):                                    # a tile's first block (the chain's first: no wait)
+            xs.store(gl.load(x_ptr + xo, cache_modifier=".cg"))
+            gl.thread_barrier()     # the previous tile's readers passed its last block's barrier; these stores are seen
+        r = (j % 4) * NSUB                                           # chain_probe's x[(j % 4) * 1024:][:1024]
+        xr = xs._reinterpret(gl.float32, [4 * NSUB, BOX], gl.SwizzledSharedLayout(1, 1, 1, [0]))    # rows indexable
+        x0 = xr.index(r).load(gl.SliceLayout(0, L))
+        x1 = xr.index(r + 1).load(gl.SliceLayout(0, L))
+        x2 = xr.index(r + 2).load(gl.SliceLayout(0, L))
+        x3 = xr.index(r + 3).load(gl.SliceLayout(0, L))
         mbarrier.wait(ready.index(s), ph)
         w0 = bufs.index(s * NSUB).load(L)
         gl.static_assert(gl.bank_conflicts(w0.type, bufs.index(0).type) == 0)    # checked when compiled
@@ -156,12 +168,13 @@ def chain_ws(tab_ptr, start_ptr, x_ptr, w_desc, out_ptr, cnt_ptr, err_ptr, epoch
     bufs = gl.allocate_shared_memory(w_desc.dtype, [RING * NSUB, BR, BOX], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    xs = gl.allocate_shared_memory(gl.float32, [4 * NSUB, BOX], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     for i in gl.static_range(RING):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer, (tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, ready, empty, RING, L)),
+        (_consumer, (tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, xs, ready, empty, RING, L)),
         (_loader, (w_desc, bufs, ready, empty, b0, b1, RING)),
     ], [1], [24])
     for i in gl.static_range(RING):
