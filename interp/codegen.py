@@ -47,14 +47,14 @@ def _check_args(classes, pointers: dict, constexprs) -> None:
     """Every parameter a device function takes has a declaration."""
     known = set(pointers) | set(constexprs) | {"pos", "epoch"} | set(PER_CALL_POINTERS)   # pos, epoch: the call's
     for cls in classes:
-        bad = [a for a in cls.ARGS + cls.PRE_ARGS if a not in known]
+        bad = [a for a in cls.ARGS if a not in known]
         if bad:
             raise TypeError(f"opcode {cls.NAME} takes kernel parameters {bad} that nothing declares: a pointer "
                             f"needs an owner (a layout tensor, an opcode's scratch / state / TABLES), a constexpr "
                             f"an entry in some opcode's CONSTEXPRS or in Layout.constexprs")
 
 
-def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True", classes=()) -> None:
+def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True") -> None:
     """The instruction's waits (bounded polls; a failed one is written to the status block).
     During call ``e`` a counter ends at exactly ``target * e`` (the verifier: every wait's target is
     the number of its producers): below it after ``spin_limit`` polls, a producer never signalled;
@@ -70,19 +70,8 @@ def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True", classes=())
     Every wait of a tensor-parallel kernel is also bounded in time: from its first unmet poll, at
     most ``tl.load(tp_wait_ptr)`` ns of ``interp.sync.clock_ns`` (the globaltimer; the host's clock
     under the interpreter), as a peer driven by another process may never launch; a wait that runs
-    out of time fails with ``FAIL_TIME``. ``interp``: the kernel's interpreter flag (source text).
-
-    Between the first and the second wait, the ``pre`` call of an opcode of ``classes`` that has one
-    (:attr:`opcodes.base.Instruction.pre`), under its ``PRE_ON`` constexpr, where the tape kept the
-    instruction's second wait (its first, the gate, was not elided)."""
-    pre = [cls for cls in classes if cls.pre is not None]
+    out of time fails with ``FAIL_TIME``. ``interp``: the kernel's interpreter flag (source text)."""
     for k in range(opcodes.MAX_WAITS):
-        if k == 1:
-            for cls in pre:
-                ops = [f"a{j}" for j in range(len(cls.operand_names()))]
-                w(f"{ind}if {cls.PRE_ON}:")
-                w(f"{ind}    if (op == {cls.OPCODE}) & (tl.load(ins + 3) >= 0) & (failed == 0):  # {cls.NAME}")
-                w(f"{ind}        _{cls.NAME}_pre(" + ", ".join(ops + list(cls.PRE_ARGS)) + ")")
         w(f"{ind}wc = tl.load(ins + {1 + 2 * k})")
         w(f"{ind}wt = tl.load(ins + {2 + 2 * k}) * epoch")
         w(f"{ind}if (wc >= 0) & (failed == 0):")
@@ -164,8 +153,6 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("")
     for cls in classes:
         w(f"_{cls.NAME} = _{cls.NAME}_cls.device")
-        if cls.pre is not None:
-            w(f"_{cls.NAME}_pre = _{cls.NAME}_cls.pre")
     w("")
     w("")
     w("@triton.jit")
@@ -259,7 +246,7 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("        t_wait = _now(PROFILE)")
     for k in range(n_ops):
         w(f"        a{k} = tl.load(ins + {HEADER + k})")
-    _emit_waits(w, "        ", tp, interp, classes)
+    _emit_waits(w, "        ", tp, interp)
     w("        if failed == 0:")
     w("            t_exec = _now(PROFILE)")
     _emit_dispatch(w, classes, "            ")

@@ -92,15 +92,11 @@ class Tiling:
     # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
     # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
-    # tensor parallel: columns of its gate and up rows each SM's first GATE_UP tile of a layer
-    # prefetches into L2 once the layer's first O row block is done, before it waits for the O
-    # all-reduce (the rank's HBM is otherwise idle for that hop); 0: off; a multiple of 64 (128-byte lines)
-    gu_l2: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "gu_l2") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -120,8 +116,6 @@ class Tiling:
         for k in ("o_bk", "down_bk"):
             if 0 < getattr(self, k) < 16:
                 raise ValueError(f"Tiling.{k} must be 0 (bk) or >= 16, got {getattr(self, k)}")
-        if self.gu_l2 % 64:
-            raise ValueError(f"Tiling.gu_l2 must be a multiple of 64 columns (128-byte lines), got {self.gu_l2}")
         if self.kv_rows == 1:
             raise ValueError("Tiling.kv_rows must be 0 (qkv_rows) or >= 2 (RoPE pairs)")
         if self.attn_splits < 2:
@@ -443,14 +437,6 @@ class Instruction:
     #: sums in another order). Opcodes that round operands to bf16 on purpose allow more.
     TORCH_RTOL: ClassVar[float] = 1e-4
     device = None                     # set by subclasses (a triton JITFunction)
-    #: a ``@triton.jit`` function the kernel calls between the instruction's first and second wait,
-    #: only where the tape kept both (the first: a gate met earlier than the second), with its operands
-    #: and :attr:`PRE_ARGS`; it may touch only what no instruction of the call writes (its weights: an
-    #: L2 prefetch). ``PRE_ON``: the constexpr under which the kernel has the call (false: the kernel
-    #: is the one without it). GATE_UP's first tile on an SM in a TP layer (bench/NOTES.md v74)
-    pre = None
-    PRE_ARGS: ClassVar[tuple[str, ...]] = ()
-    PRE_ON: ClassVar[str] = ""
 
     # ---- declarations ---------------------------------------------------------------
     @classmethod
@@ -644,7 +630,7 @@ def kernel_pointers(lay: Layout, used=()) -> dict[str, str]:
     known = pointer_types(lay, used)
     taken = set()
     for cls in kernel_classes(used):
-        for a in cls.ARGS + cls.PRE_ARGS:
+        for a in cls.ARGS:
             if a.endswith("_ptr") and a not in PER_CALL_POINTERS:
                 if a not in known:
                     raise TypeError(f"opcode {cls.NAME} takes pointer {a!r}, which no opcode or layout declares "

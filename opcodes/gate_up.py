@@ -56,25 +56,6 @@ def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_pt
                  GU_RB, STAGES)
 
 
-@triton.jit
-def gate_up_pre(layer, row0, wtab_ptr, wg_ptr, wu_ptr, D: tl.constexpr, FFN: tl.constexpr, GU_ROWS: tl.constexpr,
-                GU_L2: tl.constexpr, INTERP: tl.constexpr):
-    # between the tile's gate and its wait for x1 (Tiling.gu_l2): the first GU_L2 columns of its gate
-    # and up rows into L2, one 128-byte line a lane (nothing waits on a prefetch; none under the interpreter)
-    if GU_L2 > 0:
-        if not INTERP:
-            NL: tl.constexpr = GU_L2 // 64
-            j = tl.arange(0, GU_ROWS * NL)
-            rows = tl.minimum(row0 + j // NL, FFN - 1)
-            off = rows.to(tl.int64) * D + (j % NL) * 64
-            gp = wg_ptr + tab_offset(wtab_ptr, layer, T_WG) + off
-            up = wu_ptr + tab_offset(wtab_ptr, layer, T_WU) + off
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [gp],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [up],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-
 @register
 @dataclass(frozen=True)
 class GateUp(Instruction):
@@ -86,15 +67,8 @@ class GateUp(Instruction):
     ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB",
             "BK", "STAGES")
     CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
-                  "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows),
-                  "GU_L2": lambda lay: lay.tiling.gu_l2}
+                  "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows)}
     device = gate_up_device
-    # Tiling.gu_l2 (a TP layout): schedule.program gives the tiles a gate, the layer's first O row
-    # block, before their wait for x1; where an SM's first tile of the layer keeps both waits, this
-    # prefetches its first gu_l2 columns of gate and up rows between them (bench/NOTES.md v74)
-    pre = gate_up_pre
-    PRE_ARGS = ("wtab_ptr", "wg_ptr", "wu_ptr", "D", "FFN", "GU_ROWS", "GU_L2", "INTERP")
-    PRE_ON = "GU_L2 > 0"
 
     SCRATCH = {"act": "fp32"}
 

@@ -25,7 +25,6 @@ the same program, on their own shards): the O projection always writes partials,
     OPROJ / DOWN (l, rows in rb, *) --opart[l,rb] / dpart[l,rb]--> TP_PUSH(l, stage, rb)
     TP_PUSH(l, stage, rb) on the PEER --recv_o[l,rb] / recv_d[l,rb]--> TP_REDUCE(l, stage, rb)
     (+ opart / dpart[l,rb])  TP_REDUCE(l, 0, rb) --x1[l]-->   TP_REDUCE(l, 1, rb) --out[l]-->
-    (with Tiling.gu_l2, GATE_UP(l, *) waits on opart[l,0] before x1[l]: its L2 prefetch goes between)
 
 A TP_PUSH's signal is the counter of the same index in the peer's program (``SIGNALS_PEER``): the
 program's producer count of ``recv_*`` is its own pushes, which equal the peer's.
@@ -111,9 +110,6 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
     """
     check_layout(lay)
     tp = getattr(lay, "tp_size", 1) > 1
-    if lay.tiling.gu_l2 and not tp:
-        raise ValueError(f"Tiling.gu_l2 = {lay.tiling.gu_l2} needs a tensor-parallel layout (it prefetches "
-                         "during the O all-reduce)")
     c, t = lay.cfg, lay.tiling
     p = prog if prog is not None else Program(lay)
     prev_out = input_counter
@@ -163,11 +159,8 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
             else:
                 for rb in range(n_rb):
                     p.add(OReduce(l, rb * t.red_rows), (co[rb],), cx)
-        # Tiling.gu_l2: every tile is gated on the first O row block first (only an SM's first tile of
-        # the layer keeps the gate on the tape, Tape.elide_repeated_waits; GATE_UP's pre call is there)
-        gu_waits = (co[0], cx) if tp and t.gu_l2 else (cx,)
         for r in range(0, c.ffn, t.gu_rows):
-            p.add(GateUp(l, r), gu_waits, cact[r // t.down_k])
+            p.add(GateUp(l, r), (cx,), cact[r // t.down_k])
         for kc in range(lay.n_down_k):
             for r in range(0, c.d, t.down_rows):
                 p.add(Down(l, r, kc), (cact[kc],), cd[r // t.red_rows])
