@@ -65,6 +65,8 @@ HOST_GROUP_TIMEOUT_S = 420
 MARK = "@@"
 #: the model of every stage of a CPU rehearsal (``--rehearse``)
 REHEARSAL_PRESET = "small-2layer-v200"
+#: where a CPU rehearsal writes its results unless --out is given (ignored by git: /build/)
+REHEARSAL_OUT = "build/tp-rehearsal"
 
 
 def _repo_root() -> pathlib.Path:
@@ -97,7 +99,9 @@ def _check_env() -> None:
 def parse_args(argv=None):
     from . import RESULTS
     p = argparse.ArgumentParser(prog="python3 -m bench.tp_bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=RESULTS, metavar="DIR", help=f"results directory (default {RESULTS})")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help=f"results directory (default {RESULTS}; with --rehearse {REHEARSAL_OUT}, so a CPU rehearsal "
+                   "never writes beside the GPU results)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, in order: {','.join(STAGES)}")
     p.add_argument("--preset", default="llama3.1-70b", help="the whole model of the speed stage (default llama3.1-70b)")
     p.add_argument("--speed-layers", type=int, default=0, help="layers of the speed stage (0: the preset's)")
@@ -130,6 +134,8 @@ def parse_args(argv=None):
                    help="CPU rehearsal of every stage (tests): gloo instead of NCCL, the Triton interpreter, shared "
                    "files instead of symmetric memory, small-2layer (vocab 200) for every model, short runs")
     a = p.parse_args(argv)
+    if a.out is None:
+        a.out = REHEARSAL_OUT if a.rehearse else RESULTS
     if a.rehearse:
         a.preset, a.prefill, a.max_seq, a.steps, a.correct_steps, a.no_precompile = REHEARSAL_PRESET, 19, 64, 3, 2, True
     a.stage_list = [s.strip() for s in a.stages.split(",") if s.strip()]

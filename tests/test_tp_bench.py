@@ -195,6 +195,11 @@ def test_arguments():
     a = parse_args(["--stages", "smoke,speed", "--stage-timeout", "speed=100", "--steps", "40"])
     assert a.stage_list == ["smoke", "speed"] and a.timeouts["speed"] == 100
     assert a.timeouts["smoke"] == STAGE_TIMEOUT_S["smoke"] and a.steps == 40 and a.preset == "llama3.1-70b"
+    # results: the GPU run's beside the others; a CPU rehearsal's out of the results tree unless told
+    from bench import RESULTS
+    from bench.tp_bench import REHEARSAL_OUT
+    assert parse_args([]).out == RESULTS and parse_args(["--rehearse"]).out == REHEARSAL_OUT != RESULTS
+    assert parse_args(["--rehearse", "--out", "x"]).out == "x"
 
 
 # ---- the NCCL baseline's model, on the CPU --------------------------------------------------------------
