@@ -23,7 +23,8 @@
 #             bench/generate_bench.py (`megatape generate` against decode_step) and the GPU tests
 #   tp      : two GPUs (nvidia-h200-x2): python3 -m bench.tp_bench (smoke, a dead peer, 8 layers
 #             against one GPU, the 80-layer model beside the NCCL graph), results under $OUT
-#   tpab    : two GPUs: TP tilings ($TPVARIANTS, ';'-separated, '' = default) alternated, $TPLAYERS layers
+#   tpab    : two GPUs: TP tilings ($TPVARIANTS, ';'-separated, '' = default) alternated, $TPLAYERS layers;
+#             ends with bench.ab_table's table of every process per variant
 #   tpprof  : two GPUs: the records of one TP build ($TPTILING) and a layer's stage table per rank
 #   OLD=DIR : also time the tree in DIR (e.g. the previous commit, `git archive`) first, same
 #             machine, megatape only: an A/B of two trees in one lease
@@ -123,7 +124,9 @@ run_part() {
       NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 -m bench.tp_bench --stages speed --no-baseline \
         --speed-layers "${TPLAYERS:-20}" ${v:+--tiling "$v"} --out "$RES/tpab-$n" 2>&1 \
         | grep -E "floor|megatape TP=2: median|FAIL|rror" | sed "s|^|[${v:-default}] |"
-    done ;;
+    done
+    echo "=== tpab: every process, per variant (python3 -m bench.ab_table)"
+    python3 -m bench.ab_table "$RES"/tpab-* ;;
   tpprof)
     # the records of the default TP build ($TPLAYERS layers, $TPTILING), one layer's stage table per rank
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 -m bench.tp_bench --stages speed --no-baseline \

@@ -1,0 +1,102 @@
+"""One table from the result files of an alternated A/B (``bench/gpu_run.sh tpab``: one process per
+variant per round, each writing ``decoder-*.json`` into a folder of its own).
+
+    python3 -m bench.ab_table DIR [DIR ...]       (folders or files; e.g. "$RES"/tpab-*)
+
+Per variant (the file's ``tiling``; "default" where none was given), in the order first seen (files in
+natural order of their paths: tpab-2 before tpab-10): each
+process's megatape median (us/step), their median, x floor (the median of each process's own ratio),
+the change against the reference variant's median (``--ref``, default "default"), and whether the
+two sets of processes are separated (every process of one faster than every process of the other).
+The same tree varies by ~2% between processes on two H200s (bench/NOTES.md v74), so a change is only
+what the processes agree on: "separated: no" means the A/B did not decide it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import statistics
+import sys
+
+MEGATAPE = "megatape"
+
+
+def _natural(p: pathlib.Path):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]
+
+
+def load(paths) -> list[dict]:
+    """Every result file under ``paths`` (folders searched for ``decoder-*.json``), as
+    ``{"variant", "us", "x_floor", "file"}`` from its megatape row. A file without one is an error."""
+    files: list[pathlib.Path] = []
+    for p in map(pathlib.Path, paths):
+        if p.is_dir():
+            files += sorted(p.glob("decoder-*.json"))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"{p}: no such file or folder")
+    out = []
+    for f in sorted(files, key=_natural):          # tpab-2 before tpab-10: the processes' order
+        d = json.loads(f.read_text())
+        rows = [r for r in d.get("rows", []) if r.get("name", "").startswith(MEGATAPE)]
+        if not rows:
+            raise ValueError(f"{f}: no megatape row in 'rows'")
+        r = rows[0]
+        out.append({"variant": d.get("tiling") or "default", "us": float(r["us_per_step"]),
+                    "x_floor": float(r["x_floor"]), "file": str(f)})
+    if not out:
+        raise ValueError(f"no decoder-*.json under {list(map(str, paths))}")
+    return out
+
+
+def summarize(results: list[dict], ref: str = "default") -> list[dict]:
+    """Per variant: its processes' times, median, median x floor, change against ``ref``'s median and
+    whether the two are separated (None for ``ref`` itself or where ``ref`` is absent)."""
+    order: list[str] = []
+    for r in results:
+        if r["variant"] not in order:
+            order.append(r["variant"])
+    by = {v: [r for r in results if r["variant"] == v] for v in order}
+    base = [r["us"] for r in by.get(ref, [])]
+    out = []
+    for v in order:
+        us = [r["us"] for r in by[v]]
+        med = statistics.median(us)
+        row = {"variant": v, "us": us, "median": med, "x_floor": statistics.median(r["x_floor"] for r in by[v]),
+               "change": None, "separated": None}
+        if base and v != ref:
+            row["change"] = med / statistics.median(base) - 1.0
+            row["separated"] = max(us) < min(base) or min(us) > max(base)
+        out.append(row)
+    return out
+
+
+def table(rows: list[dict], ref: str = "default") -> str:
+    lines = [f"| variant | processes (us/step) | median | x floor | vs {ref} | separated |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ch = "-" if r["change"] is None else f"{100 * r['change']:+.2f}%"
+        sep = "-" if r["separated"] is None else ("yes" if r["separated"] else "no")
+        lines.append(f"| {r['variant']} | {' / '.join(f'{u:.1f}' for u in r['us'])} | {r['median']:.1f} | "
+                     f"{r['x_floor']:.3f} | {ch} | {sep} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m bench.ab_table", description=__doc__.split("\n\n")[0])
+    p.add_argument("paths", nargs="+", help="result folders (decoder-*.json inside) or files")
+    p.add_argument("--ref", default="default", help="the variant the others are compared with (default: default)")
+    a = p.parse_args(argv)
+    try:
+        rows = summarize(load(a.paths), a.ref)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"ab_table: {e}", file=sys.stderr)
+        return 2
+    print(table(rows, a.ref))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

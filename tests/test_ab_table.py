@@ -1,0 +1,52 @@
+"""bench.ab_table: the per-variant table of an alternated A/B's result files."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import ab_table
+
+
+def _result(path, tiling, us, floor=4000.0):
+    path.mkdir(parents=True)
+    rows = [{"name": "floor (bytes per GPU / stream copy, rank 0)", "us_per_step": floor, "x_floor": 1.0},
+            {"name": "megatape TP=2 (one persistent kernel per GPU)", "us_per_step": us, "x_floor": us / floor}]
+    (path / "decoder-x-tp2.json").write_text(json.dumps({"tiling": tiling, "rows": rows}))
+
+
+def test_the_table_of_an_alternated_ab(tmp_path, capsys):
+    # 11 processes in alternation; the folders' natural order is the processes' order
+    runs = [("default", 4850), ("a=1", 4800), ("b=2", 4860), ("default", 4870), ("a=1", 4790), ("b=2", 4840),
+            ("b=2", 4880), ("a=1", 4810), ("default", 4845), ("b=2", 4830), ("a=1", 4805)]
+    for n, (t, us) in enumerate(runs, 1):
+        _result(tmp_path / f"tpab-{n}", "" if t == "default" else t, us)
+    dirs = sorted(str(p) for p in tmp_path.iterdir())       # the shell's order: tpab-1, tpab-10, tpab-11, tpab-2...
+    rows = {r["variant"]: r for r in ab_table.summarize(ab_table.load(dirs))}
+    assert list(rows) == ["default", "a=1", "b=2"]
+    assert rows["default"]["us"] == [4850, 4870, 4845] and rows["default"]["median"] == 4850
+    assert rows["a=1"]["us"] == [4800, 4790, 4810, 4805] and rows["a=1"]["median"] == 4802.5
+    assert rows["a=1"]["change"] == pytest.approx(4802.5 / 4850 - 1) and rows["a=1"]["separated"] is True
+    assert rows["b=2"]["median"] == 4850 and rows["b=2"]["change"] == pytest.approx(0.0)
+    assert rows["b=2"]["separated"] is False                  # 4830..4880 overlaps 4845..4870
+    assert rows["default"]["change"] is None and rows["default"]["x_floor"] == pytest.approx(4850 / 4000)
+    assert ab_table.main(dirs) == 0
+    out = capsys.readouterr().out
+    assert "| a=1 | 4800.0 / 4790.0 / 4810.0 / 4805.0 | 4802.5 | 1.201 | -0.98% | yes |" in out
+    assert "| b=2 | 4860.0 / 4840.0 / 4880.0 / 4830.0 | 4850.0 | 1.212 | +0.00% | no |" in out
+    # another reference; one absent: no comparison
+    assert {r["variant"]: r["separated"] for r in ab_table.summarize(ab_table.load(dirs), ref="a=1")}["b=2"] is True
+    assert all(r["change"] is None for r in ab_table.summarize(ab_table.load(dirs), ref="nope"))
+
+
+def test_errors_name_the_path(tmp_path, capsys):
+    assert ab_table.main([str(tmp_path / "missing")]) == 2
+    assert "missing: no such file or folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert ab_table.main([str(tmp_path / "empty")]) == 2
+    assert "no decoder-*.json" in capsys.readouterr().err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "decoder-y.json").write_text(json.dumps({"rows": [{"name": "floor", "us_per_step": 1.0, "x_floor": 1.0}]}))
+    assert ab_table.main([str(bad)]) == 2
+    assert "decoder-y.json: no megatape row" in capsys.readouterr().err
