@@ -77,8 +77,11 @@ MAX_RING = 6                        # 6 x 32 KB + the 16 KB vector + barriers fi
 BR, BK, BOX, NSUB = gl.constexpr(ROWS_), gl.constexpr(COLS_), gl.constexpr(BOX_), gl.constexpr(NSUB_)
 BLOCK_BYTES = gl.constexpr(BLOCK_BYTES_)
 #: the launch's options (the offline compile uses the same)
-_W = int(os.environ.get("GLUON_WS_WARPS", "4"))
-LAUNCH = dict(num_warps=_W, maxnreg=128 if _W == 4 else 168)
+#: GLUON_WS_WARPS=8: 8 consumer warps (12 with the loader's group: 168 registers a thread); run 125: no faster
+_W = os.environ.get("GLUON_WS_WARPS", "4")
+if _W not in ("4", "8"):
+    raise ValueError(f"GLUON_WS_WARPS={_W!r}: 4 or 8 consumer warps")
+LAUNCH = dict(num_warps=int(_W), maxnreg=128 if _W == "4" else 168)
 #: the weights' shared layout: no swizzle, so a [16, 256] box is 16 rows of 512 contiguous bytes
 SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
@@ -117,6 +120,7 @@ def _consumer(tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, xs
     # shared memory once a tile, after its wait: one L2 round trip a tile, not one a block
     xo = gl.arange(0, 4 * NSUB, layout=gl.SliceLayout(1, L))[:, None] * BOX + \
         gl.arange(0, BOX, layout=gl.SliceLayout(0, L))[None, :]
+    xr = xs._reinterpret(gl.float32, [4 * NSUB, BOX], gl.SwizzledSharedLayout(1, 1, 1, [0]))    # rows indexable
     acc = gl.zeros([BR, BOX], gl.float32, L)
     s = 0
     ph = 0
@@ -129,7 +133,6 @@ def _consumer(tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, xs
             xs.store(gl.load(x_ptr + xo, cache_modifier=".cg"))
             gl.thread_barrier()     # the previous tile's readers passed its last block's barrier; these stores are seen
         r = (j % 4) * NSUB                                           # chain_probe's x[(j % 4) * 1024:][:1024]
-        xr = xs._reinterpret(gl.float32, [4 * NSUB, BOX], gl.SwizzledSharedLayout(1, 1, 1, [0]))    # rows indexable
         x0 = xr.index(r).load(gl.SliceLayout(0, L))
         x1 = xr.index(r + 1).load(gl.SliceLayout(0, L))
         x2 = xr.index(r + 2).load(gl.SliceLayout(0, L))
