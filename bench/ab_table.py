@@ -2,6 +2,7 @@
 variant per round, each writing ``decoder-*.json`` into a folder of its own).
 
     python3 -m bench.ab_table DIR [DIR ...]       (folders or files; e.g. "$RES"/tpab-*)
+    python3 -m bench.ab_table --clocks smi.csv DIR ...   (and each process beside the GPUs' clocks)
 
 Per variant (the file's ``tiling``; "default" where none was given), in the order first seen (files in
 natural order of their paths: tpab-2 before tpab-10): each
@@ -10,10 +11,17 @@ the change against the reference variant's median (``--ref``, default "default")
 two sets of processes are separated (every process of one faster than every process of the other).
 The same tree varies by ~2% between processes on two H200s (bench/NOTES.md v74), so a change is only
 what the processes agree on: "separated: no" means the A/B did not decide it.
+
+``--clocks FILE``: the samples `bench/gpu_run.sh` takes for the whole call (nvidia-smi, every ~20 ms:
+timestamp, GPU index, SM and memory clocks in MHz, temperature, power in W). A second table lists
+every process in order with, per rank (GPU = rank), the median SM clock and power over the samples
+inside its timed steps' window (``per_rank[r].timed_window_s`` of the result file, epoch seconds):
+whether the processes that ran faster ran at other clocks.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import pathlib
 import re
@@ -46,7 +54,8 @@ def load(paths) -> list[dict]:
             raise ValueError(f"{f}: no megatape row in 'rows'")
         r = rows[0]
         out.append({"variant": d.get("tiling") or "default", "us": float(r["us_per_step"]),
-                    "x_floor": float(r["x_floor"]), "file": str(f)})
+                    "x_floor": float(r["x_floor"]), "file": str(f),
+                    "windows": [pr.get("timed_window_s") for pr in d.get("per_rank", [])]})
     if not out:
         raise ValueError(f"no decoder-*.json under {list(map(str, paths))}")
     return out
@@ -84,17 +93,73 @@ def table(rows: list[dict], ref: str = "default") -> str:
     return "\n".join(lines)
 
 
+def _num(x: str):
+    try:
+        return float(x)
+    except ValueError:              # "[N/A]", "[Not Supported]"
+        return None
+
+
+def read_clocks(path) -> list[dict]:
+    """nvidia-smi's samples (``--format=csv,noheader,nounits``: timestamp, index, clocks.sm, clocks.mem,
+    temperature.gpu, power.draw), the timestamp as epoch seconds of this machine's local time (as
+    nvidia-smi writes it). Lines that do not parse (a header, a cut last line) are skipped."""
+    out = []
+    for line in pathlib.Path(path).read_text().splitlines():
+        f = [x.strip() for x in line.split(",")]
+        if len(f) < 6:
+            continue
+        try:
+            t = datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            gpu = int(f[1])
+        except ValueError:
+            continue
+        out.append({"t": t, "gpu": gpu, "sm": _num(f[2]), "mem": _num(f[3]), "temp": _num(f[4]), "power": _num(f[5])})
+    return out
+
+
+def window_stats(samples: list[dict], gpu: int, window) -> dict:
+    """Median SM clock, memory clock and power of GPU ``gpu`` over the samples inside ``window`` ([t0, t1])."""
+    inside = [s for s in samples if s["gpu"] == gpu and window and window[0] <= s["t"] <= window[1]]
+
+    def med(k):
+        v = [s[k] for s in inside if s[k] is not None]
+        return statistics.median(v) if v else None
+    return {"n": len(inside), "sm": med("sm"), "mem": med("mem"), "power": med("power")}
+
+
+def process_table(results: list[dict], samples: list[dict]) -> str:
+    lines = ["| process | variant | us/step | SM MHz (GPU 0 / 1) | memory MHz | power W | samples |",
+             "|---|---|---|---|---|---|---|"]
+
+    def fmt(v, d=0):
+        return "-" if v is None else f"{v:.{d}f}"
+    for r in results:
+        st = [window_stats(samples, g, w) for g, w in enumerate(r["windows"])]
+        name = pathlib.Path(r["file"]).parent.name
+        lines.append(f"| {name} | {r['variant']} | {r['us']:.1f} | {' / '.join(fmt(s['sm']) for s in st) or '-'} | "
+                     f"{' / '.join(fmt(s['mem']) for s in st) or '-'} | {' / '.join(fmt(s['power']) for s in st) or '-'} | "
+                     f"{' / '.join(str(s['n']) for s in st) or '-'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m bench.ab_table", description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+", help="result folders (decoder-*.json inside) or files")
     p.add_argument("--ref", default="default", help="the variant the others are compared with (default: default)")
+    p.add_argument("--clocks", metavar="CSV", help="nvidia-smi samples (bench/gpu_run.sh's smi.csv): each process's clocks")
     a = p.parse_args(argv)
     try:
-        rows = summarize(load(a.paths), a.ref)
+        results = load(a.paths)
+        rows = summarize(results, a.ref)
+        samples = read_clocks(a.clocks) if a.clocks else None
     except (OSError, ValueError, KeyError) as e:
         print(f"ab_table: {e}", file=sys.stderr)
         return 2
     print(table(rows, a.ref))
+    if samples is not None:
+        print()
+        print(process_table(results, samples))
     return 0
 
 

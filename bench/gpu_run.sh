@@ -39,6 +39,12 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(confirm)
 exec > >(tee "$OUT/run.log") 2>&1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
+# every GPU's clocks, temperature and power every ~20 ms for the whole call (reading only), into
+# $RES/smi.csv: `bench.ab_table --clocks` sets each timed window beside them
+SMI_FIELDS=timestamp,index,clocks.sm,clocks.mem,temperature.gpu,power.draw
+nvidia-smi --query-gpu=$SMI_FIELDS --format=csv,noheader,nounits -lms 20 > "$RES/smi.csv" 2>/dev/null &
+SMI_PID=$!
+trap 'kill $SMI_PID 2>/dev/null' EXIT
 if [ -n "${OLD:-}" ]; then
   if [ -f "$OLD/megatape/cli.py" ]; then
     old=(python3 -m megatape.cli bench); old_dec=(python3 -m megatape.cli bench-decoder)
@@ -126,7 +132,7 @@ run_part() {
         | grep -E "floor|megatape TP=2: median|FAIL|rror" | sed "s|^|[${v:-default}] |"
     done
     echo "=== tpab: every process, per variant (python3 -m bench.ab_table)"
-    python3 -m bench.ab_table "$RES"/tpab-* ;;
+    python3 -m bench.ab_table --clocks "$RES/smi.csv" "$RES"/tpab-* ;;
   tpprof)
     # the records of the default TP build ($TPLAYERS layers, $TPTILING), one layer's stage table per rank
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 -m bench.tp_bench --stages speed --no-baseline \
@@ -137,6 +143,7 @@ run_part() {
   esac
 }
 for p in "${parts[@]}"; do run_part "$p"; done
+kill $SMI_PID 2>/dev/null
 tar -czf "$OUT/results.tar.gz" -C "$RES" .
 {
   echo "=== summary"

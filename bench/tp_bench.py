@@ -872,7 +872,9 @@ def stage_speed(c: Ctx) -> None:
         timer = _Timer(dev, N)
         _sync(dev)
         _barrier(c)
+        t_win = time.time()
         us_mt, wall_mt = timer.run(lambda i: tp_launch(h, P + i), N)
+        t_win = [t_win, time.time()]       # the timed steps' window (epoch s): bench.ab_table --clocks
         tp_check(h)
         _same_on_both(c, h.hidden, "the final residual (timed steps)")
         log(f"megatape TP=2: median {_median(us_mt):.1f} us/step (events; min {min(us_mt):.1f}, max {max(us_mt):.1f}); "
@@ -880,7 +882,7 @@ def stage_speed(c: Ctx) -> None:
     finally:
         tp_teardown(h)
     torch.cuda.empty_cache()
-    rec = dict(bw=bw, floor_us=floor_us, bytes=nbytes, us_mt=_median(us_mt), wall_mt=wall_mt)
+    rec = dict(bw=bw, floor_us=floor_us, bytes=nbytes, us_mt=_median(us_mt), wall_mt=wall_mt, window=t_win)
     got = _gather(c, rec)
     if r == 0:
         _write_results(c, cfg, got)                # megatape's numbers, before the baseline runs
@@ -1050,7 +1052,7 @@ def _write_results(c: Ctx, cfg, got: list) -> None:
                preset=a.preset, tp=2, layers=cfg.layers, pos=a.prefill, steps=a.steps, bytes_per_step=r0["bytes"],
                copy_TBps=r0["bw"] / 1e12, floor_us=floor, accuracy=c.results.get("accuracy", {}),
                per_rank=[dict(rank=q, copy_TBps=g["bw"] / 1e12, floor_us=g["floor_us"], megatape_us=g["us_mt"],
-                              nccl_us=g.get("us_nccl")) for q, g in enumerate(got)],
+                              nccl_us=g.get("us_nccl"), timed_window_s=g.get("window")) for q, g in enumerate(got)],
                nccl_baseline_vs_megatape_logits_rel_err=r0.get("nccl_rel_err"),
                weights="random, generated per shard on each GPU (replicated tensors from a shared seed)",
                tiling=a.tiling or "default", rows=rows)

@@ -50,3 +50,37 @@ def test_errors_name_the_path(tmp_path, capsys):
     (bad / "decoder-y.json").write_text(json.dumps({"rows": [{"name": "floor", "us_per_step": 1.0, "x_floor": 1.0}]}))
     assert ab_table.main([str(bad)]) == 2
     assert "decoder-y.json: no megatape row" in capsys.readouterr().err
+
+
+def test_each_process_beside_the_clocks(tmp_path, capsys):
+    import datetime
+    t0 = datetime.datetime(2026, 12, 1, 9, 0, 0)
+    lines = ["timestamp, index, clocks.sm [MHz], ...",                 # a header: skipped
+             ]
+    for k in range(40):                                                 # every 50 ms, both GPUs
+        t = t0 + datetime.timedelta(milliseconds=50 * k)
+        ts = t.strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+        for g in (0, 1):
+            sm = 1980 if k < 20 else 1755                               # the clock drops after 1 s
+            lines.append(f"{ts}, {g}, {sm + g}, 3201, 50, {600 + k if g == 0 else '[N/A]'}")
+    lines.append("2026/12/01 09:00:0")                                  # a cut last line
+    smi = tmp_path / "smi.csv"
+    smi.write_text("\n".join(lines) + "\n")
+    e = t0.timestamp()
+    for n, (tiling, us, w) in enumerate([("", 4850, (0.1, 0.3)), ("a=1", 4900, (1.2, 1.5)), ("", 4860, (5.0, 6.0))], 1):
+        _result(tmp_path / f"tpab-{n}", tiling, us)
+        f = tmp_path / f"tpab-{n}" / "decoder-x-tp2.json"
+        d = json.loads(f.read_text())
+        d["per_rank"] = [{"rank": r, "timed_window_s": [e + w[0], e + w[1]]} for r in (0, 1)]
+        f.write_text(json.dumps(d))
+    samples = ab_table.read_clocks(smi)
+    assert len(samples) == 80 and samples[1]["power"] is None and samples[0]["power"] == 600
+    st = ab_table.window_stats(samples, 0, [e + 0.1, e + 0.3])
+    assert st == {"n": 5, "sm": 1980, "mem": 3201, "power": 604}      # samples 2..6
+    assert ab_table.window_stats(samples, 1, [e + 1.2, e + 1.5])["sm"] == 1756
+    assert ab_table.window_stats(samples, 1, [e + 1.2, e + 1.5])["power"] is None
+    assert ab_table.main(["--clocks", str(smi)] + sorted(str(p) for p in tmp_path.glob("tpab-*"))) == 0
+    out = capsys.readouterr().out
+    assert "| tpab-1 | default | 4850.0 | 1980 / 1981 | 3201 / 3201 | 604 / - | 5 / 5 |" in out
+    assert "| tpab-2 | a=1 | 4900.0 | 1755 / 1756 |" in out
+    assert "| tpab-3 | default | 4860.0 | - / - | - / - | - / - | 0 / 0 |" in out     # after the samples end

@@ -449,7 +449,7 @@ def test_results_file_format(tmp_path):
     c.results["accuracy"] = dict(layers=8, steps=8, rel_err_vs_fp32_max=0.02, bf16_ref_vs_fp32_max=0.021,
                                  criterion_met=True, tp_vs_single_gpu_rel_err_max=0.01)
     rec = dict(bw=4.0e12, floor_us=16500.0, bytes=66_000_000_000, us_mt=17000.0, wall_mt=17010.0, us_nccl=20000.0,
-               wall_nccl=20100.0, kernels_nccl=1700, nccl_rel_err=0.01, nccl_graph=True)
+               wall_nccl=20100.0, kernels_nccl=1700, nccl_rel_err=0.01, nccl_graph=True, window=[100.0, 100.5])
     import unittest.mock as um
     with um.patch("torch.cuda.get_device_name", lambda *_: "NVIDIA H200"):
         _write_results(c, PRESETS["llama3.1-70b"], [rec, dict(rec, us_mt=17001.0)])
@@ -462,6 +462,7 @@ def test_results_file_format(tmp_path):
     assert (mt["us_per_step"], mt["kernels_per_step"]) == (17000.0, 1)
     assert abs(mt["x_floor"] - 17000 / 16500) < 1e-12 and abs(mt["fraction_of_bw"] - 16500 / 17000) < 1e-12
     assert got["rows"][2]["kernels_per_step"] == 1700 and got["per_rank"][1]["megatape_us"] == 17001.0
+    assert got["per_rank"][0]["timed_window_s"] == [100.0, 100.5]      # bench.ab_table --clocks
     md = (tmp_path / "decoder-llama3.1-70b-tp2.md").read_text()
     assert "| megatape TP=2" in md and "| 17000.0 | 17010.0 | 58.8 | 1.030 | 97.1% | 1 |" in md
     assert "criterion met" in md
