@@ -1,5 +1,6 @@
 """One table from the result files of an alternated A/B (``bench/gpu_run.sh tpab``: one process per
-variant per round, each writing ``decoder-*.json`` into a folder of its own).
+variant per round, each writing ``decoder-*.json`` into a folder of its own; or ``megatape
+bench-decoder --variants`` runs, whose variants are rows of the same file).
 
     python3 -m bench.ab_table DIR [DIR ...]       (folders or files; e.g. "$RES"/tpab-*)
     python3 -m bench.ab_table --clocks smi.csv DIR ...   (and each process beside the GPUs' clocks)
@@ -36,8 +37,10 @@ def _natural(p: pathlib.Path):
 
 
 def load(paths) -> list[dict]:
-    """Every result file under ``paths`` (folders searched for ``decoder-*.json``), as
-    ``{"variant", "us", "x_floor", "file"}`` from its megatape row. A file without one is an error."""
+    """Every result file under ``paths`` (folders searched for ``decoder-*.json``), as one
+    ``{"variant", "us", "x_floor", "file", "windows"}`` per megatape row: the row "megatape ..." is the
+    file's ``tiling`` ("default" where none), a row "megatape [SPEC]" (``bench-decoder --variants``,
+    timed in the same process) is SPEC. A file without a megatape row is an error."""
     files: list[pathlib.Path] = []
     for p in map(pathlib.Path, paths):
         if p.is_dir():
@@ -52,10 +55,15 @@ def load(paths) -> list[dict]:
         rows = [r for r in d.get("rows", []) if r.get("name", "").startswith(MEGATAPE)]
         if not rows:
             raise ValueError(f"{f}: no megatape row in 'rows'")
-        r = rows[0]
-        out.append({"variant": d.get("tiling") or "default", "us": float(r["us_per_step"]),
-                    "x_floor": float(r["x_floor"]), "file": str(f),
-                    "windows": [pr.get("timed_window_s") for pr in d.get("per_rank", [])]})
+        for r in rows:
+            m = re.match(r"megatape \[(.*)\]( \(WRONG\))?$", r["name"])
+            variant = (m.group(1) + (m.group(2) or "")) if m else (d.get("tiling") or "default")
+            us = float(r["us_per_step"])
+            xf = r.get("x_floor")
+            out.append({"variant": variant, "us": us,
+                        "x_floor": float(xf) if xf is not None else us / float(d["floor_us"]), "file": str(f),
+                        # the timed windows are the main row's (tp_bench's speed stage)
+                        "windows": [] if m else [pr.get("timed_window_s") for pr in d.get("per_rank", [])]})
     if not out:
         raise ValueError(f"no decoder-*.json under {list(map(str, paths))}")
     return out

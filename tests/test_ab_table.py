@@ -84,3 +84,22 @@ def test_each_process_beside_the_clocks(tmp_path, capsys):
     assert "| tpab-1 | default | 4850.0 | 1980 / 1981 | 3201 / 3201 | 604 / - | 5 / 5 |" in out
     assert "| tpab-2 | a=1 | 4900.0 | 1755 / 1756 |" in out
     assert "| tpab-3 | default | 4860.0 | - / - | - / - | - / - | 0 / 0 |" in out     # after the samples end
+
+
+def test_bench_decoder_variants_are_rows_of_one_file(tmp_path, capsys):
+    # `megatape bench-decoder --variants "stages=4;x=1"`, two processes: the variants are rows
+    for n, (a, b, c) in enumerate([(920.0, 930.0, 990.0), (918.0, 934.0, 995.0)], 1):
+        d = tmp_path / f"p{n}"
+        d.mkdir()
+        rows = [{"name": "floor", "us_per_step": 590.0, "x_floor": 1.0},
+                {"name": "megatape", "us_per_step": a, "x_floor": a / 590},
+                {"name": "megatape [stages=4]", "us_per_step": b},                 # no x_floor: from floor_us
+                {"name": "megatape [x=1] (WRONG)", "us_per_step": c, "x_floor": c / 590},
+                {"name": "torch.compile reduce-overhead", "us_per_step": 1400.0, "x_floor": 2.4}]
+        (d / "decoder-llama3.2-1b-pos1024.json").write_text(json.dumps({"tiling": "default", "floor_us": 590.0,
+                                                                         "rows": rows}))
+    rows = {r["variant"]: r for r in ab_table.summarize(ab_table.load([str(tmp_path / "p1"), str(tmp_path / "p2")]))}
+    assert list(rows) == ["default", "stages=4", "x=1 (WRONG)"]
+    assert rows["default"]["us"] == [920.0, 918.0] and rows["stages=4"]["us"] == [930.0, 934.0]
+    assert rows["stages=4"]["x_floor"] == pytest.approx(932.0 / 590) and rows["stages=4"]["separated"] is True
+    assert rows["stages=4"]["change"] == pytest.approx(932.0 / 919.0 - 1)
