@@ -140,8 +140,8 @@ def process_table(results: list[dict], samples: list[dict]) -> str:
     lines = ["| process | variant | us/step | SM MHz (GPU 0 / 1) | memory MHz | power W | samples |",
              "|---|---|---|---|---|---|---|"]
 
-    def fmt(v, d=0):
-        return "-" if v is None else f"{v:.{d}f}"
+    def fmt(v):
+        return "-" if v is None else f"{v:.0f}"
     for r in results:
         st = [window_stats(samples, g, w) for g, w in enumerate(r["windows"])]
         name = pathlib.Path(r["file"]).parent.name

@@ -31,6 +31,8 @@ import pytest
 import torch  # (torch does not import triton)
 
 HAS_CUDA = torch.cuda.is_available()
+#: bytes of shared memory an H200 block may take (cudaDevAttrMaxSharedMemoryPerBlockOptin): the sm_90 compile tests' bound
+H200_SMEM_PER_BLOCK = 232448
 
 # Not on a GPU host: there it would turn the GPU tests into interpreter runs (the root conftest.py
 # has already done this on a CPU host; this only repeats it for a run rooted in tests/).

@@ -20,7 +20,6 @@ import sys
 
 import pytest
 
-H200_SMEM_PER_BLOCK = 232448          # bytes: cudaDevAttrMaxSharedMemoryPerBlockOptin on the H200
 #: the kernel's runtime parameters before the model's buffers (interp/codegen.py FIXED_PARAMS,
 #: SCALARS, PER_CALL_POINTERS) and their types as runtime.launch passes them
 _PARAM_TYPES = {"tape_ptr": "*i32", "qoff_ptr": "*i32", "cnt_ptr": "*i32", "status_ptr": "*i32", "prof_ptr": "*i64",
@@ -74,6 +73,7 @@ def _main(preset: str, max_seq: int, what: str) -> None:
 
 @pytest.mark.parametrize("preset,max_seq,what", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
 def test_default_kernel_compiles_for_sm90(preset, max_seq, what, tmp_path):
+    from conftest import H200_SMEM_PER_BLOCK     # here: the compile subprocess runs this file without conftest's setup
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(root), MEGATAPE_CACHE=str(tmp_path))

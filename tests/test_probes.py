@@ -4,7 +4,7 @@ bench/NOTES.md (runs 91-93) rest on kernels that do the stated work."""
 import pytest
 import torch
 
-from conftest import require_interpreter
+from conftest import H200_SMEM_PER_BLOCK, require_interpreter
 
 from bench.probes import chain_probe as cp
 
@@ -67,7 +67,6 @@ def test_chain_probe_plan_is_one_wave_per_stage():
 # Gluon kernels do not run under the interpreter: on this CPU host the kernel is compiled for sm_90 (in a
 # process without TRITON_INTERPRET) and its TTGIR / PTX checked for the structure the probe claims; the
 # fp32 reference the GPU run checks its outputs against is checked here against the loop reference above.
-H200_SMEM_PER_BLOCK = 232448
 
 
 def test_gluon_chain_reference_matches_the_loop_reference():

@@ -243,19 +243,24 @@ def launch(name, tables, x, w, out, cnt, err, epoch, sms, stages):
         k[(sms,)](tab_t, start_t, x, w, out, cnt, err, epoch, STAGES=stages, num_warps=8)
 
 
+def stream_bw(dev) -> float:
+    """The probes' stream-copy bandwidth (bytes/s): 512 MB of bf16 copied, median of 8 copies (the floor
+    of their reports; bench.baselines' copy measures ~4% more)."""
+    a = torch.empty(1 << 28, device=dev, dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    ts = []
+    for _ in range(8):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record(); b.copy_(a); e1.record(); torch.cuda.synchronize(); ts.append(e0.elapsed_time(e1))
+    return 2 * a.numel() * 2 / (statistics.median(ts) * 1e-3)
+
+
 def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
     dev = torch.device(device)
     sms = sms or torch.cuda.get_device_properties(dev).multi_processor_count
     i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)      # noqa: E731
-    a = torch.empty(1 << 28, device=dev, dtype=torch.bfloat16)
-    b = torch.empty_like(a)
     ev = lambda: torch.cuda.Event(enable_timing=True)                   # noqa: E731
-    ts = []
-    for _ in range(8):
-        e0, e1 = ev(), ev()
-        e0.record(); b.copy_(a); e1.record(); torch.cuda.synchronize(); ts.append(e0.elapsed_time(e1))
-    bw = 2 * a.numel() * 2 / (statistics.median(ts) * 1e-3)
-    del a, b
+    bw = stream_bw(dev)
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(4096, generator=g).to(dev)
     res, outs, built = {}, {}, {}

@@ -276,18 +276,6 @@ def _compile_main(ring: int, out_dir: str | None) -> int:
 
 
 # ---- the GPU run ------------------------------------------------------------------------------------------
-def _stream_bw(dev) -> float:
-    """chain_probe's stream-copy bandwidth (bytes/s): 2 x 512 MB copied, median of 8."""
-    a = torch.empty(1 << 28, device=dev, dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    ts = []
-    for _ in range(8):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record(); b.copy_(a); e1.record(); torch.cuda.synchronize(); ts.append(e0.elapsed_time(e1))
-    del a, b
-    return 2 * (1 << 28) * 2 / (statistics.median(ts) * 1e-3)
-
-
 NAMES = ("per_tile", "flat", "ws")
 
 
@@ -297,7 +285,7 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
     dev = torch.device(device)
     sms = sms or torch.cuda.get_device_properties(dev).multi_processor_count
     ring = min(stages, MAX_RING)
-    bw = _stream_bw(dev)
+    bw = cp.stream_bw(dev)
     i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)      # noqa: E731
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(4096, generator=g).to(dev)
