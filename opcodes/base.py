@@ -113,9 +113,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        if self.o_merge not in (0, 1, 2):
-            raise ValueError(f"Tiling.o_merge must be 0, 1 or 2, got {self.o_merge}")
-        for k in ("res_fold", "key_in_reduce"):
+        for k in ("res_fold", "key_in_reduce", "o_merge"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -254,8 +252,6 @@ class Layout:
             obk = t.o_bk or t.bk
             if t.o_k and t.o_k < c.q_dim:
                 raise ValueError(f"Tiling.o_merge needs an unsplit O projection (o_k 0), got o_k = {t.o_k}")
-            if next_pow2(self.attn_instr_splits) != self.attn_instr_splits:
-                raise ValueError(f"Tiling.o_merge needs a power-of-two attn_splits, got {t.attn_splits}")
             if obk % c.hd or c.q_dim % obk:
                 raise ValueError(f"Tiling.o_merge: the O tile's streaming width {obk} (o_bk or bk) must be a "
                                  f"multiple of hd = {c.hd} and divide n_q*hd = {c.q_dim} (it merges whole heads "

@@ -33,17 +33,15 @@ def _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_p
 
 
 @triton.jit
-def merge_stream(w_ptr, rows, row_mask, part_o_ptr, part_ml_ptr, layer, row0, pos,
+def merge_stream(w_ptr, rows, row_mask, part_o_ptr, part_ml_ptr, layer, pos,
                  NQ: tl.constexpr, HD: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                  PART_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLITS: tl.constexpr,
-                 MIN_CHUNK: tl.constexpr, ROT: tl.constexpr, EVEN: tl.constexpr):
+                 MIN_CHUNK: tl.constexpr, EVEN: tl.constexpr):
     """The O tile's streaming loop under ``Tiling.o_merge``: each ``BK``-column block of Wo is dotted
     with the attention output of its ``BK / HD`` heads, merged in the loop from their partials
     (ATTN_REDUCE's arithmetic: ``M = max m_s``, ``sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``) over
     the splits that hold keys at ``pos`` (the prefix splits below ``cdiv(pos, chunk)`` and the last),
-    so the partials' loads are pipelined with the weights'. A head's (m, l) pairs are one contiguous
-    run (``PART_SPLITS == SPLITS_PAD``). ``ROT``: tile ``row0 / ROWS`` starts at its own column block
-    (the tiles read different partials at a time). Returns the fp32 ``[ROWS, BK]`` accumulators."""
+    so the partials' loads are pipelined with the weights'. Returns the fp32 ``[ROWS, BK]`` accumulators."""
     QD: tl.constexpr = NQ * HD
     NH: tl.constexpr = BK // HD
     chunk = tl.maximum((pos + SPLITS - 2) // (SPLITS - 1), MIN_CHUNK)
@@ -52,30 +50,22 @@ def merge_stream(w_ptr, rows, row_mask, part_o_ptr, part_ml_ptr, layer, row0, po
     smask = (sp < active) | (sp == SPLITS - 1)
     hh = tl.arange(0, NH)
     dd = tl.arange(0, HD)
-    rot = 0
-    if ROT:
-        rot = ((row0 // ROWS) % (QD // BK)) * BK
     acc = tl.zeros([ROWS, BK], dtype=tl.float32)
     wrow = w_ptr + rows[:, None] * QD
     for kk in tl.range(0, QD, BK, num_stages=STAGES):
-        k0 = kk + rot
-        if ROT:
-            k0 = tl.where(k0 >= QD, k0 - QD, k0)
-        prow = (layer * NQ + k0 // HD + hh)[:, None] * PART_SPLITS + sp[None, :]        # [NH, SPLITS_PAD]
-        ml = tl.load(part_ml_ptr + prow[:, :, None] * 2 + tl.arange(0, 2)[None, None, :], mask=smask[None, :, None],
-                     other=0.0, cache_modifier=".cg")
-        o = tl.load(part_o_ptr + prow[:, :, None] * HD + dd[None, None, :], mask=smask[None, :, None], other=0.0,
-                    cache_modifier=".cg")                                             # [NH, SPLITS_PAD, HD]
-        cols = k0 + tl.arange(0, BK)
+        prow = (layer * NQ + kk // HD + hh)[None, :] * PART_SPLITS + sp[:, None]       # [SPLITS_PAD, NH]
+        m = tl.load(part_ml_ptr + prow * 2, mask=smask[:, None], other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(part_ml_ptr + prow * 2 + 1, mask=smask[:, None], other=0.0, cache_modifier=".cg")
+        o = tl.load(part_o_ptr + prow[:, :, None] * HD + dd[None, None, :], mask=smask[:, None, None], other=0.0,
+                    cache_modifier=".cg")                                             # [SPLITS_PAD, NH, HD]
+        cols = kk + tl.arange(0, BK)
         if EVEN:
             w = tl.load(wrow + cols[None, :], eviction_policy="evict_first")
         else:
             w = tl.load(wrow + cols[None, :], mask=row_mask[:, None], other=0.0)
-        m, l = tl.split(ml)
-        m = tl.where(smask[None, :], m, float("-inf"))
-        mx = tl.max(m, axis=1)
-        wt = tl.where(smask[None, :], tl.exp2(m - mx[:, None]), 0.0)
-        a = tl.sum(o * wt[:, :, None], axis=1) / tl.sum(wt * l, axis=1)[:, None]       # [NH, HD]
+        mx = tl.max(m, axis=0)
+        wt = tl.where(smask[:, None], tl.exp2(m - mx[None, :]), 0.0)
+        a = tl.sum(o * wt[:, :, None], axis=0) / tl.sum(wt * l, axis=0)[:, None]       # [NH, HD]
         acc += w.to(tl.float32) * tl.reshape(a, [BK])[None, :]
     return acc
 
@@ -92,8 +82,8 @@ def oproj_device(layer, row0, oc, pos, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_p
     rows = row0 + tl.arange(0, O_ROWS)
     rm = rows < D
     if O_MERGE:
-        acc = merge_stream(w_ptr, rows, rm, part_o_ptr, part_ml_ptr, layer, row0, pos, NQ, HD, O_ROWS, O_BK, STAGES,
-                           PART_SPLITS, SPLITS_PAD, SPLITS, MIN_CHUNK, ROT=O_MERGE == 2, EVEN=D % O_ROWS == 0)
+        acc = merge_stream(w_ptr, rows, rm, part_o_ptr, part_ml_ptr, layer, pos, NQ, HD, O_ROWS, O_BK, STAGES,
+                           PART_SPLITS, SPLITS_PAD, SPLITS, MIN_CHUNK, EVEN=D % O_ROWS == 0)
     else:
         acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, attn_ptr + layer * QD, attn_ptr, oc * O_K, QD, O_K,
                                 O_ROWS, O_BK, STAGES, TWO=False, NORM=False,
