@@ -375,7 +375,7 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
         avail.update(cls.tables(lay, device))
     # the kernel holds every opcode's branch: a pointer no opcode on this tape takes is never
     # dereferenced, and points at a small zeroed buffer
-    on_tape = {a for cls in classes for a in cls.args(lay)}
+    on_tape = {a for cls in classes for a in cls.ARGS}
     unused = torch.zeros(16, dtype=torch.int32, device=device)
     peer_names = peer_pointers(classes)
     if peer_names:

@@ -3,8 +3,7 @@ of the key sequence.
 
 The cache prefix ``[0, pos)`` is cut into ``SPLITS - 1`` equal splits at run time (the tape is the
 same at every position): split ``s < SPLITS-1`` covers ``[s*c, min((s+1)*c, pos))`` with
-``c = cdiv(pos, SPLITS-1)`` (with ``Tiling.o_merge`` at least ``attn_block``: ``Layout.split_chunk``);
-split ``SPLITS-1`` covers the one key at ``pos`` that this call writes.
+``c = cdiv(pos, SPLITS-1)``; split ``SPLITS-1`` covers the one key at ``pos`` that this call writes.
 So only the last split depends on this call's K/V tiles: the prefix splits (nearly all the KV
 bytes) wait for the group's Q tiles alone and run while K and V are still being projected.
 The G = n_q / n_kv query heads that share KV head ``g`` are processed together, so each K/V
@@ -21,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, Timing, register
+from .base import Cost, Instruction, Layout, Region, Timing, cdiv, register
 from .common import T_KC, T_VC, mma, tab_offset, to_bf16
 
 
@@ -45,12 +44,9 @@ def attention_latency(lay: Layout, keys: int, t0: float = ATTN_LATENCY_H200[0], 
 def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr,
                         NQ: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                         MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, SPLITS: tl.constexpr, PART_SPLITS: tl.constexpr,
-                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr,
-                        MIN_CHUNK: tl.constexpr):
+                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
     last = s == SPLITS - 1
     chunk = (pos + SPLITS - 2) // (SPLITS - 1)
-    if MIN_CHUNK > 1:
-        chunk = tl.maximum(chunk, MIN_CHUNK)
     start = tl.where(last, pos, s * chunk)
     stop = tl.where(last, pos + 1, tl.minimum(s * chunk + chunk, pos))
     hq = tl.arange(0, GROUP_PAD)
@@ -98,7 +94,7 @@ class AttnPartial(Instruction):
     STAGE = 1
     ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr",
             "NQ", "HD", "GROUP", "GROUP_PAD", "MAX_SEQ", "QSCALE", "SPLITS", "PART_SPLITS", "ATTN_BLOCK", "INTERP",
-            "ATTN_STAGES", "MIN_CHUNK")
+            "ATTN_STAGES")
     CONSTEXPRS = {
         "GROUP": lambda lay: lay.cfg.group,                                  # query heads per KV head
         "GROUP_PAD": lambda lay: max(16, triton.next_power_of_2(lay.cfg.group)),   # rows of tl.dot
@@ -106,7 +102,6 @@ class AttnPartial(Instruction):
         "PART_SPLITS": lambda lay: lay.attn_instr_splits,        # partials per query head (row stride)
         "ATTN_BLOCK": lambda lay: lay.tiling.attn_block,
         "ATTN_STAGES": lambda lay: lay.tiling.attn_stages,
-        "MIN_CHUNK": lambda lay: lay.min_chunk,                  # Tiling.o_merge: attn_block
         "QSCALE": lambda lay: float(1.4426950408889634 / math.sqrt(lay.cfg.hd)),   # log2(e) / sqrt(hd)
     }
     TIMING = Timing.LATENCY
@@ -158,7 +153,7 @@ class AttnPartial(Instruction):
         n_keys = lay.max_seq if n_keys is None else n_keys
         ns = lay.tiling.attn_splits
         pre = max(0, n_keys - 1)                     # the prefix keys, split as the kernel does
-        chunk = lay.split_chunk(pre)
+        chunk = cdiv(pre, ns - 1) if pre else 0
         per = 1 if self.s == ns - 1 else max(0, min(chunk, pre - self.s * chunk))
         return Cost(hbm_bytes=2 * 2 * per * c.hd, l2_bytes=4 * c.group * c.hd * 2,
                     flops=4 * c.group * per * c.hd)
@@ -168,7 +163,7 @@ class AttnPartial(Instruction):
         if self.s == ns - 1:
             start, stop = st.pos, st.pos + 1
         else:
-            chunk = lay.split_chunk(st.pos)
+            chunk = cdiv(st.pos, ns - 1)
             start, stop = self.s * chunk, min((self.s + 1) * chunk, st.pos)
         q = st.buf["q"].view(c.layers, c.n_q, c.hd)[self.layer, self.g * c.group:(self.g + 1) * c.group]
         po = st.buf["part_o"].view(c.layers, c.n_q, lay.attn_instr_splits, c.hd)

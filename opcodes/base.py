@@ -70,11 +70,6 @@ class Tiling:
     # a one-key split in between (the TP rank's K/V tail: run 79)
     key_in_reduce: int = 0
     attn_block: int = 128   # keys per attention inner block
-    # 1: no ATTN_REDUCE: each O tile merges the attention partials of the heads in its columns as it
-    # streams Wo (one dependency hop less per layer), and a prefix split covers at least attn_block
-    # keys, so the O tiles read only the splits that hold keys. Needs key_in_reduce 0, an unsplit O
-    # projection (o_k 0) and no tensor parallelism
-    o_merge: int = 0
     # software-pipelining depth of the attention key loop: 3 keeps two 128-key K/V blocks in
     # flight, so a ~270-key split costs ~2 loaded HBM round trips instead of one per block
     # (H200: 12.3 -> 7.4 us per split, 446 -> 436 us per layer; bench/NOTES.md v7)
@@ -101,7 +96,7 @@ class Tiling:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "o_merge") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -113,7 +108,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "o_merge"):
+        for k in ("res_fold", "key_in_reduce"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -127,9 +122,6 @@ class Tiling:
             raise ValueError("Tiling.attn_splits must be >= 2 (the last split is the key at pos)")
         if self.attn_block < 16:
             raise ValueError("Tiling.attn_block must be >= 16 (tl.dot)")
-        if self.o_merge and self.key_in_reduce:
-            raise ValueError("Tiling.o_merge needs key_in_reduce 0 (the key at pos is the last split's: "
-                             "there is no ATTN_REDUCE to attend to it)")
 
     def rows_per_block(self, k: int, mats: int, rows: int) -> int:
         """Rows per pipeline stage of a row-streaming GEMV (``row_bytes`` > 0; else 0): ``mats``
@@ -248,14 +240,6 @@ class Layout:
         if t.o_k and t.o_k < c.q_dim and t.o_k % c.hd:
             raise ValueError(f"Tiling.o_k = {t.o_k} must be a multiple of hd = {c.hd} (a K chunk waits "
                              "for whole attention heads)")
-        if t.o_merge:
-            obk = t.o_bk or t.bk
-            if t.o_k and t.o_k < c.q_dim:
-                raise ValueError(f"Tiling.o_merge needs an unsplit O projection (o_k 0), got o_k = {t.o_k}")
-            if obk % c.hd or c.q_dim % obk:
-                raise ValueError(f"Tiling.o_merge: the O tile's streaming width {obk} (o_bk or bk) must be a "
-                                 f"multiple of hd = {c.hd} and divide n_q*hd = {c.q_dim} (it merges whole heads "
-                                 "per block)")
 
     @classmethod
     def column(cls, key: str) -> int:
@@ -279,16 +263,6 @@ class Layout:
         """ATTN_PARTIAL instructions per KV head: the prefix splits and, unless ATTN_REDUCE takes the
         key at ``pos`` (``Tiling.key_in_reduce``), the last split."""
         return self.tiling.attn_splits - self.tiling.key_in_reduce
-
-    @property
-    def min_chunk(self) -> int:
-        """The fewest keys of a prefix split (``Tiling.o_merge``: ``attn_block``; else 1)."""
-        return self.tiling.attn_block if self.tiling.o_merge else 1
-
-    def split_chunk(self, pos: int) -> int:
-        """Keys per prefix split at ``pos`` (the kernel's: ``max(cdiv(pos, prefix splits), min_chunk)``;
-        the splits past ``cdiv(pos, chunk)`` are empty)."""
-        return max(cdiv(pos, self.prefix_splits), self.min_chunk) if pos else 0
 
     def section_rows(self, sec: int) -> int:
         """Output rows per QKV tile of section ``sec`` (0: q, ``qkv_rows``; 1, 2: k, v, :attr:`kv_rows`)."""
@@ -470,12 +444,6 @@ class Instruction:
         """Whether programs of this layout can hold the opcode (its buffers exist): a
         ``WHOLE_MODEL`` opcode only those of a whole-model layout."""
         return lay.WHOLE_MODEL or not cls.WHOLE_MODEL
-
-    @classmethod
-    def args(cls, lay: Layout) -> tuple[str, ...]:
-        """The :attr:`ARGS` its device function dereferences under ``lay`` (all of them unless an
-        opcode says otherwise): a pointer the tape's opcodes take must have a buffer."""
-        return cls.ARGS
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict[str, tuple[int, ...]]:

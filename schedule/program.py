@@ -11,7 +11,6 @@ Dependencies per layer ``l`` (one counter per arrow group):
     ATTN_PARTIAL(l, g, *) --part[l,g]--> ATTN_REDUCE(l, heads of g)
     (with Tiling.key_in_reduce there is no split NS-1: kv[l,g] --> ATTN_REDUCE(l, heads of g), + part[l,g])
     ATTN_REDUCE(l, *) --attn[l]--> OPROJ(l, *) --x1[l]--> GATE_UP(l, *)
-    (with Tiling.o_merge there is no ATTN_REDUCE: ATTN_PARTIAL(l, *, *) --part[l]--> OPROJ(l, *), which merges)
     GATE_UP(l, rows in K chunk kc) --act[l,kc]--> DOWN(l, *, kc)
     DOWN(l, rows in block rb, *) --dpart[l,rb]--> RESIDUAL(l, rb) --out[l]--> QKV(l+1, *)
 
@@ -95,9 +94,6 @@ def check_layout(lay: Layout) -> None:
     if lay.o_partial and t.red_rows % t.o_rows and t.red_rows < lay.cfg.d:
         raise ValueError(f"Tiling.red_rows = {t.red_rows} must be a multiple of o_rows = {t.o_rows} "
                          "(a split O tile signals the counter of one O_REDUCE block)")
-    if t.o_merge and getattr(lay, "tp_size", 1) > 1:
-        raise ValueError("Tiling.o_merge: not with tensor parallelism (a rank's O tiles write partials that "
-                         "are all-reduced; keep o_merge 0)")
     if t.red_rows % t.down_rows and t.red_rows < lay.cfg.d:
         raise ValueError(f"Tiling.red_rows = {t.red_rows} must be a multiple of down_rows = {t.down_rows} "
                          "(a down tile signals the counter of one residual block)")
@@ -121,12 +117,9 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
     for l in range(c.layers):
         cq = [p.counter(f"q[{l},{g}]") for g in range(c.n_kv)]
         ckv = [p.counter(f"kv[{l},{g}]") for g in range(c.n_kv)]
-        if t.o_merge:                           # the O tiles merge every head's partials: one counter
-            cp = [p.counter(f"part[{l}]")] * c.n_kv
-        else:
-            cp = [p.counter(f"part[{l},{g}]") for g in range(c.n_kv)]
+        cp = [p.counter(f"part[{l},{g}]") for g in range(c.n_kv)]
         n_oc = lay.n_o_k
-        ca = [] if t.o_merge else [p.counter(f"attn[{l},{oc}]" if n_oc > 1 else f"attn[{l}]") for oc in range(n_oc)]
+        ca = [p.counter(f"attn[{l},{oc}]" if n_oc > 1 else f"attn[{l}]") for oc in range(n_oc)]
         cx = p.counter(f"x1[{l}]")
         cact = [p.counter(f"act[{l},{kc}]") for kc in range(lay.n_down_k)]
         last = l + 1 == c.layers
@@ -150,11 +143,22 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
             for s in range(lay.attn_instr_splits):
                 last = s == t.attn_splits - 1
                 p.add(AttnPartial(l, g, s), (cq[g], ckv[g]) if last else (cq[g],), cp[g])
-        if t.o_merge:                           # no ATTN_REDUCE: the O tiles merge the partials
+        for h in range(c.n_q):
+            g = h // c.group
+            p.add(AttnReduce(l, h), (cp[g], ckv[g]) if t.key_in_reduce else (cp[g],), ca[(h * c.hd) // lay.o_k])
+        if not lay.o_partial:
             for r in range(0, c.d, t.o_rows):
-                p.add(OProj(l, r, 0), (cp[0],), cx)
+                p.add(OProj(l, r, 0), (ca[0],), cx)
         else:
-            _attention_out(p, lay, l, cp, ckv, ca, cx, n_rb)
+            co = [p.counter(f"opart[{l},{rb}]") for rb in range(n_rb)]
+            for oc in range(n_oc):
+                for r in range(0, c.d, t.o_rows):
+                    p.add(OProj(l, r, oc), (ca[oc],), co[r // t.red_rows])
+            if tp:
+                _all_reduce(p, l, 0, co, cx, n_rb, t.red_rows)
+            else:
+                for rb in range(n_rb):
+                    p.add(OReduce(l, rb * t.red_rows), (co[rb],), cx)
         for r in range(0, c.ffn, t.gu_rows):
             p.add(GateUp(l, r), (cx,), cact[r // t.down_k])
         for kc in range(lay.n_down_k):
@@ -167,29 +171,6 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
                 p.add(Residual(l, rb * t.red_rows), (cd[rb],), cout)
         prev_out = cd[0] if fold else cout
     return p
-
-
-def _attention_out(p: Program, lay: Layout, l: int, cp: list[int], ckv: list[int], ca: list[int], cx: int,
-                   n_rb: int) -> None:
-    """ATTN_REDUCE per query head, then the O projection (its tiles, or its K chunks' tiles and
-    O_REDUCE / the tensor-parallel all-reduce), ending in ``x1[l]``."""
-    c, t = lay.cfg, lay.tiling
-    for h in range(c.n_q):
-        g = h // c.group
-        p.add(AttnReduce(l, h), (cp[g], ckv[g]) if t.key_in_reduce else (cp[g],), ca[(h * c.hd) // lay.o_k])
-    if not lay.o_partial:
-        for r in range(0, c.d, t.o_rows):
-            p.add(OProj(l, r, 0), (ca[0],), cx)
-        return
-    co = [p.counter(f"opart[{l},{rb}]") for rb in range(n_rb)]
-    for oc in range(lay.n_o_k):
-        for r in range(0, c.d, t.o_rows):
-            p.add(OProj(l, r, oc), (ca[oc],), co[r // t.red_rows])
-    if getattr(lay, "tp_size", 1) > 1:
-        _all_reduce(p, l, 0, co, cx, n_rb, t.red_rows)
-    else:
-        for rb in range(n_rb):
-            p.add(OReduce(l, rb * t.red_rows), (co[rb],), cx)
 
 
 def _all_reduce(p: Program, l: int, stage: int, cpart: list[int], cdone: int, n_rb: int, red_rows: int) -> None:
