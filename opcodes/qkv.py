@@ -80,16 +80,16 @@ def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wta
                INTERP: tl.constexpr):
     if KV_ROWS == QKV_ROWS and 2 * Q_HALF == QKV_ROWS:
         _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
-                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, QKV_ROWS // 2, BK, STAGES,
-                  DOWN_CHUNKS, RES_FOLD, INTERP)
+                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, QKV_ROWS // 2, BK,
+                  STAGES, DOWN_CHUNKS, RES_FOLD, INTERP)
     elif sec == 0:
         _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
-                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, Q_HALF, BK, STAGES,
-                  DOWN_CHUNKS, RES_FOLD, INTERP)
+                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, Q_HALF, BK,
+                  STAGES, DOWN_CHUNKS, RES_FOLD, INTERP)
     else:
         _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
-                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, KV_ROWS, KV_ROWS // 2, BK, STAGES,
-                  DOWN_CHUNKS, RES_FOLD, INTERP)
+                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, KV_ROWS, KV_ROWS // 2, BK,
+                  STAGES, DOWN_CHUNKS, RES_FOLD, INTERP)
 
 
 @triton.jit
@@ -145,8 +145,8 @@ class QKV(Instruction):
     STAGE = 0
     ARGS = ("pos", "x_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr",
             "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
-            "D", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "KV_ROWS", "Q_HALF", "BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD",
-            "INTERP")
+            "D", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "KV_ROWS", "Q_HALF", "BK", "STAGES", "DOWN_CHUNKS",
+            "RES_FOLD", "INTERP")
     # QKV_ROWS: a Q tile's rows (with ``Tiling.q_split``, 2 * q_half padded to a power of two);
     # Q_HALF: the dims of each half it covers
     CONSTEXPRS = {"QKV_ROWS": lambda lay: 2 * next_pow2(lay.q_half) if lay.tiling.q_split else lay.tiling.qkv_rows,
