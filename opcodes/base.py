@@ -52,10 +52,6 @@ class Tiling:
     # tiles (lower bottom level), so they are the tail wave of the QKV stage that every last attention
     # split waits for: smaller K/V tiles spread that tail over more SMs
     kv_rows: int = 0
-    # tiles per query head (0: hd / qkv_rows): a Q tile covers cdiv(hd/2, q_split) dims of each RoPE
-    # half (the last tile fewer), so a head can be cut in 3 (a one-wave QKV stage where hd / qkv_rows
-    # tiles per head leave SMs idle or spill into a second wave)
-    q_split: int = 0
     o_rows: int = 32        # output rows per O-projection tile
     # columns streamed per inner-loop iteration of an O tile (0: bk). With o_rows=64, o_bk=256 keeps
     # the pipeline's bytes per stage while halving the tile count (the 70B shape's O in one wave)
@@ -100,7 +96,7 @@ class Tiling:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "q_split") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -237,11 +233,8 @@ class Layout:
         if isinstance(self.max_seq, bool) or not isinstance(self.max_seq, int) or self.max_seq <= 0:
             raise ValueError(f"max_seq_len must be a positive int, got {self.max_seq!r}")
         t, c = self.tiling, self.cfg
-        if c.hd % t.qkv_rows and not t.q_split:
+        if c.hd % t.qkv_rows:
             raise ValueError(f"Tiling.qkv_rows = {t.qkv_rows} must divide hd = {c.hd}")
-        if t.q_split and (t.q_split - 1) * self.q_half >= c.hd // 2:
-            raise ValueError(f"Tiling.q_split = {t.q_split}: more tiles than a query head's {c.hd // 2} RoPE pairs "
-                             "fill (every tile needs at least one)")
         if c.hd % self.kv_rows:
             raise ValueError(f"Tiling.kv_rows = {t.kv_rows} must divide hd = {c.hd}")
         if t.o_k and t.o_k < c.q_dim and t.o_k % c.hd:
@@ -271,22 +264,12 @@ class Layout:
         key at ``pos`` (``Tiling.key_in_reduce``), the last split."""
         return self.tiling.attn_splits - self.tiling.key_in_reduce
 
-    @property
-    def q_half(self) -> int:
-        """Dims of each RoPE half per Q tile: ``qkv_rows / 2``, or with ``Tiling.q_split``
-        ``cdiv(hd / 2, q_split)`` (the head's last tile has the rest)."""
-        t = self.tiling
-        return cdiv(self.cfg.hd // 2, t.q_split) if t.q_split else t.qkv_rows // 2
-
     def section_rows(self, sec: int) -> int:
-        """Output rows per QKV tile of section ``sec`` (0: q, ``2 * q_half``, at most; 1, 2: k, v,
-        :attr:`kv_rows`)."""
-        return 2 * self.q_half if sec == 0 else self.kv_rows
+        """Output rows per QKV tile of section ``sec`` (0: q, ``qkv_rows``; 1, 2: k, v, :attr:`kv_rows`)."""
+        return self.tiling.qkv_rows if sec == 0 else self.kv_rows
 
     def n_tiles_per_head(self, sec: int) -> int:
         """QKV tiles per head of section ``sec`` (0: q, 1: k, 2: v)."""
-        if sec == 0 and self.tiling.q_split:
-            return self.tiling.q_split
         return self.cfg.hd // self.section_rows(sec)
 
     @property

@@ -93,7 +93,7 @@ def mma(a, b, INTERP: tl.constexpr):
 def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
                 K: tl.constexpr, KLEN: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
                 STAGES: tl.constexpr, TWO: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr,
-                xp_ptr=None, XP: tl.constexpr = 0, INTERP: tl.constexpr = False, RMASK: tl.constexpr = False):
+                xp_ptr=None, XP: tl.constexpr = 0, INTERP: tl.constexpr = False):
     """The streaming loop of every weight GEMV: rows ``rows1`` of the row-major bf16 matrix at
     ``w1_ptr`` (and, with ``TWO``, rows ``rows2`` of ``w2_ptr``), ``K`` columns each, dotted with
     ``x[kbase : kbase + KLEN]`` (bf16 or fp32) in ``BK``-column blocks, pipelined ``STAGES`` deep.
@@ -104,8 +104,6 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
     ``[BK]`` sum of squares (zero without ``NORM``): the caller reduces them over ``BK``.
     ``EVEN``: ``K``, ``KLEN`` and the rows need no masks (the streaming loads are then plain
     16-byte vectors, evicted first: the weights are read once per call).
-    ``RMASK`` (with ``EVEN``): the weight rows are masked by ``row_mask`` (the columns are not: the
-    loads stay 16-byte vectors); the ragged Q tiles of ``Tiling.q_split``.
     ``XP`` > 0: the vector is ``x + xp[0] + ... + xp[XP-1]`` (fp32 rows ``K`` apart at ``xp_ptr``),
     rounded to bf16: the previous layer's RESIDUAL folded in (``Tiling.res_fold``).
     NOTE: the loop body has no branch other than on constexprs, so the software pipeliner
@@ -127,15 +125,9 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
                 xv = to_bf16(xv, INTERP).to(tl.float32)
             if NORM:
                 nw = tl.load(nw_ptr + cols).to(tl.float32)
-            if RMASK:
-                w1 = tl.load(wrow1 + cols[None, :], mask=row_mask[:, None], other=0.0, eviction_policy="evict_first")
-                if TWO:
-                    w2 = tl.load(wrow2 + cols[None, :], mask=row_mask[:, None], other=0.0,
-                                 eviction_policy="evict_first")
-            else:
-                w1 = tl.load(wrow1 + cols[None, :], eviction_policy="evict_first")
-                if TWO:
-                    w2 = tl.load(wrow2 + cols[None, :], eviction_policy="evict_first")
+            w1 = tl.load(wrow1 + cols[None, :], eviction_policy="evict_first")
+            if TWO:
+                w2 = tl.load(wrow2 + cols[None, :], eviction_policy="evict_first")
         else:
             cm = ((kk + tl.arange(0, BK)) < KLEN) & (cols < K)
             m2 = row_mask[:, None] & cm[None, :]

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, next_pow2, register
+from .base import Cost, Instruction, Layout, Region, register
 from .reference import rope_tables
 from .common import T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, gemv_stream, layer_input, tab_offset, to_bf16
 
@@ -37,30 +37,20 @@ def section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr):
 
 
 @triton.jit
-def _rope_store(y1, y2, dims, dmask, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
-                NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr, RAGGED: tl.constexpr,
-                INTERP: tl.constexpr):
-    """RoPE on (q, k) dims ``dims`` of both halves of the head, then q -> scratch, k / v -> cache row
-    ``pos``; with ``RAGGED`` only the dims where ``dmask`` holds."""
+def _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
+                NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr, INTERP: tl.constexpr):
+    """RoPE on (q, k) dims ``dims`` of both halves of the head, then q -> scratch, k / v -> cache row ``pos``."""
     rot = sec < 2
-    if RAGGED:
-        c = tl.load(cos_ptr + pos * (HD // 2) + dims, mask=dmask, other=1.0)
-        s = tl.load(sin_ptr + pos * (HD // 2) + dims, mask=dmask, other=0.0)
-    else:
-        c = tl.load(cos_ptr + pos * (HD // 2) + dims)
-        s = tl.load(sin_ptr + pos * (HD // 2) + dims)
+    c = tl.load(cos_ptr + pos * (HD // 2) + dims)
+    s = tl.load(sin_ptr + pos * (HD // 2) + dims)
     c = tl.where(rot, c, 1.0)
     s = tl.where(rot, s, 0.0)
     o1 = y1 * c - y2 * s
     o2 = y2 * c + y1 * s
     if sec == 0:
         qb = q_ptr + layer * (NQ * HD) + head * HD
-        if RAGGED:
-            tl.store(qb + dims, o1, mask=dmask)
-            tl.store(qb + HD // 2 + dims, o2, mask=dmask)
-        else:
-            tl.store(qb + dims, o1)
-            tl.store(qb + HD // 2 + dims, o2)
+        tl.store(qb + dims, o1)
+        tl.store(qb + HD // 2 + dims, o2)
     else:
         if sec == 1:
             cb = kc_ptr + tab_offset(wtab_ptr, layer, T_KC)
@@ -75,62 +65,54 @@ def _rope_store(y1, y2, dims, dmask, layer, sec, head, pos, wtab_ptr, kc_ptr, vc
 def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
                kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
                D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
-               EPS: tl.constexpr, QKV_ROWS: tl.constexpr, KV_ROWS: tl.constexpr, Q_HALF: tl.constexpr,
-               BK: tl.constexpr, STAGES: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr,
-               INTERP: tl.constexpr):
-    if KV_ROWS == QKV_ROWS and 2 * Q_HALF == QKV_ROWS:
+               EPS: tl.constexpr, QKV_ROWS: tl.constexpr, KV_ROWS: tl.constexpr, BK: tl.constexpr,
+               STAGES: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
+    if KV_ROWS == QKV_ROWS:
         _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
-                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, QKV_ROWS // 2, BK,
-                  STAGES, DOWN_CHUNKS, RES_FOLD, INTERP)
+                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, BK, STAGES,
+                  DOWN_CHUNKS, RES_FOLD, INTERP)
     elif sec == 0:
         _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
-                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, Q_HALF, BK,
-                  STAGES, DOWN_CHUNKS, RES_FOLD, INTERP)
+                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, BK, STAGES,
+                  DOWN_CHUNKS, RES_FOLD, INTERP)
     else:
         _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
-                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, KV_ROWS, KV_ROWS // 2, BK,
-                  STAGES, DOWN_CHUNKS, RES_FOLD, INTERP)
+                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, KV_ROWS, BK, STAGES,
+                  DOWN_CHUNKS, RES_FOLD, INTERP)
 
 
 @triton.jit
 def _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
               kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
               D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
-              EPS: tl.constexpr, QKV_ROWS: tl.constexpr, NHALF: tl.constexpr, BK: tl.constexpr,
-              STAGES: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
-    """One tile of ``QKV_ROWS`` rows (the Q tiles' ``Tiling.qkv_rows`` or the K/V tiles' ``kv_rows``):
-    dims ``[j * NHALF, (j + 1) * NHALF)`` of each half. ``NHALF < QKV_ROWS / 2`` (``Tiling.q_split``):
-    a ragged tile, its rows padded to ``QKV_ROWS`` and masked (the head's last tile to ``HD / 2``)."""
+              EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+              DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
+    """One tile of ``QKV_ROWS`` rows (the Q tiles' ``Tiling.qkv_rows`` or the K/V tiles' ``kv_rows``)."""
     HALF: tl.constexpr = QKV_ROWS // 2
-    RAGGED: tl.constexpr = NHALF != HALF
     w_ptr = section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr)
     xin = layer_input(x_ptr, xout_ptr, layer, D)
     nw_ptr = n1_ptr + tab_offset(wtab_ptr, layer, T_N1)
-    dims = j * NHALF + tl.arange(0, HALF)                      # [HALF] in [0, HD/2) unless RAGGED
+    dims = j * HALF + tl.arange(0, HALF)                       # [HALF] in [0, HD/2)
     rows1 = head * HD + dims
     rows2 = rows1 + HD // 2
-    if RAGGED:
-        dmask = (tl.arange(0, HALF) < NHALF) & (dims < HD // 2)
-    else:
-        dmask = rows1 >= 0
     if RES_FOLD:
         if layer > 0:
             # the previous layer's RESIDUAL, folded in: x = bf16(x1 + dpart[0] + ...), as RESIDUAL rounds it
-            acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, dmask, x1_ptr + (layer - 1) * D, nw_ptr, 0, D,
-                                         D, HALF, BK, STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0), RMASK=RAGGED,
+            acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, x1_ptr + (layer - 1) * D, nw_ptr, 0, D,
+                                         D, HALF, BK, STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0),
                                          xp_ptr=dpart_ptr + (layer - 1) * DOWN_CHUNKS * D, XP=DOWN_CHUNKS,
                                          INTERP=INTERP)
         else:
-            acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, dmask, xin, nw_ptr, 0, D, D, HALF, BK,
-                                         STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0), RMASK=RAGGED)
+            acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xin, nw_ptr, 0, D, D, HALF, BK,
+                                         STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0))
     else:
-        acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, dmask, xin, nw_ptr, 0, D, D, HALF, BK, STAGES,
-                                     TWO=True, NORM=True, EVEN=(D % BK == 0), RMASK=RAGGED)
+        acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xin, nw_ptr, 0, D, D, HALF, BK, STAGES,
+                                     TWO=True, NORM=True, EVEN=(D % BK == 0))
     rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
     y1 = tl.sum(acc1, axis=1) * rstd
     y2 = tl.sum(acc2, axis=1) * rstd
-    _rope_store(y1, y2, dims, dmask, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
-                NQ, HD, MAX_SEQ, RAGGED, INTERP)
+    _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
+                NQ, HD, MAX_SEQ, INTERP)
 
 
 @register
@@ -145,12 +127,9 @@ class QKV(Instruction):
     STAGE = 0
     ARGS = ("pos", "x_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr",
             "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
-            "D", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "KV_ROWS", "Q_HALF", "BK", "STAGES", "DOWN_CHUNKS",
-            "RES_FOLD", "INTERP")
-    # QKV_ROWS: a Q tile's rows (with ``Tiling.q_split``, 2 * q_half padded to a power of two);
-    # Q_HALF: the dims of each half it covers
-    CONSTEXPRS = {"QKV_ROWS": lambda lay: 2 * next_pow2(lay.q_half) if lay.tiling.q_split else lay.tiling.qkv_rows,
-                  "KV_ROWS": lambda lay: lay.kv_rows, "Q_HALF": lambda lay: lay.q_half}
+            "D", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "KV_ROWS", "BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD",
+            "INTERP")
+    CONSTEXPRS = {"QKV_ROWS": lambda lay: lay.tiling.qkv_rows, "KV_ROWS": lambda lay: lay.kv_rows}
     TABLES = {"cos_ptr": "fp32", "sin_ptr": "fp32"}
     # the new K/V rows live in the caller's cache (row ``pos``): tracked by the verifier, not allocated
     VIRTUAL = ("kv_new_k", "kv_new_v")
@@ -170,7 +149,7 @@ class QKV(Instruction):
 
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:
-        return cls.CONSTEXPRS["QKV_ROWS"](lay)
+        return lay.tiling.qkv_rows
 
     def check_operands(self, lay: Layout) -> list[str]:
         c = lay.cfg
@@ -188,7 +167,7 @@ class QKV(Instruction):
 
     def _dims(self, lay: Layout) -> tuple[int, int]:
         half = lay.section_rows(self.sec) // 2
-        return self.j * half, min((self.j + 1) * half, lay.cfg.hd // 2)
+        return self.j * half, (self.j + 1) * half
 
     def writes(self, lay: Layout) -> list[Region]:
         c = lay.cfg
@@ -202,8 +181,7 @@ class QKV(Instruction):
         return lay.input_regions(self.layer, 0, lay.cfg.d)
 
     def cost(self, lay: Layout) -> Cost:
-        lo, hi = self._dims(lay)
-        d, rows = lay.cfg.d, 2 * (hi - lo)
+        d, rows = lay.cfg.d, lay.section_rows(self.sec)
         return Cost(hbm_bytes=2 * rows * d, l2_bytes=2 * 2 * d + 4 * rows, flops=2 * rows * d)
 
     def run_torch(self, lay: Layout, st) -> None:
