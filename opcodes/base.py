@@ -172,6 +172,12 @@ class Tiling:
             # the 70B shape -1.1%, 16 layers of it -1.2% with the O tiles below; the 1B decoder +2.4%
             # (its QKV is one wave: the prefix splits end with the last split; bench/NOTES.md v48)
             clamped.update(key_in_reduce=1)
+        if 2048 < d <= 4096:
+            # half the attention splits (the 8B shape: 64 prefix partials, one round on the ~72 SMs the
+            # QKV stage's second wave leaves idle, instead of 128 in two): 4332-4405 -> 4265-4281 us at
+            # pos 1024, 4308-4367 -> 4256-4284 at pos 128 (-1.3..-2.5%, alternated, runs 137-138); the
+            # 70B layer measured -0.3% (its spread), the 1B +1.0% (bench/NOTES.md v80, v77)
+            clamped.update(attn_splits=8)
         if cdiv(d, 2 * base.o_rows) >= 128:
             # O tiles of twice the rows at half the width (the same 32 KB per pipeline stage) where O
             # keeps >= 128 of them: the 70B shape's O in one wave of 1 MB tiles (a TP rank's: 512 KB).

@@ -413,6 +413,17 @@ def test_presets_are_valid_and_cover_gqa_ratios():
     assert any(cfg.d & (cfg.d - 1) and cfg.ffn & (cfg.ffn - 1) for cfg in PRESETS.values())
 
 
+@pytest.mark.parametrize("name,splits", [("llama3.2-1b", 16), ("llama3.1-8b", 8), (L70, 16)])
+def test_attention_splits_per_shape(name, splits):
+    # the per-shape default decided on the H200 (bench/NOTES.md v80): 8 splits where 2048 < d <= 4096
+    # (the 8B shape), 16 elsewhere; one layer's partials follow it
+    cfg = dataclasses.replace(ModelConfig.from_name(name), layers=1)
+    lay = Layout(cfg, Tiling.for_config(cfg), 1152)
+    assert lay.tiling.attn_splits == splits
+    parts = [ins for ins in lower(lay).instrs if type(ins).NAME == "attn_partial"]
+    assert len(parts) == cfg.n_kv * (splits - lay.tiling.key_in_reduce)
+
+
 # ---- RoPE scaling fields of ModelConfig (Llama 3.1 / 3.2's rope_type "llama3") -------------------------
 SPEC_KEYS = {"layers", "d", "ffn", "n_q", "n_kv", "hd", "eps", "theta", "wdtype"}
 LLAMA3 = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
