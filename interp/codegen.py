@@ -123,26 +123,11 @@ def _emit_signal(w, classes, ind: str, tp: bool) -> None:
     w(f"{ind}        signal_counter(cnt_ptr + sig)")
 
 
-def _emit_dispatch(w, classes, ind: str, pointers: dict) -> None:
-    """One branch per opcode: the build-time pointers its device function takes, loaded from the
-    address table (``ptab``, 16-byte aligned, checked by the host) in the branch itself, then the call.
-    NOTE: loaded once at kernel start, the ~30 pointers stayed live across the whole dispatch loop,
-    two registers each: the 1B decoder's kernel 255 -> 246 registers, the 8B's 255 (8 / 8 bytes spill)
-    -> 238 (none), the 70B layer's 255 (8 / 8) -> 242, a TP rank's 255 (24 / 16) -> 236 (sm_90, ptxas).
-    The table is 8 bytes a pointer, read by every instruction: an L1 hit, beside ``tab_offset``'s."""
-    index = {name: k for k, name in enumerate(pointers)}
+def _emit_dispatch(w, classes, ind: str) -> None:
     for j, cls in enumerate(classes):
         ops = [f"a{k}" for k in range(len(cls.operand_names()))]
         w(f"{ind}{'if' if j == 0 else 'elif'} op == {cls.OPCODE}:  # {cls.NAME}")
-        for a in cls.ARGS:
-            if a in index:
-                _emit_pointer(w, ind + "    ", a, pointers[a], index[a])
         w(f"{ind}    _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS)) + ")")
-
-
-def _emit_pointer(w, ind: str, name: str, dt: str, k: int) -> None:
-    """``name = ptab[k]`` as a pointer to ``dt``."""
-    w(f"{ind}{name} = tl.multiple_of(tl.load(ptab_ptr + {k}).to(tl.pointer_type({_TL_TYPES[dt]})), 16)")
 
 
 def kernel_source(pointers: dict, constexprs, used=()) -> str:
@@ -234,13 +219,10 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
         [f"{c}: tl.constexpr" for c in constexprs] + [f"{s}: tl.constexpr" for s in SWITCHES]
     w("def megakernel(" + ", ".join(params) + "):")
     w("    sm = tl.program_id(0)")
-    # build-time buffers: addresses from the table (16-byte aligned, checked by the host). Those no
-    # device function takes (a tensor-parallel kernel's peer counters and time bound) are loaded here,
-    # the others in each branch that takes them (_emit_dispatch)
-    taken = {a for cls in classes for a in cls.ARGS}
+    w("    # build-time buffers: addresses from the table (16-byte aligned, checked by the host)")
     for k, (name, dt) in enumerate(pointers.items()):
-        if name not in taken:
-            _emit_pointer(w, "    ", name, dt, k)
+        ty = _TL_TYPES[dt]
+        w(f"    {name} = tl.multiple_of(tl.load(ptab_ptr + {k}).to(tl.pointer_type({ty})), 16)")
     w("    i = tl.load(qoff_ptr + sm)")
     w("    stop = tl.load(qoff_ptr + sm + 1)")
     w("    failed = sm * 0")
@@ -267,7 +249,7 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     _emit_waits(w, "        ", tp, interp)
     w("        if failed == 0:")
     w("            t_exec = _now(PROFILE)")
-    _emit_dispatch(w, classes, "            ", pointers)
+    _emit_dispatch(w, classes, "            ")
     _emit_signal(w, classes, "            ", tp)
     w("            if PROFILE:")
     w("                t_end = _now(PROFILE)")
