@@ -146,3 +146,34 @@ def test_records_stage_table_orders_stages_and_names_the_last_to_end(tmp_path):
     with pytest.raises(ValueError, match="no instruction of layer 7"):
         R.stage_table(rows, 7)
     assert R.main([str(path), "--layer", "1"]) == 0
+
+
+def test_records_per_sm_separates_slow_sms_from_noise():
+    """bench.records --per-sm: an SM slow in every layer gives an even/odd correlation near 1 and is
+    named slowest; the same spread shuffled between layers at random gives no correlation."""
+    import random
+
+    import pytest
+
+    from bench import records as R
+    rng = random.Random(3)
+    speed = {sm: 1000 + 100 * sm for sm in range(8)}          # SM 7 the slowest in every layer
+    rows, slot = [], 0
+    for layer in range(16):
+        for sm in range(8):
+            t = speed[sm] + rng.randrange(10)
+            rows.append([slot, "gate_up", layer, sm, 0, 50, 50 + t, f"gate_up layer={layer} row0={64 * sm}"])
+            u = 1000 + rng.randrange(800)                       # no SM effect: noise only
+            rows.append([slot + 1, "down", layer, sm, 0, 100000, 100000 + u, f"down layer={layer} row0={16 * sm} kc=0"])
+            slot += 2
+    rows.append([slot, "embed", -1, 0, 0, 0, 10, "embed col0=0"])
+    lines = R.per_sm_table(rows, show=2)
+    gu = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("gate_up"))
+    assert "sms=  8" in lines[gu] and "1.00 /    1.36 /    1.71 us" in lines[gu]
+    r_gu = float(lines[gu].rsplit("r=", 1)[1])
+    r_dn = float(next(ln for ln in lines if ln.lstrip().startswith("down")).rsplit("r=", 1)[1])
+    assert r_gu > 0.95 and abs(r_dn) < 0.8
+    assert lines[gu + 1].split("slowest")[1].split()[0].startswith("7:")
+    assert lines[gu + 1].split("fastest")[1].split()[0].startswith("0:")
+    with pytest.raises(ValueError, match="no per-layer"):
+        R.per_sm_table([[0, "embed", -1, 0, 0, 0, 10, "embed col0=0"]])
