@@ -12,9 +12,11 @@ the previous layer's tail may overlap it), the median and summed wait and execut
 instruction, and the ``--tail`` instructions that end last (what the next stage waits for).
 
 ``--per-sm`` (:func:`per_sm_table`): per opcode, each SM's mean execution time over every layer, its
-spread across SMs, and how much of it is the SM rather than the call: the correlation between the
-SMs' means over the even and over the odd layers (near 1: the same SMs are slow in every layer, so
-the spread is where a tile runs; near 0: noise). Run 137's 1B: GATE_UP 18.33..19.64 us, 0.81.
+spread across SMs, the correlation between the SMs' means over the even and over the odd layers
+(near 1: the same SMs are slower in every layer; near 0: noise), and what balancing the SMs could
+buy: how much earlier the stage's last instruction would end, on average over the layers, with each
+SM's mean offset from the opcode's mean taken out of its instructions. Run 137's 1B: GATE_UP
+18.33..19.64 us, r 0.81, yet only 0.23 us earlier (its ends spread 2.25 us): the straggle is noise.
 """
 from __future__ import annotations
 
@@ -70,12 +72,15 @@ def _corr(a: list[float], b: list[float]) -> float:
 def per_sm_table(rows: list[list], show: int = 4) -> list[str]:
     """The lines of the ``--per-sm`` report (see the module docstring): per opcode of the layers,
     per SM the mean execution (us) over the layers it ran that opcode in, the min / median / max over
-    SMs, the even / odd layer correlation (over SMs that ran it in both), and the ``show`` slowest and
-    fastest SMs."""
+    SMs, the even / odd layer correlation (over SMs that ran it in both), how much earlier each layer's
+    last instruction of it would end with every SM at the opcode's mean speed (the mean over layers), and
+    the ``show`` slowest and fastest SMs."""
     per: dict[str, dict[int, dict[int, list[float]]]] = {}      # opcode -> sm -> layer -> exec us
+    stage: dict[str, dict[int, list[list]]] = {}                 # opcode -> layer -> its records
     for r in rows:
         if r[2] >= 0:
             per.setdefault(r[1], {}).setdefault(r[3], {}).setdefault(r[2], []).append((r[6] - r[5]) / 1e3)
+            stage.setdefault(r[1], {}).setdefault(r[2], []).append(r)
     if not per:
         raise ValueError("no per-layer instructions in the records")
     out = []
@@ -85,11 +90,15 @@ def per_sm_table(rows: list[list], show: int = 4) -> list[str]:
         both = [sm for sm, by in sms.items() if any(l % 2 == 0 for l in by) and any(l % 2 for l in by)]
         half = lambda sm, parity: statistics.fmean(v for l, ts in sms[sm].items() if l % 2 == parity for v in ts)  # noqa: E731
         c = _corr([half(sm, 0) for sm in both], [half(sm, 1) for sm in both]) if len(both) >= 3 else float("nan")
+        overall = statistics.fmean(v for by in sms.values() for ts in by.values() for v in ts)
+        # the stage's last end per layer, as it ran and with each SM's offset from the mean taken out
+        earlier = statistics.fmean(max(r[6] for r in rs) / 1e3 - max(r[6] / 1e3 - (mean[r[3]] - overall) for r in rs)
+                                   for rs in stage[name].values())
         srt = sorted(mean, key=mean.get)
         fmt = lambda ss: " ".join(f"{sm}:{mean[sm]:.2f}" for sm in ss)     # noqa: E731
         out.append(f"  {name:13s} sms={len(sms):3d} mean exec per SM {mean[srt[0]]:7.2f} / "
                    f"{statistics.median(mean.values()):7.2f} / {mean[srt[-1]]:7.2f} us (min / median / max)  "
-                   f"even/odd layers r={c:5.2f}")
+                   f"even/odd layers r={c:5.2f}  balanced SMs end {earlier:5.2f} us earlier")
         out.append(f"      slowest {fmt(srt[::-1][:show])}   fastest {fmt(srt[:show])}")
     return out
 

@@ -149,9 +149,11 @@ def test_records_stage_table_orders_stages_and_names_the_last_to_end(tmp_path):
 
 
 def test_records_per_sm_separates_slow_sms_from_noise():
-    """bench.records --per-sm: an SM slow in every layer gives an even/odd correlation near 1 and is
-    named slowest; the same spread shuffled between layers at random gives no correlation."""
+    """bench.records --per-sm: an SM slow in every layer gives an even/odd correlation near 1, is named
+    slowest, and balancing would end the stage earlier by its offset from the mean; the same spread
+    shuffled between layers at random gives no correlation."""
     import random
+    import re
 
     import pytest
 
@@ -170,9 +172,12 @@ def test_records_per_sm_separates_slow_sms_from_noise():
     lines = R.per_sm_table(rows, show=2)
     gu = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("gate_up"))
     assert "sms=  8" in lines[gu] and "1.00 /    1.36 /    1.71 us" in lines[gu]
-    r_gu = float(lines[gu].rsplit("r=", 1)[1])
-    r_dn = float(next(ln for ln in lines if ln.lstrip().startswith("down")).rsplit("r=", 1)[1])
+    r_of = lambda ln: float(re.search(r"r=\s*(-?[\d.]+)", ln).group(1))     # noqa: E731
+    r_gu = r_of(lines[gu])
+    r_dn = r_of(next(ln for ln in lines if ln.lstrip().startswith("down")))
     assert r_gu > 0.95 and abs(r_dn) < 0.8
+    # SM 7 (1.70 us) is 0.35 us over the mean (1.35): at the mean speed each layer's last end is that much earlier
+    assert 0.3 < float(re.search(r"end\s+(-?[\d.]+) us earlier", lines[gu]).group(1)) < 0.4
     assert lines[gu + 1].split("slowest")[1].split()[0].startswith("7:")
     assert lines[gu + 1].split("fastest")[1].split()[0].startswith("0:")
     with pytest.raises(ValueError, match="no per-layer"):
