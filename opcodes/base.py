@@ -175,8 +175,9 @@ class Tiling:
         if 2048 < d <= 4096:
             # half the attention splits (the 8B shape: 64 prefix partials, one round on the ~72 SMs the
             # QKV stage's second wave leaves idle, instead of 128 in two): 4332-4405 -> 4265-4281 us at
-            # pos 1024, 4308-4367 -> 4256-4284 at pos 128 (-1.3..-2.5%, alternated, runs 137-138); the
-            # 70B layer measured -0.3% (its spread), the 1B +1.0% (bench/NOTES.md v80, v77)
+            # pos 1024, 4308-4367 -> 4256-4284 at pos 128 (-1.6..-1.8% and -1.7% by medians, alternated,
+            # runs 137-138; -1.2% on another card, run 141); the 70B layer measured -0.4% (its spread),
+            # the 1B +1.0% (bench/NOTES.md v80, v77)
             clamped.update(attn_splits=8)
         if cdiv(d, 2 * base.o_rows) >= 128:
             # O tiles of twice the rows at half the width (the same 32 KB per pipeline stage) where O
