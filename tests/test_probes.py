@@ -53,6 +53,33 @@ def test_chain_probe_kernels(name):
     torch.testing.assert_close(out, _reference(planner, tab, w, x, nout), rtol=1e-5, atol=1e-5)
 
 
+def test_chain_probe_gap_spins_after_its_counter_and_changes_no_output():
+    # the gap after each layer's first stage (chain_probe.gaps; --gap-us of the Gluon probe): per_tile and
+    # flat compute the same sums with it, and each call lasts at least its gaps (the interpreter's host clock)
+    import time
+    tab, start, tiles, tstart, nw, nout, ncnt = cp.plan(2, 1, SHAPES)
+    assert cp.gaps(ncnt, len(SHAPES), 7) == [7, 0, 0, 7, 0, 0]       # counters 0 and 3: the two layers' first stage
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(nw, generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(4096, generator=g)
+    tables = (_i64(tab).reshape(-1), _i64(start), _i64(tiles), _i64(tstart))
+    ns = 40_000_000                                                   # 40 ms, far above the interpreter's noise
+    gap = _i64(cp.gaps(ncnt, len(SHAPES), ns))
+    ref = _reference(cp.plan, tab, w, x, nout)
+    for name in cp.GAPPED:
+        for epoch in (1, 2):
+            cnt, err, out = torch.zeros(ncnt, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(nout * cp.ROWS_)
+            for e in range(1, epoch + 1):
+                t0 = time.perf_counter()
+                cp.launch(name, tables, x, w, out, cnt, err, e, 1, 3, gap=gap)
+                assert time.perf_counter() - t0 >= 2 * ns / 1e9, name    # two O-stage tiles waited, each spun ns
+            assert int(err) == 0 and cnt.tolist() == [epoch] * ncnt
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="takes no gap"):
+        cp.launch("rows_flat", tables, x, w, torch.zeros(1), torch.zeros(ncnt, dtype=torch.int32),
+                  torch.zeros(1, dtype=torch.int32), 1, 1, 3, gap=gap)
+
+
 def test_chain_probe_plan_is_one_wave_per_stage():
     with pytest.raises(ValueError, match="one wave"):
         cp.plan(1, 1, ((2, 16, 1024),))
@@ -121,7 +148,7 @@ def test_gluon_chain_descriptor_is_the_compiled_signature():
         gcp.launch_ws((None, None), None, d, None, None, None, 1, 1, gcp.MAX_RING + 1)
 
 
-def _ws_compile(tmp_path, ring):
+def _ws_compile(tmp_path, ring, gap_us=0):
     import json
     import os
     import pathlib
@@ -130,17 +157,22 @@ def _ws_compile(tmp_path, ring):
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(root), TRITON_CACHE_DIR=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-m", "bench.probes.gluon_chain_probe", "--compile", str(ring), str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "bench.probes.gluon_chain_probe", "--compile", str(ring), str(tmp_path)]
+                       + (["--gap-us", str(gap_us)] if gap_us else []),
                        capture_output=True, text=True, env=env, cwd=root, timeout=300)
     assert r.returncode == 0, f"the Gluon kernel does not compile for sm_90:\n{r.stderr[-3000:]}"
     got = json.loads(r.stdout.strip().splitlines()[-1])
     return got, (tmp_path / "chain_ws.ptx").read_text(), (tmp_path / "chain_ws.ttgir").read_text()
 
 
-def test_gluon_chain_ws_compiles_for_sm90(tmp_path):
+@pytest.mark.parametrize("gap_us", [0, 6], ids=["no-gap", "gap"])
+def test_gluon_chain_ws_compiles_for_sm90(tmp_path, gap_us):
     import re
     ring = 5
-    got, ptx, ttgir = _ws_compile(tmp_path, ring)
+    got, ptx, ttgir = _ws_compile(tmp_path, ring, gap_us)
+    # the gap (--gap-us): the consumer spins on the globaltimer after an O tile's wait; none without it
+    assert got["gap"] == int(gap_us > 0)
+    assert ("%globaltimer" in ptx) == (gap_us > 0)
     # shared memory: the ring (5 slots of 4 [16, 256] bf16 boxes), the vector (16 KB) and the barriers
     assert ring * 32768 + 16384 <= got["shared"] <= H200_SMEM_PER_BLOCK, got["shared"]
     assert got["tensordesc_meta"][0]["block_size"] == [16, 256] and got["tensordesc_meta"][0]["swizzle"] == 0
@@ -172,5 +204,5 @@ def test_gluon_chain_ws_compiles_for_sm90(tmp_path):
     # ptxas (bundled, sm_90a): no spills
     m = re.fullmatch(r"(\d+) registers, (\d+) / (\d+) bytes spill stores / loads", got["resources"])
     assert m, got["resources"]
-    print(f"gluon chain_ws ring {ring}: {got['shared']} bytes shared, {got['resources']}")
+    print(f"gluon chain_ws ring {ring} gap {gap_us}: {got['shared']} bytes shared, {got['resources']}")
     assert int(m.group(2)) == 0 and int(m.group(3)) == 0, got["resources"]

@@ -15,6 +15,11 @@ stage's counter (release). Every tile streams [16, 1024] bf16 blocks (32 KB) thr
 
 The floor is the bytes over the stream-copy bandwidth measured in the same run. bench/NOTES.md
 ("why every load-ahead variant has lost") is the question this answers.
+
+A gap (``gaps``: nanoseconds per counter; the ``GAP`` constexpr, 0 compiles none): after a tile's wait
+on a counter with a gap, the SM spins that long on the clock before it goes on, a phase that streams
+nothing, as the 1B's attention between its QKV and O stages (~6 us a layer, NOTES "where the 1B's HBM
+sits idle"). ``per_tile`` idles through it; ``flat`` has its next blocks in flight.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ import sys
 import torch
 import triton
 import triton.language as tl
+
+from interp.sync import clock_ns
 
 ROWS_, COLS_ = 16, 1024             # a block: 16 rows x 1024 columns of bf16 = 32 KB
 BR, BK = tl.constexpr(ROWS_), tl.constexpr(COLS_)
@@ -39,6 +46,25 @@ def _wait(cnt_ptr, err_ptr, wc, tgt):
         n += 1
     if seen < tgt:
         tl.atomic_add(err_ptr, 1)
+
+
+@triton.jit
+def _gap_on(gap_ptr, wc, INTERP: tl.constexpr):
+    # counter wc's gap: spin gap_ptr[wc] ns on the clock (the globaltimer; the host's under the interpreter)
+    ns = tl.load(gap_ptr + wc)
+    t0 = clock_ns(INTERP)
+    t = t0
+    while t - t0 < ns:
+        t = clock_ns(INTERP)
+
+
+@triton.jit
+def _gap(gap_ptr, e, GAP: tl.constexpr, INTERP: tl.constexpr):
+    # after the wait of table row e (a tile's first block), its counter's gap; GAP 0: no code
+    if GAP:
+        wc = tl.load(e + 2)
+        if wc >= 0:
+            _gap_on(gap_ptr, wc, INTERP)
 
 
 @triton.jit
@@ -72,7 +98,8 @@ def _tile_signal(tab_ptr, s1, cnt_ptr):
 
 
 @triton.jit
-def _block(tab, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, WAIT: tl.constexpr, SIG: tl.constexpr):
+def _block(tab, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, WAIT: tl.constexpr, SIG: tl.constexpr,
+           gap_ptr, GAP: tl.constexpr, INTERP: tl.constexpr):
     # one block: table row j = (weight offset, x offset: what the addresses below compute; wait counter,
     # its target per call, out index, signal counter; -1: none)
     # the weights are packed in table order (block j at j * BR * BK: prepacked per SM queue) and the
@@ -84,6 +111,7 @@ def _block(tab, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, WAIT: tl
     w = tl.load(w_ptr + j * (BR * BK) + rows[:, None] * BK + cols[None, :], eviction_policy="evict_first")
     if WAIT:
         _tile_wait(e, cnt_ptr, err_ptr, epoch)
+        _gap(gap_ptr, e, GAP, INTERP)
     xv = tl.load(x_ptr + (j % 4) * BK + cols, cache_modifier=".cg")
     acc += w.to(tl.float32) * xv[None, :]
     oi = tl.load(e + 4)
@@ -98,23 +126,26 @@ def _block(tab, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, WAIT: tl
 
 
 @triton.jit
-def chain_flat(tab_ptr, start_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch, STAGES: tl.constexpr):
+def chain_flat(tab_ptr, start_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch, gap_ptr, STAGES: tl.constexpr,
+               GAP: tl.constexpr, INTERP: tl.constexpr):
     b0, b1 = _sm_span(start_ptr)
     acc = tl.zeros([BR, BK], dtype=tl.float32)
     for j in tl.range(b0, b1, num_stages=STAGES):
-        acc = _block(tab_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, True, True)
+        acc = _block(tab_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, True, True, gap_ptr, GAP, INTERP)
 
 
 @triton.jit
 def chain_per_tile(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch,
-                   STAGES: tl.constexpr):
+                   gap_ptr, STAGES: tl.constexpr, GAP: tl.constexpr, INTERP: tl.constexpr):
     # tiles_ptr: the first block of every tile, in queue order; tstart_ptr: each SM's first tile
     t0, t1 = _sm_span(tstart_ptr)
     for t in range(t0, t1):
         s, s1 = _tile_start(tab_ptr, tiles_ptr, t, cnt_ptr, err_ptr, epoch)
+        _gap(gap_ptr, tab_ptr + s * 6, GAP, INTERP)
         acc = tl.zeros([BR, BK], dtype=tl.float32)
         for j in tl.range(s, s1, num_stages=STAGES):
-            acc = _block(tab_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, False, False)
+            acc = _block(tab_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, False, False, gap_ptr, 0,
+                         INTERP)
         _tile_signal(tab_ptr, s1, cnt_ptr)
 
 
@@ -229,18 +260,32 @@ def plan(layers: int, sms: int, stages=STAGE_SHAPES):
     return tab, start, tiles, tstart, len(tab) * ROWS_ * COLS_, out, cnt
 
 
+def gaps(ncnt: int, nstages: int, ns: int, after: int = 0) -> list[int]:
+    """Per counter of :func:`plan` (``layer * nstages + stage``) the nanoseconds a tile waiting on it
+    spins after its wait: ``ns`` after every layer's stage ``after`` (0: QKV, so O's tiles), else 0."""
+    return [ns if c % nstages == after else 0 for c in range(ncnt)]
+
+
 #: variant -> (kernel, plan, outputs per block row group, per-tile tables)
 VARIANTS = {"per_tile": (chain_per_tile, plan, ROWS_, True), "flat": (chain_flat, plan, ROWS_, False),
             "rows_per_tile": (rows_per_tile, plan_rows, RR_, True), "rows_flat": (rows_flat, plan_rows, RR_, False)}
+#: the variants that take a gap (``gap``: a per-counter int64 tensor of :func:`gaps`)
+GAPPED = ("per_tile", "flat")
 
 
-def launch(name, tables, x, w, out, cnt, err, epoch, sms, stages):
+def launch(name, tables, x, w, out, cnt, err, epoch, sms, stages, gap=None):
     k, _, _, per_tile = VARIANTS[name]
     tab_t, start_t, tiles_t, tstart_t = tables
-    if per_tile:
-        k[(sms,)](tab_t, start_t, tiles_t, tstart_t, x, w, out, cnt, err, epoch, STAGES=stages, num_warps=8)
+    if gap is not None and name not in GAPPED:
+        raise ValueError(f"{name} takes no gap (those that do: {', '.join(GAPPED)})")
+    if name in GAPPED:
+        g = dict(gap_ptr=tab_t if gap is None else gap, GAP=int(gap is not None), INTERP=x.device.type != "cuda")
     else:
-        k[(sms,)](tab_t, start_t, x, w, out, cnt, err, epoch, STAGES=stages, num_warps=8)
+        g = {}
+    if per_tile:
+        k[(sms,)](tab_t, start_t, tiles_t, tstart_t, x, w, out, cnt, err, epoch, STAGES=stages, num_warps=8, **g)
+    else:
+        k[(sms,)](tab_t, start_t, x, w, out, cnt, err, epoch, STAGES=stages, num_warps=8, **g)
 
 
 def stream_bw(dev) -> float:

@@ -1,8 +1,12 @@
 """chain_probe's chain of dependent one-wave GEMV stages, streamed by a warp-specialized TMA loader
 (Gluon), against chain_probe's `per_tile` and `flat` Triton kernels in the same process.
 
-    python3 -m bench.probes.gluon_chain_probe [stages...]     (a GPU (H200); default 5; ring min(stages, 6))
-    python3 -m bench.probes.gluon_chain_probe --compile [RING [DIR]]   (no GPU: sm_90 offline)
+    python3 -m bench.probes.gluon_chain_probe [stages...] [--gap-us G]   (a GPU (H200); default 5; ring min(stages, 6))
+    python3 -m bench.probes.gluon_chain_probe --compile [RING [DIR]] [--gap-us G]   (no GPU: sm_90 offline)
+
+``--gap-us G``: after every layer's QKV stage each O tile spins G us after its wait (chain_probe.gaps),
+as the 1B's attention sits between QKV and O (~6 us a layer of idle HBM, run 137): ``per_tile`` idles
+through it, ``flat`` has ``STAGES - 1`` blocks in flight across it, ``ws``'s loader fills its ring.
 
 The workload, the plan, the counters and the epoch scheme are chain_probe's (`cp.plan`: the 1B's QKV /
 O / gate-up / down per layer, 16 layers, tile i of a stage on SM i, each tile's first block waiting
@@ -111,8 +115,8 @@ def _loader(w_desc, bufs, ready, empty, b0, b1, RING: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, xs, ready, empty,
-              RING: gl.constexpr, L: gl.constexpr):
+def _consumer(tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, xs, ready, empty, gap_ptr,
+              RING: gl.constexpr, L: gl.constexpr, GAP: gl.constexpr):
     # the default partition (4 warps): waits, vector, multiply-accumulate from shared memory, stores, signals
     gl.static_assert(NSUB == 4)
     rows = gl.arange(0, BR, layout=gl.SliceLayout(1, L))
@@ -129,6 +133,8 @@ def _consumer(tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, xs
         nwc, ntg, noi, nsc = _row(tab_ptr, j + 1, j + 1 < b1)     # the next block's row, a block early
         if wc >= 0:                                                  # a tile's first block
             cp._wait(cnt_ptr, err_ptr, wc, tg * epoch)     # chain_probe's bounded acquire poll (a @triton.jit helper)
+            if GAP:                                  # the counter's gap (chain_probe.gaps): nothing streams but the loader
+                cp._gap_on(gap_ptr, wc, False)
         if (wc >= 0) | (j == b0):                                    # a tile's first block (the chain's first: no wait)
             xs.store(gl.load(x_ptr + xo, cache_modifier=".cg"))
             gl.thread_barrier()     # the previous tile's readers passed its last block's barrier; these stores are seen
@@ -161,7 +167,8 @@ def _consumer(tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, xs
 
 
 @gluon.jit(do_not_specialize=["epoch"])
-def chain_ws(tab_ptr, start_ptr, x_ptr, w_desc, out_ptr, cnt_ptr, err_ptr, epoch, RING: gl.constexpr):
+def chain_ws(tab_ptr, start_ptr, x_ptr, w_desc, out_ptr, cnt_ptr, err_ptr, epoch, gap_ptr, RING: gl.constexpr,
+             GAP: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     # a [16, 256] box read 8 bf16 (16 bytes) a thread, a warp per 512-byte row
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
@@ -177,7 +184,8 @@ def chain_ws(tab_ptr, start_ptr, x_ptr, w_desc, out_ptr, cnt_ptr, err_ptr, epoch
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer, (tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, xs, ready, empty, RING, L)),
+        (_consumer, (tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, xs, ready, empty, gap_ptr, RING, L,
+                     GAP)),
         (_loader, (w_desc, bufs, ready, empty, b0, b1, RING)),
     ], [1], [24])
     for i in gl.static_range(RING):
@@ -191,11 +199,13 @@ def make_desc(w: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(w.view(-1, COLS_), [ROWS_, BOX_], SMEM_LAYOUT)
 
 
-def launch_ws(tables, x, desc, out, cnt, err, epoch, sms, ring):
+def launch_ws(tables, x, desc, out, cnt, err, epoch, sms, ring, gap=None):
+    """``gap``: chain_probe.gaps' per-counter nanoseconds (int64 on the device), or None (no gap code)."""
     if not 1 <= ring <= MAX_RING:
         raise ValueError(f"ring {ring}: 1..{MAX_RING} slots of 32 KB fit an H200 block's shared memory")
     tab_t, start_t = tables[0], tables[1]
-    chain_ws[(sms,)](tab_t, start_t, x, desc, out, cnt, err, epoch, RING=ring, **LAUNCH)
+    chain_ws[(sms,)](tab_t, start_t, x, desc, out, cnt, err, epoch, tab_t if gap is None else gap, RING=ring,
+                     GAP=int(gap is not None), **LAUNCH)
 
 
 def reference(tab, w: torch.Tensor, x: torch.Tensor, nout: int, chunk: int = 4096) -> torch.Tensor:
@@ -242,7 +252,7 @@ def check(name, out, cnt, err, calls, ref, per_call, tol=1e-4) -> float:
 
 
 # ---- offline compile (no GPU) ----------------------------------------------------------------------------
-def compile_sm90(ring: int = 5):
+def compile_sm90(ring: int = 5, gap: int = 0):
     """chain_ws compiled for sm_90 with LAUNCH's options and the signature the runtime gives the
     launch's arguments (the descriptor's type from a CPU stand-in). Needs TRITON_INTERPRET unset when triton
     is first imported (under it gluon's own @triton.jit helpers, gl.sum's among them, are interpreted
@@ -254,22 +264,23 @@ def compile_sm90(ring: int = 5):
     from triton.runtime.jit import mangle_type
     desc = make_desc(torch.zeros(ROWS_ * COLS_ * 4, dtype=torch.bfloat16))
     sig = {"tab_ptr": "*i64", "start_ptr": "*i64", "x_ptr": "*fp32", "w_desc": mangle_type(desc), "out_ptr": "*fp32",
-           "cnt_ptr": "*i32", "err_ptr": "*i32", "epoch": "i32", "RING": "constexpr"}
+           "cnt_ptr": "*i32", "err_ptr": "*i32", "epoch": "i32", "gap_ptr": "*i64", "RING": "constexpr",
+           "GAP": "constexpr"}
     names = chain_ws.arg_names
     src = GluonASTSource(fn=chain_ws, signature={n: sig[n] for n in names},
-                         constexprs={(names.index("RING"),): ring},
+                         constexprs={(names.index("RING"),): ring, (names.index("GAP"),): gap},
                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*"})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH))
 
 
-def _compile_main(ring: int, out_dir: str | None) -> int:
+def _compile_main(ring: int, out_dir: str | None, gap: int = 0) -> int:
     from bench.ptx_diff import resources
     d = pathlib.Path(out_dir or tempfile.mkdtemp(prefix="gluon_chain_"))
     d.mkdir(parents=True, exist_ok=True)
-    ck = compile_sm90(ring)
+    ck = compile_sm90(ring, gap)
     (d / "chain_ws.ptx").write_text(ck.asm["ptx"])
     (d / "chain_ws.ttgir").write_text(ck.asm["ttgir"])
-    print(json.dumps({"ring": ring, "shared": ck.metadata.shared, "num_warps": ck.metadata.num_warps,
+    print(json.dumps({"ring": ring, "gap": gap, "shared": ck.metadata.shared, "num_warps": ck.metadata.num_warps,
                       "tensordesc_meta": ck.metadata.tensordesc_meta, "resources": resources(d / "chain_ws.ptx"),
                       "ptx": str(d / "chain_ws.ptx"), "ttgir": str(d / "chain_ws.ttgir")}))
     return 0
@@ -279,9 +290,11 @@ def _compile_main(ring: int, out_dir: str | None) -> int:
 NAMES = ("per_tile", "flat", "ws")
 
 
-def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
+def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0):
     """Every variant checked once against the reference, then timed alternated: ``stages`` is the
-    Triton kernels' pipeline depth and the ws ring's slots."""
+    Triton kernels' pipeline depth and the ws ring's slots. ``gap_us`` > 0: after every layer's QKV
+    stage each O tile spins that long after its wait (chain_probe.gaps), a phase that streams nothing
+    but what a variant loads ahead (the 1B's attention)."""
     dev = torch.device(device)
     sms = sms or torch.cuda.get_device_properties(dev).multi_processor_count
     ring = min(stages, MAX_RING)
@@ -295,12 +308,13 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
     desc = make_desc(w)
     ref = reference(tab, w, x, nout)
     per_call = signals_per_call(tab, ncnt).to(dev)
+    gap = i64(cp.gaps(ncnt, len(cp.STAGE_SHAPES), round(gap_us * 1e3))) if gap_us > 0 else None
 
     def call(name, out, cnt, err, epoch):
         if name == "ws":
-            launch_ws(tables, x, desc, out, cnt, err, epoch, sms, ring)
+            launch_ws(tables, x, desc, out, cnt, err, epoch, sms, ring, gap)
         else:
-            cp.launch(name, tables, x, w, out, cnt, err, epoch, sms, stages)
+            cp.launch(name, tables, x, w, out, cnt, err, epoch, sms, stages, gap)
 
     fresh = lambda: (torch.zeros(nout * ROWS_, dtype=torch.float32, device=dev),       # noqa: E731
                      torch.zeros(ncnt, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev))
@@ -322,8 +336,10 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
             times.append(e0.elapsed_time(e1) * 1e3)
         check(name, out, cnt, err, steps, ref, per_call)
         res.setdefault(name, []).append(statistics.median(times[2:]))
-    floor_us = cp.report(dev, layers, sms, w.numel() * 2, bw, f"pipeline {stages} (ws: ring of {ring} x 32 KB)",
-                         res, 9)
+    what = f"pipeline {stages} (ws: ring of {ring} x 32 KB)"
+    if gap is not None:
+        what += f"; a {gap_us:g} us gap after each layer's QKV ({layers * gap_us:g} us a call beside the floor)"
+    floor_us = cp.report(dev, layers, sms, w.numel() * 2, bw, what, res, 9)
     return res, floor_us
 
 
@@ -332,10 +348,24 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET") not in (None, "", "0"):
         print("TRITON_INTERPRET is set: Gluon kernels are never interpreted; unset it", file=sys.stderr)
         return 2
+    gap_us = 0.0
+    if "--gap-us" in args:
+        i = args.index("--gap-us")
+        if i + 1 >= len(args):
+            print("--gap-us needs a number of microseconds", file=sys.stderr)
+            return 2
+        try:
+            gap_us = float(args[i + 1])
+        except ValueError:
+            gap_us = -1.0
+        if not gap_us >= 0:
+            print(f"--gap-us {args[i + 1]!r}: a gap is a number of microseconds >= 0", file=sys.stderr)
+            return 2
+        args = args[:i] + args[i + 2:]
     if args[:1] == ["--compile"]:
-        return _compile_main(int(args[1]) if len(args) > 1 else 5, args[2] if len(args) > 2 else None)
+        return _compile_main(int(args[1]) if len(args) > 1 else 5, args[2] if len(args) > 2 else None, int(gap_us > 0))
     for st in [int(s) for s in (args or ["5"])]:
-        run(stages=st)
+        run(stages=st, gap_us=gap_us)
     return 0
 
 
