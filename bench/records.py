@@ -84,7 +84,7 @@ def per_sm_table(rows: list[list], show: int = 4) -> list[str]:
     if not per:
         raise ValueError("no per-layer instructions in the records")
     out = []
-    for name in sorted(per, key=lambda n: min(r[5] for r in rows if r[1] == n)):
+    for name in sorted(per, key=lambda n: min(r[5] for rs in stage[n].values() for r in rs)):
         sms = per[name]
         mean = {sm: statistics.fmean(v for ts in by.values() for v in ts) for sm, by in sms.items()}
         both = [sm for sm, by in sms.items() if any(l % 2 == 0 for l in by) and any(l % 2 for l in by)]

@@ -59,20 +59,14 @@ def _gap_on(gap_ptr, wc, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _gap(gap_ptr, e, GAP: tl.constexpr, INTERP: tl.constexpr):
-    # after the wait of table row e (a tile's first block), its counter's gap; GAP 0: no code
-    if GAP:
-        wc = tl.load(e + 2)
-        if wc >= 0:
-            _gap_on(gap_ptr, wc, INTERP)
-
-
-@triton.jit
-def _tile_wait(e, cnt_ptr, err_ptr, epoch):
-    # the wait of table row e (a tile's first block): counter e[2] (-1: none) to e[3] per call
+def _tile_wait(e, cnt_ptr, err_ptr, epoch, gap_ptr, GAP: tl.constexpr, INTERP: tl.constexpr):
+    # the wait of table row e (a tile's first block): counter e[2] (-1: none) to e[3] per call, then the
+    # counter's gap (GAP 0: no code; gap_ptr is then never read)
     wc = tl.load(e + 2)
     if wc >= 0:
         _wait(cnt_ptr, err_ptr, wc, tl.load(e + 3) * epoch)
+        if GAP:
+            _gap_on(gap_ptr, wc, INTERP)
 
 
 @triton.jit
@@ -83,11 +77,11 @@ def _sm_span(off_ptr):
 
 
 @triton.jit
-def _tile_start(tab_ptr, tiles_ptr, t, cnt_ptr, err_ptr, epoch):
+def _tile_start(tab_ptr, tiles_ptr, t, cnt_ptr, err_ptr, epoch, gap_ptr, GAP: tl.constexpr, INTERP: tl.constexpr):
     # tile t of the per-tile plans: its blocks [s, s1) (tiles_ptr: every tile's first block), after its wait
     s = tl.load(tiles_ptr + t)
     s1 = tl.load(tiles_ptr + t + 1)
-    _tile_wait(tab_ptr + s * 6, cnt_ptr, err_ptr, epoch)
+    _tile_wait(tab_ptr + s * 6, cnt_ptr, err_ptr, epoch, gap_ptr, GAP, INTERP)
     return s, s1
 
 
@@ -110,8 +104,7 @@ def _block(tab, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, WAIT: tl
     cols = tl.arange(0, BK)
     w = tl.load(w_ptr + j * (BR * BK) + rows[:, None] * BK + cols[None, :], eviction_policy="evict_first")
     if WAIT:
-        _tile_wait(e, cnt_ptr, err_ptr, epoch)
-        _gap(gap_ptr, e, GAP, INTERP)
+        _tile_wait(e, cnt_ptr, err_ptr, epoch, gap_ptr, GAP, INTERP)
     xv = tl.load(x_ptr + (j % 4) * BK + cols, cache_modifier=".cg")
     acc += w.to(tl.float32) * xv[None, :]
     oi = tl.load(e + 4)
@@ -140,8 +133,7 @@ def chain_per_tile(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_ptr, out_
     # tiles_ptr: the first block of every tile, in queue order; tstart_ptr: each SM's first tile
     t0, t1 = _sm_span(tstart_ptr)
     for t in range(t0, t1):
-        s, s1 = _tile_start(tab_ptr, tiles_ptr, t, cnt_ptr, err_ptr, epoch)
-        _gap(gap_ptr, tab_ptr + s * 6, GAP, INTERP)
+        s, s1 = _tile_start(tab_ptr, tiles_ptr, t, cnt_ptr, err_ptr, epoch, gap_ptr, GAP, INTERP)
         acc = tl.zeros([BR, BK], dtype=tl.float32)
         for j in tl.range(s, s1, num_stages=STAGES):
             acc = _block(tab_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, j, acc, epoch, False, False, gap_ptr, 0,
@@ -169,7 +161,7 @@ def rows_flat(tab_ptr, start_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch
         e = tab_ptr + j * 6
         w = tl.load(w_ptr + j * (RR * KR) + rows[:, None] * KR + cols[None, :], eviction_policy="evict_first")
         if tl.load(e + 1) != 0:                 # a tile's first block
-            _tile_wait(e, cnt_ptr, err_ptr, epoch)
+            _tile_wait(e, cnt_ptr, err_ptr, epoch, cnt_ptr, 0, False)
             hv = tl.load(x_ptr + cols, cache_modifier=".cg")
         tl.store(out_ptr + tl.load(e + 4) * RR + rows, tl.sum(w.to(tl.float32) * hv[None, :], 1))
         sc = tl.load(e + 5)
@@ -185,7 +177,7 @@ def rows_per_tile(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_ptr, out_p
     rows = tl.arange(0, RR)
     cols = tl.arange(0, KR)
     for t in range(t0, t1):
-        s, s1 = _tile_start(tab_ptr, tiles_ptr, t, cnt_ptr, err_ptr, epoch)
+        s, s1 = _tile_start(tab_ptr, tiles_ptr, t, cnt_ptr, err_ptr, epoch, cnt_ptr, 0, False)
         hv = tl.load(x_ptr + cols, cache_modifier=".cg")
         for j in tl.range(s, s1, num_stages=STAGES):
             w = tl.load(w_ptr + j * (RR * KR) + rows[:, None] * KR + cols[None, :], eviction_policy="evict_first")
