@@ -385,12 +385,36 @@ def _views():
     return megatape.views
 
 
+def _bench_max_seq(a, prog: str, extra: int = 0) -> bool:
+    """``--pos`` / ``--prefill`` and ``--max-seq`` of a bench: the positions a run writes are
+    ``prefill .. prefill + steps + extra - 1`` (``extra``: what it decodes beyond its timed steps).
+    Without ``--max-seq`` the cache is sized for them (the next multiple of 128 at least 64 rows past
+    the last: 1152 for the defaults, as before); a given one too small, or a negative position, is one
+    line naming the argument. False: the error is printed."""
+    last = a.prefill + max(a.steps, extra)
+    if a.prefill < 0:
+        print(f"{prog}: error: --pos {a.prefill}: a position is >= 0", file=sys.stderr)
+        return False
+    if a.max_seq is None:
+        a.max_seq = -(-(last + 64) // 128) * 128
+    elif a.max_seq < last:
+        print(f"{prog}: error: --max-seq {a.max_seq}: the run writes positions up to {last - 1} "
+              f"(--pos {a.prefill} and its steps); give --max-seq >= {last} or leave it out", file=sys.stderr)
+        return False
+    return True
+
+
 def cmd_bench(a) -> int:
+    if not _bench_max_seq(a, "megatape bench"):
+        return 2
     from bench.driver import run
     return int(run(a, views=_views()) or 0)
 
 
 def cmd_bench_decoder(a) -> int:
+    # bench/decoder_bench.py also generates 4 prompt tokens and 16 new ones from --pos
+    if not _bench_max_seq(a, "megatape bench-decoder", extra=20):
+        return 2
     if a.tp == 2:
         return _bench_decoder_tp(a)
     if a.tiling.strip():        # a bad --tiling is named here, before any GPU work
@@ -567,7 +591,8 @@ def _add_bench(sub, presets) -> None:
     b.add_argument("--layers", type=_positive_int, default=None, metavar="N", help="override the preset's layer count")
     b.add_argument("--prefill", type=int, default=4096)
     b.add_argument("--steps", type=_positive_int, default=32)
-    b.add_argument("--max-seq", type=_positive_int, default=4224)
+    b.add_argument("--max-seq", type=_positive_int, default=None,
+                   help="KV cache length (default: the next multiple of 128 at least 64 past the last position)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--baselines", default="eager,compile,cublas",
                    help="comma list of eager, compile, cublas (empty: megatape only)")
@@ -600,7 +625,9 @@ def _add_bench_decoder(sub, presets) -> None:
     d.add_argument("--pos", "--prefill", dest="prefill", type=int, default=1024, metavar="P",
                    help="the first decode position (the KV cache holds P random rows; default 1024)")
     d.add_argument("--steps", type=_positive_int, default=32)
-    d.add_argument("--max-seq", type=_positive_int, default=1152)
+    d.add_argument("--max-seq", type=_positive_int, default=None,
+                   help="KV cache length (default: the next multiple of 128 at least 64 past the last position "
+                   "written: 1152 at the default --pos)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-compile", action="store_true",
                    help="skip the baselines (torch.compile of a static-cache decoder, transformers' generate)")

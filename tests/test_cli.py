@@ -176,6 +176,30 @@ def test_bench_decoder_parses_here(monkeypatch):
     assert main(["bench-decoder", "--pos", "128"]) == 0 and seen[1].prefill == 128
 
 
+def test_bench_max_seq(monkeypatch, capsys):
+    """Without --max-seq a bench sizes the cache for its positions (a long --pos works as given); a
+    --max-seq too small for them, or a negative --pos, is one line naming the argument, before any GPU work."""
+    import bench.decoder_bench
+    import bench.driver
+    seen = []
+    monkeypatch.setattr(bench.decoder_bench, "run", lambda a, views=None: seen.append(a) or 0)
+    monkeypatch.setattr(bench.driver, "run", lambda a, views=None: seen.append(a) or 0)
+    assert main(["bench-decoder"]) == 0 and seen[-1].max_seq == 1152          # the old default, unchanged
+    assert main(["bench-decoder", "--pos", "4096"]) == 0 and seen[-1].max_seq == 4224
+    assert main(["bench-decoder", "--pos", "4096", "--steps", "200"]) == 0 and seen[-1].max_seq == 4480
+    assert main(["bench"]) == 0 and seen[-1].max_seq == 4224                  # the layer bench's old default
+    assert main(["bench-decoder", "--pos", "100", "--max-seq", "132"]) == 0 and seen[-1].max_seq == 132
+    n = len(seen)
+    for cmd, args, what in (("bench-decoder", ["--pos", "4096"], "--max-seq 1152"),
+                            ("bench-decoder", ["--pos", "100"], "--max-seq 131"),
+                            ("bench", ["--prefill", "4096"], "--max-seq 1152"),
+                            ("bench-decoder", ["--pos", "-1"], "--pos -1")):
+        extra = [] if what.startswith("--pos") else ["--max-seq", what.split()[1]]
+        rc, out, err = run_main(capsys, cmd, *args, *extra)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and what in err, err
+    assert len(seen) == n
+
+
 def test_bench_decoder_tiling(monkeypatch, capsys):
     """--tiling reaches the bench as given; a bad one is one line naming --tiling, before any GPU work."""
     import bench.decoder_bench

@@ -206,3 +206,16 @@ def test_gluon_chain_ws_compiles_for_sm90(tmp_path, gap_us):
     assert m, got["resources"]
     print(f"gluon chain_ws ring {ring} gap {gap_us}: {got['shared']} bytes shared, {got['resources']}")
     assert int(m.group(2)) == 0 and int(m.group(3)) == 0, got["resources"]
+
+
+def test_gluon_chain_probe_arguments(capsys, monkeypatch):
+    """--help prints the usage and exits 0; a depth that is not an integer >= 1, or a bad --gap-us, is one
+    line and exit 2, before any GPU work."""
+    from bench.probes import gluon_chain_probe as gcp
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(gcp, "run", lambda **kw: pytest.fail(f"ran {kw}"))
+    assert gcp.main(["--help"]) == 0 and "--gap-us G" in capsys.readouterr().out
+    for bad, what in ((["x"], "'x'"), (["0"], "'0'"), (["6", "--gap-us", "-1"], "--gap-us"), (["--gap-us"], "--gap-us")):
+        assert gcp.main(bad) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and what in err, err

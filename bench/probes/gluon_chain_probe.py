@@ -345,6 +345,9 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0):
 
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(args):
+        print(__doc__.split("\n\n")[1])
+        return 0
     if os.environ.get("TRITON_INTERPRET") not in (None, "", "0"):
         print("TRITON_INTERPRET is set: Gluon kernels are never interpreted; unset it", file=sys.stderr)
         return 2
@@ -364,6 +367,11 @@ def main(argv=None) -> int:
         args = args[:i] + args[i + 2:]
     if args[:1] == ["--compile"]:
         return _compile_main(int(args[1]) if len(args) > 1 else 5, args[2] if len(args) > 2 else None, int(gap_us > 0))
+    bad = [s for s in args if not s.isdigit() or int(s) < 1]
+    if bad:
+        print(f"{bad[0]!r}: a pipeline depth is an integer >= 1 (usage: python3 -m bench.probes.gluon_chain_probe "
+              "[stages...] [--gap-us G] | --compile [RING [DIR]])", file=sys.stderr)
+        return 2
     for st in [int(s) for s in (args or ["5"])]:
         run(stages=st, gap_us=gap_us)
     return 0
