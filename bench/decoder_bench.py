@@ -1,6 +1,7 @@
 """``megatape bench-decoder``: a whole model (embedding, layers, final norm, LM head) on the GPU.
 
-Random weights in a real shape (default: Llama-3.2-1B, tied embeddings), KV cache prefilled with
+Random weights in a real shape (default: Llama-3.2-1B; tied embeddings where the checkpoint ties them,
+an LM head of its own where it does not: :data:`UNTIED`), KV cache prefilled with
 ``prefill`` positions. Checks every step's logits against the eager reference and the greedy
 tokens of ``generate`` (one launch per token, no host round trip) against the reference's, then
 times megatape's decode step and ``torch.compile`` (CUDA graphs) of the same model, and reports
@@ -27,6 +28,11 @@ from opcodes import ModelConfig
 from opcodes.reference import make_kv_cache, make_weights, rel_err, rmsnorm
 
 from .driver import ACC_RATIO, CRITERION, _events_median, count_kernels, log, stream_copy_bw
+
+
+#: presets whose checkpoints have an LM head of their own (config.json: tie_word_embeddings false);
+#: Llama-3.2-1B ties it to the embedding. The bytes a step streams are the same either way
+UNTIED = frozenset({"llama3.1-8b", "llama3.1-70b"})
 
 
 def make_decoder_weights(cfg: ModelConfig, seed: int, device, tied: bool = True) -> dict:
@@ -120,7 +126,7 @@ def write_report(rep: dict, rows: list, out: pathlib.Path) -> tuple[pathlib.Path
         f"; vs fp32 {acc['rel_err_vs_fp32_max']:.2e}, the bf16 reference {acc['bf16_ref_vs_fp32_max']:.2e} "
         f"({'criterion met' if acc['criterion_met'] else 'criterion NOT met'}); greedy = fp32's at "
         f"{acc['greedy_agree_decisive']}/{acc['decisive_steps']} decisive steps")
-    md = [f"{rep['card']}, {rep['date']}, {rep['preset']} (random weights, tied embeddings), pos {rep['pos']}: "
+    md = [f"{rep['card']}, {rep['date']}, {rep['preset']} (random weights, {'tied embeddings' if rep.get('tied', True) else 'untied LM head'}), pos {rep['pos']}: "
           f"{rep['bytes_per_step']} bytes/step, stream copy {rep['copy_TBps']:.3f} TB/s; logits max rel err "
           f"{acc['logits_rel_err_max_vs_bf16_ref']:.2e} (vs the bf16 reference){fp32}; greedy {acc['greedy_same']}/"
           f"{acc['greedy_n']}", "",
@@ -156,7 +162,8 @@ def run(a, views=None) -> int:
     floor_us = bytes_step / bw * 1e6
     log(f"{card}; {cfg.name}: {bytes_step} bytes/step at pos {pos_last}; stream copy {bw / 1e12:.3f} TB/s; "
         f"floor {floor_us:.1f} us")
-    w = make_decoder_weights(cfg, a.seed, dev)
+    tied = cfg.name not in UNTIED
+    w = make_decoder_weights(cfg, a.seed, dev, tied=tied)
     kv = make_kv_cache(cfg, a.max_seq, a.prefill, seed=a.seed + 1, device=dev)
     kv_before = [tuple(t.clone() for t in p) for p in kv]
     kv_ref = [tuple(t.clone() for t in p) for p in kv]
@@ -170,7 +177,8 @@ def run(a, views=None) -> int:
     acc = check_steps(lambda tk, p: decode_step(dh, tk.to(torch.int32).to(dev), p), w, kv_ref, cfg, toks, a.prefill)
     dh.layer.check()
     errs = acc.pop("errs")
-    rep = {"card": card, "date": datetime.date.today().isoformat(), "preset": cfg.name, "tiling": a.tiling or "default",
+    rep = {"card": card, "date": datetime.date.today().isoformat(), "preset": cfg.name, "tied": tied,
+           "tiling": a.tiling or "default",
            "bytes_per_step": bytes_step,
            "stream_copy_Bps": bw, "floor_us": floor_us, "logits_rel_err_max": max(errs)}
     log(f"logits vs eager reference: max rel err {max(errs):.2e} over {a.steps} steps; vs fp32: "

@@ -230,6 +230,22 @@ def test_bench_decoder_report_format(tmp_path):
     assert (mt["name"], mt["us_per_step"], mt["x_floor"], mt["fraction_of_bw"], mt["kernels_per_step"]) == \
         ("megatape", 1000.0, 2.0, 0.5, 1)
     assert "| megatape | 1000.0 | 1020.0 | 1000 | 2.000 | 50.0% | 1 |" in txt
+    assert "(random weights, tied embeddings)" in txt
+    _, txt = write_report(dict(rep, preset="llama3.1-8b", tied=False), rows, tmp_path)
+    assert "(random weights, untied LM head)" in txt
+
+
+def test_bench_decoder_untied_presets():
+    """The 8B and 70B checkpoints have an LM head of their own (the 1B ties it): the bench's random
+    weights follow them, and an untied head is a tensor of its own."""
+    import torch
+    from bench.decoder_bench import UNTIED, make_decoder_weights
+    assert {"llama3.1-8b", "llama3.1-70b"} == UNTIED and "llama3.2-1b" not in UNTIED
+    assert all(ModelConfig.from_name(n).vocab for n in UNTIED)
+    cfg = ModelConfig(layers=1, d=32, ffn=64, n_q=2, n_kv=1, hd=16, vocab=50)
+    tied, untied = make_decoder_weights(cfg, 0, "cpu"), make_decoder_weights(cfg, 0, "cpu", tied=False)
+    assert tied["lm_head"] is tied["embed"]
+    assert untied["lm_head"].shape == untied["embed"].shape and not torch.equal(untied["lm_head"], untied["embed"])
 
 
 @pytest.mark.parametrize("argv,arg", [
