@@ -35,13 +35,60 @@ from .driver import ACC_RATIO, CRITERION, _events_median, count_kernels, log, st
 UNTIED = frozenset({"llama3.1-8b", "llama3.1-70b"})
 
 
+def _parting(acc: dict) -> str:
+    i = acc.get("greedy_first_diff")
+    return "" if i is None else f" (the chains part at token {i}: a {acc['greedy_first_diff_margin']:.2%} top-2 margin)"
+
+
+def top2_margin(logits: torch.Tensor) -> float:
+    """The gap between the two largest logits over the logits' standard deviation: how far a greedy
+    pick is from a tie, in the logits' own scale."""
+    l = logits.reshape(-1).float()
+    top2 = torch.topk(l, 2).values
+    return float((top2[0] - top2[1]) / l.std())
+
+
+def reference_greedy(w, kv_ref, cfg: ModelConfig, prompt: list, n_new: int, pos: int) -> tuple[list, list]:
+    """The bf16 reference's greedy continuation of ``prompt`` (fed from ``pos``; ``kv_ref`` is written):
+    its ``n_new`` tokens and, for each, :func:`top2_margin` of the logits it was picked from."""
+    from opcodes.decoder import decoder_ref, greedy_token
+    for i, t in enumerate(prompt):
+        lg = decoder_ref(w, kv_ref, cfg, t, pos + i)
+    toks, margins = [], []
+    for i in range(n_new):
+        tok = greedy_token(lg)
+        toks.append(tok)
+        margins.append(top2_margin(lg))
+        lg = decoder_ref(w, kv_ref, cfg, tok, pos + len(prompt) + i)
+    return toks, margins
+
+
+def greedy_compare(got: list, ref: list, margins: list) -> tuple[int, int | None, float | None]:
+    """How many of ``got``'s tokens equal ``ref``'s, the first index where they differ (None: none),
+    and the reference's top-2 margin there."""
+    same = sum(int(x == y) for x, y in zip(got, ref))
+    first = next((i for i, (x, y) in enumerate(zip(got, ref)) if x != y), None)
+    return same, first, None if first is None else margins[first]
+
+
 def make_decoder_weights(cfg: ModelConfig, seed: int, device, tied: bool = True) -> dict:
+    """Random weights of a whole model: the layers' (``make_weights``), a unit-normal embedding, the
+    final norm, and the LM head: the embedding itself with ``tied``, else a tensor of its own
+    (entries of standard deviation ``1 / sqrt(d)``).
+    NOTE: with an untied random head most steps' top-2 margins are not decisive (the 8B, runs
+    149-150: 11 of 32 steps, against 32 of 32 tied) and a 16-token greedy chain parts at its first
+    near tie (6 of 16 tokens at pos 4096); a head 64x larger (run 150) changed neither, so it is the
+    logits' shape, not their scale (with a tied head the input token's own embedding row is in the
+    residual stream, which plausibly puts its logit far ahead)."""
     w = make_weights(cfg, seed=seed, device=device)
     g = torch.Generator(device=device).manual_seed(seed + 7)
     w["embed"] = torch.randn(cfg.vocab, cfg.d, generator=g, device=device).to(torch.bfloat16)
     w["final_norm"] = (1.0 + 0.1 * torch.randn(cfg.d, generator=g, device=device)).to(torch.bfloat16)
-    w["lm_head"] = w["embed"] if tied else (torch.randn(cfg.vocab, cfg.d, generator=g, device=device)
-                                            / math.sqrt(cfg.d)).to(torch.bfloat16)
+    if tied:
+        w["lm_head"] = w["embed"]
+    else:
+        h = torch.randn(cfg.vocab, cfg.d, generator=g, device=device)
+        w["lm_head"] = (h / math.sqrt(cfg.d)).to(torch.bfloat16)
     return w
 
 
@@ -129,7 +176,7 @@ def write_report(rep: dict, rows: list, out: pathlib.Path) -> tuple[pathlib.Path
     md = [f"{rep['card']}, {rep['date']}, {rep['preset']} (random weights, {'tied embeddings' if rep.get('tied', True) else 'untied LM head'}), pos {rep['pos']}: "
           f"{rep['bytes_per_step']} bytes/step, stream copy {rep['copy_TBps']:.3f} TB/s; logits max rel err "
           f"{acc['logits_rel_err_max_vs_bf16_ref']:.2e} (vs the bf16 reference){fp32}; greedy {acc['greedy_same']}/"
-          f"{acc['greedy_n']}", "",
+          f"{acc['greedy_n']}{_parting(acc)}", "",
           "| what | us/step (events) | us/step (wall) | tokens/s | x floor | fraction of BW | kernels/step |",
           "|---|---|---|---|---|---|---|"]
     md += table_rows(objs)
@@ -150,7 +197,7 @@ def run(a, views=None) -> int:
         print("megatape bench-decoder needs a CUDA GPU", file=sys.stderr)
         return 2
     from interp.decoder import build_decoder, decode_step, generate
-    from opcodes.decoder import decoder_ref, greedy_token
+    from opcodes.decoder import decoder_ref
     cfg = ModelConfig.from_name(a.preset)
     if not cfg.vocab:
         raise SystemExit(f"--preset {a.preset}: has no vocabulary (not a whole model)")
@@ -196,17 +243,14 @@ def run(a, views=None) -> int:
     torch.cuda.synchronize()
     gen_s = time.perf_counter() - t0
     got = [int(t) for t in (got.tolist() if hasattr(got, "tolist") else got)][-n_new:]
-    ref_toks, tok = [], None
-    for i, t in enumerate(prompt):
-        lg = decoder_ref(w, kv_ref, cfg, t, a.prefill + i)
-    tok = greedy_token(lg)
-    for i in range(n_new):
-        ref_toks.append(tok)
-        lg = decoder_ref(w, kv_ref, cfg, tok, a.prefill + len(prompt) + i)
-        tok = greedy_token(lg)
-    same = sum(int(x == y) for x, y in zip(got, ref_toks))
-    rep.update(greedy_same=same, greedy_n=n_new, generate_s=gen_s)
-    log(f"greedy: {same}/{n_new} tokens equal to the reference's ({gen_s * 1e3:.1f} ms for {len(prompt) + n_new} launches)")
+    same, first, margin = greedy_compare(got, *reference_greedy(w, kv_ref, cfg, prompt, n_new, a.prefill))
+    rep.update(greedy_same=same, greedy_n=n_new, generate_s=gen_s, greedy_first_diff=first,
+               greedy_first_diff_margin=margin)
+    why = "" if first is None else (
+        f"; the chains part at token {first}, where the reference's top-2 margin is {margin:.2%} of its "
+        f"logits' standard deviation (a near tie: after it, each chain continues its own text)")
+    log(f"greedy: {same}/{n_new} tokens equal to the reference's ({gen_s * 1e3:.1f} ms for {len(prompt) + n_new} "
+        f"launches){why}")
     # timing
     args = [(dh, toks[i:i + 1].to(torch.int32).to(dev), a.prefill + i) for i in range(a.steps)]
     ev, wall, _ = _events_median(decode_step, args)
@@ -274,7 +318,8 @@ def run(a, views=None) -> int:
         except Exception as e:
             log(f"transformers generate baseline failed: {type(e).__name__}: {e}")
     rep.update(pos=a.prefill, copy_TBps=bw / 1e12,
-               accuracy=dict(acc, logits_rel_err_max_vs_bf16_ref=max(errs), greedy_same=same, greedy_n=n_new))
+               accuracy=dict(acc, logits_rel_err_max_vs_bf16_ref=max(errs), greedy_same=same, greedy_n=n_new,
+                             greedy_first_diff=first, greedy_first_diff_margin=margin))
     write_report(rep, rows, pathlib.Path(a.out))
     return 0
 

@@ -232,7 +232,10 @@ def test_bench_decoder_report_format(tmp_path):
     assert "| megatape | 1000.0 | 1020.0 | 1000 | 2.000 | 50.0% | 1 |" in txt
     assert "(random weights, tied embeddings)" in txt
     _, txt = write_report(dict(rep, preset="llama3.1-8b", tied=False), rows, tmp_path)
-    assert "(random weights, untied LM head)" in txt
+    assert "(random weights, untied LM head)" in txt and "part" not in txt
+    parted = dict(rep["accuracy"], greedy_same=6, greedy_first_diff=6, greedy_first_diff_margin=0.0042)
+    _, txt = write_report(dict(rep, accuracy=parted), rows, tmp_path)
+    assert "greedy 6/16 (the chains part at token 6: a 0.42% top-2 margin)" in txt
 
 
 def test_bench_decoder_untied_presets():
@@ -244,6 +247,9 @@ def test_bench_decoder_untied_presets():
     assert all(ModelConfig.from_name(n).vocab for n in UNTIED)
     cfg = ModelConfig(layers=1, d=32, ffn=64, n_q=2, n_kv=1, hd=16, vocab=50)
     tied, untied = make_decoder_weights(cfg, 0, "cpu"), make_decoder_weights(cfg, 0, "cpu", tied=False)
+    from bench.decoder_bench import top2_margin
+    lg = torch.tensor([[0.0, 3.0, -1.0, 2.5, 1.0]])
+    assert abs(top2_margin(lg) - 0.5 / float(lg.std())) < 1e-6
     assert tied["lm_head"] is tied["embed"]
     assert untied["lm_head"].shape == untied["embed"].shape and not torch.equal(untied["lm_head"], untied["embed"])
 
@@ -420,3 +426,23 @@ def test_compile_tiling_option(tmp_path, capsys):
         assert main(["compile", "--preset", "tiny", "--sms", "2", "--tiling", spec]) == 2
         err = capsys.readouterr().err
         assert word in err and "Traceback" not in err, err
+
+
+def test_bench_decoder_greedy_chain_on_cpu():
+    """The bench's greedy check: the reference's chain (each token the argmax of the logits before it),
+    the count of equal tokens, where two chains part, and the reference's margin there."""
+    from bench.decoder_bench import greedy_compare, make_decoder_weights, reference_greedy, top2_margin
+    from opcodes.decoder import decoder_ref, greedy_token
+    from opcodes.reference import make_kv_cache
+    cfg = ModelConfig(layers=2, d=32, ffn=64, n_q=2, n_kv=1, hd=16, vocab=40)
+    w = make_decoder_weights(cfg, 0, "cpu", tied=False)
+    toks, margins = reference_greedy(w, make_kv_cache(cfg, 32, 5, seed=1), cfg, [3, 7], 4, 5)
+    kv = make_kv_cache(cfg, 32, 5, seed=1)
+    decoder_ref(w, kv, cfg, 3, 5)
+    lg = decoder_ref(w, kv, cfg, 7, 6)
+    assert toks[0] == greedy_token(lg) and abs(margins[0] - top2_margin(lg)) < 1e-6
+    lg = decoder_ref(w, kv, cfg, toks[0], 7)
+    assert toks[1] == greedy_token(lg) and len(toks) == len(margins) == 4 and min(margins) >= 0
+    assert greedy_compare(toks, toks, margins) == (4, None, None)
+    other = toks[:2] + [(toks[2] + 1) % cfg.vocab] + toks[3:]
+    assert greedy_compare(other, toks, margins) == (3, 2, margins[2])
