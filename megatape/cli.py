@@ -385,27 +385,28 @@ def _views():
     return megatape.views
 
 
-def _bench_max_seq(a, prog: str, extra: int = 0) -> bool:
-    """``--pos`` / ``--prefill`` and ``--max-seq`` of a bench: the positions a run writes are
-    ``prefill .. prefill + steps + extra - 1`` (``extra``: what it decodes beyond its timed steps).
-    Without ``--max-seq`` the cache is sized for them (the next multiple of 128 at least 64 rows past
-    the last: 1152 for the defaults, as before); a given one too small, or a negative position, is one
-    line naming the argument. False: the error is printed."""
+def _bench_max_seq(a, prog: str, flag: str, extra: int = 0) -> bool:
+    """``--pos`` / ``--prefill`` (``flag``: the command's name for it) and ``--max-seq`` of a bench:
+    the positions a run writes are ``prefill .. prefill + max(steps, extra) - 1`` (``extra``: how many
+    it decodes outside its timed steps). Without ``--max-seq`` the cache is sized for them (the next
+    multiple of 128 at least 64 rows past the last: 1152 and 4224 at the defaults, as before); a
+    given one too small, or a negative position, is one line naming the argument. False: the error
+    is printed."""
     last = a.prefill + max(a.steps, extra)
     if a.prefill < 0:
-        print(f"{prog}: error: --pos {a.prefill}: a position is >= 0", file=sys.stderr)
+        print(f"{prog}: error: {flag} {a.prefill}: a position is >= 0", file=sys.stderr)
         return False
     if a.max_seq is None:
         a.max_seq = -(-(last + 64) // 128) * 128
     elif a.max_seq < last:
         print(f"{prog}: error: --max-seq {a.max_seq}: the run writes positions up to {last - 1} "
-              f"(--pos {a.prefill} and its steps); give --max-seq >= {last} or leave it out", file=sys.stderr)
+              f"({flag} {a.prefill} and its steps); give --max-seq >= {last} or leave it out", file=sys.stderr)
         return False
     return True
 
 
 def cmd_bench(a) -> int:
-    if not _bench_max_seq(a, "megatape bench"):
+    if not _bench_max_seq(a, "megatape bench", "--prefill"):
         return 2
     from bench.driver import run
     return int(run(a, views=_views()) or 0)
@@ -413,7 +414,7 @@ def cmd_bench(a) -> int:
 
 def cmd_bench_decoder(a) -> int:
     # bench/decoder_bench.py also generates 4 prompt tokens and 16 new ones from --pos
-    if not _bench_max_seq(a, "megatape bench-decoder", extra=20):
+    if not _bench_max_seq(a, "megatape bench-decoder", "--pos", extra=20):
         return 2
     if a.tp == 2:
         return _bench_decoder_tp(a)

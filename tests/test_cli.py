@@ -193,8 +193,9 @@ def test_bench_max_seq(monkeypatch, capsys):
     for cmd, args, what in (("bench-decoder", ["--pos", "4096"], "--max-seq 1152"),
                             ("bench-decoder", ["--pos", "100"], "--max-seq 131"),
                             ("bench", ["--prefill", "4096"], "--max-seq 1152"),
-                            ("bench-decoder", ["--pos", "-1"], "--pos -1")):
-        extra = [] if what.startswith("--pos") else ["--max-seq", what.split()[1]]
+                            ("bench-decoder", ["--pos", "-1"], "--pos -1"),
+                            ("bench", ["--prefill", "-3"], "--prefill -3")):
+        extra = ["--max-seq", what.split()[1]] if what.startswith("--max-seq") else []
         rc, out, err = run_main(capsys, cmd, *args, *extra)
         assert rc == 2 and len(err.strip().splitlines()) == 1 and what in err, err
     assert len(seen) == n
