@@ -35,14 +35,20 @@ from .driver import ACC_RATIO, CRITERION, _events_median, count_kernels, log, st
 UNTIED = frozenset({"llama3.1-8b", "llama3.1-70b"})
 
 
-def _parting(acc: dict) -> str:
-    i = acc.get("greedy_first_diff")
-    return "" if i is None else f" (the chains part at token {i}: a {acc['greedy_first_diff_margin']:.2%} top-2 margin)"
+#: the greedy check: ``generate`` from ``--pos`` on a prompt of GREEDY_PROMPT tokens, GREEDY_NEW new ones
+#: (``megatape bench-decoder`` sizes the KV cache for them)
+GREEDY_PROMPT, GREEDY_NEW = 4, 16
+
+
+def _parting(first: int | None, margin: float | None) -> str:
+    """Where two greedy chains part, for the log and the report ('' where they do not)."""
+    return "" if first is None else f" (the chains part at token {first}: a {margin:.2%} top-2 margin)"
 
 
 def top2_margin(logits: torch.Tensor) -> float:
     """The gap between the two largest logits over the logits' standard deviation: how far a greedy
-    pick is from a tie, in the logits' own scale."""
+    pick is from a tie, in the logits' own scale (a small one is a near tie, after which two greedy
+    chains each continue their own text)."""
     l = logits.reshape(-1).float()
     top2 = torch.topk(l, 2).values
     return float((top2[0] - top2[1]) / l.std())
@@ -176,7 +182,7 @@ def write_report(rep: dict, rows: list, out: pathlib.Path) -> tuple[pathlib.Path
     md = [f"{rep['card']}, {rep['date']}, {rep['preset']} (random weights, {'tied embeddings' if rep.get('tied', True) else 'untied LM head'}), pos {rep['pos']}: "
           f"{rep['bytes_per_step']} bytes/step, stream copy {rep['copy_TBps']:.3f} TB/s; logits max rel err "
           f"{acc['logits_rel_err_max_vs_bf16_ref']:.2e} (vs the bf16 reference){fp32}; greedy {acc['greedy_same']}/"
-          f"{acc['greedy_n']}{_parting(acc)}", "",
+          f"{acc['greedy_n']}{_parting(acc.get('greedy_first_diff'), acc.get('greedy_first_diff_margin'))}", "",
           "| what | us/step (events) | us/step (wall) | tokens/s | x floor | fraction of BW | kernels/step |",
           "|---|---|---|---|---|---|---|"]
     md += table_rows(objs)
@@ -236,8 +242,8 @@ def run(a, views=None) -> int:
     for p, b in zip(kv, kv_before):
         p[0].copy_(b[0]); p[1].copy_(b[1])
     kv_ref = [tuple(t.clone() for t in p) for p in kv_before]
-    n_new = 16
-    prompt = toks[:4].tolist()
+    n_new = GREEDY_NEW
+    prompt = toks[:GREEDY_PROMPT].tolist()
     t0 = time.perf_counter()
     got = generate(dh, prompt, n_new, start_pos=a.prefill)
     torch.cuda.synchronize()
@@ -246,11 +252,8 @@ def run(a, views=None) -> int:
     same, first, margin = greedy_compare(got, *reference_greedy(w, kv_ref, cfg, prompt, n_new, a.prefill))
     rep.update(greedy_same=same, greedy_n=n_new, generate_s=gen_s, greedy_first_diff=first,
                greedy_first_diff_margin=margin)
-    why = "" if first is None else (
-        f"; the chains part at token {first}, where the reference's top-2 margin is {margin:.2%} of its "
-        f"logits' standard deviation (a near tie: after it, each chain continues its own text)")
-    log(f"greedy: {same}/{n_new} tokens equal to the reference's ({gen_s * 1e3:.1f} ms for {len(prompt) + n_new} "
-        f"launches){why}")
+    log(f"greedy: {same}/{n_new} tokens equal to the reference's{_parting(first, margin)} ({gen_s * 1e3:.1f} ms for "
+        f"{len(prompt) + n_new} launches)")
     # timing
     args = [(dh, toks[i:i + 1].to(torch.int32).to(dev), a.prefill + i) for i in range(a.steps)]
     ev, wall, _ = _events_median(decode_step, args)

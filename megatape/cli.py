@@ -413,8 +413,8 @@ def cmd_bench(a) -> int:
 
 
 def cmd_bench_decoder(a) -> int:
-    # bench/decoder_bench.py also generates 4 prompt tokens and 16 new ones from --pos
-    if not _bench_max_seq(a, "megatape bench-decoder", "--pos", extra=20):
+    from bench.decoder_bench import GREEDY_NEW, GREEDY_PROMPT     # its greedy check also decodes from --pos
+    if not _bench_max_seq(a, "megatape bench-decoder", "--pos", extra=GREEDY_PROMPT + GREEDY_NEW):
         return 2
     if a.tp == 2:
         return _bench_decoder_tp(a)
