@@ -219,3 +219,40 @@ def test_gluon_chain_probe_arguments(capsys, monkeypatch):
         assert gcp.main(bad) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and what in err, err
+
+
+# ---- bench/probes/steal_probe.py: a stage's row blocks taken by ticket inside the pipelined loop -------------
+STEAL_SHAPES = ((1, 32, 2048), (1, 16, 2048), (1, 64, 2048))
+
+
+@pytest.mark.parametrize("hold,slack", [(0, 4), (2, 4), (3, 0), (5, 1)])
+def test_steal_probe_does_every_block_once_whatever_the_slack(hold, slack):
+    # one SM under the interpreter: its own blocks, then the pool by ticket (the pipelined loop's SLACK
+    # iterations, then the plain loop over what remains); every block's sums, every counter once a call
+    from bench.probes import steal_probe as sp
+    tab, nblocks, nst = sp.plan(2, 1, hold, STEAL_SHAPES, slack=slack)
+    assert [r[0] for r in tab] == [4, 2, 8] * 2 and [r[1] for r in tab] == [0, 4, 6, 14, 18, 20]
+    assert all(r[2] == max(1, r[0] - hold) and r[3] == r[2] + slack for r in tab)
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(nblocks * cp.RR_ * 2048, generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(4096, generator=g)
+    stab = torch.tensor(tab, dtype=torch.int32).reshape(-1)
+    tk = torch.zeros(nst, dtype=torch.int32)
+    cnt, err = torch.zeros(nst, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    out = torch.full((nblocks * cp.RR_,), float("nan"))
+    for epoch in (1, 2):
+        sp.launch(stab, tk, x, w, out, cnt, err, epoch, 1, nst, 3)
+        assert int(err) == 0 and cnt.tolist() == [epoch] * nst
+        # the pool's tickets: the pipelined loop's takes, plus one past the pool for the plain loop's exit
+        for r, t in zip(tab, tk.tolist()):
+            pool, takes = r[0] - r[2], r[3] - r[2] + 1
+            assert t == (takes if takes > pool else pool + 1), (r, t)
+    torch.testing.assert_close(out, sp.reference(w, x, nblocks), rtol=1e-5, atol=1e-5)
+
+
+def test_steal_probe_plan_rejects_what_it_cannot_schedule():
+    from bench.probes import steal_probe as sp
+    with pytest.raises(ValueError, match="block of its own"):
+        sp.plan(1, 8, 0, ((1, 32, 2048),))
+    with pytest.raises(ValueError, match="blocks are 8 x 2048"):
+        sp.plan(1, 1, 0, ((1, 32, 1024),))
