@@ -256,3 +256,19 @@ def test_steal_probe_plan_rejects_what_it_cannot_schedule():
         sp.plan(1, 8, 0, ((1, 32, 2048),))
     with pytest.raises(ValueError, match="blocks are 8 x 2048"):
         sp.plan(1, 1, 0, ((1, 32, 1024),))
+
+
+def test_steal_probe_static_shares_do_every_block_once():
+    # rows_static: SM p's contiguous share [p * nb // P, (p + 1) * nb // P) of each stage (one SM: all of it)
+    from bench.probes import steal_probe as sp
+    tab, nblocks, nst = sp.plan(2, 1, 0, STEAL_SHAPES)
+    g = torch.Generator().manual_seed(6)
+    w = (torch.randn(nblocks * cp.RR_ * 2048, generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(4096, generator=g)
+    cnt, err = torch.zeros(nst, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    out = torch.full((nblocks * cp.RR_,), float("nan"))
+    for epoch in (1, 2):
+        sp.rows_static[(1,)](torch.tensor(tab, dtype=torch.int32).reshape(-1), x, w, out, cnt, err, epoch, nst,
+                             STAGES=3, num_warps=8)
+        assert int(err) == 0 and cnt.tolist() == [epoch] * nst
+    torch.testing.assert_close(out, sp.reference(w, x, nblocks), rtol=1e-5, atol=1e-5)

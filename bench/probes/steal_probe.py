@@ -12,6 +12,7 @@ each stage waiting for the one before on one counter. Three schedules of the sam
 
     per_tile : chain_probe.rows_per_tile, today's megakernel: a stage's tiles on its first SMs (QKV on 96,
                O on 64), one tile an SM, a pipelined loop per tile
+    static   : every SM takes an equal contiguous share (``[p * NB // SMs, (p + 1) * NB // SMs)``), no tickets
     even     : every SM takes an equal contiguous share (``NB // SMs`` blocks) in a pipelined loop, then the
                remainder (< one block an SM) by ticket
     steal    : every SM takes ``NB // SMs - HOLD`` blocks of its own, then blocks by ticket from the stage's
@@ -79,6 +80,27 @@ def rows_ticket(stab_ptr, tk_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch
         tl.atomic_add(cnt_ptr + st, 1, sem="release", scope="gpu")
 
 
+@triton.jit
+def rows_static(stab_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch, NST, STAGES: tl.constexpr):
+    # every SM its contiguous share of each stage, [p * nb // P, (p + 1) * nb // P): all SMs, no tickets
+    p = tl.program_id(0)
+    P = tl.num_programs(0)
+    rows = tl.arange(0, RR)
+    cols = tl.arange(0, KR)
+    for st in range(NST):
+        e = stab_ptr + st * 4
+        nb = tl.load(e)
+        base = tl.load(e + 1)
+        if st > 0:
+            _wait(cnt_ptr, err_ptr, st - 1, P * epoch)
+        hv = tl.load(x_ptr + cols, cache_modifier=".cg")
+        for j in tl.range(p * nb // P, (p + 1) * nb // P, num_stages=STAGES):
+            w = tl.load(w_ptr + (base + j) * (RR * KR) + rows[:, None] * KR + cols[None, :], eviction_policy="evict_first")
+            tl.store(out_ptr + (base + j) * RR + rows, tl.sum(w.to(tl.float32) * hv[None, :], 1))
+        tl.debug_barrier()
+        tl.atomic_add(cnt_ptr + st, 1, sem="release", scope="gpu")
+
+
 def plan(layers: int, sms: int, hold: int, stages=STAGE_SHAPES, slack: int = SLACK):
     """Per stage (layer-major) [blocks, first global block, own blocks an SM, pipelined iterations]: an SM
     owns ``blocks // sms - hold`` blocks (at least 1) and loops ``own + slack`` times. Returns the table,
@@ -124,7 +146,8 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
     plans = {name: plan(layers, sms, hold) for name, hold in (("even", 0), ("steal", HOLD))}
     ref = reference(w, x, plans["steal"][1])
     res = {}
-    for name in ["per_tile", "even", "steal", "steal", "even", "per_tile"]:
+    plans["static"] = plans["even"]
+    for name in ["per_tile", "static", "even", "steal", "steal", "even", "static", "per_tile"]:
         cnt = torch.zeros(ncnt if name == "per_tile" else plans[name][2], dtype=torch.int32, device=dev)
         err = torch.zeros(1, dtype=torch.int32, device=dev)
         out = torch.zeros(nout * RR_, dtype=torch.float32, device=dev)
@@ -137,6 +160,9 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
             if name == "per_tile":
                 e0.record()
                 cp.launch("rows_per_tile", pt_tables, x, w, out, cnt, err, step, sms, stages)
+            elif name == "static":
+                e0.record()
+                rows_static[(sms,)](stab, x, w, out, cnt, err, step, plans[name][2], STAGES=stages, num_warps=8)
             else:
                 tk.zero_()                  # before the timed window
                 e0.record()
