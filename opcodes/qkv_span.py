@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .base import ROW_BYTES, Cost, Instruction, Layout, Region, in_range, next_pow2, register
-from .common import T_KC, T_N1, T_WQ, layer_rows, rows_dot, tab_offset, to_bf16
+from .common import T_KC, T_N1, T_WQ, layer_input, rows_dot, tab_offset, to_bf16
 
 # the loop indexes the offset table by section: q, k, v adjacent, and the k and v caches
 if [Layout.column(k) - Layout.column("q") for k in "qkv"] != [0, 1, 2] or \
@@ -91,22 +91,42 @@ def _span_store(o1, o2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, q
 
 
 @triton.jit
-def qkv_span_device(layer, g, b0, nb, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
-                    wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
-                    D: tl.constexpr, DP: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
-                    MAX_SEQ: tl.constexpr, EPS: tl.constexpr, SPAN_PAIRS: tl.constexpr, STAGES: tl.constexpr,
-                    DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
+def _span_x(src, x1_ptr, dpart_ptr, layer, cols, live, D: tl.constexpr, DOWN_CHUNKS: tl.constexpr,
+            FOLDED: tl.constexpr, INTERP: tl.constexpr):
+    # the layer's input in fp32: bf16 at src, or (FOLDED) the previous layer's x1 + down partials, rounded
+    # to bf16 as RESIDUAL rounds them (opcodes.common.layer_rows, without its branch on the layer)
+    if FOLDED:
+        y = tl.load(x1_ptr + (layer - 1) * D + cols, mask=live, other=0.0, cache_modifier=".cg")
+        for kc in tl.static_range(DOWN_CHUNKS):
+            y += tl.load(dpart_ptr + ((layer - 1) * DOWN_CHUNKS + kc) * D + cols, mask=live, other=0.0,
+                         cache_modifier=".cg")
+        v = to_bf16(y, INTERP).to(tl.float32)
+    else:
+        v = tl.load(src + cols, mask=live, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return v
+
+
+@triton.jit
+def _span_loop(layer, g, b0, nb, pos, src, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr, kc_ptr,
+               vc_ptr, cos_ptr, sin_ptr, q_ptr,
+               D: tl.constexpr, DP: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
+               MAX_SEQ: tl.constexpr, EPS: tl.constexpr, SPAN_PAIRS: tl.constexpr, STAGES: tl.constexpr,
+               DOWN_CHUNKS: tl.constexpr, FOLDED: tl.constexpr, INTERP: tl.constexpr):
     GROUP: tl.constexpr = NQ // NKV
     BPH: tl.constexpr = (HD // 2) // SPAN_PAIRS
-    cols = tl.arange(0, DP)
-    cm = cols < D
-    # the layer's input (the folded residual included), normed as QKV does: the scale after the dots
-    xv = layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, cols, cm, D, DOWN_CHUNKS, RES_FOLD, INTERP)
-    rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=0) / D + EPS)
-    hv = xv * tl.load(n1_ptr + tab_offset(wtab_ptr, layer, T_N1) + cols, mask=cm, other=0.0).to(tl.float32)
-    pr = tl.arange(0, SPAN_PAIRS)
     EVEN: tl.constexpr = D == DP
+    cols = tl.arange(0, DP)
+    pr = tl.arange(0, SPAN_PAIRS)
+    nw_ptr = n1_ptr + tab_offset(wtab_ptr, layer, T_N1)
     for b in tl.range(b0, b0 + nb, num_stages=STAGES):
+        # the input vector and the norm weight are read in the loop with the block's weights: a mask on the
+        # loop variable keeps them from being hoisted before it, so the pipeliner issues them with the
+        # weights' prologue instead of ahead of it (an L2 round trip and a reduction less before the first
+        # weight load); the norm's sum is taken again per block (a few us of a block's ~1 us)
+        live = (cols < D) & (b >= 0)
+        xv = _span_x(src, x1_ptr, dpart_ptr, layer, cols, live, D, DOWN_CHUNKS, FOLDED, INTERP)
+        rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=0) / D + EPS)
+        hv = xv * tl.load(nw_ptr + cols, mask=live, other=0.0).to(tl.float32)
         slot = b // BPH                                 # 0 .. GROUP-1: query heads, GROUP: K, GROUP+1: V
         sec = tl.where(slot < GROUP, 0, slot - GROUP + 1)
         head = tl.where(slot < GROUP, g * GROUP + slot, g)
@@ -123,6 +143,24 @@ def qkv_span_device(layer, g, b0, nb, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, w
         s = tl.where(rot, tl.load(sin_ptr + pos * (HD // 2) + dims), 0.0)
         _span_store(y1 * c - y2 * s, y2 * c + y1 * s, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr,
                     NQ, HD, MAX_SEQ, INTERP)
+
+
+@triton.jit
+def qkv_span_device(layer, g, b0, nb, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
+                    wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
+                    D: tl.constexpr, DP: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
+                    MAX_SEQ: tl.constexpr, EPS: tl.constexpr, SPAN_PAIRS: tl.constexpr, STAGES: tl.constexpr,
+                    DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
+    # one loop per kind of input, so the loop itself has no branch on the layer (loads under a branch
+    # are not pipelined)
+    if RES_FOLD and layer > 0:
+        _span_loop(layer, g, b0, nb, pos, x_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr, kc_ptr,
+                   vc_ptr, cos_ptr, sin_ptr, q_ptr, D, DP, NQ, NKV, HD, MAX_SEQ, EPS, SPAN_PAIRS, STAGES, DOWN_CHUNKS,
+                   True, INTERP)
+    else:
+        _span_loop(layer, g, b0, nb, pos, layer_input(x_ptr, xout_ptr, layer, D), x1_ptr, dpart_ptr, wtab_ptr, n1_ptr,
+                   wq_ptr, wk_ptr, wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, DP, NQ, NKV, HD, MAX_SEQ, EPS,
+                   SPAN_PAIRS, STAGES, DOWN_CHUNKS, False, INTERP)
 
 
 @register
