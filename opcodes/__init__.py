@@ -25,7 +25,6 @@ from .sample import Sample
 from .tp_push import TPPush
 from .tp_reduce import TPReduce
 from .tp_argmax import TPArgmaxPush, TPArgmax
-from .qkv_span import QKVSpan
 from .decoder import DecoderLayout
 from .tp import TPDecoderLayout, TPLayout
 
@@ -34,5 +33,5 @@ __all__ = ["BY_OPCODE", "HEADER", "LAYOUTS", "MAX_OPERANDS", "MAX_WAITS", "NO_CO
            "layout_from_json", "next_pow2", "register", "register_layout", "scratch_buffers", "state_buffers",
            "unregister", "PRESETS",
            "ModelConfig", "QKV", "AttnPartial", "AttnReduce", "OProj", "GateUp", "Down", "Residual", "OReduce",
-           "Embed", "LMHead", "Argmax", "Sample", "TPPush", "TPReduce", "TPArgmaxPush", "TPArgmax", "QKVSpan", "DecoderLayout",
+           "Embed", "LMHead", "Argmax", "Sample", "TPPush", "TPReduce", "TPArgmaxPush", "TPArgmax", "DecoderLayout",
            "TPLayout", "TPDecoderLayout"]

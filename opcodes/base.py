@@ -92,15 +92,11 @@ class Tiling:
     # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
     # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
-    # > 0: the QKV stage as this many QKV_SPAN instructions a layer, each a contiguous range of one KV
-    # group's RoPE-pair blocks in one row loop (opcodes/qkv_span.py), so the stage covers every SM
-    # (e.g. 132 on the H200) instead of one tile per ``qkv_rows`` rows (the 1B: 96 tiles). 0: QKV tiles
-    qkv_span: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "qkv_span") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:

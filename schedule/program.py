@@ -8,7 +8,6 @@ Dependencies per layer ``l`` (one counter per arrow group):
 
     QKV(l, q heads of group g) --q[l,g]--> ATTN_PARTIAL(l, g, *)                  (the cache prefix)
     QKV(l, k/v head g) --kv[l,g]--> ATTN_PARTIAL(l, g, NS-1) (+ q[l,g])      (the key at pos)
-    (with Tiling.qkv_span: QKV_SPAN(l, g, blocks) --q[l,g]--> ATTN_PARTIAL(l, g, *), no kv[l,g])
     ATTN_PARTIAL(l, g, *) --part[l,g]--> ATTN_REDUCE(l, heads of g)
     (with Tiling.key_in_reduce there is no split NS-1: kv[l,g] --> ATTN_REDUCE(l, heads of g), + part[l,g])
     ATTN_REDUCE(l, *) --attn[l]--> OPROJ(l, *) --x1[l]--> GATE_UP(l, *)
@@ -36,8 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from opcodes import (QKV, AttnPartial, AttnReduce, Down, GateUp, Instruction, Layout, ModelConfig, OProj,
-                     OReduce, QKVSpan, Residual, Tiling, TPPush, TPReduce, cdiv)
-from opcodes import qkv_span
+                     OReduce, Residual, Tiling, TPPush, TPReduce, cdiv)
 from opcodes.base import NO_COUNTER, scratch_buffers
 
 
@@ -99,11 +97,6 @@ def check_layout(lay: Layout) -> None:
     if t.red_rows % t.down_rows and t.red_rows < lay.cfg.d:
         raise ValueError(f"Tiling.red_rows = {t.red_rows} must be a multiple of down_rows = {t.down_rows} "
                          "(a down tile signals the counter of one residual block)")
-    if t.qkv_span and getattr(lay, "tp_size", 1) > 1:
-        raise ValueError("Tiling.qkv_span is not supported in a tensor-parallel layout (its QKV stage is tiles)")
-    bad = qkv_span.check_span(lay)
-    if bad:
-        raise ValueError(bad[0])
 
 
 def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUNTER,
@@ -123,8 +116,7 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
     n_rb = cdiv(c.d, t.red_rows)
     for l in range(c.layers):
         cq = [p.counter(f"q[{l},{g}]") for g in range(c.n_kv)]
-        # QKV_SPAN: a group's K and V rows are in its spans, which signal q[l,g]: no kv counters
-        ckv = cq if t.qkv_span else [p.counter(f"kv[{l},{g}]") for g in range(c.n_kv)]
+        ckv = [p.counter(f"kv[{l},{g}]") for g in range(c.n_kv)]
         cp = [p.counter(f"part[{l},{g}]") for g in range(c.n_kv)]
         n_oc = lay.n_o_k
         ca = [p.counter(f"attn[{l},{oc}]" if n_oc > 1 else f"attn[{l}]") for oc in range(n_oc)]
@@ -138,24 +130,19 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
             cd = [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
         cout = p.counter(f"out[{l}]") if (not last or signal_last) and not fold else NO_COUNTER
         w_in = (prev_out,) if prev_out != NO_COUNTER else ()
-        if t.qkv_span:
-            for g, gs in enumerate(qkv_span.spans(lay)):
-                for b0, nb in gs:
-                    p.add(QKVSpan(l, g, b0, nb), w_in, cq[g])
-        else:
-            # Q tiles first, grouped by KV head: a group's prefix attention starts when its Q is done
-            for g in range(c.n_kv):
-                for h in range(g * c.group, (g + 1) * c.group):
-                    for j in range(lay.n_tiles_per_head(0)):
-                        p.add(QKV(l, 0, h, j), w_in, cq[g])
-            for g in range(c.n_kv):
-                for sec in (1, 2):
-                    for j in range(lay.n_tiles_per_head(sec)):
-                        p.add(QKV(l, sec, g, j), w_in, ckv[g])
+        # Q tiles first, grouped by KV head: a group's prefix attention starts when its Q is done
+        for g in range(c.n_kv):
+            for h in range(g * c.group, (g + 1) * c.group):
+                for j in range(lay.n_tiles_per_head(0)):
+                    p.add(QKV(l, 0, h, j), w_in, cq[g])
+        for g in range(c.n_kv):
+            for sec in (1, 2):
+                for j in range(lay.n_tiles_per_head(sec)):
+                    p.add(QKV(l, sec, g, j), w_in, ckv[g])
         for g in range(c.n_kv):
             for s in range(lay.attn_instr_splits):
                 last = s == t.attn_splits - 1
-                p.add(AttnPartial(l, g, s), tuple(dict.fromkeys((cq[g], ckv[g]))) if last else (cq[g],), cp[g])
+                p.add(AttnPartial(l, g, s), (cq[g], ckv[g]) if last else (cq[g],), cp[g])
         for h in range(c.n_q):
             g = h // c.group
             p.add(AttnReduce(l, h), (cp[g], ckv[g]) if t.key_in_reduce else (cp[g],), ca[(h * c.hd) // lay.o_k])
