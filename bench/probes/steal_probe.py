@@ -50,6 +50,28 @@ def _block(w_ptr, out_ptr, j, nb, base, hv, rows, cols):
 
 
 @triton.jit
+def _stage_begin(stab_ptr, st, x_ptr, cnt_ptr, err_ptr, epoch, cols):
+    # stage st's table row (blocks, first global block, own blocks an SM, pipelined iterations), after the
+    # wait for every SM's signal of the stage before it; and the stage's vector, read after that wait
+    e = stab_ptr + st * 4
+    nb = tl.load(e)
+    base = tl.load(e + 1)
+    own = tl.load(e + 2)
+    nl = tl.load(e + 3)
+    if st > 0:
+        _wait(cnt_ptr, err_ptr, st - 1, tl.num_programs(0) * epoch)
+    hv = tl.load(x_ptr + cols, cache_modifier=".cg")
+    return nb, base, own, nl, hv
+
+
+@triton.jit
+def _stage_end(cnt_ptr, st):
+    # this SM's share of stage st is stored: one signal of the stage's counter
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr + st, 1, sem="release", scope="gpu")
+
+
+@triton.jit
 def rows_ticket(stab_ptr, tk_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch, NST, STAGES: tl.constexpr):
     # stab: per stage (blocks, first global block, own blocks an SM, pipelined iterations)
     p = tl.program_id(0)
@@ -57,14 +79,7 @@ def rows_ticket(stab_ptr, tk_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch
     rows = tl.arange(0, RR)
     cols = tl.arange(0, KR)
     for st in range(NST):
-        e = stab_ptr + st * 4
-        nb = tl.load(e)
-        base = tl.load(e + 1)
-        own = tl.load(e + 2)
-        nl = tl.load(e + 3)
-        if st > 0:
-            _wait(cnt_ptr, err_ptr, st - 1, P * epoch)
-        hv = tl.load(x_ptr + cols, cache_modifier=".cg")
+        nb, base, own, nl, hv = _stage_begin(stab_ptr, st, x_ptr, cnt_ptr, err_ptr, epoch, cols)
         pool0 = P * own
         j = p * own                                     # own >= 1: the first block is the SM's own
         for it in tl.range(0, nl, num_stages=STAGES):
@@ -76,8 +91,7 @@ def rows_ticket(stab_ptr, tk_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch
         while j < nb:                                   # tickets SLACK did not cover
             _block(w_ptr, out_ptr, j, nb, base, hv, rows, cols)
             j = pool0 + tl.atomic_add(tk_ptr + st, 1, sem="relaxed", scope="gpu")
-        tl.debug_barrier()
-        tl.atomic_add(cnt_ptr + st, 1, sem="release", scope="gpu")
+        _stage_end(cnt_ptr, st)
 
 
 @triton.jit
@@ -88,17 +102,11 @@ def rows_static(stab_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch, NST, S
     rows = tl.arange(0, RR)
     cols = tl.arange(0, KR)
     for st in range(NST):
-        e = stab_ptr + st * 4
-        nb = tl.load(e)
-        base = tl.load(e + 1)
-        if st > 0:
-            _wait(cnt_ptr, err_ptr, st - 1, P * epoch)
-        hv = tl.load(x_ptr + cols, cache_modifier=".cg")
+        nb, base, _, _, hv = _stage_begin(stab_ptr, st, x_ptr, cnt_ptr, err_ptr, epoch, cols)
         for j in tl.range(p * nb // P, (p + 1) * nb // P, num_stages=STAGES):
             w = tl.load(w_ptr + (base + j) * (RR * KR) + rows[:, None] * KR + cols[None, :], eviction_policy="evict_first")
             tl.store(out_ptr + (base + j) * RR + rows, tl.sum(w.to(tl.float32) * hv[None, :], 1))
-        tl.debug_barrier()
-        tl.atomic_add(cnt_ptr + st, 1, sem="release", scope="gpu")
+        _stage_end(cnt_ptr, st)
 
 
 def plan(layers: int, sms: int, hold: int, stages=STAGE_SHAPES, slack: int = SLACK):
