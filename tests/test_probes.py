@@ -272,3 +272,15 @@ def test_steal_probe_static_shares_do_every_block_once():
                              STAGES=3, num_warps=8)
         assert int(err) == 0 and cnt.tolist() == [epoch] * nst
     torch.testing.assert_close(out, sp.reference(w, x, nblocks), rtol=1e-5, atol=1e-5)
+
+
+def test_steal_probe_arguments(capsys, monkeypatch):
+    """--help prints the usage and exits 0; a depth that is not an integer >= 1 is one line and exit 2, before
+    any GPU work."""
+    from bench.probes import steal_probe as sp
+    monkeypatch.setattr(sp, "run", lambda **kw: pytest.fail(f"ran {kw}"))
+    assert sp.main(["--help"]) == 0 and "steal_probe [DEPTH...]" in capsys.readouterr().out
+    for bad in (["x"], ["0"], ["5", "-1"]):
+        assert sp.main(bad) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and repr(bad[-1]) in err, err

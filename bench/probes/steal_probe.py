@@ -1,5 +1,5 @@
 """Does taking a stage's row blocks by ticket, inside the pipelined loop, shorten a chain of one-wave GEMV
-stages?   python3 -m bench.probes.steal_probe [STAGES...]   (a GPU)
+stages?   python3 -m bench.probes.steal_probe [DEPTH...]   (a GPU; DEPTH: the pipeline's stages, default 5)
 
 The 1B's stages end 1-2.6 us after their mean tile ends (run 137: GATE_UP's 128 tiles end over 2.25 us),
 and the straggle is noise, not slow SMs (``bench.records --per-sm``: taking each SM's mean offset out
@@ -189,13 +189,22 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
     return res
 
 
-if __name__ == "__main__":
-    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+def main(argv) -> int:
+    """``steal_probe [DEPTH...]``: each pipeline depth (an integer >= 1; default 5) in turn,
+    one process; --help prints the module's usage. A bad argument is one line and exit 2, before any GPU work."""
+    if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
-        sys.exit(0)
-    try:
-        depths = [int(s) for s in sys.argv[1:]] or [5]
-    except ValueError:
-        sys.exit(f"steal_probe: pipeline depths are integers, got {sys.argv[1:]}")
-    for st in depths:
+        return 0
+    depths = []
+    for a in argv:
+        if not a.isdigit() or int(a) < 1:
+            print(f"steal_probe: a pipeline depth is an integer >= 1, got {a!r}", file=sys.stderr)
+            return 2
+        depths.append(int(a))
+    for st in depths or [5]:
         run(stages=st)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
