@@ -25,8 +25,6 @@ from .sample import Sample
 from .tp_push import TPPush
 from .tp_reduce import TPReduce
 from .tp_argmax import TPArgmaxPush, TPArgmax
-# after the opcodes above so that their numbers (and the kernels of tapes without it) stay as they were
-from .attn_full import AttnFull
 from .decoder import DecoderLayout
 from .tp import TPDecoderLayout, TPLayout
 
@@ -34,6 +32,6 @@ __all__ = ["BY_OPCODE", "HEADER", "LAYOUTS", "MAX_OPERANDS", "MAX_WAITS", "NO_CO
            "Instruction", "Layout", "Region", "Tiling", "Timing", "cdiv", "kernel_constexprs", "kernel_pointers",
            "layout_from_json", "next_pow2", "register", "register_layout", "scratch_buffers", "state_buffers",
            "unregister", "PRESETS",
-           "ModelConfig", "QKV", "AttnPartial", "AttnReduce", "AttnFull", "OProj", "GateUp", "Down", "Residual", "OReduce",
+           "ModelConfig", "QKV", "AttnPartial", "AttnReduce", "OProj", "GateUp", "Down", "Residual", "OReduce",
            "Embed", "LMHead", "Argmax", "Sample", "TPPush", "TPReduce", "TPArgmaxPush", "TPArgmax", "DecoderLayout",
            "TPLayout", "TPDecoderLayout"]

@@ -41,12 +41,14 @@ def attention_latency(lay: Layout, keys: int, t0: float = ATTN_LATENCY_H200[0], 
 
 
 @triton.jit
-def attend_keys(layer, g, start, stop, wtab_ptr, kc_ptr, vc_ptr, q_ptr, NQ: tl.constexpr, HD: tl.constexpr,
-                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr,
-                ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
-    """KV head ``g``'s query group attending to the cache keys ``[start, stop)`` of ``layer``: the
-    unnormalised ``acc = sum_t p_t v_t``, the running max ``m`` and sum ``l`` (base 2) per query head
-    (rows ``GROUP..GROUP_PAD`` are padding), each K/V block loaded once for the whole group."""
+def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr,
+                        NQ: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                        MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, SPLITS: tl.constexpr, PART_SPLITS: tl.constexpr,
+                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
+    last = s == SPLITS - 1
+    chunk = (pos + SPLITS - 2) // (SPLITS - 1)
+    start = tl.where(last, pos, s * chunk)
+    stop = tl.where(last, pos + 1, tl.minimum(s * chunk + chunk, pos))
     hq = tl.arange(0, GROUP_PAD)
     hm = hq < GROUP
     dcol = tl.arange(0, HD)
@@ -75,24 +77,6 @@ def attend_keys(layer, g, start, stop, wtab_ptr, kc_ptr, vc_ptr, q_ptr, NQ: tl.c
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
         m_i = m_new
-    return acc, m_i, l_i
-
-
-@triton.jit
-def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr,
-                        NQ: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                        MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, SPLITS: tl.constexpr, PART_SPLITS: tl.constexpr,
-                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
-    last = s == SPLITS - 1
-    chunk = (pos + SPLITS - 2) // (SPLITS - 1)
-    start = tl.where(last, pos, s * chunk)
-    stop = tl.where(last, pos + 1, tl.minimum(s * chunk + chunk, pos))
-    acc, m_i, l_i = attend_keys(layer, g, start, stop, wtab_ptr, kc_ptr, vc_ptr, q_ptr, NQ, HD, GROUP, GROUP_PAD,
-                                MAX_SEQ, QSCALE, ATTN_BLOCK, INTERP, ATTN_STAGES)
-    hq = tl.arange(0, GROUP_PAD)
-    hm = hq < GROUP
-    dcol = tl.arange(0, HD)
-    qrow = g * GROUP + hq
     prow = (layer * NQ + qrow) * PART_SPLITS + s
     tl.store(part_o_ptr + prow[:, None] * HD + dcol[None, :], acc, mask=hm[:, None])
     tl.store(part_ml_ptr + prow * 2, m_i, mask=hm)

@@ -69,10 +69,6 @@ class Tiling:
     # prefix splits; there is no last split, so the merge follows the K/V tiles directly instead of
     # a one-key split in between (the TP rank's K/V tail: run 79)
     key_in_reduce: int = 0
-    # 1: no splits and no merge: one ATTN_FULL per KV head attends to the whole cache [0, pos] and
-    # writes the attention output O reads (one latency-bound instruction and one hop between QKV and
-    # O instead of two of each; its time grows with pos: for short positions)
-    attn_full: int = 0
     attn_block: int = 128   # keys per attention inner block
     # software-pipelining depth of the attention key loop: 3 keeps two 128-key K/V blocks in
     # flight, so a ~270-key split costs ~2 loaded HBM round trips instead of one per block
@@ -100,7 +96,7 @@ class Tiling:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "attn_full") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -112,7 +108,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "attn_full"):
+        for k in ("res_fold", "key_in_reduce"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -124,8 +120,6 @@ class Tiling:
             raise ValueError("Tiling.kv_rows must be 0 (qkv_rows) or >= 2 (RoPE pairs)")
         if self.attn_splits < 2:
             raise ValueError("Tiling.attn_splits must be >= 2 (the last split is the key at pos)")
-        if self.attn_full and self.key_in_reduce:
-            raise ValueError("Tiling.attn_full and Tiling.key_in_reduce exclude each other (attn_full has no merge)")
         if self.attn_block < 16:
             raise ValueError("Tiling.attn_block must be >= 16 (tl.dot)")
 

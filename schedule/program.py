@@ -9,7 +9,6 @@ Dependencies per layer ``l`` (one counter per arrow group):
     QKV(l, q heads of group g) --q[l,g]--> ATTN_PARTIAL(l, g, *)                  (the cache prefix)
     QKV(l, k/v head g) --kv[l,g]--> ATTN_PARTIAL(l, g, NS-1) (+ q[l,g])      (the key at pos)
     ATTN_PARTIAL(l, g, *) --part[l,g]--> ATTN_REDUCE(l, heads of g)
-    (with Tiling.attn_full neither: q[l,g] + kv[l,g] --> ATTN_FULL(l, g) --attn[l]-->)
     (with Tiling.key_in_reduce there is no split NS-1: kv[l,g] --> ATTN_REDUCE(l, heads of g), + part[l,g])
     ATTN_REDUCE(l, *) --attn[l]--> OPROJ(l, *) --x1[l]--> GATE_UP(l, *)
     GATE_UP(l, rows in K chunk kc) --act[l,kc]--> DOWN(l, *, kc)
@@ -35,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from opcodes import (QKV, AttnFull, AttnPartial, AttnReduce, Down, GateUp, Instruction, Layout, ModelConfig, OProj,
+from opcodes import (QKV, AttnPartial, AttnReduce, Down, GateUp, Instruction, Layout, ModelConfig, OProj,
                      OReduce, Residual, Tiling, TPPush, TPReduce, cdiv)
 from opcodes.base import NO_COUNTER, scratch_buffers
 
@@ -98,10 +97,6 @@ def check_layout(lay: Layout) -> None:
     if t.red_rows % t.down_rows and t.red_rows < lay.cfg.d:
         raise ValueError(f"Tiling.red_rows = {t.red_rows} must be a multiple of down_rows = {t.down_rows} "
                          "(a down tile signals the counter of one residual block)")
-    group_cols = lay.cfg.group * lay.cfg.hd
-    if t.attn_full and lay.o_k < lay.cfg.q_dim and lay.o_k % group_cols:
-        raise ValueError(f"Tiling.o_k = {t.o_k} must be a multiple of a KV head's query columns ({group_cols}) "
-                         "with Tiling.attn_full (an ATTN_FULL signals the counter of one K chunk)")
 
 
 def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUNTER,
@@ -144,17 +139,13 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
             for sec in (1, 2):
                 for j in range(lay.n_tiles_per_head(sec)):
                     p.add(QKV(l, sec, g, j), w_in, ckv[g])
-        if t.attn_full:
-            for g in range(c.n_kv):
-                p.add(AttnFull(l, g), (cq[g], ckv[g]), ca[(g * c.group * c.hd) // lay.o_k])
-        else:
-            for g in range(c.n_kv):
-                for s in range(lay.attn_instr_splits):
-                    last = s == t.attn_splits - 1
-                    p.add(AttnPartial(l, g, s), (cq[g], ckv[g]) if last else (cq[g],), cp[g])
-            for h in range(c.n_q):
-                g = h // c.group
-                p.add(AttnReduce(l, h), (cp[g], ckv[g]) if t.key_in_reduce else (cp[g],), ca[(h * c.hd) // lay.o_k])
+        for g in range(c.n_kv):
+            for s in range(lay.attn_instr_splits):
+                last = s == t.attn_splits - 1
+                p.add(AttnPartial(l, g, s), (cq[g], ckv[g]) if last else (cq[g],), cp[g])
+        for h in range(c.n_q):
+            g = h // c.group
+            p.add(AttnReduce(l, h), (cp[g], ckv[g]) if t.key_in_reduce else (cp[g],), ca[(h * c.hd) // lay.o_k])
         if not lay.o_partial:
             for r in range(0, c.d, t.o_rows):
                 p.add(OProj(l, r, 0), (ca[0],), cx)
