@@ -44,8 +44,7 @@ def attention_latency(lay: Layout, keys: int, t0: float = ATTN_LATENCY_H200[0], 
 def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr,
                         NQ: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                         MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, SPLITS: tl.constexpr, PART_SPLITS: tl.constexpr,
-                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr,
-                        Q_LOOP: tl.constexpr):
+                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
     last = s == SPLITS - 1
     chunk = (pos + SPLITS - 2) // (SPLITS - 1)
     start = tl.where(last, pos, s * chunk)
@@ -54,10 +53,9 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
     hm = hq < GROUP
     dcol = tl.arange(0, HD)
     qrow = g * GROUP + hq
-    qptrs = q_ptr + layer * (NQ * HD) + qrow[:, None] * HD + dcol[None, :]
-    if not Q_LOOP:
-        q = tl.load(qptrs, mask=hm[:, None], other=0.0, cache_modifier=".cg")
-        qs = to_bf16(q * QSCALE, INTERP)                      # scores come out in base 2
+    q = tl.load(q_ptr + layer * (NQ * HD) + qrow[:, None] * HD + dcol[None, :], mask=hm[:, None],
+                other=0.0, cache_modifier=".cg")
+    qs = to_bf16(q * QSCALE, INTERP)                          # scores come out in base 2
     kbase = kc_ptr + tab_offset(wtab_ptr, layer, T_KC) + g * (MAX_SEQ * HD)
     vbase = vc_ptr + tab_offset(wtab_ptr, layer, T_VC) + g * (MAX_SEQ * HD)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
@@ -67,11 +65,6 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
     for kb in tl.range(start, stop, ATTN_BLOCK, num_stages=ATTN_STAGES):
         keys = kb + tl.arange(0, ATTN_BLOCK)
         km = keys < stop
-        if Q_LOOP:
-            # the group's Q rows read in the loop (the mask on kb keeps them there): the prologue
-            # issues them with the first K/V blocks instead of the K/V after Q's round trip
-            q = tl.load(qptrs, mask=hm[:, None] & (kb < stop), other=0.0, cache_modifier=".cg")
-            qs = to_bf16(q * QSCALE, INTERP)
         k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
                     cache_modifier=".cg")
         v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
@@ -101,7 +94,7 @@ class AttnPartial(Instruction):
     STAGE = 1
     ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr",
             "NQ", "HD", "GROUP", "GROUP_PAD", "MAX_SEQ", "QSCALE", "SPLITS", "PART_SPLITS", "ATTN_BLOCK", "INTERP",
-            "ATTN_STAGES", "Q_LOOP")
+            "ATTN_STAGES")
     CONSTEXPRS = {
         "GROUP": lambda lay: lay.cfg.group,                                  # query heads per KV head
         "GROUP_PAD": lambda lay: max(16, triton.next_power_of_2(lay.cfg.group)),   # rows of tl.dot
@@ -109,7 +102,6 @@ class AttnPartial(Instruction):
         "PART_SPLITS": lambda lay: lay.attn_instr_splits,        # partials per query head (row stride)
         "ATTN_BLOCK": lambda lay: lay.tiling.attn_block,
         "ATTN_STAGES": lambda lay: lay.tiling.attn_stages,
-        "Q_LOOP": lambda lay: lay.tiling.q_loop,
         "QSCALE": lambda lay: float(1.4426950408889634 / math.sqrt(lay.cfg.hd)),   # log2(e) / sqrt(hd)
     }
     TIMING = Timing.LATENCY

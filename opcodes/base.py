@@ -74,9 +74,6 @@ class Tiling:
     # flight, so a ~270-key split costs ~2 loaded HBM round trips instead of one per block
     # (H200: 12.3 -> 7.4 us per split, 446 -> 436 us per layer; bench/NOTES.md v7)
     attn_stages: int = 3
-    # 1: ATTN_PARTIAL reads its Q rows inside the key loop, so the loop's prologue issues them with
-    # the first K/V blocks (0: Q is read and scaled first, and the K/V loads wait for its round trip)
-    q_loop: int = 0
     bk: int = 512           # columns streamed per inner-loop iteration of a GEMV tile
     num_warps: int = 8
     # software-pipelining depth of the GEMV streaming loops (1: off). 6 keeps five 32 KB blocks in
@@ -99,7 +96,7 @@ class Tiling:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "q_loop") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -111,7 +108,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "q_loop"):
+        for k in ("res_fold", "key_in_reduce"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
