@@ -75,21 +75,29 @@ def test_profile_summary_of_synthetic_timestamps():
 def test_profile_critical_path_and_fixed_cost():
     """Per stage of a layer: what it adds after the previous stage's last end, and the hop of its
     late instructions; per opcode: the time over what the bytes take at an even share."""
-    from megatape.views.profile import critical_path, format_summary, layer_timeline, summarize
-    # two layers, stages 0 (a) and 1 (b): b's first waiting instruction starts 2 us after a's end
-    recs = {l: [(0, "a", 0, 0, 10_000 + l), (0, "a", 0, 0, 8_000), (1, "b", 500, 12_000 + l, 15_000 + 3 * l),
-                (1, "b", 9_000, 9_500, 11_000)] for l in (0, 1)}
+    from megatape.views.profile import critical_path, format_summary, layer_period, layer_timeline, summarize
+    # two layers 20 us apart, stages 0 (a) and 1 (b): b's first waiting instruction starts 2 us after
+    # a's end; layer 1's a waits from 14 us, before layer 0's b ends (15 us), and starts at 20 us
+    t = [0, 20_000]
+    recs = {l: [(0, "a", t[l] - 6_000 * l, t[l], t[l] + 10_000 + l), (0, "a", t[l], t[l], t[l] + 8_000),
+                (1, "b", t[l] + 500, t[l] + 12_000 + l, t[l] + 15_000 + 3 * l),
+                (1, "b", t[l] + 9_000, t[l] + 9_500, t[l] + 11_000)] for l in (0, 1)}
     rows = critical_path(recs)
     tl_ = layer_timeline(recs)
     assert tl_["layer"] == 1 and [r["stage"] for r in tl_["rows"]] == ["a", "b"]
     a, b = tl_["rows"]
-    assert (a["n"], a["exec_ns"], a["end_ns"], a["median_wait_ns"]) == (2, (0, 0), (8_000, 10_001), 0)
+    assert (a["n"], a["exec_ns"], a["end_ns"], a["median_wait_ns"]) == (2, (0, 0), (8_000, 10_001), 3_000)
     # b's instructions start 9.5 us and 12.001 us after the layer's first start: the late tile shows
     assert (b["wait0_ns"], b["exec_ns"], b["end_ns"]) == (500, (9_500, 12_001), (11_000, 15_003))
     assert b["median_exec_ns"] == (1_500 + 3_002) / 2 and b["median_wait_ns"] == (500 + 11_501) / 2
-    assert [r["stage"] for r in rows] == ["b"]
-    assert rows[0]["adds_ns"] == 5_000 + 1                 # median of 5000 and 5002
-    assert rows[0]["hop_ns"] == 2_000                      # 12000 - 10000, both layers
+    # a: only layer 1's, after layer 0's b (30.001 us - 15 us), its hop from 15 us to its start at 20
+    assert [r["stage"] for r in rows] == ["a", "b"]
+    assert (rows[0]["adds_ns"], rows[0]["hop_ns"], rows[0]["layers"]) == (15_001, 5_000, 1)
+    assert rows[1]["adds_ns"] == 5_000 + 1                 # median of 5000 and 5002
+    assert (rows[1]["hop_ns"], rows[1]["layers"]) == (2_000, 2)      # 12000 - 10000, both layers
+    # a whole layer: layer 1's last end (35.003 us) after layer 0's (15 us)
+    assert layer_period(recs) == dict(ns=20_003, layers=1)
+    assert layer_period({0: recs[0]}) is None
     comp = compile_model(PRESETS["tiny"], 1, max_seq=64, pool_us=0)
     tape = comp.tape
     prof = torch.zeros(len(tape), 4, dtype=torch.int64)
@@ -102,6 +110,7 @@ def test_profile_critical_path_and_fixed_cost():
         if name != "attn_partial":
             assert d["fixed_ns"] == statistics.median(2000 - b / 1e3 for b in byts), name
     assert "hop us" in format_summary(summ) and summ["stages"]
+    assert "streamed faster than that share" in format_summary(summ)
     assert "as it ran" in format_summary(summ) and summ["layer_timeline"]["layer"] == 0
 
 

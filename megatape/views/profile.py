@@ -57,7 +57,7 @@ def summarize(tape: Tape, prof: torch.Tensor, pos: int | None = None, copy_Bps: 
                          fixed_ns=statistics.median(t - b / fair for t, b in ts) if fair else None)
     return dict(makespan_ns=makespan, ops=ops, total_wait_ns=sum(per_sm_wait.values()),
                 total_busy_ns=sum(per_sm_busy.values()), num_sms=tape.num_sms,
-                max_sm_wait_ns=max(per_sm_wait.values()), stages=critical_path(layer_recs),
+                max_sm_wait_ns=max(per_sm_wait.values()), stages=critical_path(layer_recs), layer=layer_period(layer_recs),
                 layer_timeline=layer_timeline(layer_recs), records=recs)
 
 
@@ -85,26 +85,43 @@ def layer_timeline(layer_recs: dict, layer: int | None = None) -> dict | None:
 
 def critical_path(layer_recs: dict) -> list[dict]:
     """Per stage of a layer (in dataflow order), the medians over layers of what it adds to the
-    layer's critical path (``adds_ns``: its last end after the previous stage's last end) and of
-    the hop (``hop_ns``: from the previous stage's last end to the first start of this stage's
-    instructions that were waiting then; None where none was)."""
+    layer's critical path (``adds_ns``: its last end after the previous stage's last end; for a
+    layer's first stage, the previous layer's last stage) and of the hop (``hop_ns``: from the
+    previous stage's last end to the first start of this stage's instructions that were waiting
+    then; None where none was). The first layer's first stage has no previous stage."""
     adds, hops = defaultdict(list), defaultdict(list)
     order: dict = {}
-    for recs in layer_recs.values():
+    prev_last = None                           # the previous layer's last stage: (its key, its records)
+    for layer in sorted(layer_recs):
         by_stage: dict = defaultdict(list)
-        for stage, name, tw, te, tend in recs:
+        for stage, name, tw, te, tend in layer_recs[layer]:
             by_stage[(stage, name)].append((tw, te, tend))
             order[(stage, name)] = None
         keys = sorted(by_stage)
-        for prev, cur in zip(keys, keys[1:]):
-            prev_end = max(e for _, _, e in by_stage[prev])
+        pairs = list(zip(keys, keys[1:]))
+        steps = [(by_stage[a], k) for a, k in pairs]
+        if prev_last is not None and keys:
+            steps.insert(0, (prev_last, keys[0]))
+        for prev_recs, cur in steps:
+            prev_end = max(e for _, _, e in prev_recs)
             adds[cur].append(max(e for _, _, e in by_stage[cur]) - prev_end)
             late = [te for tw, te, _ in by_stage[cur] if tw <= prev_end <= te]
             if late:
                 hops[cur].append(min(late) - prev_end)
+        prev_last = by_stage[keys[-1]] if keys else None
     return [dict(stage=name, adds_ns=statistics.median(adds[k]),
                  hop_ns=statistics.median(hops[k]) if hops[k] else None, layers=len(adds[k]))
             for k in sorted(order) for name in [k[1]] if adds[k]]
+
+
+def layer_period(layer_recs: dict) -> dict | None:
+    """A layer's time on the critical path, from the previous layer's last end to its own: the
+    median over the layers after the first (``ns``) and their number (``layers``); None with fewer
+    than two layers. The per-stage ``adds_ns`` of :func:`critical_path` are its parts."""
+    ends = [max(r[4] for r in layer_recs[l]) for l in sorted(layer_recs) if layer_recs[l]]
+    if len(ends) < 2:
+        return None
+    return dict(ns=statistics.median(b - a for a, b in zip(ends, ends[1:])), layers=len(ends) - 1)
 
 
 def format_summary(s: dict) -> str:
@@ -120,12 +137,18 @@ def format_summary(s: dict) -> str:
         lines.append(f"| {name} | {d['n']} | {d['busy_ns'] / 1e3:.0f} | {d['wait_ns'] / 1e3:.0f} | "
                      f"{d['first_ns'] / 1e3:.1f}..{d['last_ns'] / 1e3:.1f} | {d['per_sm_GBps']:.1f} | "
                      f"{d['chip_TBps_over_span']:.2f} | {d['median_ns'] / 1e3:.2f} | {fixed} |")
+    if any(d.get("fixed_ns") is not None for d in s["ops"].values()):
+        lines += ["", "fixed us: the median instruction's time over its bytes at an even share of the copy "
+                      "bandwidth (negative: it streamed faster than that share)"]
     if s.get("stages"):
         lines += ["", "per layer (median over layers): what each stage adds to the critical path, and its hop",
                   "| stage | adds us | hop us | layers |", "|---|---|---|---|"]
         for r in s["stages"]:
             hop = "-" if r["hop_ns"] is None else f"{r['hop_ns'] / 1e3:.2f}"
             lines.append(f"| {r['stage']} | {r['adds_ns'] / 1e3:.2f} | {hop} | {r['layers']} |")
+        if s.get("layer"):
+            lines.append(f"| a whole layer (last end to last end) | {s['layer']['ns'] / 1e3:.2f} | - | "
+                         f"{s['layer']['layers']} |")
     tl_ = s.get("layer_timeline")
     if tl_:
         lines += ["", f"layer {tl_['layer']} as it ran (us from its first instruction's start)",
