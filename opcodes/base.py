@@ -80,9 +80,6 @@ class Tiling:
     # flight per SM (shared memory 139 -> 179 KB): an SM streams faster where fewer than ~115 SMs
     # stream (faster on the H200 than 4 or 5: bench/NOTES.md v14)
     stages: int = 6
-    # the pipeline depth of the QKV tiles' / the O tiles' loop alone (0: stages)
-    qkv_stages: int = 0
-    o_stages: int = 0
     # the loop of GATE_UP and LM_HEAD: 0 streams [rows, bk] blocks of a tile and sums over K at its
     # end (the loop of every GEMV); > 0 streams whole rows, about ``row_bytes`` bytes per pipeline
     # stage, each row summed as it arrives, so a tile can have any number of rows without more
@@ -99,7 +96,7 @@ class Tiling:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "qkv_stages", "o_stages") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:

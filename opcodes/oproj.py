@@ -34,14 +34,14 @@ def _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_p
 @triton.jit
 def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_ptr, opart_ptr, dpart_ptr,
                  D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, O_ROWS: tl.constexpr, O_K: tl.constexpr,
-                 O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, O_BK: tl.constexpr, O_STAGES: tl.constexpr,
+                 O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, O_BK: tl.constexpr, STAGES: tl.constexpr,
                  DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     QD: tl.constexpr = NQ * HD
     w_ptr = wo_ptr + tab_offset(wtab_ptr, layer, T_WO)
     rows = row0 + tl.arange(0, O_ROWS)
     rm = rows < D
     acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, attn_ptr + layer * QD, attn_ptr, oc * O_K, QD, O_K,
-                            O_ROWS, O_BK, O_STAGES, TWO=False, NORM=False,
+                            O_ROWS, O_BK, STAGES, TWO=False, NORM=False,
                             EVEN=(QD % O_K == 0) and (O_K % O_BK == 0) and (D % O_ROWS == 0))
     _o_store(tl.sum(acc, axis=1), rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr, D, O_CHUNKS,
              O_PART, DOWN_CHUNKS, RES_FOLD, INTERP)
@@ -57,11 +57,10 @@ class OProj(Instruction):
     NAME = "oproj"
     STAGE = 3
     ARGS = ("x_ptr", "xout_ptr", "wtab_ptr", "wo_ptr", "attn_ptr", "x1_ptr", "opart_ptr", "dpart_ptr",
-            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "O_PART", "O_BK", "O_STAGES", "DOWN_CHUNKS", "RES_FOLD", "INTERP")
+            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "O_PART", "O_BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD", "INTERP")
     CONSTEXPRS = {"O_ROWS": lambda lay: lay.tiling.o_rows, "O_K": lambda lay: lay.o_k,
                   "O_CHUNKS": lambda lay: lay.n_o_k, "O_PART": lambda lay: int(lay.o_partial),
-                  "O_BK": lambda lay: lay.tiling.o_bk or lay.tiling.bk,
-                  "O_STAGES": lambda lay: lay.tiling.o_stages or lay.tiling.stages}
+                  "O_BK": lambda lay: lay.tiling.o_bk or lay.tiling.bk}
     device = oproj_device
 
     # x1 = x + attn . Wo^T (written here, or by O_REDUCE from the per-chunk partials ``opart``)

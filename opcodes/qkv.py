@@ -66,18 +66,18 @@ def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wta
                kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
                D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
                EPS: tl.constexpr, QKV_ROWS: tl.constexpr, KV_ROWS: tl.constexpr, BK: tl.constexpr,
-               QKV_STAGES: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
+               STAGES: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     if KV_ROWS == QKV_ROWS:
         _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
-                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, BK, QKV_STAGES,
+                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, BK, STAGES,
                   DOWN_CHUNKS, RES_FOLD, INTERP)
     elif sec == 0:
         _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
-                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, BK, QKV_STAGES,
+                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, BK, STAGES,
                   DOWN_CHUNKS, RES_FOLD, INTERP)
     else:
         _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
-                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, KV_ROWS, BK, QKV_STAGES,
+                  wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, KV_ROWS, BK, STAGES,
                   DOWN_CHUNKS, RES_FOLD, INTERP)
 
 
@@ -127,10 +127,9 @@ class QKV(Instruction):
     STAGE = 0
     ARGS = ("pos", "x_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr",
             "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
-            "D", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "KV_ROWS", "BK", "QKV_STAGES", "DOWN_CHUNKS", "RES_FOLD",
+            "D", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "KV_ROWS", "BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD",
             "INTERP")
-    CONSTEXPRS = {"QKV_ROWS": lambda lay: lay.tiling.qkv_rows, "KV_ROWS": lambda lay: lay.kv_rows,
-                  "QKV_STAGES": lambda lay: lay.tiling.qkv_stages or lay.tiling.stages}
+    CONSTEXPRS = {"QKV_ROWS": lambda lay: lay.tiling.qkv_rows, "KV_ROWS": lambda lay: lay.kv_rows}
     TABLES = {"cos_ptr": "fp32", "sin_ptr": "fp32"}
     # the new K/V rows live in the caller's cache (row ``pos``): tracked by the verifier, not allocated
     VIRTUAL = ("kv_new_k", "kv_new_v")
