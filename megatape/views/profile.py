@@ -57,8 +57,8 @@ def summarize(tape: Tape, prof: torch.Tensor, pos: int | None = None, copy_Bps: 
                          fixed_ns=statistics.median(t - b / fair for t, b in ts) if fair else None)
     return dict(makespan_ns=makespan, ops=ops, total_wait_ns=sum(per_sm_wait.values()),
                 total_busy_ns=sum(per_sm_busy.values()), num_sms=tape.num_sms,
-                max_sm_wait_ns=max(per_sm_wait.values()), stages=critical_path(layer_recs), layer=layer_period(layer_recs),
-                layer_timeline=layer_timeline(layer_recs), records=recs)
+                max_sm_wait_ns=max(per_sm_wait.values()), stages=critical_path(layer_recs),
+                layer=layer_period(layer_recs), layer_timeline=layer_timeline(layer_recs), records=recs)
 
 
 def layer_timeline(layer_recs: dict, layer: int | None = None) -> dict | None:
@@ -91,15 +91,14 @@ def critical_path(layer_recs: dict) -> list[dict]:
     then; None where none was). The first layer's first stage has no previous stage."""
     adds, hops = defaultdict(list), defaultdict(list)
     order: dict = {}
-    prev_last = None                           # the previous layer's last stage: (its key, its records)
+    prev_last = None                           # the records of the previous layer's last stage
     for layer in sorted(layer_recs):
         by_stage: dict = defaultdict(list)
         for stage, name, tw, te, tend in layer_recs[layer]:
             by_stage[(stage, name)].append((tw, te, tend))
             order[(stage, name)] = None
         keys = sorted(by_stage)
-        pairs = list(zip(keys, keys[1:]))
-        steps = [(by_stage[a], k) for a, k in pairs]
+        steps = [(by_stage[a], b) for a, b in zip(keys, keys[1:])]
         if prev_last is not None and keys:
             steps.insert(0, (prev_last, keys[0]))
         for prev_recs, cur in steps:
