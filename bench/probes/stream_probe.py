@@ -1,5 +1,6 @@
 """Per-SM streaming probe (bench/NOTES.md run 62): a GEMV tile per program, REPS tiles in sequence (the pipeline drains
-between tiles, as in the megakernel), cp.async pointer loads vs TMA descriptor loads.   python3 -m bench.probes.stream_probe (a GPU)"""
+between tiles, as in the megakernel), cp.async pointer loads vs TMA descriptor loads.   python3 -m bench.probes.stream_probe (a GPU)
+WARPS=4 (default 8): the programs' warps (the 1B decoder's kernel runs 4, the others 8)."""
 import os
 import statistics
 
@@ -47,6 +48,8 @@ def main():
     triton.set_allocator(lambda size, align, stream: torch.empty(size, device=dev, dtype=torch.int8))
     K = 2048
     reps = int(os.environ.get("REPS", "12"))
+    warps = int(os.environ.get("WARPS", "8"))
+    print(f"{warps} warps a program")
     total_bytes_max = 1 << 30
     w = torch.randn(total_bytes_max // 2, device=dev, dtype=torch.bfloat16)
     x = torch.randn(K, device=dev, dtype=torch.bfloat16)
@@ -75,7 +78,7 @@ def main():
             if name == "tma":
                 args += (reps * nprog * rows,)
             try:
-                fn[(nprog,)](*args, K=K, ROWS=rows, BK=bk, STAGES=st, num_warps=8)
+                fn[(nprog,)](*args, K=K, ROWS=rows, BK=bk, STAGES=st, num_warps=warps)
                 torch.cuda.synchronize()
             except Exception as ex:
                 print(f"{name} rows {rows} bk {bk} st {st}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
@@ -85,7 +88,7 @@ def main():
             err = (out - ref).abs().max().item() / ref.abs().max().item()
             ts = []
             for _ in range(15):
-                e0.record(); fn[(nprog,)](*args, K=K, ROWS=rows, BK=bk, STAGES=st, num_warps=8); e1.record()
+                e0.record(); fn[(nprog,)](*args, K=K, ROWS=rows, BK=bk, STAGES=st, num_warps=warps); e1.record()
                 torch.cuda.synchronize(); ts.append(e0.elapsed_time(e1) * 1e3)
             us = statistics.median(ts)
             per = us / reps
