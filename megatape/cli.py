@@ -717,7 +717,12 @@ def main(argv=None) -> int:
     except SystemExit as e:          # --help, --version, argument errors: return the status
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     if a.cmd in COMMANDS:
-        return COMMANDS[a.cmd](a)
+        try:
+            return COMMANDS[a.cmd](a)
+        except OSError as e:      # a path that cannot be written or read: a message, not a traceback
+            where = f": {e.filename}" if e.filename else ""
+            print(f"megatape {a.cmd}: error: {e.strerror or e}{where}", file=sys.stderr)
+            return 1
     ap.print_help(sys.stderr)
     return 2
 

@@ -288,6 +288,17 @@ def test_viz_without_matplotlib_is_one_line(monkeypatch, capsys, tmp_path):
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "matplotlib" in err
 
 
+def test_an_output_path_that_cannot_be_made_is_one_line(capsys, tmp_path):
+    """viz's --out under a regular file (mkdir fails with an OSError): one error line naming the path,
+    exit 1, no traceback."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad = blocker / "pictures"
+    rc, out, err = run_main(capsys, "viz", "--preset", "tiny", "--sms", "3", "--out", str(bad), "--no-svg")
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("megatape viz: error: ") and str(bad) in err and "Traceback" not in err
+
+
 def test_help_from_a_clone():
     """``python -m megatape.cli --help`` from the repository root, no install."""
     p = subprocess.run([sys.executable, "-m", "megatape.cli", "--help"], cwd=ROOT, capture_output=True,
