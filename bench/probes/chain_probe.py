@@ -296,7 +296,6 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
     dev = torch.device(device)
     sms = sms or torch.cuda.get_device_properties(dev).multi_processor_count
     i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)      # noqa: E731
-    ev = lambda: torch.cuda.Event(enable_timing=True)                   # noqa: E731
     bw = stream_bw(dev)
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(4096, generator=g).to(dev)
@@ -311,23 +310,32 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
         cnt = torch.zeros(ncnt, dtype=torch.int32, device=dev)
         err = torch.zeros(1, dtype=torch.int32, device=dev)
         out = torch.zeros(nout * orows, dtype=torch.float32, device=dev)
-        times = []
-        for step in range(1, steps + 1):
-            e0, e1 = ev(), ev()
-            e0.record()
-            launch(name, tables, x, w, out, cnt, err, step, sms, stages)
-            e1.record()
-            torch.cuda.synchronize()
-            times.append(e0.elapsed_time(e1) * 1e3)
+        t = timed_median(lambda step: launch(name, tables, x, w, out, cnt, err, step, sms, stages), steps)
         if int(err.item()):
             raise RuntimeError(f"{name}: {int(err.item())} waits gave up")
         outs.setdefault(name, out.clone())
-        res.setdefault(name, []).append(statistics.median(times[2:]))
+        res.setdefault(name, []).append(t)
     for x_, y_ in (("flat", "per_tile"), ("rows_flat", "rows_per_tile")):
         if not torch.equal(outs[x_], outs[y_]):
             raise RuntimeError(f"{x_} and {y_} outputs differ")
     floor_us = report(dev, layers, sms, built[plan][1].numel() * 2, bw, f"pipeline {stages}", res, 13)
     return res, floor_us
+
+
+def timed_median(call, steps: int, before=None) -> float:
+    """The median CUDA-event time (us) of ``call(epoch)`` over epochs 1..``steps``, the first two left
+    out (warm-up); ``before()``, if given, runs ahead of each call, outside the timed window."""
+    times = []
+    for step in range(1, steps + 1):
+        if before is not None:
+            before()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        call(step)
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3)
+    return statistics.median(times[2:])
 
 
 def report(dev, layers: int, sms: int, nbytes: int, bw: float, what: str, res: dict, width: int) -> float:

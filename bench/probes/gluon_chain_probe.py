@@ -60,7 +60,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import statistics
 import sys
 import tempfile
 
@@ -326,16 +325,9 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0):
     res = {}
     for name in NAMES + NAMES[::-1]:
         out, cnt, err = fresh()
-        times = []
-        for step in range(1, steps + 1):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            call(name, out, cnt, err, step)
-            e1.record()
-            torch.cuda.synchronize()
-            times.append(e0.elapsed_time(e1) * 1e3)
+        t = cp.timed_median(lambda step: call(name, out, cnt, err, step), steps)
         check(name, out, cnt, err, steps, ref, per_call)
-        res.setdefault(name, []).append(statistics.median(times[2:]))
+        res.setdefault(name, []).append(t)
     what = f"pipeline {stages} (ws: ring of {ring} x 32 KB)"
     if gap is not None:
         what += f"; a {gap_us:g} us gap after each layer's QKV ({layers * gap_us:g} us a call beside the floor)"

@@ -26,7 +26,6 @@ stage's counter once, and the next stage waits for all of them. The tickets are 
 """
 from __future__ import annotations
 
-import statistics
 import sys
 
 import torch
@@ -132,16 +131,17 @@ def reference(w: torch.Tensor, x: torch.Tensor, nblocks: int) -> torch.Tensor:
     return (w[:nblocks * RR_ * KR.value].float().view(nblocks * RR_, KR.value) @ x[:KR.value].float())
 
 
-def launch(stab, tk, x, w, out, cnt, err, epoch, sms, nst, stages):
-    """One call of :func:`rows_ticket` (tickets zeroed first)."""
-    tk.zero_()
+def launch(stab, tk, x, w, out, cnt, err, epoch, sms, nst, stages, zero=True):
+    """One call of :func:`rows_ticket`, its tickets zeroed first unless ``zero`` is False (the caller
+    zeroes them outside its timed window)."""
+    if zero:
+        tk.zero_()
     rows_ticket[(sms,)](stab, tk, x, w, out, cnt, err, epoch, nst, STAGES=stages, num_warps=8)
 
 
 def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
     dev = torch.device(device)
     sms = sms or torch.cuda.get_device_properties(dev).multi_processor_count
-    ev = lambda: torch.cuda.Event(enable_timing=True)                   # noqa: E731
     bw = stream_bw(dev)
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(4096, generator=g).to(dev)
@@ -163,28 +163,21 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
             stab = torch.tensor(plans[name][0], dtype=torch.int32, device=dev).reshape(-1)
         if name in ("even", "steal"):
             tk = torch.zeros(plans[name][2], dtype=torch.int32, device=dev)
-        times = []
-        for step in range(1, steps + 1):
-            e0, e1 = ev(), ev()
-            if name == "per_tile":
-                e0.record()
-                cp.launch("rows_per_tile", pt_tables, x, w, out, cnt, err, step, sms, stages)
-            elif name == "static":
-                e0.record()
-                rows_static[(sms,)](stab, x, w, out, cnt, err, step, plans[name][2], STAGES=stages, num_warps=8)
-            else:
-                tk.zero_()                  # before the timed window
-                e0.record()
-                rows_ticket[(sms,)](stab, tk, x, w, out, cnt, err, step, plans[name][2], STAGES=stages, num_warps=8)
-            e1.record()
-            torch.cuda.synchronize()
-            times.append(e0.elapsed_time(e1) * 1e3)
+        if name == "per_tile":
+            t = cp.timed_median(lambda step: cp.launch("rows_per_tile", pt_tables, x, w, out, cnt, err, step, sms,
+                                                       stages), steps)
+        elif name == "static":
+            t = cp.timed_median(lambda step: rows_static[(sms,)](stab, x, w, out, cnt, err, step, plans[name][2],
+                                                                 STAGES=stages, num_warps=8), steps)
+        else:                               # the tickets zeroed before each timed window
+            t = cp.timed_median(lambda step: launch(stab, tk, x, w, out, cnt, err, step, sms, plans[name][2], stages,
+                                                    zero=False), steps, before=tk.zero_)
         if int(err.item()):
             raise RuntimeError(f"{name}: {int(err.item())} waits gave up")
         # per_tile streams table row j's block from j * RR * KR and stores it at out row j: the global block
         # order of the others (chain_probe.plan_rows), so one reference serves all of them
         torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
-        res.setdefault(name, []).append(statistics.median(times[2:]))
+        res.setdefault(name, []).append(t)
     report(dev, layers, sms, nbytes, bw, f"pipeline {stages}, hold {HOLD}, slack {SLACK}", res, 9)
     return res
 

@@ -77,8 +77,12 @@ def main():
             args = (ww, x, out, reps, nprog)
             if name == "tma":
                 args += (reps * nprog * rows,)
-            try:
+
+            def call():          # this configuration, once
                 fn[(nprog,)](*args, K=K, ROWS=rows, BK=bk, STAGES=st, num_warps=warps)
+
+            try:
+                call()
                 torch.cuda.synchronize()
             except Exception as ex:
                 print(f"{name} rows {rows} bk {bk} st {st}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
@@ -88,7 +92,7 @@ def main():
             err = (out - ref).abs().max().item() / ref.abs().max().item()
             ts = []
             for _ in range(15):
-                e0.record(); fn[(nprog,)](*args, K=K, ROWS=rows, BK=bk, STAGES=st, num_warps=warps); e1.record()
+                e0.record(); call(); e1.record()
                 torch.cuda.synchronize(); ts.append(e0.elapsed_time(e1) * 1e3)
             us = statistics.median(ts)
             per = us / reps
