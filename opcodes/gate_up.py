@@ -40,7 +40,7 @@ def _gu_rows_waiting(row0, g_ptr, u_ptr, nw_ptr, xin, act_out, ins, cnt_ptr, epo
     # _gu_rows with the instruction's waits and the input vector in the first iteration: the
     # pipeline's prologue (its first STAGES - 1 blocks of weights) is issued before them
     EVEN: tl.constexpr = (D == DP) and (FFN % GU_ROWS == 0)
-    hv = tl.zeros([DP], dtype=tl.float32)
+    hv = tl.zeros([1, DP], dtype=tl.float32)       # [1, DP]: carried in the blocks' layout
     rstd = tl.full([], 0.0, tl.float32)
     bad_c = tl.full([], -1, tl.int32)
     bad_s = tl.full([], 0, tl.int32)
@@ -48,13 +48,14 @@ def _gu_rows_waiting(row0, g_ptr, u_ptr, nw_ptr, xin, act_out, ins, cnt_ptr, epo
     for b in tl.range(0, GU_ROWS // GU_RB, num_stages=STAGES):
         rows = row0 + b * GU_RB + tl.arange(0, GU_RB)
         rm = rows < FFN
+        if b == 0:      # before the block's loads: the poll does not wait for the first block to land
+            bad_c, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE)
+            h1, rstd = norm_row_vec(xin, nw_ptr, D, DP, EPS)
+            hv = h1[None, :]
         wg = rows_load(g_ptr, rows, rm, 0, D, D, DP, EVEN)
         wu = rows_load(u_ptr, rows, rm, 0, D, D, DP, EVEN)
-        if b == 0:
-            bad_c, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE)
-            hv, rstd = norm_row_vec(xin, nw_ptr, D, DP, EPS)
-        gv = tl.sum(wg.to(tl.float32) * hv[None, :], axis=1) * rstd
-        uv = tl.sum(wu.to(tl.float32) * hv[None, :], axis=1) * rstd
+        gv = tl.sum(wg.to(tl.float32) * hv, axis=1) * rstd
+        uv = tl.sum(wu.to(tl.float32) * hv, axis=1) * rstd
         tl.store(act_out + rows, gv / (1.0 + tl.exp(-gv)) * uv, mask=rm & (bad_c < 0))
     return bad_c, bad_s, t_exec
 
