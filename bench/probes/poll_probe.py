@@ -1,0 +1,158 @@
+"""Does a counter poll issued after a tile's weight prologue wait for the prologue to land, and does it
+matter whether the prologue is cp.async (16 bytes a thread per request) or TMA (one bulk request a box)?
+    python3 -m bench.probes.poll_probe [programs...]     (a GPU (H200); default 96 128 132)
+    python3 -m bench.probes.poll_probe --compile          (no GPU: the three kernels compiled for sm_90)
+
+bench/NOTES.md v97: GATE_UP's in-loop wait (the prologue's cp.async copies issued, then the poll) met
+its counter ~3.7 us after the counter was complete, about the time 128 SMs' 128 KB prologues take at the
+copy bandwidth. This probe isolates that. Each program (one per SM, all co-resident) issues a prologue
+of NBLK blocks of 32 KB of its own weights into shared memory, then polls a counter that is already at
+its target (one acquire load, the megakernel's poll), then waits for the prologue to land:
+
+    none  : no prologue (the poll's own latency)
+    tma   : NBLK TMA copies of one [64, 256] bf16 box each, on one mbarrier per block
+    cpasync : the same bytes as cp.async copies (8 chunks of [8, 256] a block, 16 bytes a thread a request)
+
+Per program, in ns of %globaltimer: the prologue's issue, the poll (issue to its value in hand) and the
+landing (issue to every block in shared memory). Medians and maxima over the programs and the calls;
+the weights are rotated through enough copies (>= 200 MB, four times the L2) that a call's blocks come
+from HBM, not from the L2's copy of an earlier call.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from interp.sync import clock_ns
+
+ROWS_, COLS_ = 64, 256                  # a block: 64 x 256 bf16 = 32 KB, one TMA box
+NBLK_ = 4                               # the prologue: 4 blocks = 128 KB, GATE_UP's at stages=5
+MODES = ("none", "tma", "cpasync")
+BR, BC, NBLK = gl.constexpr(ROWS_), gl.constexpr(COLS_), gl.constexpr(NBLK_)
+CH = gl.constexpr(8)                    # cp.async: rows a chunk (8 x 256 = 2048 elements, 16 a thread)
+SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
+
+@gluon.jit
+def poll_kernel(w_desc, w_ptr, flag_ptr, out_ptr, MODE: gl.constexpr):
+    pid = gl.program_id(0)
+    bufs = gl.allocate_shared_memory(gl.bfloat16, [NBLK, BR, BC], SMEM)
+    bars = gl.allocate_shared_memory(gl.int64, [NBLK, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NBLK):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    row0 = pid * (NBLK * BR)
+    t0 = clock_ns(False)
+    if MODE == 1:
+        for b in gl.static_range(NBLK):
+            mbarrier.expect(bars.index(b), BR * BC * 2)
+            tma.async_copy_global_to_shared(w_desc, [row0 + b * BR, 0], bars.index(b), bufs.index(b))
+    elif MODE == 2:
+        r = gl.arange(0, CH, layout=gl.SliceLayout(1, L))
+        c = gl.arange(0, BC, layout=gl.SliceLayout(0, L))
+        for b in gl.static_range(NBLK):
+            for k in gl.static_range(BR // CH):
+                p = w_ptr + (row0 + b * BR + k * CH + r)[:, None].to(gl.int64) * BC + c[None, :]
+                async_copy.async_copy_global_to_shared(bufs.index(b).slice(k * CH, CH), p)
+            async_copy.commit_group()
+    t1 = clock_ns(False)
+    seen = gl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    t2 = t1
+    if seen >= 0:                       # the clock after the poll's value is in hand
+        t2 = clock_ns(False)
+    if MODE == 1:
+        for b in gl.static_range(NBLK):
+            mbarrier.wait(bars.index(b), 0)
+    elif MODE == 2:
+        async_copy.wait_group(0)
+    t3 = clock_ns(False)
+    # one value of the landed data, so the copies are not dead
+    v = bufs.index(NBLK - 1).slice(BR - CH, CH).load(L)
+    o = out_ptr + pid * 4
+    gl.store(o, t1 - t0)
+    gl.store(o + 1, t2 - t1)
+    gl.store(o + 2, t3 - t1)
+    gl.store(o + 3, gl.sum(gl.sum(v.to(gl.float32), 1), 0).to(gl.int64) + seen.to(gl.int64))
+    for i in gl.static_range(NBLK):
+        mbarrier.invalidate(bars.index(i))
+
+
+def run(programs=(96, 128, 132), calls: int = 20, device="cuda") -> dict:
+    dev = torch.device(device)
+    nsm = torch.cuda.get_device_properties(dev).multi_processor_count
+    rows = max(programs) * NBLK_ * ROWS_
+    copies = max(3, -(-200_000_000 // (rows * COLS_ * 2)))
+    ws = [torch.randn(rows, COLS_, device=dev).to(torch.bfloat16) for _ in range(copies)]
+    descs = [TensorDescriptor.from_tensor(w, [ROWS_, COLS_], SMEM) for w in ws]
+    flag = torch.ones(1, dtype=torch.int32, device=dev)
+    res = {}
+    for p in programs:
+        if p > nsm:
+            raise ValueError(f"{p} programs: more than the {nsm} SMs (one co-resident program each)")
+        for mode in (0, 1, 2, 0):
+            out = torch.zeros(p, 4, dtype=torch.int64, device=dev)
+            samples = []
+            for c in range(calls + 2):
+                poll_kernel[(p,)](descs[c % copies], ws[c % copies], flag, out, MODE=mode, num_warps=4)
+                torch.cuda.synchronize()
+                if c >= 2:
+                    samples.append(out[:, :3].cpu().clone())
+            t = torch.stack(samples).double() / 1e3          # [calls, p, 3] us
+            key = f"{MODES[mode]}@{p}"
+            row = {q: (statistics.median(t[:, :, i].flatten().tolist()), float(t[:, :, i].max()))
+                   for i, q in enumerate(("issue", "poll", "landed"))}
+            res.setdefault(key, []).append(row)
+            print(f"{key:>12s}: " + "  ".join(f"{q} med {m:6.2f} max {x:6.2f} us" for q, (m, x) in row.items()),
+                  flush=True)
+    return res
+
+
+def compile_sm90() -> dict:
+    """The three modes compiled for sm_90 (no GPU): shared memory and ptxas registers / spills."""
+    if os.environ.get("TRITON_INTERPRET") not in (None, "", "0"):
+        raise RuntimeError("unset TRITON_INTERPRET (Gluon kernels are compiled, never interpreted)")
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+    desc = TensorDescriptor.from_tensor(torch.zeros(ROWS_ * 4, COLS_, dtype=torch.bfloat16), [ROWS_, COLS_], SMEM)
+    sig = {"w_desc": mangle_type(desc), "w_ptr": "*bf16", "flag_ptr": "*i32", "out_ptr": "*i64", "MODE": "constexpr"}
+    names = poll_kernel.arg_names
+    out = {}
+    for mode in range(3):
+        src = GluonASTSource(fn=poll_kernel, signature={n: sig[n] for n in names},
+                             constexprs={(names.index("MODE"),): mode},
+                             attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*"})
+        ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        out[MODES[mode]] = {"shared": ck.metadata.shared, "ptx_lines": ck.asm["ptx"].count("\n"),
+                            "cp.async": ck.asm["ptx"].count("cp.async.cg") + ck.asm["ptx"].count("cp.async.ca"),
+                            "tma": ck.asm["ptx"].count("cp.async.bulk.tensor")}
+    return out
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--compile"]:
+        print(json.dumps(compile_sm90()))
+        return 0
+    bad = [a for a in args if not a.isdigit() or int(a) < 1]
+    if bad:
+        print(f"{bad[0]!r}: a program count is an integer >= 1 (usage: python3 -m bench.probes.poll_probe "
+              "[programs...] | --compile)", file=sys.stderr)
+        return 2
+    run(tuple(int(a) for a in args) or (96, 128, 132))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
