@@ -284,3 +284,59 @@ def test_steal_probe_arguments(capsys, monkeypatch):
         assert sp.main(bad) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and repr(bad[-1]) in err, err
+
+
+# ---- bench/probes/tma_wait_probe.py: the row chain with its wait after a cp.async or TMA prologue ---------
+@pytest.mark.parametrize("name", ["rows_per_tile", "rows_in_cp", "rows_tma", "rows_in_tma"])
+def test_tma_wait_probe_kernels(name):
+    """Each of the probe's four loops (one SM, two layers of three stages, two calls) computes the row
+    chain's sums and signals every tile once a call, whether it waits before its loop or inside it."""
+    from bench.probes import tma_wait_probe as tw
+    tab, start, tiles, tstart, nw, nout, ncnt = cp.plan_rows(2, 1, SHAPES)
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(nw, generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(4096, generator=g)
+    tables = (_i64(tab).reshape(-1), _i64(start), _i64(tiles), _i64(tstart))
+    desc = tw.TensorDescriptor.from_tensor(w.view(-1, tw.BOX_C), [tw.BOX_R, tw.BOX_C])
+    cnt = torch.zeros(ncnt, dtype=torch.int32)
+    err = torch.zeros(1, dtype=torch.int32)
+    out = torch.zeros(nout * cp.RR_)
+    for epoch in (1, 2):
+        tw.launch(name, tables, x, w, desc, out, cnt, err, epoch, 1, 3)
+    assert int(err) == 0
+    assert cnt.tolist() == [2] * ncnt
+    torch.testing.assert_close(out, _reference(cp.plan_rows, tab, w, x, nout), rtol=1e-5, atol=1e-5)
+
+
+def test_probe_arguments_are_checked_before_any_gpu_work(capsys, monkeypatch):
+    from bench.probes import poll_probe as pp
+    from bench.probes import tma_wait_probe as tw
+    monkeypatch.setattr(pp, "run", lambda *a, **kw: pytest.fail("poll_probe ran"))
+    monkeypatch.setattr(tw, "run", lambda *a, **kw: pytest.fail("tma_wait_probe ran"))
+    for main, bad in ((pp.main, ["0"]), (pp.main, ["x"]), (tw.main, ["1"]), (tw.main, ["a"])):
+        assert main(bad) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and repr(bad[0]) in err, err
+
+
+def test_poll_probe_compiles_for_sm90(tmp_path):
+    """The poll probe's three kernels (sm_90, no GPU): the TMA one issues its 4 blocks as 4 bulk tensor
+    copies, the cp.async one as 64 16-byte copies a thread, the plain one neither; 128 KB of blocks
+    within an H200 block's shared memory."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(root), TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-m", "bench.probes.poll_probe", "--compile"], capture_output=True, text=True,
+                       env=env, cwd=root, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (got["none"]["tma"], got["none"]["cp.async"]) == (0, 0)
+    assert (got["tma"]["tma"], got["tma"]["cp.async"]) == (4, 0)
+    assert (got["cpasync"]["tma"], got["cpasync"]["cp.async"]) == (0, 64)
+    for mode in got.values():
+        assert 4 * 32768 <= mode["shared"] <= H200_SMEM_PER_BLOCK, mode

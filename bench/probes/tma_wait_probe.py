@@ -80,7 +80,7 @@ def rows_tma(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_desc, out_ptr, 
         s, s1 = cp._tile_start(tab_ptr, tiles_ptr, t, cnt_ptr, err_ptr, epoch, cnt_ptr, 0, False)
         hv2 = tl.load(x_ptr + r8[:, None] * 256 + tl.arange(0, 256)[None, :], cache_modifier=".cg")
         for j in tl.range(s, s1, num_stages=STAGES):
-            w = w_desc.load([(j * 64).to(tl.int32), 0])
+            w = w_desc.load([tl.cast(j * 64, tl.int32), 0])
             tl.store(out_ptr + tl.load(tab_ptr + j * 6 + 4) * RR + r8, _dot_tma(w, hv2))
         cp._tile_signal(tab_ptr, s1, cnt_ptr)
 
@@ -98,7 +98,7 @@ def rows_in_tma(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_desc, out_pt
             if j == s:
                 cp._tile_wait(tab_ptr + j * 6, cnt_ptr, err_ptr, epoch, cnt_ptr, 0, False)
                 hv2 = tl.load(x_ptr + r8[:, None] * 256 + tl.arange(0, 256)[None, :], cache_modifier=".cg")
-            w = w_desc.load([(j * 64).to(tl.int32), 0])
+            w = w_desc.load([tl.cast(j * 64, tl.int32), 0])
             tl.store(out_ptr + tl.load(tab_ptr + j * 6 + 4) * RR + r8, _dot_tma(w, hv2))
         cp._tile_signal(tab_ptr, s1, cnt_ptr)
 
