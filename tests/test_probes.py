@@ -320,7 +320,7 @@ def test_probe_arguments_are_checked_before_any_gpu_work(capsys, monkeypatch):
 
 
 def test_poll_probe_compiles_for_sm90(tmp_path):
-    """The poll probe's three kernels (sm_90, no GPU): the TMA one issues its 4 blocks as 4 bulk tensor
+    """The poll probe's kernels (sm_90, no GPU): the TMA one issues its 4 blocks as 4 bulk tensor
     copies, the cp.async one as 64 16-byte copies a thread, the plain one neither; 128 KB of blocks
     within an H200 block's shared memory."""
     import json
@@ -338,5 +338,7 @@ def test_poll_probe_compiles_for_sm90(tmp_path):
     assert (got["none"]["tma"], got["none"]["cp.async"]) == (0, 0)
     assert (got["tma"]["tma"], got["tma"]["cp.async"]) == (4, 0)
     assert (got["cpasync"]["tma"], got["cpasync"]["cp.async"]) == (0, 64)
+    # the warp-specialized one: the loader's copies in a loop (4 sites, one a block), 4 + 1 warps (8 launched)
+    assert (got["cpasync_ws"]["tma"], got["cpasync_ws"]["cp.async"], got["cpasync_ws"]["num_warps"]) == (0, 4, 8)
     for mode in got.values():
         assert 4 * 32768 <= mode["shared"] <= H200_SMEM_PER_BLOCK, mode

@@ -12,6 +12,9 @@ its target (one acquire load, the megakernel's poll), then waits for the prologu
     none  : no prologue (the poll's own latency)
     tma   : NBLK TMA copies of one [64, 256] bf16 box each, on one mbarrier per block
     cpasync : the same bytes as cp.async copies (8 chunks of [8, 256] a block, 16 bytes a thread a request)
+    cpasync_ws : the same cp.async copies issued by a 1-warp loader partition (`gl.warp_specialize`); the
+            4 consumer warps poll once the loader has issued them (an mbarrier between the two): is
+            the poll's wait a matter of its own warp's copies or of the SM's?
 
 Per program, in ns of %globaltimer: the prologue's issue, the poll (issue to its value in hand) and the
 landing (issue to every block in shared memory). Medians and maxima over the programs and the calls;
@@ -37,7 +40,7 @@ from interp.sync import clock_ns
 
 ROWS_, COLS_ = 64, 256                  # a block: 64 x 256 bf16 = 32 KB, one TMA box
 NBLK_ = 4                               # the prologue: 4 blocks = 128 KB, GATE_UP's at stages=5
-MODES = ("none", "tma", "cpasync")
+MODES = ("none", "tma", "cpasync", "cpasync_ws")
 BR, BC, NBLK = gl.constexpr(ROWS_), gl.constexpr(COLS_), gl.constexpr(NBLK_)
 CH = gl.constexpr(8)                    # cp.async: rows a chunk (8 x 256 = 2048 elements, 16 a thread)
 SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
@@ -88,6 +91,50 @@ def poll_kernel(w_desc, w_ptr, flag_ptr, out_ptr, MODE: gl.constexpr):
         mbarrier.invalidate(bars.index(i))
 
 
+@gluon.jit
+def _ws_loader(w_ptr, bufs, issued, out_ptr, row0):
+    # one warp: the prologue as cp.async copies of one 256-element row (16 bytes a lane) each, then an
+    # arrive on `issued`; then it waits for its copies and records when they landed (out word 2)
+    L1: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [1, 1], [1, 0])
+    c = gl.arange(0, BC, layout=gl.SliceLayout(0, L1))[None, :]
+    t0 = clock_ns(False)
+    for b in gl.static_range(NBLK):
+        for r in range(BR):
+            async_copy.async_copy_global_to_shared(bufs.index(b * BR + r), w_ptr + (row0 + b * BR + r).to(gl.int64) * BC + c)
+    async_copy.commit_group()
+    mbarrier.arrive(issued)
+    async_copy.wait_group(0)
+    t3 = clock_ns(False)
+    gl.store(out_ptr + 2, t3 - t0)
+
+
+@gluon.jit
+def _ws_poller(flag_ptr, issued, out_ptr):
+    # the consumer warps: once the loader has issued its copies, one acquire poll, timed
+    mbarrier.wait(issued, 0)
+    t1 = clock_ns(False)
+    seen = gl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    t2 = t1
+    if seen >= 0:
+        t2 = clock_ns(False)
+    gl.store(out_ptr + 1, t2 - t1)
+    gl.store(out_ptr + 3, seen.to(gl.int64))
+
+
+@gluon.jit
+def poll_ws_kernel(w_ptr, flag_ptr, out_ptr):
+    pid = gl.program_id(0)
+    bufs = gl.allocate_shared_memory(gl.bfloat16, [NBLK * BR, 1, BC], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    issued = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(issued, count=1)
+    fence_async_shared()
+    o = out_ptr + pid * 4
+    gl.store(o, 0)
+    gl.warp_specialize([(_ws_poller, (flag_ptr, issued, o)), (_ws_loader, (w_ptr, bufs, issued, o, pid * (NBLK * BR)))],
+                       [1], [64])
+    mbarrier.invalidate(issued)
+
+
 def run(programs=(96, 128, 132), calls: int = 20, device="cuda") -> dict:
     dev = torch.device(device)
     nsm = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -100,11 +147,14 @@ def run(programs=(96, 128, 132), calls: int = 20, device="cuda") -> dict:
     for p in programs:
         if p > nsm:
             raise ValueError(f"{p} programs: more than the {nsm} SMs (one co-resident program each)")
-        for mode in (0, 1, 2, 0):
+        for mode in (0, 1, 2, 3, 0):
             out = torch.zeros(p, 4, dtype=torch.int64, device=dev)
             samples = []
             for c in range(calls + 2):
-                poll_kernel[(p,)](descs[c % copies], ws[c % copies], flag, out, MODE=mode, num_warps=4)
+                if mode == 3:
+                    poll_ws_kernel[(p,)](ws[c % copies], flag, out, num_warps=4)
+                else:
+                    poll_kernel[(p,)](descs[c % copies], ws[c % copies], flag, out, MODE=mode, num_warps=4)
                 torch.cuda.synchronize()
                 if c >= 2:
                     samples.append(out[:, :3].cpu().clone())
@@ -134,10 +184,19 @@ def compile_sm90() -> dict:
                              constexprs={(names.index("MODE"),): mode},
                              attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*"})
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-        out[MODES[mode]] = {"shared": ck.metadata.shared, "ptx_lines": ck.asm["ptx"].count("\n"),
-                            "cp.async": ck.asm["ptx"].count("cp.async.cg") + ck.asm["ptx"].count("cp.async.ca"),
-                            "tma": ck.asm["ptx"].count("cp.async.bulk.tensor")}
+        out[MODES[mode]] = _facts(ck)
+    names = poll_ws_kernel.arg_names
+    sig = {"w_ptr": "*bf16", "flag_ptr": "*i32", "out_ptr": "*i64"}
+    src = GluonASTSource(fn=poll_ws_kernel, signature=sig, constexprs={},
+                         attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)})
+    out[MODES[3]] = _facts(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)))
     return out
+
+
+def _facts(ck) -> dict:
+    ptx = ck.asm["ptx"]
+    return {"shared": ck.metadata.shared, "num_warps": ck.metadata.num_warps,
+            "cp.async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), "tma": ptx.count("cp.async.bulk.tensor")}
 
 
 def main(argv=None) -> int:
