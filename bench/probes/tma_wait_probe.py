@@ -11,7 +11,9 @@ blocks of 8 rows x 2048 columns = 32 KB; `chain_probe.plan_rows`), four loops of
     rows_per_tile : chain_probe's (the megakernel's GATE_UP today): wait, vector, then the pipelined loop
     rows_in_cp    : the wait and the vector in the loop's first iteration (after the cp.async prologue)
     rows_tma      : the weights through a TMA descriptor (a block = one [64, 256] box), wait before
+                    (`rows_tma` with INSIDE=0)
     rows_in_tma   : TMA, and the wait in the first iteration: the prologue's boxes in flight while it polls
+                    (`rows_tma` with INSIDE=1)
 
 Each variant is checked against rows_per_tile's outputs (fp32 sums in another order: rtol 1e-4), then
 timed alternated (medians of CUDA events over the calls), us a layer against the floor of the run.
@@ -73,31 +75,23 @@ def rows_in_cp(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_ptr, out_ptr,
 
 @triton.jit
 def rows_tma(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_desc, out_ptr, cnt_ptr, err_ptr, epoch,
-             STAGES: tl.constexpr):
+             STAGES: tl.constexpr, INSIDE: tl.constexpr):
+    # the weights through the descriptor; INSIDE: the wait and the vector in the first iteration
     t0, t1 = cp._sm_span(tstart_ptr)
     r8 = tl.arange(0, 8)
     for t in range(t0, t1):
-        s, s1 = cp._tile_start(tab_ptr, tiles_ptr, t, cnt_ptr, err_ptr, epoch, cnt_ptr, 0, False)
-        hv2 = tl.load(x_ptr + r8[:, None] * 256 + tl.arange(0, 256)[None, :], cache_modifier=".cg")
+        if INSIDE:
+            s = tl.load(tiles_ptr + t)
+            s1 = tl.load(tiles_ptr + t + 1)
+            hv2 = tl.zeros([8, 256], dtype=tl.float32)
+        else:
+            s, s1 = cp._tile_start(tab_ptr, tiles_ptr, t, cnt_ptr, err_ptr, epoch, cnt_ptr, 0, False)
+            hv2 = tl.load(x_ptr + r8[:, None] * 256 + tl.arange(0, 256)[None, :], cache_modifier=".cg")
         for j in tl.range(s, s1, num_stages=STAGES):
-            w = w_desc.load([tl.cast(j * 64, tl.int32), 0])
-            tl.store(out_ptr + tl.load(tab_ptr + j * 6 + 4) * RR + r8, _dot_tma(w, hv2))
-        cp._tile_signal(tab_ptr, s1, cnt_ptr)
-
-
-@triton.jit
-def rows_in_tma(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_desc, out_ptr, cnt_ptr, err_ptr, epoch,
-                STAGES: tl.constexpr):
-    t0, t1 = cp._sm_span(tstart_ptr)
-    r8 = tl.arange(0, 8)
-    for t in range(t0, t1):
-        s = tl.load(tiles_ptr + t)
-        s1 = tl.load(tiles_ptr + t + 1)
-        hv2 = tl.zeros([8, 256], dtype=tl.float32)
-        for j in tl.range(s, s1, num_stages=STAGES):
-            if j == s:
-                cp._tile_wait(tab_ptr + j * 6, cnt_ptr, err_ptr, epoch, cnt_ptr, 0, False)
-                hv2 = tl.load(x_ptr + r8[:, None] * 256 + tl.arange(0, 256)[None, :], cache_modifier=".cg")
+            if INSIDE:
+                if j == s:
+                    cp._tile_wait(tab_ptr + j * 6, cnt_ptr, err_ptr, epoch, cnt_ptr, 0, False)
+                    hv2 = tl.load(x_ptr + r8[:, None] * 256 + tl.arange(0, 256)[None, :], cache_modifier=".cg")
             w = w_desc.load([tl.cast(j * 64, tl.int32), 0])
             tl.store(out_ptr + tl.load(tab_ptr + j * 6 + 4) * RR + r8, _dot_tma(w, hv2))
         cp._tile_signal(tab_ptr, s1, cnt_ptr)
@@ -115,8 +109,8 @@ def launch(name, tables, x, w, desc, out, cnt, err, epoch, sms, stages):
         rows_in_cp[(sms,)](tab_t, start_t, tiles_t, tstart_t, x, w, out, cnt, err, epoch, STAGES=stages,
                            num_warps=NW)
     else:
-        k = rows_tma if name == "rows_tma" else rows_in_tma
-        k[(sms,)](tab_t, start_t, tiles_t, tstart_t, x, desc, out, cnt, err, epoch, STAGES=stages, num_warps=NW)
+        rows_tma[(sms,)](tab_t, start_t, tiles_t, tstart_t, x, desc, out, cnt, err, epoch, STAGES=stages,
+                         INSIDE=name == "rows_in_tma", num_warps=NW)
 
 
 def run(device="cuda", layers=16, sms=None, steps=20, stages=5):
