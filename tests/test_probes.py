@@ -148,7 +148,9 @@ def test_gluon_chain_descriptor_is_the_compiled_signature():
         gcp.launch_ws((None, None), None, d, None, None, None, 1, 1, gcp.MAX_RING + 1)
 
 
-def _ws_compile(tmp_path, ring, gap_us=0):
+def _compile_probe(tmp_path, module, *args):
+    """``python -m bench.probes.<module> --compile ARGS`` in a process without TRITON_INTERPRET (Gluon
+    kernels are compiled, never interpreted): the JSON of its last line."""
     import json
     import os
     import pathlib
@@ -157,11 +159,14 @@ def _ws_compile(tmp_path, ring, gap_us=0):
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(root), TRITON_CACHE_DIR=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-m", "bench.probes.gluon_chain_probe", "--compile", str(ring), str(tmp_path)]
-                       + (["--gap-us", str(gap_us)] if gap_us else []),
+    r = subprocess.run([sys.executable, "-m", f"bench.probes.{module}", "--compile", *map(str, args)],
                        capture_output=True, text=True, env=env, cwd=root, timeout=300)
-    assert r.returncode == 0, f"the Gluon kernel does not compile for sm_90:\n{r.stderr[-3000:]}"
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 0, f"{module}'s kernels do not compile for sm_90:\n{r.stderr[-3000:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _ws_compile(tmp_path, ring, gap_us=0):
+    got = _compile_probe(tmp_path, "gluon_chain_probe", ring, tmp_path, *(["--gap-us", gap_us] if gap_us else []))
     return got, (tmp_path / "chain_ws.ptx").read_text(), (tmp_path / "chain_ws.ttgir").read_text()
 
 
@@ -323,18 +328,7 @@ def test_poll_probe_compiles_for_sm90(tmp_path):
     """The poll probe's kernels (sm_90, no GPU): the TMA one issues its 4 blocks as 4 bulk tensor
     copies, the cp.async one as 64 16-byte copies a thread, the plain one neither; 128 KB of blocks
     within an H200 block's shared memory."""
-    import json
-    import os
-    import pathlib
-    import subprocess
-    import sys
-    root = pathlib.Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(root), TRITON_CACHE_DIR=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-m", "bench.probes.poll_probe", "--compile"], capture_output=True, text=True,
-                       env=env, cwd=root, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = _compile_probe(tmp_path, "poll_probe")
     assert (got["none"]["tma"], got["none"]["cp.async"]) == (0, 0)
     assert (got["tma"]["tma"], got["tma"]["cp.async"]) == (4, 0)
     assert (got["cpasync"]["tma"], got["cpasync"]["cp.async"]) == (0, 64)

@@ -1,7 +1,7 @@
 """Does a counter poll issued after a tile's weight prologue wait for the prologue to land, and does it
 matter whether the prologue is cp.async (16 bytes a thread per request) or TMA (one bulk request a box)?
     python3 -m bench.probes.poll_probe [programs...]     (a GPU (H200); default 96 128 132)
-    python3 -m bench.probes.poll_probe --compile          (no GPU: the three kernels compiled for sm_90)
+    python3 -m bench.probes.poll_probe --compile          (no GPU: the four modes compiled for sm_90)
 
 bench/NOTES.md v97: GATE_UP's in-loop wait (the prologue's cp.async copies issued, then the poll) met
 its counter ~3.7 us after the counter was complete, about the time 128 SMs' 128 KB prologues take at the
@@ -17,7 +17,8 @@ its target (one acquire load, the megakernel's poll), then waits for the prologu
             the poll's wait a matter of its own warp's copies or of the SM's?
 
 Per program, in ns of %globaltimer: the prologue's issue, the poll (issue to its value in hand) and the
-landing (issue to every block in shared memory). Medians and maxima over the programs and the calls;
+landing (issue to every block in shared memory; `cpasync_ws`: its issue is not timed, and its landing
+counts from the loader's start). Medians and maxima over the programs and the calls;
 the weights are rotated through enough copies (>= 200 MB, four times the L2) that a call's blocks come
 from HBM, not from the L2's copy of an earlier call.
 """
@@ -47,6 +48,17 @@ SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
 
 @gluon.jit
+def _timed_poll(flag_ptr):
+    # one acquire poll (the megakernel's), between two clock reads: the second once its value is in hand
+    t1 = clock_ns(False)
+    seen = gl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    t2 = t1
+    if seen >= 0:
+        t2 = clock_ns(False)
+    return t1, t2, seen
+
+
+@gluon.jit
 def poll_kernel(w_desc, w_ptr, flag_ptr, out_ptr, MODE: gl.constexpr):
     pid = gl.program_id(0)
     bufs = gl.allocate_shared_memory(gl.bfloat16, [NBLK, BR, BC], SMEM)
@@ -69,11 +81,7 @@ def poll_kernel(w_desc, w_ptr, flag_ptr, out_ptr, MODE: gl.constexpr):
                 p = w_ptr + (row0 + b * BR + k * CH + r)[:, None].to(gl.int64) * BC + c[None, :]
                 async_copy.async_copy_global_to_shared(bufs.index(b).slice(k * CH, CH), p)
             async_copy.commit_group()
-    t1 = clock_ns(False)
-    seen = gl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-    t2 = t1
-    if seen >= 0:                       # the clock after the poll's value is in hand
-        t2 = clock_ns(False)
+    t1, t2, seen = _timed_poll(flag_ptr)
     if MODE == 1:
         for b in gl.static_range(NBLK):
             mbarrier.wait(bars.index(b), 0)
@@ -112,11 +120,7 @@ def _ws_loader(w_ptr, bufs, issued, out_ptr, row0):
 def _ws_poller(flag_ptr, issued, out_ptr):
     # the consumer warps: once the loader has issued its copies, one acquire poll, timed
     mbarrier.wait(issued, 0)
-    t1 = clock_ns(False)
-    seen = gl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-    t2 = t1
-    if seen >= 0:
-        t2 = clock_ns(False)
+    t1, t2, seen = _timed_poll(flag_ptr)
     gl.store(out_ptr + 1, t2 - t1)
     gl.store(out_ptr + 3, seen.to(gl.int64))
 
@@ -169,7 +173,8 @@ def run(programs=(96, 128, 132), calls: int = 20, device="cuda") -> dict:
 
 
 def compile_sm90() -> dict:
-    """The three modes compiled for sm_90 (no GPU): shared memory and ptxas registers / spills."""
+    """The four modes compiled for sm_90 (no GPU): shared memory, warps, and the prologue's copy
+    instructions (cp.async, TMA) in the PTX."""
     if os.environ.get("TRITON_INTERPRET") not in (None, "", "0"):
         raise RuntimeError("unset TRITON_INTERPRET (Gluon kernels are compiled, never interpreted)")
     from triton.backends.compiler import GPUTarget
@@ -177,26 +182,18 @@ def compile_sm90() -> dict:
     from triton.runtime.jit import mangle_type
     desc = TensorDescriptor.from_tensor(torch.zeros(ROWS_ * 4, COLS_, dtype=torch.bfloat16), [ROWS_, COLS_], SMEM)
     sig = {"w_desc": mangle_type(desc), "w_ptr": "*bf16", "flag_ptr": "*i32", "out_ptr": "*i64", "MODE": "constexpr"}
-    names = poll_kernel.arg_names
-    out = {}
-    for mode in range(3):
-        src = GluonASTSource(fn=poll_kernel, signature={n: sig[n] for n in names},
-                             constexprs={(names.index("MODE"),): mode},
+
+    def facts(fn, **cx):
+        names = fn.arg_names
+        src = GluonASTSource(fn=fn, signature={n: sig[n] for n in names},
+                             constexprs={(names.index(k),): v for k, v in cx.items()},
                              attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*"})
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-        out[MODES[mode]] = _facts(ck)
-    names = poll_ws_kernel.arg_names
-    sig = {"w_ptr": "*bf16", "flag_ptr": "*i32", "out_ptr": "*i64"}
-    src = GluonASTSource(fn=poll_ws_kernel, signature=sig, constexprs={},
-                         attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)})
-    out[MODES[3]] = _facts(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)))
-    return out
-
-
-def _facts(ck) -> dict:
-    ptx = ck.asm["ptx"]
-    return {"shared": ck.metadata.shared, "num_warps": ck.metadata.num_warps,
-            "cp.async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), "tma": ptx.count("cp.async.bulk.tensor")}
+        ptx = ck.asm["ptx"]
+        return {"shared": ck.metadata.shared, "num_warps": ck.metadata.num_warps,
+                "cp.async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+                "tma": ptx.count("cp.async.bulk.tensor")}
+    return {**{MODES[m]: facts(poll_kernel, MODE=m) for m in range(3)}, MODES[3]: facts(poll_ws_kernel)}
 
 
 def main(argv=None) -> int:

@@ -36,18 +36,6 @@ NW = 4                                     # the 1B decoder's warps
 
 
 @triton.jit
-def _first(tab_ptr, j):
-    return tl.load(tab_ptr + j * 6 + 1) != 0
-
-
-@triton.jit
-def _sig(tab_ptr, j, cnt_ptr):
-    sc = tl.load(tab_ptr + j * 6 + 5)
-    if sc >= 0:
-        tl.atomic_add(cnt_ptr + sc, 1, sem="release", scope="gpu")
-
-
-@triton.jit
 def _dot_tma(w, hv2):
     # a [64, 256] box = the block's 8 rows of 2048 as 8 x 8 pieces of 256; hv2: the vector as [8, 256]
     w3 = tl.reshape(w, [8, 8, 256]).to(tl.float32)
