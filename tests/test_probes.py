@@ -338,57 +338,44 @@ def test_poll_probe_compiles_for_sm90(tmp_path):
         assert 4 * 32768 <= mode["shared"] <= H200_SMEM_PER_BLOCK, mode
 
 
-# ---- bench/probes/alt_probe.py: two CTAs an SM, the chain's stages alternating between them ---------------
-@pytest.mark.parametrize("inside", [False, True], ids=["wait-before", "wait-inside"])
-def test_alt_probe_kernel_computes_the_chain(inside):
-    """The probe's loop (one queue, two layers of three stages, two calls) computes every block's sum
-    into the block's chain index and signals every tile once a call, its wait before the loop or inside."""
-    from bench.probes import alt_probe as ap
-    tab, tiles, tstart, nw, nout, ncnt = ap.plan(2, 1, 1, SHAPES)
+# ---- bench/probes/inloop_probe.py: the row chain, each stage's wait before or inside its loop -------------
+@pytest.mark.parametrize("mask", [0, 2, 7])
+def test_inloop_probe_kernel_computes_the_chain(mask):
+    """One kernel, every mask (one SM, two layers of three stages, two calls): each block's sum, every
+    tile signalled once a call, whichever stages wait inside their loop."""
+    from bench.probes import inloop_probe as ip
+    tab, tiles, tstart, nw, nout, ncnt = ip.plan(2, 1, mask, SHAPES)
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(nw, generator=g) * 0.02).to(torch.bfloat16)
     x = torch.randn(4096, generator=g)
-    tables = [(_i64(tab).reshape(-1), _i64(tiles), _i64(tstart), ap.weights_for(tab, w))]
-    cnt, err = torch.zeros(ncnt, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-    out, sm = torch.zeros(nout * cp.RR_), torch.zeros(2, dtype=torch.int32)
+    tables = (_i64(tab).reshape(-1), _i64(tiles), _i64(tstart))
+    cnt, err, out = torch.zeros(ncnt, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(nout * cp.RR_)
     for epoch in (1, 2):
-        ap.launch("one_in" if inside else "one", tables, x, out, cnt, err, sm, epoch, 1, 3)
+        ip.launch(tables, x, w, out, cnt, err, epoch, 1, 3)
     assert int(err) == 0 and cnt.tolist() == [2] * ncnt
-    ref = (w.float().view(nout, cp.RR_, 2048) @ x[:2048]).reshape(-1)       # block i's rows: w's block i
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, _reference(cp.plan_rows, tab, w, x, nout), rtol=1e-5, atol=1e-5)
 
 
-def test_alt_probe_plans_alternate_the_stages_and_keep_every_block():
-    from bench.probes import alt_probe as ap
-    sms = 4
+def test_inloop_probe_plan_marks_the_masked_stages():
+    from bench.probes import inloop_probe as ip
     shapes = ((3, 16, 2048), (4, 8, 2048), (2, 24, 2048))
-    one = ap.plan(2, sms, 1, shapes)
-    two = ap.plan(2, sms, 2, shapes)
-    nblk = 2 * (3 * 2 + 4 * 1 + 2 * 3)                                 # two layers of 8-row blocks
-    assert one[3:] == two[3:] == (nblk * 8 * 2048, nblk, 6)            # weights, blocks, counters
-    for tab, tiles, tstart, *_ in (one, two):
-        assert sorted(r[0] for r in tab) == list(range(nblk)) and all(r[0] == r[4] for r in tab)
-    # two: queue q holds only stages of parity q // sms, tile t of each stage on queue t (+ sms)
-    tab, tiles, tstart = two[:3]
-    assert len(tstart) == 2 * sms + 1
-    for q in range(2 * sms):
-        for t in range(tstart[q], tstart[q + 1]):
-            stage = tab[tiles[t + 1] - 1][5]          # a tile signals its stage's counter at its last block
-            assert stage % 2 == q // sms, (q, stage)
-    # a tile waits for the whole stage before it (its tile count), every stage signals its own counter
-    waits = {tab[tiles[t]][2]: tab[tiles[t]][3] for t in range(len(tiles) - 1) if tab[tiles[t]][2] >= 0}
-    assert waits == {0: 3, 1: 4, 2: 2, 3: 3, 4: 4}
-    with pytest.raises(ValueError, match="halves"):
-        ap.plan(1, sms, 3, shapes)
-    with pytest.raises(ValueError, match="one wave"):
-        ap.plan(1, 2, 1, shapes)
+    base = cp.plan_rows(2, 4, shapes)[0]
+    for mask in (0, 5, 7):
+        tab, tiles, *_ = ip.plan(2, 4, mask, shapes)
+        modes = [tab[tiles[t]][1] for t in range(len(tiles) - 1)]
+        stages = [tab[tiles[t + 1] - 1][5] % 3 for t in range(len(tiles) - 1)]
+        assert modes == [ip.INSIDE if mask >> s & 1 else ip.BEFORE for s in stages]
+        # nothing else of chain_probe's plan changes
+        assert [r[:1] + r[2:] for r in tab] == [r[:1] + r[2:] for r in base]
+    for bad in (-1, 8, True, "1"):
+        with pytest.raises(ValueError, match="mask"):
+            ip.plan(1, 4, bad, shapes)
 
 
-def test_alt_probe_two_ctas_fit_an_sm(tmp_path):
-    """sm_90 (no GPU): at 4 stages the loop's shared memory fits twice in an H200 SM (228 KB, 1 KB a
-    CTA reserved); at 5 it does not, so the two-CTA variants run at 4."""
-    got = _compile_probe(tmp_path, "alt_probe")
-    for inside in (0, 1):
-        assert 2 * (got[f"stages4_inside{inside}"]["shared"] + 1024) <= 228 * 1024, got
-        assert 2 * (got[f"stages5_inside{inside}"]["shared"] + 1024) > 228 * 1024, got
-        assert got[f"stages4_inside{inside}"]["cp.async"] > 0
+def test_inloop_probe_arguments(capsys, monkeypatch):
+    from bench.probes import inloop_probe as ip
+    monkeypatch.setattr(ip, "run", lambda *a, **kw: pytest.fail("inloop_probe ran"))
+    for bad in (["16"], ["x"], ["3", "-1"]):
+        assert ip.main(bad) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "mask" in err, err
