@@ -18,7 +18,7 @@ import sys
 
 import opcodes
 from opcodes import HEADER, WORDS
-from opcodes.base import kernel_classes
+from opcodes.base import WAIT_ARGS, kernel_classes
 from opcodes.base import PER_CALL_POINTERS, signals_peer
 
 #: runtime parameters of the kernel before the model's buffers
@@ -47,6 +47,9 @@ def _check_args(classes, pointers: dict, constexprs) -> None:
     """Every parameter a device function takes has a declaration."""
     known = set(pointers) | set(constexprs) | {"pos", "epoch"} | set(PER_CALL_POINTERS)   # pos, epoch: the call's
     for cls in classes:
+        if cls.WAIT_INSIDE is not None and cls.WAIT_INSIDE not in cls.CONSTEXPRS:
+            raise TypeError(f"opcode {cls.NAME}: WAIT_INSIDE names {cls.WAIT_INSIDE!r}, which is not one of its "
+                            f"CONSTEXPRS {sorted(cls.CONSTEXPRS)}")
         bad = [a for a in cls.ARGS if a not in known]
         if bad:
             raise TypeError(f"opcode {cls.NAME} takes kernel parameters {bad} that nothing declares: a pointer "
@@ -54,7 +57,7 @@ def _check_args(classes, pointers: dict, constexprs) -> None:
                             f"an entry in some opcode's CONSTEXPRS or in Layout.constexprs")
 
 
-def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True") -> None:
+def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True", inside=()) -> None:
     """The instruction's waits (bounded polls; a failed one is written to the status block).
     During call ``e`` a counter ends at exactly ``target * e`` (the verifier: every wait's target is
     the number of its producers): below it after ``spin_limit`` polls, a producer never signalled;
@@ -70,9 +73,14 @@ def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True") -> None:
     Every wait of a tensor-parallel kernel is also bounded in time: from its first unmet poll, at
     most ``tl.load(tp_wait_ptr)`` ns of ``interp.sync.clock_ns`` (the globaltimer; the host's clock
     under the interpreter), as a peer driven by another process may never launch; a wait that runs
-    out of time fails with ``FAIL_TIME``. ``interp``: the kernel's interpreter flag (source text)."""
+    out of time fails with ``FAIL_TIME``. ``interp``: the kernel's interpreter flag (source text).
+    ``inside``: the opcodes with ``WAIT_INSIDE``; where its constexpr is true, an instruction of
+    one is not waited for here (its device function waits, :func:`_emit_dispatch`)."""
     for k in range(opcodes.MAX_WAITS):
         w(f"{ind}wc = tl.load(ins + {1 + 2 * k})")
+        for cls in inside:
+            w(f"{ind}if {cls.WAIT_INSIDE}:")
+            w(f"{ind}    wc = tl.where(op == {cls.OPCODE}, -1, wc)")
         w(f"{ind}wt = tl.load(ins + {2 + 2 * k}) * epoch")
         w(f"{ind}if (wc >= 0) & (failed == 0):")
         if tp:
@@ -112,6 +120,10 @@ def _emit_signal(w, classes, ind: str, tp: bool) -> None:
     """The instruction's signal: this rank's counter, or (a ``SIGNALS_PEER`` opcode of a
     tensor-parallel kernel) the peer's counter of the same index, with a system-scope release."""
     w(f"{ind}sig = tl.load(ins + 5)")
+    for cls in classes:
+        if cls.WAIT_INSIDE is not None:      # a wait made inside a device function may have failed
+            w(f"{ind}if {cls.WAIT_INSIDE}:")
+            w(f"{ind}    sig = tl.where(failed == 0, sig, -1)")
     w(f"{ind}if sig >= 0:")
     if not tp:
         w(f"{ind}    signal_counter(cnt_ptr + sig)")
@@ -127,7 +139,19 @@ def _emit_dispatch(w, classes, ind: str) -> None:
     for j, cls in enumerate(classes):
         ops = [f"a{k}" for k in range(len(cls.operand_names()))]
         w(f"{ind}{'if' if j == 0 else 'elif'} op == {cls.OPCODE}:  # {cls.NAME}")
-        w(f"{ind}    _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS)) + ")")
+        if cls.WAIT_INSIDE is None:
+            w(f"{ind}    _{cls.NAME}(" + ", ".join(ops + list(cls.ARGS)) + ")")
+            continue
+        call = f"_{cls.NAME}(" + ", ".join(ops + list(cls.ARGS) + list(WAIT_ARGS)) + ")"
+        w(f"{ind}    if {cls.WAIT_INSIDE}:     # the device function waits, after its first weight loads")
+        w(f"{ind}        wc, seen, t_exec = {call}")
+        w(f"{ind}        if wc >= 0:")
+        w(f"{ind}            wt = tl.where(tl.load(ins + 1) == wc, tl.load(ins + 2), tl.load(ins + 4)) * epoch")
+        w(f"{ind}            failed = sm * 0 + 1")
+        w(f"{ind}            _fail(status_ptr, sm, i, op, wc, wt, seen, epoch, "
+          f"tl.where(seen < wt, {FAIL_TIMEOUT}, {FAIL_PAST_TARGET}))")
+        w(f"{ind}    else:")
+        w(f"{ind}        {call}")
 
 
 def kernel_source(pointers: dict, constexprs, used=()) -> str:
@@ -246,7 +270,14 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("        t_wait = _now(PROFILE)")
     for k in range(n_ops):
         w(f"        a{k} = tl.load(ins + {HEADER + k})")
-    _emit_waits(w, "        ", tp, interp)
+    inside = [cls for cls in classes if cls.WAIT_INSIDE is not None]
+    if tp:
+        # a tensor-parallel kernel's waits are made by the kernel (peer counters, time bounds)
+        for cls in inside:
+            w(f"        tl.static_assert({cls.WAIT_INSIDE} == 0, \"{cls.NAME} cannot wait inside its device "
+              f"function in a tensor-parallel kernel ({cls.WAIT_INSIDE})\")")
+        inside = []
+    _emit_waits(w, "        ", tp, interp, inside)
     w("        if failed == 0:")
     w("            t_exec = _now(PROFILE)")
     _emit_dispatch(w, classes, "            ")

@@ -23,6 +23,10 @@ from .config import ModelConfig
 WORDS = 16
 HEADER = 6          # opcode, wait_a, target_a, wait_b, target_b, signal
 MAX_WAITS = 2
+#: what the kernel passes after ``ARGS`` to the device function of an opcode with
+#: ``Instruction.WAIT_INSIDE``: the instruction's tape words, the counters, this call's number, the
+#: poll bound, the profiling switch (``opcodes.common.tape_waits`` takes them)
+WAIT_ARGS = ("ins", "cnt_ptr", "epoch", "spin_limit", "PROFILE")
 MAX_OPERANDS = WORDS - HEADER
 NO_COUNTER = -1
 
@@ -92,11 +96,15 @@ class Tiling:
     # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
     # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
+    # a mask of the opcodes that wait inside their row loop (each opcode's WAIT_BIT: GATE_UP 1, OPROJ 2, DOWN 4;
+    # row_bytes > 0): the loop's prologue issues the tile's first weight blocks, then the first
+    # iteration waits and reads what the waits guard (Instruction.WAIT_INSIDE; bench/NOTES.md v96-v99)
+    wait_in: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "wait_in") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -240,6 +248,11 @@ class Layout:
         if isinstance(self.max_seq, bool) or not isinstance(self.max_seq, int) or self.max_seq <= 0:
             raise ValueError(f"max_seq_len must be a positive int, got {self.max_seq!r}")
         t, c = self.tiling, self.cfg
+        bits = {cls.WAIT_BIT: cls.NAME for cls in REGISTRY.values() if cls.WAIT_INSIDE is not None}
+        if t.wait_in & ~sum(bits):
+            raise ValueError(f"Tiling.wait_in = {t.wait_in}: bits {t.wait_in & ~sum(bits)} belong to no opcode "
+                             f"(the opcodes that can wait inside their loop: "
+                             f"{', '.join(f'{n} {b}' for b, n in sorted(bits.items()))})")
         if c.hd % t.qkv_rows:
             raise ValueError(f"Tiling.qkv_rows = {t.qkv_rows} must divide hd = {c.hd}")
         if c.hd % self.kv_rows:
@@ -443,6 +456,16 @@ class Instruction:
     #: how far the device function may be from ``run_torch`` on the same inputs (relative; fp32
     #: sums in another order). Opcodes that round operands to bf16 on purpose allow more.
     TORCH_RTOL: ClassVar[float] = 1e-4
+    #: the name of one of its ``CONSTEXPRS`` under which the device function makes the instruction's
+    #: waits itself, after its streaming loop's prologue has issued the first weight loads (the
+    #: weights do not depend on the step; what the waits guard is read after them). Where the
+    #: constexpr is true the kernel skips the instruction's waits and passes :data:`WAIT_ARGS` after
+    #: ``ARGS``; the device function (always taking them) then returns ``(counter, seen, t_exec)``
+    #: of the first wait not met exactly (counter -1: all met; t_exec: when they were,
+    #: under ``PROFILE``) and stores nothing when one is not met (``opcodes.common.tape_waits``).
+    WAIT_INSIDE: ClassVar[str | None] = None
+    #: its bit in ``Tiling.wait_in`` (with ``WAIT_INSIDE``; the layout checks that every set bit has an owner)
+    WAIT_BIT: ClassVar[int] = 0
     device = None                     # set by subclasses (a triton JITFunction)
 
     # ---- declarations ---------------------------------------------------------------

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
 
-from .base import Layout
+from .base import MAX_WAITS, Layout
+
+_MAX_WAITS = tl.constexpr(MAX_WAITS)
 
 # Columns of the per-layer offset table (``Layout.TENSORS``): the kernel reaches layer l's copy
 # of a tensor at the layer-0 pointer plus ``wtab[l, column]`` elements.
@@ -198,3 +201,32 @@ def rows_dot(w_ptr, rows, row_mask, hv, kbase, K: tl.constexpr, klen, KP: tl.con
     """``W[rows, kbase : kbase + klen] . hv`` (:func:`rows_load`; ``hv`` from :func:`row_vec`)."""
     w = rows_load(w_ptr, rows, row_mask, kbase, K, klen, KP, EVEN)
     return tl.sum(w.to(tl.float32) * hv[None, :], axis=1)
+
+
+@triton.jit
+def tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE: tl.constexpr):
+    """The instruction's waits, made by its device function (``Instruction.WAIT_INSIDE``): header
+    words ``1 + 2k`` (counter, -1 for none) and ``2 + 2k`` (producers per call) of each of its
+    ``MAX_WAITS`` waits, call ``epoch`` waiting for ``target * epoch``, each a bounded acquire poll
+    as the kernel's own (interp/codegen.py). Returns ``(counter, seen)`` of the first wait whose
+    counter is not exactly at its target after ``spin_limit`` polls (counter -1: all met), and when
+    they were met (``PROFILE``; else 0). (The target is the tape's: the kernel reads it again.)"""
+    bad_c = tl.full([], -1, tl.int32)
+    bad_s = tl.full([], 0, tl.int32)
+    for k in tl.static_range(_MAX_WAITS):
+        wc = tl.load(ins + 1 + 2 * k)
+        wt = tl.load(ins + 2 + 2 * k) * epoch
+        if (wc >= 0) & (bad_c < 0):
+            seen = tl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
+            n = 0
+            while (seen < wt) & (n < spin_limit):
+                seen = tl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
+                n += 1
+            if seen != wt:
+                bad_c = wc
+                bad_s = seen
+    if PROFILE:
+        t = globaltimer()
+    else:
+        t = tl.full([], 0, tl.int64)
+    return bad_c, bad_s, t
