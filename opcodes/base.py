@@ -96,15 +96,17 @@ class Tiling:
     # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
     # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
     res_fold: int = 0
-    # a mask of the opcodes that wait inside their row loop (each opcode's WAIT_BIT: GATE_UP 1, OPROJ 2, DOWN 4;
-    # row_bytes > 0): the loop's prologue issues the tile's first weight blocks, then the first
-    # iteration waits and reads what the waits guard (Instruction.WAIT_INSIDE; bench/NOTES.md v96-v99)
-    wait_in: int = 0
+    # 1: each DOWN tile makes its waits inside its pipelined loop (Instruction.WAIT_INSIDE): it streams
+    # whole rows of its K chunk, the loop's prologue issues its first weight blocks before the waits,
+    # and the first iteration waits and reads the act chunk. Tiling.for_config: on for d <= 2048 (the
+    # 1B decoder -0.8..-1.5%, runs 173-174); the 8B shape +5.5..+6.0%, and GATE_UP or O waiting inside
+    # lost on the 1B alone and beside it (bench/NOTES.md v96-v102)
+    down_wait: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "wait_in") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -116,7 +118,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce"):
+        for k in ("res_fold", "key_in_reduce", "down_wait"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -202,10 +204,12 @@ class Tiling:
             # 979.6-986.8 -> 949.3-952.6 us at pos 1024 and 979.6-981.1 -> 950.9 at pos 128 (-3.0..-3.2%,
             # runs 96-97); the 8B shape +3.2% (run 98), so not there (bench/NOTES.md v58). Under 4 warps,
             # O and down in half-height tiles, down in one K chunk (one wave of 128 tiles each, half the
-            # bytes per tile, one partial per row): 957.6-962.8 -> 921.7-931.2 us at pos 1024 (v59, run 101)
+            # bytes per tile, one partial per row): 957.6-962.8 -> 921.7-931.2 us at pos 1024 (v59, run 101).
+            # Down tiles wait inside their loop (down_wait): 919.7 / 922.7 -> 912.1 / 909.0 us at pos 1024,
+            # 914.7-919.2 -> 904.6-909.7 at 128 (runs 173-174, v101-v102)
             clamped.update(row_bytes=ROW_BYTES, stages=5, gu_rows=min(64, next_pow2(ffn)), res_fold=1,
                            num_warps=4, bk=min(256, clamped["bk"]), o_rows=min(16, clamped["o_rows"]),
-                           down_rows=min(16, clamped["down_rows"]), down_k=ffn)
+                           down_rows=min(16, clamped["down_rows"]), down_k=ffn, down_wait=1)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown Tiling fields {sorted(unknown)}")
@@ -248,11 +252,6 @@ class Layout:
         if isinstance(self.max_seq, bool) or not isinstance(self.max_seq, int) or self.max_seq <= 0:
             raise ValueError(f"max_seq_len must be a positive int, got {self.max_seq!r}")
         t, c = self.tiling, self.cfg
-        bits = {cls.WAIT_BIT: cls.NAME for cls in REGISTRY.values() if cls.WAIT_INSIDE is not None}
-        if t.wait_in & ~sum(bits):
-            raise ValueError(f"Tiling.wait_in = {t.wait_in}: bits {t.wait_in & ~sum(bits)} belong to no opcode "
-                             f"(the opcodes that can wait inside their loop: "
-                             f"{', '.join(f'{n} {b}' for b, n in sorted(bits.items()))})")
         if c.hd % t.qkv_rows:
             raise ValueError(f"Tiling.qkv_rows = {t.qkv_rows} must divide hd = {c.hd}")
         if c.hd % self.kv_rows:
@@ -464,8 +463,6 @@ class Instruction:
     #: of the first wait not met exactly (counter -1: all met; t_exec: when they were,
     #: under ``PROFILE``) and stores nothing when one is not met (``opcodes.common.tape_waits``).
     WAIT_INSIDE: ClassVar[str | None] = None
-    #: its bit in ``Tiling.wait_in`` (with ``WAIT_INSIDE``; the layout checks that every set bit has an owner)
-    WAIT_BIT: ClassVar[int] = 0
     device = None                     # set by subclasses (a triton JITFunction)
 
     # ---- declarations ---------------------------------------------------------------

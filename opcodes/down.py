@@ -76,13 +76,12 @@ class Down(Instruction):
             "DOWN_BK", "STAGES", "D_WAIT", "D_RB", "DKP")
     CONSTEXPRS = {"DOWN_ROWS": lambda lay: lay.tiling.down_rows, "DOWN_K": lambda lay: lay.tiling.down_k,
                   "DOWN_BK": lambda lay: lay.tiling.down_bk or lay.tiling.bk,
-                  "D_WAIT": lambda lay: int(bool(lay.tiling.wait_in & Down.WAIT_BIT)),
+                  "D_WAIT": lambda lay: lay.tiling.down_wait,
                   # the waiting row loop's rows a stage (Tiling.row_bytes, else ROW_BYTES) and padded K chunk
                   "D_RB": lambda lay: dataclasses.replace(lay.tiling, row_bytes=lay.tiling.row_bytes or ROW_BYTES)
                   .rows_per_block(lay.tiling.down_k, 1, lay.tiling.down_rows),
                   "DKP": lambda lay: next_pow2(min(lay.tiling.down_k, lay.cfg.ffn))}
     WAIT_INSIDE = "D_WAIT"
-    WAIT_BIT = 4
     device = down_device
 
     SCRATCH = {"dpart": "fp32"}

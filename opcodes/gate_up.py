@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
-from .common import T_N2, T_WG, T_WU, gemv_stream, norm_row_vec, rows_dot, rows_load, tab_offset, tape_waits
+from .common import T_N2, T_WG, T_WU, gemv_stream, norm_row_vec, rows_dot, tab_offset
 
 
 @triton.jit
@@ -34,46 +34,14 @@ def _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_out,
 
 
 @triton.jit
-def _gu_rows_waiting(row0, g_ptr, u_ptr, nw_ptr, xin, act_out, ins, cnt_ptr, epoch, spin_limit,
-                     D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr,
-                     GU_ROWS: tl.constexpr, GU_RB: tl.constexpr, STAGES: tl.constexpr, PROFILE: tl.constexpr):
-    # _gu_rows with the instruction's waits and the input vector in the first iteration: the
-    # pipeline's prologue (its first STAGES - 1 blocks of weights) is issued before them
-    EVEN: tl.constexpr = (D == DP) and (FFN % GU_ROWS == 0)
-    hv = tl.zeros([1, DP], dtype=tl.float32)       # [1, DP]: carried in the blocks' layout
-    rstd = tl.full([], 0.0, tl.float32)
-    bad_c = tl.full([], -1, tl.int32)
-    bad_s = tl.full([], 0, tl.int32)
-    t_exec = tl.full([], 0, tl.int64)
-    for b in tl.range(0, GU_ROWS // GU_RB, num_stages=STAGES):
-        rows = row0 + b * GU_RB + tl.arange(0, GU_RB)
-        rm = rows < FFN
-        if b == 0:      # before the block's loads: the poll does not wait for the first block to land
-            bad_c, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE)
-            h1, rstd = norm_row_vec(xin, nw_ptr, D, DP, EPS)
-            hv = h1[None, :]
-        wg = rows_load(g_ptr, rows, rm, 0, D, D, DP, EVEN)
-        wu = rows_load(u_ptr, rows, rm, 0, D, D, DP, EVEN)
-        gv = tl.sum(wg.to(tl.float32) * hv, axis=1) * rstd
-        uv = tl.sum(wu.to(tl.float32) * hv, axis=1) * rstd
-        tl.store(act_out + rows, gv / (1.0 + tl.exp(-gv)) * uv, mask=rm & (bad_c < 0))
-    return bad_c, bad_s, t_exec
-
-
-@triton.jit
 def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
                    D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GU_WAIT: tl.constexpr,
-                   ins, cnt_ptr, epoch, spin_limit, PROFILE: tl.constexpr):
-    # GU_WAIT (the row loop only): the waits are made here, after the loop's prologue (WAIT_INSIDE)
+                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
     xin = x1_ptr + layer * D
-    if GU_WAIT:
-        return _gu_rows_waiting(row0, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, ins, cnt_ptr, epoch,
-                                spin_limit, D, DP, FFN, EPS, GU_ROWS, GU_RB, STAGES, PROFILE)
-    elif GU_RB == 0:
+    if GU_RB == 0:
         rows = row0 + tl.arange(0, GU_ROWS)
         rm = rows < FFN
         accg, accu, ss = gemv_stream(g_ptr, rows, u_ptr, rows, rm, xin, nw_ptr, 0, D, D, GU_ROWS, BK, STAGES,
@@ -97,12 +65,9 @@ class GateUp(Instruction):
     NAME = "gate_up"
     STAGE = 4
     ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB",
-            "BK", "STAGES", "GU_WAIT")
+            "BK", "STAGES")
     CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
-                  "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows),
-                  "GU_WAIT": lambda lay: int(bool(lay.tiling.wait_in & GateUp.WAIT_BIT) and lay.tiling.row_bytes > 0)}
-    WAIT_INSIDE = "GU_WAIT"
-    WAIT_BIT = 1
+                  "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows)}
     device = gate_up_device
 
     SCRATCH = {"act": "fp32"}
