@@ -49,12 +49,12 @@ def _down_rows_waiting(row0, kc, w_ptr, act_in, out, ins, cnt_ptr, epoch, spin_l
 def down_device(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
                 D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
                 DOWN_CHUNKS: tl.constexpr, DOWN_BK: tl.constexpr, STAGES: tl.constexpr, D_WAIT: tl.constexpr,
-                D_RB: tl.constexpr, DKP: tl.constexpr, D_STAGES: tl.constexpr, ins, cnt_ptr, epoch, spin_limit, PROFILE: tl.constexpr):
+                D_RB: tl.constexpr, DKP: tl.constexpr, ins, cnt_ptr, epoch, spin_limit, PROFILE: tl.constexpr):
     w_ptr = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
     out = dpart_ptr + (layer * DOWN_CHUNKS + kc) * D
     if D_WAIT:      # the row loop, waiting inside (Down.WAIT_INSIDE)
         return _down_rows_waiting(row0, kc, w_ptr, act_ptr + layer * FFN, out, ins, cnt_ptr, epoch, spin_limit,
-                                  D, FFN, DOWN_ROWS, DOWN_K, DKP, D_RB, D_STAGES, PROFILE)
+                                  D, FFN, DOWN_ROWS, DOWN_K, DKP, D_RB, STAGES, PROFILE)
     rows = row0 + tl.arange(0, DOWN_ROWS)
     rm = rows < D
     acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, act_ptr + layer * FFN, act_ptr, kc * DOWN_K, FFN, DOWN_K,
@@ -73,15 +73,14 @@ class Down(Instruction):
     NAME = "down"
     STAGE = 5
     ARGS = ("wtab_ptr", "wd_ptr", "act_ptr", "dpart_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS",
-            "DOWN_BK", "STAGES", "D_WAIT", "D_RB", "DKP", "D_STAGES")
+            "DOWN_BK", "STAGES", "D_WAIT", "D_RB", "DKP")
     CONSTEXPRS = {"DOWN_ROWS": lambda lay: lay.tiling.down_rows, "DOWN_K": lambda lay: lay.tiling.down_k,
                   "DOWN_BK": lambda lay: lay.tiling.down_bk or lay.tiling.bk,
                   "D_WAIT": lambda lay: lay.tiling.down_wait,
                   # the waiting row loop's rows a stage (Tiling.row_bytes, else ROW_BYTES) and padded K chunk
                   "D_RB": lambda lay: dataclasses.replace(lay.tiling, row_bytes=lay.tiling.row_bytes or ROW_BYTES)
                   .rows_per_block(lay.tiling.down_k, 1, lay.tiling.down_rows),
-                  "DKP": lambda lay: next_pow2(min(lay.tiling.down_k, lay.cfg.ffn)),
-                  "D_STAGES": lambda lay: lay.tiling.down_stages or lay.tiling.stages}
+                  "DKP": lambda lay: next_pow2(min(lay.tiling.down_k, lay.cfg.ffn))}
     WAIT_INSIDE = "D_WAIT"
     device = down_device
 
