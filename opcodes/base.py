@@ -102,13 +102,11 @@ class Tiling:
     # 1B decoder -0.8..-1.5%, runs 173-174); the 8B shape +5.5..+6.0%, and GATE_UP or O waiting inside
     # lost on the 1B alone and beside it (bench/NOTES.md v96-v102)
     down_wait: int = 0
-    # 1: QKV tiles wait inside a row loop (as down_wait; the K/V tiles must be as tall as the Q tiles)
-    qkv_wait: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "qkv_wait") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -120,7 +118,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "down_wait", "qkv_wait"):
+        for k in ("res_fold", "key_in_reduce", "down_wait"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -254,9 +252,6 @@ class Layout:
         if isinstance(self.max_seq, bool) or not isinstance(self.max_seq, int) or self.max_seq <= 0:
             raise ValueError(f"max_seq_len must be a positive int, got {self.max_seq!r}")
         t, c = self.tiling, self.cfg
-        if t.qkv_wait and self.kv_rows != t.qkv_rows:
-            raise ValueError(f"Tiling.qkv_wait = 1 needs K/V tiles as tall as the Q tiles (kv_rows 0 or "
-                             f"{t.qkv_rows}), got kv_rows = {t.kv_rows}")
         if c.hd % t.qkv_rows:
             raise ValueError(f"Tiling.qkv_rows = {t.qkv_rows} must divide hd = {c.hd}")
         if c.hd % self.kv_rows:

@@ -134,39 +134,3 @@ def test_tensor_parallel_kernels_refuse_waits_inside():
     assert "tl.static_assert(D_WAIT == 0" in text
     one = opcodes.Layout(LAYER, Tiling.for_config(LAYER), MAX_SEQ)
     assert "static_assert" not in kernel_source(kernel_pointers(one), list(opcodes.kernel_constexprs(one)))
-
-
-# ---- Tiling.qkv_wait: QKV's waiting row loop (RoPE and the stores a block at a time) ---------------------
-def test_decoder_logits_with_qkv_waiting_inside():
-    """QKV's waiting row loop sums each row and the input's squares in one reduction each, where the
-    column loop sums BK-wide blocks (d 64 = one block here): logits within fp32 reordering of the
-    column loop's, the same greedy tokens; its K/V rows land in the cache as the column loop's do."""
-    w = decoder_weights(CFG, 0)
-    over = dict(attn_splits=2, gu_rows=32)
-    base = decode_tokens(w, CFG, Tiling.for_config(CFG, **over), max_seq=MAX_SEQ)
-    inside = decode_tokens(w, CFG, Tiling.for_config(CFG, qkv_wait=1, **over), max_seq=MAX_SEQ)
-    torch.testing.assert_close(inside[0], base[0], rtol=2e-3, atol=2e-3)
-    assert base[1] == inside[1]
-
-
-def test_layer_with_qkv_waiting_inside_matches_the_reference_layer():
-    outs, caches = [], []
-    for qw in (0, 1):
-        wts = make_weights(LAYER, seed=3)
-        kv = make_kv_cache(LAYER, MAX_SEQ, PREFILL, seed=4)
-        tape = compile_model(LAYER, 1, max_seq=MAX_SEQ, tiling=Tiling.for_config(LAYER, qkv_wait=qw),
-                             sequential=True).tape
-        h = build_layer(wts, kv, LAYER.to_dict(), MAX_SEQ, tape=tape)
-        x = torch.randn(1, LAYER.d, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-        outs.append(layer_step(h, x, PREFILL).float())
-        caches.append(clone_cache(kv))
-        teardown(h)
-    torch.testing.assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-2)
-    for (k0, v0), (k1, v1) in zip(caches[0], caches[1]):
-        torch.testing.assert_close(k1.float(), k0.float(), rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(v1.float(), v0.float(), rtol=2e-2, atol=2e-2)
-
-
-def test_qkv_wait_needs_kv_tiles_as_tall_as_q_tiles():
-    with pytest.raises(ValueError, match="qkv_wait = 1 needs K/V tiles as tall"):
-        opcodes.DecoderLayout(CFG, Tiling.for_config(CFG, qkv_wait=1, kv_rows=4), MAX_SEQ)
