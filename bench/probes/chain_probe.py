@@ -170,6 +170,14 @@ def rows_flat(tab_ptr, start_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch
 
 
 @triton.jit
+def row_block(tab_ptr, w_ptr, out_ptr, j, rows, cols, hv):
+    # one RR-row block of the row chain: block j's weights (table order, arithmetic in j so that the
+    # pipeliner issues them ahead) dotted with the [1, KR] vector, stored at the block's output index
+    w = tl.load(w_ptr + j * (RR * KR) + rows[:, None] * KR + cols[None, :], eviction_policy="evict_first")
+    tl.store(out_ptr + tl.load(tab_ptr + j * 6 + 4) * RR + rows, tl.sum(w.to(tl.float32) * hv, 1))
+
+
+@triton.jit
 def rows_per_tile(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, err_ptr, epoch,
                   STAGES: tl.constexpr):
     # the row loop of today's GATE_UP / LM_HEAD: wait, the vector, a pipelined loop per tile, the signal

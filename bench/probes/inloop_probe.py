@@ -52,8 +52,7 @@ def tile_loop(tab_ptr, tiles_ptr, tstart_ptr, x_ptr, w_ptr, out_ptr, cnt_ptr, er
             if inside & (j == s):
                 cp._tile_wait(tab_ptr + j * 6, cnt_ptr, err_ptr, epoch, cnt_ptr, 0, False)
                 hv = tl.load(x_ptr + cols, cache_modifier=".cg")[None, :]
-            w = tl.load(w_ptr + j * (RR * KR) + rows[:, None] * KR + cols[None, :], eviction_policy="evict_first")
-            tl.store(out_ptr + tl.load(tab_ptr + j * 6 + 4) * RR + rows, tl.sum(w.to(tl.float32) * hv, 1))
+            cp.row_block(tab_ptr, w_ptr, out_ptr, j, rows, cols, hv)
         cp._tile_signal(tab_ptr, s1, cnt_ptr)
 
 

@@ -56,8 +56,7 @@ def rows_in_cp(tab_ptr, start_ptr, tiles_ptr, tstart_ptr, x_ptr, w_ptr, out_ptr,
             if j == s:                          # the poll and the vector before this block's copies are awaited
                 cp._tile_wait(tab_ptr + j * 6, cnt_ptr, err_ptr, epoch, cnt_ptr, 0, False)
                 hv = tl.load(x_ptr + cols, cache_modifier=".cg")[None, :]
-            w = tl.load(w_ptr + j * (RR * KR) + rows[:, None] * KR + cols[None, :], eviction_policy="evict_first")
-            tl.store(out_ptr + tl.load(tab_ptr + j * 6 + 4) * RR + rows, tl.sum(w.to(tl.float32) * hv, 1))
+            cp.row_block(tab_ptr, w_ptr, out_ptr, j, rows, cols, hv)
         cp._tile_signal(tab_ptr, s1, cnt_ptr)
 
 
