@@ -133,12 +133,15 @@ class Tiling:
         if self.attn_block < 16:
             raise ValueError("Tiling.attn_block must be >= 16 (tl.dot)")
 
-    def rows_per_block(self, k: int, mats: int, rows: int) -> int:
+    def rows_per_block(self, k: int, mats: int, rows: int, row_bytes: int | None = None) -> int:
         """Rows per pipeline stage of a row-streaming GEMV (``row_bytes`` > 0; else 0): ``mats``
-        matrices' rows of ``k`` columns (padded to a power of two), at most the tile's ``rows``."""
-        if not self.row_bytes:
+        matrices' rows of ``k`` columns (padded to a power of two), at most the tile's ``rows``.
+        ``row_bytes``: the bytes a stage (default ``Tiling.row_bytes``), for a loop that streams whole
+        rows whatever the layout's other loops do (DOWN's waiting loop)."""
+        rb = self.row_bytes if row_bytes is None else row_bytes
+        if not rb:
             return 0
-        per = max(1, self.row_bytes // (2 * mats * next_pow2(k)))
+        per = max(1, rb // (2 * mats * next_pow2(k)))
         return max(1, min(1 << (per.bit_length() - 1), next_pow2(rows)))
 
     @classmethod

@@ -8,7 +8,6 @@ Streams ``DOWN_ROWS * DOWN_K * 2`` bytes of Wdown.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import triton
@@ -78,9 +77,9 @@ class Down(Instruction):
                   "DOWN_BK": lambda lay: lay.tiling.down_bk or lay.tiling.bk,
                   "D_WAIT": lambda lay: lay.tiling.down_wait,
                   # the waiting row loop's rows a stage (Tiling.row_bytes, else ROW_BYTES) and padded K chunk
-                  "D_RB": lambda lay: dataclasses.replace(lay.tiling, row_bytes=lay.tiling.row_bytes or ROW_BYTES)
-                  .rows_per_block(lay.tiling.down_k, 1, lay.tiling.down_rows),
-                  "DKP": lambda lay: next_pow2(min(lay.tiling.down_k, lay.cfg.ffn))}
+                  "D_RB": lambda lay: lay.tiling.rows_per_block(Down._chunk(lay), 1, lay.tiling.down_rows,
+                                                                row_bytes=lay.tiling.row_bytes or ROW_BYTES),
+                  "DKP": lambda lay: next_pow2(Down._chunk(lay))}
     WAIT_INSIDE = "D_WAIT"
     device = down_device
 
@@ -89,6 +88,11 @@ class Down(Instruction):
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
         return {"dpart": (lay.cfg.layers, lay.n_down_k, lay.cfg.d)}
+
+    @staticmethod
+    def _chunk(lay: Layout) -> int:
+        """Columns of a K chunk (the last one may be shorter)."""
+        return min(lay.tiling.down_k, lay.cfg.ffn)
 
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:

@@ -87,7 +87,7 @@ def _broken_tape(cls, delta: int):
 
 @pytest.mark.parametrize("delta,names", [(1, [f"after {SPIN} polls"]), (-1, ["past"])], ids=["short", "past"])
 def test_a_wait_inside_fails_as_the_kernels_own(delta, names):
-    cls = Down
+    cls = Down                          # the opcode that waits inside its loop
     broken, slot, counter = _broken_tape(cls, delta)
     wts = make_weights(LAYER, seed=3)
     kv = make_kv_cache(LAYER, MAX_SEQ, PREFILL, seed=4)
