@@ -379,3 +379,12 @@ def test_inloop_probe_arguments(capsys, monkeypatch):
         assert ip.main(bad) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "mask" in err, err
+
+
+def test_gu_probe_layouts_compute_gate_up():
+    # bench/probes/gu_probe.py (run 181): each layout's kernel computes the gate/up activation (or, for
+    # `one`, the rows' dots) of its tiles, and the packed layout holds gate and up where its kernel reads
+    from bench.probes import gu_probe
+    for name, (call, check) in gu_probe.cases("cpu", 2, 2).items():
+        call()
+        assert check() < 1e-4, name

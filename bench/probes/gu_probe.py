@@ -29,12 +29,12 @@ GU_ROWS, RB, STAGES, WARPS = 64, 4, 5, 4
 
 
 @triton.jit
-def two_kernel(g_ptr, u_ptr, nw_ptr, x_ptr, out_ptr, REPS, NPROG, D: tl.constexpr, GU_ROWS: tl.constexpr,
-               RB: tl.constexpr, STAGES: tl.constexpr):
+def two_kernel(g_ptr, u_ptr, nw_ptr, x_ptr, out_ptr, REPS, NPROG, D: tl.constexpr, FFN: tl.constexpr,
+               GU_ROWS: tl.constexpr, RB: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     for r in range(REPS):
         row0 = (r * NPROG + pid) * GU_ROWS
-        _gu_rows(row0, g_ptr, u_ptr, nw_ptr, x_ptr, out_ptr, D, D, REPS * NPROG * GU_ROWS, 1e-5, GU_ROWS, RB, STAGES)
+        _gu_rows(row0, g_ptr, u_ptr, nw_ptr, x_ptr, out_ptr, D, D, FFN, 1e-5, GU_ROWS, RB, STAGES)
 
 
 @triton.jit
@@ -89,7 +89,7 @@ def cases(dev: str, nprog: int, reps: int):
         return f
     kw = dict(D=D, STAGES=STAGES, num_warps=WARPS)
     return {
-        "two": (lambda: two_kernel[(nprog,)](g, u, nw, x, out, reps, nprog, GU_ROWS=GU_ROWS, RB=RB, **kw),
+        "two": (lambda: two_kernel[(nprog,)](g, u, nw, x, out, reps, nprog, FFN=n, GU_ROWS=GU_ROWS, RB=RB, **kw),
                 check("two", ref_gu)),
         "packed": (lambda: packed_kernel[(nprog,)](packed, nw, x, out, reps, nprog, GU_ROWS=GU_ROWS, RB=RB, **kw),
                    check("packed", ref_gu)),
