@@ -102,11 +102,16 @@ class Tiling:
     # 1B decoder -0.8..-1.5%, runs 173-174); the 8B shape +5.5..+6.0%, and GATE_UP or O waiting inside
     # lost on the 1B alone and beside it (bench/NOTES.md v96-v102)
     down_wait: int = 0
+    # 1: each prefix ATTN_PARTIAL makes its waits inside its key loop (Instruction.WAIT_INSIDE): the
+    # loop's prologue issues its K/V blocks (earlier calls' cache rows) before the waits, and the
+    # first iteration waits and reads q; the last split (the key this call writes) and an empty one
+    # wait before their loop
+    attn_wait: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "attn_wait") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -118,7 +123,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "down_wait"):
+        for k in ("res_fold", "key_in_reduce", "down_wait", "attn_wait"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
