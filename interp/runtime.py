@@ -230,14 +230,10 @@ class LayerHandle:
             stuck.append((sm, slot, self.tape.describe(slot), f"{ctr} ({cname})", tgt, seen, ep, code))
         bad_pos = [r for r in rows if r[0] == FAIL_POSITION]
         written = self._kv_written(stuck[0][6]) if stuck else "was not written (the call ran nothing)"
-        # reset so that the next launch starts clean (call-tagged words too: the call count restarts)
+        # reset so that the next launch starts clean
         self.status.zero_()
         self.counters.zero_()
         self.ctl.zero_()
-        for cls in self.tape.classes():
-            for n in cls.ZEROED:
-                if n in self.scratch:
-                    self.scratch[n].zero_()
         if bad_pos:
             raise MegakernelError(
                 f"megakernel stopped: the position taken from the device ({bad_pos[0][6]}) is outside the KV "
@@ -370,9 +366,7 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
     avail.update({ptr: ts[0] for ptr, (_, ts) in per_layer.items()})
     avail.update({ptr: weights[key] for key, ptr in lay.MODEL_TENSORS if key in weights})
     virtual = {n for cls in classes for n in cls.VIRTUAL}
-    zeroed = {n for cls in classes for n in cls.ZEROED}     # call-tagged words: never a later call's
-    scratch = {name: (torch.zeros if name in zeroed else torch.empty)(math.prod(shape), dtype=_TORCH_DTYPES[dt],
-                                                                     device=device)
+    scratch = {name: torch.empty(math.prod(shape), dtype=_TORCH_DTYPES[dt], device=device)
                for name, (shape, dt) in tape.buffers().items() if name not in virtual}
     state = {name: torch.zeros(math.prod(shape), dtype=_TORCH_DTYPES[dt], device=device)
              for name, (shape, dt) in state_buffers(lay, classes).items()}

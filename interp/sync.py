@@ -26,13 +26,6 @@ def signal_counter(ptr):
 
 
 @triton.jit
-def signal_relaxed(ptr):
-    """Count one producer done, ordering nothing: for an opcode whose readers synchronise through its
-    call-tagged words (``Instruction.SIGNAL_RELAXED``), the counter only keeps the call's count."""
-    tl.atomic_add(ptr, 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def signal_peer_counter(ptr):
     """Tensor parallel: make this CTA's writes (its stores into the peer's memory included) visible
     to the peer GPU, then count one producer done on the PEER's counter (system scope)."""

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, Timing, cdiv, register
-from .common import T_KC, T_VC, mma, tab_offset, tape_waits, to_bf16
+from .common import T_KC, T_VC, mma, tab_offset, to_bf16
 
 
 #: an attention split on the H200: (t0, per loaded HBM round trip, per key block) seconds, fitted
@@ -41,32 +41,10 @@ def attention_latency(lay: Layout, keys: int, t0: float = ATTN_LATENCY_H200[0], 
 
 
 @triton.jit
-def _attn_block(qs, k, v, km, m_i, l_i, acc, INTERP: tl.constexpr):
-    """One K/V block of the online softmax: (m, l, acc) updated with the block's keys ``km``."""
-    sc = mma(qs, tl.trans(k), INTERP)                           # [GROUP_PAD, ATTN_BLOCK] fp32
-    sc = tl.where(km[None, :], sc, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-    p = tl.exp2(sc - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _q_scaled(q_ptr, layer, qrow, hm, dcol, NQ: tl.constexpr, HD: tl.constexpr, QSCALE: tl.constexpr,
-              INTERP: tl.constexpr):
-    q = tl.load(q_ptr + layer * (NQ * HD) + qrow[:, None] * HD + dcol[None, :], mask=hm[:, None],
-                other=0.0, cache_modifier=".cg")
-    return to_bf16(q * QSCALE, INTERP)                        # scores come out in base 2
-
-
-@triton.jit
 def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr,
                         NQ: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                         MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, SPLITS: tl.constexpr, PART_SPLITS: tl.constexpr,
-                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr,
-                        A_WAIT: tl.constexpr, ins, cnt_ptr, epoch, spin_limit, PROFILE: tl.constexpr):
+                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
     last = s == SPLITS - 1
     chunk = (pos + SPLITS - 2) // (SPLITS - 1)
     start = tl.where(last, pos, s * chunk)
@@ -75,52 +53,34 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
     hm = hq < GROUP
     dcol = tl.arange(0, HD)
     qrow = g * GROUP + hq
-    if not A_WAIT:
-        qs = _q_scaled(q_ptr, layer, qrow, hm, dcol, NQ, HD, QSCALE, INTERP)
+    q = tl.load(q_ptr + layer * (NQ * HD) + qrow[:, None] * HD + dcol[None, :], mask=hm[:, None],
+                other=0.0, cache_modifier=".cg")
+    qs = to_bf16(q * QSCALE, INTERP)                          # scores come out in base 2
     kbase = kc_ptr + tab_offset(wtab_ptr, layer, T_KC) + g * (MAX_SEQ * HD)
     vbase = vc_ptr + tab_offset(wtab_ptr, layer, T_VC) + g * (MAX_SEQ * HD)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HD], dtype=tl.float32)
-    bad_c = tl.full([], -1, tl.int32)
-    bad_s = tl.full([], 0, tl.int32)
-    t_exec = tl.full([], 0, tl.int64)
-    if A_WAIT:
-        # a prefix split's K/V rows were written by earlier calls: the key loop's prologue issues them
-        # before the waits, made in its first iteration with q's read (Tiling.attn_wait). The last
-        # split's key is this call's, and an empty split has no iteration: they wait first
-        early = last | (start >= stop)
-        if early:
-            bad_c, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE)
-        qs = tl.zeros([GROUP_PAD, HD], dtype=tl.bfloat16)
-        for kb in tl.range(start, stop, ATTN_BLOCK, num_stages=ATTN_STAGES):
-            keys = kb + tl.arange(0, ATTN_BLOCK)
-            km = keys < stop
-            k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
-                        cache_modifier=".cg")
-            v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
-                        cache_modifier=".cg")
-            if kb == start:
-                if not early:
-                    bad_c, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE)
-                qs = _q_scaled(q_ptr, layer, qrow, hm, dcol, NQ, HD, QSCALE, INTERP)
-            m_i, l_i, acc = _attn_block(qs, k, v, km, m_i, l_i, acc, INTERP)
-    else:
-        # each iteration streams 2 x ATTN_BLOCK x HD bf16 of K and V
-        for kb in tl.range(start, stop, ATTN_BLOCK, num_stages=ATTN_STAGES):
-            keys = kb + tl.arange(0, ATTN_BLOCK)
-            km = keys < stop
-            k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
-                        cache_modifier=".cg")
-            v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
-                        cache_modifier=".cg")                      # issued with K: one round trip a block
-            m_i, l_i, acc = _attn_block(qs, k, v, km, m_i, l_i, acc, INTERP)
-    ok = bad_c < 0
+    # each iteration streams 2 x ATTN_BLOCK x HD bf16 of K and V
+    for kb in tl.range(start, stop, ATTN_BLOCK, num_stages=ATTN_STAGES):
+        keys = kb + tl.arange(0, ATTN_BLOCK)
+        km = keys < stop
+        k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
+                    cache_modifier=".cg")
+        v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
+                    cache_modifier=".cg")                      # issued with K: one round trip a block
+        sc = mma(qs, tl.trans(k), INTERP)                           # [GROUP_PAD, ATTN_BLOCK] fp32
+        sc = tl.where(km[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        p = tl.exp2(sc - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
+        m_i = m_new
     prow = (layer * NQ + qrow) * PART_SPLITS + s
-    tl.store(part_o_ptr + prow[:, None] * HD + dcol[None, :], acc, mask=hm[:, None] & ok)
-    tl.store(part_ml_ptr + prow * 2, m_i, mask=hm & ok)
-    tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=hm & ok)
-    return bad_c, bad_s, t_exec
+    tl.store(part_o_ptr + prow[:, None] * HD + dcol[None, :], acc, mask=hm[:, None])
+    tl.store(part_ml_ptr + prow * 2, m_i, mask=hm)
+    tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=hm)
 
 
 @register
@@ -134,7 +94,7 @@ class AttnPartial(Instruction):
     STAGE = 1
     ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr",
             "NQ", "HD", "GROUP", "GROUP_PAD", "MAX_SEQ", "QSCALE", "SPLITS", "PART_SPLITS", "ATTN_BLOCK", "INTERP",
-            "ATTN_STAGES", "A_WAIT")
+            "ATTN_STAGES")
     CONSTEXPRS = {
         "GROUP": lambda lay: lay.cfg.group,                                  # query heads per KV head
         "GROUP_PAD": lambda lay: max(16, triton.next_power_of_2(lay.cfg.group)),   # rows of tl.dot
@@ -143,9 +103,7 @@ class AttnPartial(Instruction):
         "ATTN_BLOCK": lambda lay: lay.tiling.attn_block,
         "ATTN_STAGES": lambda lay: lay.tiling.attn_stages,
         "QSCALE": lambda lay: float(1.4426950408889634 / math.sqrt(lay.cfg.hd)),   # log2(e) / sqrt(hd)
-        "A_WAIT": lambda lay: lay.tiling.attn_wait,
     }
-    WAIT_INSIDE = "A_WAIT"
     TIMING = Timing.LATENCY
     TORCH_RTOL = 1e-2         # the tensor-core dots take bf16 q and p; run_torch keeps them fp32
     device = attn_partial_device

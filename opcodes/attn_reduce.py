@@ -22,14 +22,14 @@ import triton.language as tl
 
 from .attn_partial import AttnPartial
 from .base import Cost, Instruction, Layout, Region, Timing, register
-from .common import T_KC, T_VC, store_tagged, tab_offset, tag_words, to_bf16
+from .common import T_KC, T_VC, tab_offset, to_bf16
 
 
 @triton.jit
-def attn_reduce_device(layer, h, pos, epoch, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr, attn_ptr,
+def attn_reduce_device(layer, h, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr, attn_ptr,
                        NQ: tl.constexpr, HD: tl.constexpr, PART_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
                        GROUP: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr,
-                       KEY_IN_REDUCE: tl.constexpr, LAYERS: tl.constexpr, O_TAG: tl.constexpr, INTERP: tl.constexpr):
+                       KEY_IN_REDUCE: tl.constexpr, INTERP: tl.constexpr):
     sp = tl.arange(0, SPLITS_PAD)
     sm = sp < PART_SPLITS
     dcol = tl.arange(0, HD)
@@ -56,9 +56,6 @@ def attn_reduce_device(layer, h, pos, epoch, wtab_ptr, kc_ptr, vc_ptr, q_ptr, pa
         w = tl.where(sm, tl.exp2(m - mx), 0.0)
         denom = tl.sum(w * l, axis=0)
         out = tl.sum(o * w[:, None], axis=0) / denom
-    if O_TAG:   # the O tiles poll these words, not the counter (Tiling.o_tag): they go first
-        store_tagged(tag_words(attn_ptr, LAYERS, NQ * HD) + layer * (NQ * HD) + h * HD + dcol, out, dcol < HD, epoch,
-                     INTERP)
     tl.store(attn_ptr + layer * (NQ * HD) + h * HD + dcol, out)
 
 
@@ -70,25 +67,21 @@ class AttnReduce(Instruction):
 
     NAME = "attn_reduce"
     STAGE = 2
-    ARGS = ("pos", "epoch", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr", "attn_ptr", "NQ", "HD",
-            "PART_SPLITS", "SPLITS_PAD", "GROUP", "MAX_SEQ", "QSCALE", "KEY_IN_REDUCE", "LAYERS", "O_TAG", "INTERP")
+    ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr", "attn_ptr", "NQ", "HD",
+            "PART_SPLITS", "SPLITS_PAD", "GROUP", "MAX_SEQ", "QSCALE", "KEY_IN_REDUCE", "INTERP")
     CONSTEXPRS = {"PART_SPLITS": AttnPartial.CONSTEXPRS["PART_SPLITS"],
                   "SPLITS_PAD": lambda lay: triton.next_power_of_2(lay.attn_instr_splits),
                   "GROUP": AttnPartial.CONSTEXPRS["GROUP"], "QSCALE": AttnPartial.CONSTEXPRS["QSCALE"],
-                  "KEY_IN_REDUCE": lambda lay: lay.tiling.key_in_reduce,
-                  "O_TAG": lambda lay: lay.tiling.o_tag}
-    SIGNAL_RELAXED = "O_TAG"      # the O tiles read the tagged words, not the counter
+                  "KEY_IN_REDUCE": lambda lay: lay.tiling.key_in_reduce}
     TIMING = Timing.FIXED
     FIXED_S = 2.1e-6          # measured on the H200 (bench/NOTES.md v7)
     device = attn_reduce_device
 
-    # attn: [layers, q_dim] fp32, then with Tiling.o_tag the same as call-tagged int64 words (tag_words)
     SCRATCH = {"attn": "fp32"}
-    ZEROED = ("attn",)
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
-        return {"attn": ((1 + 2 * lay.tiling.o_tag) * lay.cfg.layers, lay.cfg.q_dim)}
+        return {"attn": (lay.cfg.layers, lay.cfg.q_dim)}
 
     def check_operands(self, lay: Layout) -> list[str]:
         c = lay.cfg
@@ -114,11 +107,7 @@ class AttnReduce(Instruction):
     def writes(self, lay: Layout) -> list[Region]:
         c = lay.cfg
         a0 = self.layer * c.q_dim + self.h * c.hd
-        out = [Region("attn", a0, a0 + c.hd)]
-        if lay.tiling.o_tag:                  # the same values as call-tagged words (two fp32 slots each)
-            t0 = c.layers * c.q_dim + 2 * a0
-            out.append(Region("attn", t0, t0 + 2 * c.hd))
-        return out
+        return [Region("attn", a0, a0 + c.hd)]
 
     def cost(self, lay: Layout) -> Cost:
         c, ns = lay.cfg, lay.attn_instr_splits
@@ -144,4 +133,4 @@ class AttnReduce(Instruction):
         mx = m.max(dim=1, keepdim=True).values
         w = torch.exp2(m - mx)
         out = (po * w[..., None]).sum(dim=1) / (w * l).sum(dim=1, keepdim=True)
-        st.buf["attn"].view(-1, c.n_q, c.hd)[self.layer, hs] = out
+        st.buf["attn"].view(c.layers, c.n_q, c.hd)[self.layer, hs] = out

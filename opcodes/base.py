@@ -102,22 +102,11 @@ class Tiling:
     # 1B decoder -0.8..-1.5%, runs 173-174); the 8B shape +5.5..+6.0%, and GATE_UP or O waiting inside
     # lost on the 1B alone and beside it (bench/NOTES.md v96-v102)
     down_wait: int = 0
-    # 1: each prefix ATTN_PARTIAL makes its waits inside its key loop (Instruction.WAIT_INSIDE): the
-    # loop's prologue issues its K/V blocks (earlier calls' cache rows) before the waits, and the
-    # first iteration waits and reads q; the last split (the key this call writes) and an empty one
-    # wait before their loop
-    attn_wait: int = 0
-    # 1: the O projection synchronises with the attention merges through their data: ATTN_REDUCE writes
-    # its head's output as call-tagged words (``call << 32 | fp32 bits``, after an acq_rel fence) and
-    # signals its counter relaxed; each OPROJ tile polls the words until all carry this call
-    # (Instruction.WAIT_INSIDE) instead of the counter, so the merge's store-ack, the atomic's flight
-    # and the counter poll leave the hop, and the poll brings the vector. One O chunk, one GPU only
-    o_tag: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "attn_wait", "o_tag") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -129,7 +118,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "down_wait", "attn_wait", "o_tag"):
+        for k in ("res_fold", "key_in_reduce", "down_wait"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -273,9 +262,6 @@ class Layout:
         if t.o_k and t.o_k < c.q_dim and t.o_k % c.hd:
             raise ValueError(f"Tiling.o_k = {t.o_k} must be a multiple of hd = {c.hd} (a K chunk waits "
                              "for whole attention heads)")
-        if t.o_tag and self.o_partial:
-            raise ValueError("Tiling.o_tag needs the O projection in one K chunk on one GPU (o_k = 0, no tensor "
-                             f"parallelism): this layout splits it in {self.n_o_k}")
 
     @classmethod
     def column(cls, key: str) -> int:
@@ -480,13 +466,6 @@ class Instruction:
     #: of the first wait not met exactly (counter -1: all met; t_exec: when they were,
     #: under ``PROFILE``) and stores nothing when one is not met (``opcodes.common.tape_waits``).
     WAIT_INSIDE: ClassVar[str | None] = None
-    #: the name of one of its ``CONSTEXPRS`` under which its signal is a relaxed atomic (no fence, no
-    #: barrier): every reader of what it writes synchronises with it through the data itself
-    #: (call-tagged words, ``opcodes.common.poll_tags``), not through the counter. One GPU only
-    SIGNAL_RELAXED: ClassVar[str | None] = None
-    #: scratch buffers (of :attr:`SCRATCH`) the runtime creates zeroed and zeroes again with the counters
-    #: when it resets them: buffers of call-tagged words, which must never hold a word of a later call
-    ZEROED: ClassVar[tuple[str, ...]] = ()
     device = None                     # set by subclasses (a triton JITFunction)
 
     # ---- declarations ---------------------------------------------------------------

@@ -96,7 +96,7 @@ def mma(a, b, INTERP: tl.constexpr):
 def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
                 K: tl.constexpr, KLEN: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
                 STAGES: tl.constexpr, TWO: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr,
-                xp_ptr=None, XP: tl.constexpr = 0, INTERP: tl.constexpr = False, XS: tl.constexpr = 1):
+                xp_ptr=None, XP: tl.constexpr = 0, INTERP: tl.constexpr = False):
     """The streaming loop of every weight GEMV: rows ``rows1`` of the row-major bf16 matrix at
     ``w1_ptr`` (and, with ``TWO``, rows ``rows2`` of ``w2_ptr``), ``K`` columns each, dotted with
     ``x[kbase : kbase + KLEN]`` (bf16 or fp32) in ``BK``-column blocks, pipelined ``STAGES`` deep.
@@ -109,7 +109,6 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
     16-byte vectors, evicted first: the weights are read once per call).
     ``XP`` > 0: the vector is ``x + xp[0] + ... + xp[XP-1]`` (fp32 rows ``K`` apart at ``xp_ptr``),
     rounded to bf16: the previous layer's RESIDUAL folded in (``Tiling.res_fold``).
-    ``XS``: the vector's stride in elements (2: the fp32 low halves of call-tagged words, ``Tiling.o_tag``).
     NOTE: the loop body has no branch other than on constexprs, so the software pipeliner
     pipelines every load.
     """
@@ -122,7 +121,7 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
     for kk in tl.range(0, KLEN, BK, num_stages=STAGES):
         cols = kbase + kk + tl.arange(0, BK)
         if EVEN:
-            xv = tl.load(x_ptr + cols * XS, cache_modifier=".cg").to(tl.float32)
+            xv = tl.load(x_ptr + cols, cache_modifier=".cg").to(tl.float32)
             if XP > 0:
                 for kc in tl.static_range(XP):
                     xv += tl.load(xp_ptr + kc * K + cols, cache_modifier=".cg")
@@ -135,7 +134,7 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
         else:
             cm = ((kk + tl.arange(0, BK)) < KLEN) & (cols < K)
             m2 = row_mask[:, None] & cm[None, :]
-            xv = tl.load(x_ptr + cols * XS, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            xv = tl.load(x_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
             if XP > 0:
                 for kc in tl.static_range(XP):
                     xv += tl.load(xp_ptr + kc * K + cols, mask=cm, other=0.0, cache_modifier=".cg")
@@ -226,69 +225,6 @@ def tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE: tl.constexpr):
             if seen != wt:
                 bad_c = wc
                 bad_s = seen
-    if PROFILE:
-        t = globaltimer()
-    else:
-        t = tl.full([], 0, tl.int64)
-    return bad_c, bad_s, t
-
-
-@triton.jit
-def fence_acq_rel(INTERP: tl.constexpr):
-    """``fence.acq_rel.gpu`` (the Triton interpreter runs programs one after another: nothing to order)."""
-    if not INTERP:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-
-@triton.jit
-def tag_words(vec_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """The int64 call-tagged words that follow a ``[ROWS, COLS]`` fp32 buffer in its allocation (an
-    opcode's scratch shaped ``[3 * ROWS, COLS]``: the values, then one 8-byte word per value)."""
-    return (vec_ptr + ROWS * COLS).to(tl.pointer_type(tl.int64))
-
-
-@triton.jit
-def store_tagged(ptr, vals, mask, epoch, INTERP: tl.constexpr):
-    """Call-tagged words ``epoch << 32 | bits(vals)`` (fp32 ``vals``) at the int64 ``ptr``: relaxed atomic
-    stores (morally strong, 8 bytes each, so a reader sees a whole word of one call), after an
-    acq_rel fence that releases everything this program acquired and wrote before (Tiling.o_tag). A
-    reader of the words (:func:`poll_tags`) needs no counter."""
-    fence_acq_rel(INTERP)
-    bits = vals.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    tl.atomic_xchg(ptr, (epoch.to(tl.int64) << 32) | bits, mask=mask, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def poll_tags(ptr, N: tl.constexpr, NP: tl.constexpr, ins, epoch, spin_limit, PROFILE: tl.constexpr,
-              INTERP: tl.constexpr):
-    """The wait of an instruction that reads ``N`` call-tagged words at the int64 ``ptr`` (written by
-    :func:`store_tagged`) instead of waiting on its counter (``Instruction.WAIT_INSIDE``): volatile
-    reads of all of them until every word carries call ``epoch``, at most ``spin_limit`` polls, then an
-    acq_rel fence (what the writers released before their words is visible after it). Returns
-    ``(counter, seen, t_exec)`` as :func:`tape_waits` does, for the tape's first wait (the counter the
-    writers signal, relaxed): counter -1 when all words are this call's; otherwise ``seen`` reads as
-    that counter would (its target ``T`` producers each writing ``N / T`` words): past the call's
-    target when a word is of a later call, else ``T * (epoch - 1)`` plus the producers whose words
-    are all in."""
-    offs = tl.arange(0, NP)
-    om = offs < N
-    lo = tl.full([], 0, tl.int32)
-    hi = tl.full([], 0, tl.int32)
-    cur = tl.full([], 0, tl.int32)
-    n = 0
-    while (lo < epoch) & (hi <= epoch) & (n <= spin_limit):     # lo starts below every call (>= 1)
-        tg = (tl.load(ptr + offs, mask=om, other=0, volatile=True) >> 32).to(tl.int32)
-        tg = tl.where(om, tg, epoch)
-        lo = tl.min(tg, axis=0)
-        hi = tl.max(tg, axis=0)
-        cur = tl.sum((tg == epoch).to(tl.int32), axis=0) - (NP - N)
-        n += 1
-    fence_acq_rel(INTERP)
-    target = tl.load(ins + 2)
-    ok = (lo == epoch) & (hi == epoch)
-    bad_c = tl.where(ok, -1, tl.maximum(tl.load(ins + 1), 0))
-    bad_s = tl.where(hi > epoch, target * epoch + 1, target * (epoch - 1) + (cur * target) // N)
     if PROFILE:
         t = globaltimer()
     else:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, cdiv, in_range, next_pow2, register, tile_start
-from .common import T_WO, gemv_stream, layer_rows, poll_tags, tab_offset, tag_words
+from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
+from .common import T_WO, gemv_stream, layer_rows, tab_offset
 
 
 @triton.jit
@@ -35,30 +35,16 @@ def _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_p
 def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_ptr, opart_ptr, dpart_ptr,
                  D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, O_ROWS: tl.constexpr, O_K: tl.constexpr,
                  O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, O_BK: tl.constexpr, STAGES: tl.constexpr,
-                 DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, LAYERS: tl.constexpr, O_TAG: tl.constexpr,
-                 QDP: tl.constexpr, INTERP: tl.constexpr, ins, cnt_ptr, epoch, spin_limit, PROFILE: tl.constexpr):
+                 DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     QD: tl.constexpr = NQ * HD
     w_ptr = wo_ptr + tab_offset(wtab_ptr, layer, T_WO)
     rows = row0 + tl.arange(0, O_ROWS)
     rm = rows < D
-    EVEN: tl.constexpr = (QD % O_K == 0) and (O_K % O_BK == 0) and (D % O_ROWS == 0)
-    if O_TAG:
-        # the merges' call-tagged words, polled instead of their counter (Tiling.o_tag); the vector is
-        # then read as the words' low halves
-        words = tag_words(attn_ptr, LAYERS, QD) + layer * QD
-        bad_c, bad_s, t_exec = poll_tags(words, QD, QDP, ins, epoch, spin_limit, PROFILE, INTERP)
-        acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, words.to(tl.pointer_type(tl.float32)), attn_ptr,
-                                oc * O_K, QD, O_K, O_ROWS, O_BK, STAGES, TWO=False, NORM=False, EVEN=EVEN, XS=2)
-        rm = rm & (bad_c < 0)
-    else:
-        bad_c = tl.full([], -1, tl.int32)
-        bad_s = tl.full([], 0, tl.int32)
-        t_exec = tl.full([], 0, tl.int64)
-        acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, attn_ptr + layer * QD, attn_ptr, oc * O_K, QD, O_K,
-                                O_ROWS, O_BK, STAGES, TWO=False, NORM=False, EVEN=EVEN)
+    acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, attn_ptr + layer * QD, attn_ptr, oc * O_K, QD, O_K,
+                            O_ROWS, O_BK, STAGES, TWO=False, NORM=False,
+                            EVEN=(QD % O_K == 0) and (O_K % O_BK == 0) and (D % O_ROWS == 0))
     _o_store(tl.sum(acc, axis=1), rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr, D, O_CHUNKS,
              O_PART, DOWN_CHUNKS, RES_FOLD, INTERP)
-    return bad_c, bad_s, t_exec
 
 
 @register
@@ -71,13 +57,10 @@ class OProj(Instruction):
     NAME = "oproj"
     STAGE = 3
     ARGS = ("x_ptr", "xout_ptr", "wtab_ptr", "wo_ptr", "attn_ptr", "x1_ptr", "opart_ptr", "dpart_ptr",
-            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "O_PART", "O_BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD", "LAYERS",
-            "O_TAG", "QDP", "INTERP")
+            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "O_PART", "O_BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD", "INTERP")
     CONSTEXPRS = {"O_ROWS": lambda lay: lay.tiling.o_rows, "O_K": lambda lay: lay.o_k,
                   "O_CHUNKS": lambda lay: lay.n_o_k, "O_PART": lambda lay: int(lay.o_partial),
-                  "O_BK": lambda lay: lay.tiling.o_bk or lay.tiling.bk,
-                  "O_TAG": lambda lay: lay.tiling.o_tag, "QDP": lambda lay: next_pow2(lay.cfg.q_dim)}
-    WAIT_INSIDE = "O_TAG"         # the merges' tagged words are the wait (AttnReduce: SIGNAL_RELAXED)
+                  "O_BK": lambda lay: lay.tiling.o_bk or lay.tiling.bk}
     device = oproj_device
 
     # x1 = x + attn . Wo^T (written here, or by O_REDUCE from the per-chunk partials ``opart``)
@@ -111,11 +94,7 @@ class OProj(Instruction):
     def reads(self, lay: Layout) -> list[Region]:
         c = lay.cfg
         k0, k1 = self._ks(lay)
-        a0 = self.layer * c.q_dim
-        if lay.tiling.o_tag:                  # the merges' call-tagged words (two fp32 slots each)
-            out = [Region("attn", c.layers * c.q_dim + 2 * (a0 + k0), c.layers * c.q_dim + 2 * (a0 + k1))]
-        else:
-            out = [Region("attn", a0 + k0, a0 + k1)]
+        out = [Region("attn", self.layer * c.q_dim + k0, self.layer * c.q_dim + k1)]
         if not lay.o_partial:
             out += lay.input_regions(self.layer, *self._rows(lay))
         return out
@@ -138,7 +117,7 @@ class OProj(Instruction):
         c = lay.cfg
         lo, hi = self._rows(lay)
         k0, k1 = self._ks(lay)
-        a = st.buf["attn"].view(-1, c.q_dim)[self.layer, k0:k1]
+        a = st.buf["attn"].view(c.layers, c.q_dim)[self.layer, k0:k1]
         y = st.weights[self.layer]["o"][lo:hi, k0:k1].float() @ a
         if not lay.o_partial:
             x = st.layer_input(self.layer)[lo:hi].float()

@@ -362,10 +362,10 @@ class TPLayout(Layout):
         Down tiles of twice the rows at half the width where the shard keeps >= 128 of them per K chunk
         (the 70B shard: 512 -> 256 tiles of 917 KB): 20 layers -1.2% (v50, run 83; one GPU's 70B layer
         measured no difference). No down tile waits inside its loop (``down_wait``: a tensor-parallel
-        kernel makes every wait itself), and no attention partial (``attn_wait``)."""
+        kernel makes every wait itself)."""
         base = Tiling.for_config(sc)
         q = overrides.get("qkv_rows", base.qkv_rows)
-        auto = {"kv_rows": max(2, q // 2), "down_wait": 0, "attn_wait": 0}
+        auto = {"kv_rows": max(2, q // 2), "down_wait": 0}
         if cdiv(sc.d, 2 * base.down_rows) >= 128:
             auto.update(down_rows=2 * base.down_rows, down_bk=max(16, base.bk // 2))
         return Tiling.for_config(sc, **{**auto, **overrides})
