@@ -98,11 +98,7 @@ def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True", inside=()) 
             w(f"{ind}            n += 1")
             w(f"{ind}            t1 = clock_ns({interp})")
         else:
-            w(f"{ind}    seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
-            w(f"{ind}    n = 0")
-            w(f"{ind}    while (seen < wt) & (n < spin_limit):")
-            w(f"{ind}        seen = tl.atomic_add(cnt_ptr + wc, 0, sem=\"acquire\", scope=\"gpu\")")
-            w(f"{ind}        n += 1")
+            w(f"{ind}    seen = poll_counter(cnt_ptr + wc, wt, spin_limit)")
         w(f"{ind}    if seen != wt:")
         if tp:
             w(f"{ind}        if (seen < wt) | (psig == 0):")
@@ -172,6 +168,8 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("import triton.language as tl")
     w("from interp.sync import signal_counter" + (", signal_peer_counter, clock_ns, poll_tp" if tp else ""))
     w("from triton.language.extra.cuda import globaltimer as _globaltimer")
+    if not tp:
+        w("from opcodes.common import poll_counter")
     for cls in classes:
         w(f"from {cls.__module__} import {cls.__name__} as _{cls.NAME}_cls")
     w("")

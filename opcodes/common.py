@@ -204,11 +204,25 @@ def rows_dot(w_ptr, rows, row_mask, hv, kbase, K: tl.constexpr, klen, KP: tl.con
 
 
 @triton.jit
+def poll_counter(ptr, wt, spin_limit):
+    """One bounded wait on a counter (gpu scope): acquire reads of ``ptr`` until it reaches ``wt``, at
+    most ``1 + spin_limit`` of them; returns the last value read (``wt`` exactly when met; below it when
+    it timed out; above it when another launch ran beside this one). The kernel's own waits
+    (interp/codegen.py) and :func:`tape_waits` both poll with it."""
+    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    n = 0
+    while (seen < wt) & (n < spin_limit):
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        n += 1
+    return seen
+
+
+@triton.jit
 def tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE: tl.constexpr):
     """The instruction's waits, made by its device function (``Instruction.WAIT_INSIDE``): header
     words ``1 + 2k`` (counter, -1 for none) and ``2 + 2k`` (producers per call) of each of its
     ``MAX_WAITS`` waits, call ``epoch`` waiting for ``target * epoch``, each a bounded acquire poll
-    as the kernel's own (interp/codegen.py). Returns ``(counter, seen)`` of the first wait whose
+    (:func:`poll_counter`, as the kernel's own). Returns ``(counter, seen)`` of the first wait whose
     counter is not exactly at its target after ``spin_limit`` polls (counter -1: all met), and when
     they were met (``PROFILE``; else 0). (The target is the tape's: the kernel reads it again.)"""
     bad_c = tl.full([], -1, tl.int32)
@@ -217,11 +231,7 @@ def tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE: tl.constexpr):
         wc = tl.load(ins + 1 + 2 * k)
         wt = tl.load(ins + 2 + 2 * k) * epoch
         if (wc >= 0) & (bad_c < 0):
-            seen = tl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
-            n = 0
-            while (seen < wt) & (n < spin_limit):
-                seen = tl.atomic_add(cnt_ptr + wc, 0, sem="acquire", scope="gpu")
-                n += 1
+            seen = poll_counter(cnt_ptr + wc, wt, spin_limit)
             if seen != wt:
                 bad_c = wc
                 bad_s = seen
