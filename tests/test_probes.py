@@ -388,3 +388,18 @@ def test_gu_probe_layouts_compute_gate_up():
     for name, (call, check) in gu_probe.cases("cpu", 2, 2).items():
         call()
         assert check() < 1e-4, name
+
+
+def test_power_probe_reads_nvidia_smi_rows_and_summarizes_a_window():
+    from bench.probes import power_probe as pp
+    text = ("2026/12/02 13:50:01.020, 512.30, 700.00, 1980, 3201, 51, 0x0000000000000004\n"
+            "2026/12/02 13:50:01.040, 530.10, 700.00, 1965, 3201, 52, 0x0000000000000000\n"
+            "garbage line\n"
+            "2026/12/02 13:50:09.000, 90.00, 700.00, 345, 3201, 45, 0x0000000000000001\n")
+    s = pp.parse_samples(text)
+    assert len(s) == 3 and s[0][1:6] == (512.3, 700.0, 1980.0, 3201.0, 51.0) and s[0][6] == 4
+    assert abs((s[1][0] - s[0][0]) - 0.02) < 1e-6
+    win = pp.summarize(s, s[0][0], s[1][0])
+    assert win["n"] == 2 and win["power_max_W"] == 530.1 and win["reasons"] == {"sw_power_cap": 0.5}
+    assert pp.summarize(s, s[2][0], s[2][0])["reasons"] == {"gpu_idle": 1.0}
+    assert pp.summarize(s, 0, 1)["n"] == 0
