@@ -38,32 +38,24 @@ def two_kernel(g_ptr, u_ptr, nw_ptr, x_ptr, out_ptr, REPS, NPROG, D: tl.constexp
 
 
 @triton.jit
-def packed_kernel(w_ptr, nw_ptr, x_ptr, out_ptr, REPS, NPROG, D: tl.constexpr, GU_ROWS: tl.constexpr,
-                  RB: tl.constexpr, STAGES: tl.constexpr):
-    # gate row r at packed row 2*RB*(r // RB) + r % RB, up row r RB rows after it
-    pid = tl.program_id(0)
-    for r in range(REPS):
-        row0 = (r * NPROG + pid) * GU_ROWS
-        hv, rstd = norm_row_vec(x_ptr, nw_ptr, D, D, 1e-5)
-        for b in tl.range(0, GU_ROWS // RB, num_stages=STAGES):
-            rows = row0 + b * RB + tl.arange(0, RB)
-            prow = 2 * (row0 + b * RB) + tl.arange(0, RB)
-            rm = rows >= 0
-            gv = rows_dot(w_ptr, prow, rm, hv, 0, D, D, D, True) * rstd
-            uv = rows_dot(w_ptr, prow + RB, rm, hv, 0, D, D, D, True) * rstd
-            tl.store(out_ptr + rows, gv / (1.0 + tl.exp(-gv)) * uv)
-
-
-@triton.jit
-def one_kernel(w_ptr, nw_ptr, x_ptr, out_ptr, REPS, NPROG, D: tl.constexpr, ROWS: tl.constexpr,
-               RB: tl.constexpr, STAGES: tl.constexpr):
+def matrix_kernel(w_ptr, nw_ptr, x_ptr, out_ptr, REPS, NPROG, D: tl.constexpr, ROWS: tl.constexpr,
+                  RB: tl.constexpr, STAGES: tl.constexpr, PACKED: tl.constexpr):
+    # one matrix, RB rows a stage: PACKED, gate and up rows packed [RB gate, RB up, ...] (gate row r at
+    # packed row 2*RB*(r // RB) + r % RB, up row r RB rows after it), ROWS of each a tile and the
+    # activation stored; else ROWS rows a tile and their dots stored (the LM head's loop)
     pid = tl.program_id(0)
     for r in range(REPS):
         row0 = (r * NPROG + pid) * ROWS
         hv, rstd = norm_row_vec(x_ptr, nw_ptr, D, D, 1e-5)
         for b in tl.range(0, ROWS // RB, num_stages=STAGES):
             rows = row0 + b * RB + tl.arange(0, RB)
-            tl.store(out_ptr + rows, rows_dot(w_ptr, rows, rows >= 0, hv, 0, D, D, D, True) * rstd)
+            if PACKED:
+                prow = 2 * (row0 + b * RB) + tl.arange(0, RB)
+                gv = rows_dot(w_ptr, prow, rows >= 0, hv, 0, D, D, D, True) * rstd
+                uv = rows_dot(w_ptr, prow + RB, rows >= 0, hv, 0, D, D, D, True) * rstd
+                tl.store(out_ptr + rows, gv / (1.0 + tl.exp(-gv)) * uv)
+            else:
+                tl.store(out_ptr + rows, rows_dot(w_ptr, rows, rows >= 0, hv, 0, D, D, D, True) * rstd)
 
 
 def cases(dev: str, nprog: int, reps: int):
@@ -91,10 +83,10 @@ def cases(dev: str, nprog: int, reps: int):
     return {
         "two": (lambda: two_kernel[(nprog,)](g, u, nw, x, out, reps, nprog, FFN=n, GU_ROWS=GU_ROWS, RB=RB, **kw),
                 check("two", ref_gu)),
-        "packed": (lambda: packed_kernel[(nprog,)](packed, nw, x, out, reps, nprog, GU_ROWS=GU_ROWS, RB=RB, **kw),
-                   check("packed", ref_gu)),
-        "one": (lambda: one_kernel[(nprog,)](one, nw, x, out, reps, nprog, ROWS=2 * GU_ROWS, RB=2 * RB, **kw),
-                check("one", ref_one)),
+        "packed": (lambda: matrix_kernel[(nprog,)](packed, nw, x, out, reps, nprog, ROWS=GU_ROWS, RB=RB,
+                                                   PACKED=True, **kw), check("packed", ref_gu)),
+        "one": (lambda: matrix_kernel[(nprog,)](one, nw, x, out, reps, nprog, ROWS=2 * GU_ROWS, RB=2 * RB,
+                                                PACKED=False, **kw), check("one", ref_one)),
     }
 
 
