@@ -10,10 +10,6 @@ The G = n_q / n_kv query heads that share KV head ``g`` are processed together, 
 block is loaded once for all of them (GQA). Writes per query head the running max ``m``, the
 sum ``l`` (base 2) and the unnormalised ``acc = sum_t p_t v_t`` for the reduction.
 Bytes: ``2 * c * hd * 2`` of K and V from HBM.
-
-With ``Tiling.attn_whole`` > 0, at ``pos < attn_whole`` a partial stores nothing (it still waits and
-signals, so the tape and its counters are the same at every position): ATTN_REDUCE attends to the
-whole sequence itself (:func:`attend`, this module's key loop).
 """
 from __future__ import annotations
 
@@ -45,13 +41,18 @@ def attention_latency(lay: Layout, keys: int, t0: float = ATTN_LATENCY_H200[0], 
 
 
 @triton.jit
-def attend(layer, g, qrow, hm, start, stop, wtab_ptr, kc_ptr, vc_ptr, q_ptr, NQ: tl.constexpr, HD: tl.constexpr,
-           GROUP_PAD: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, ATTN_BLOCK: tl.constexpr,
-           INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
-    """Flash-decoding of KV head ``g``'s keys ``[start, stop)`` for the query rows ``qrow`` (mask ``hm``,
-    ``GROUP_PAD`` rows for the tensor-core dots) of ``layer``: the running max ``m``, the sum ``l``
-    (base 2) and the unnormalised ``acc = sum_t p_t v_t`` ([GROUP_PAD], [GROUP_PAD], [GROUP_PAD, HD])."""
+def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr,
+                        NQ: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                        MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, SPLITS: tl.constexpr, PART_SPLITS: tl.constexpr,
+                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
+    last = s == SPLITS - 1
+    chunk = (pos + SPLITS - 2) // (SPLITS - 1)
+    start = tl.where(last, pos, s * chunk)
+    stop = tl.where(last, pos + 1, tl.minimum(s * chunk + chunk, pos))
+    hq = tl.arange(0, GROUP_PAD)
+    hm = hq < GROUP
     dcol = tl.arange(0, HD)
+    qrow = g * GROUP + hq
     q = tl.load(q_ptr + layer * (NQ * HD) + qrow[:, None] * HD + dcol[None, :], mask=hm[:, None],
                 other=0.0, cache_modifier=".cg")
     qs = to_bf16(q * QSCALE, INTERP)                          # scores come out in base 2
@@ -76,43 +77,10 @@ def attend(layer, g, qrow, hm, start, stop, wtab_ptr, kc_ptr, vc_ptr, q_ptr, NQ:
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
         m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _split(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr,
-           NQ: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-           MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, SPLITS: tl.constexpr, PART_SPLITS: tl.constexpr,
-           ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
-    last = s == SPLITS - 1
-    chunk = (pos + SPLITS - 2) // (SPLITS - 1)
-    start = tl.where(last, pos, s * chunk)
-    stop = tl.where(last, pos + 1, tl.minimum(s * chunk + chunk, pos))
-    hq = tl.arange(0, GROUP_PAD)
-    hm = hq < GROUP
-    dcol = tl.arange(0, HD)
-    qrow = g * GROUP + hq
-    m_i, l_i, acc = attend(layer, g, qrow, hm, start, stop, wtab_ptr, kc_ptr, vc_ptr, q_ptr, NQ, HD, GROUP_PAD,
-                           MAX_SEQ, QSCALE, ATTN_BLOCK, INTERP, ATTN_STAGES)
     prow = (layer * NQ + qrow) * PART_SPLITS + s
     tl.store(part_o_ptr + prow[:, None] * HD + dcol[None, :], acc, mask=hm[:, None])
     tl.store(part_ml_ptr + prow * 2, m_i, mask=hm)
     tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=hm)
-
-
-@triton.jit
-def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr,
-                        NQ: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                        MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, SPLITS: tl.constexpr, PART_SPLITS: tl.constexpr,
-                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr,
-                        ATTN_WHOLE: tl.constexpr):
-    if ATTN_WHOLE == 0:
-        _split(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr, NQ, HD, GROUP, GROUP_PAD,
-               MAX_SEQ, QSCALE, SPLITS, PART_SPLITS, ATTN_BLOCK, INTERP, ATTN_STAGES)
-    else:
-        if pos >= ATTN_WHOLE:       # below it ATTN_REDUCE attends to the whole sequence: nothing to do
-            _split(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr, NQ, HD, GROUP,
-                   GROUP_PAD, MAX_SEQ, QSCALE, SPLITS, PART_SPLITS, ATTN_BLOCK, INTERP, ATTN_STAGES)
 
 
 @register
@@ -126,7 +94,7 @@ class AttnPartial(Instruction):
     STAGE = 1
     ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr",
             "NQ", "HD", "GROUP", "GROUP_PAD", "MAX_SEQ", "QSCALE", "SPLITS", "PART_SPLITS", "ATTN_BLOCK", "INTERP",
-            "ATTN_STAGES", "ATTN_WHOLE")
+            "ATTN_STAGES")
     CONSTEXPRS = {
         "GROUP": lambda lay: lay.cfg.group,                                  # query heads per KV head
         "GROUP_PAD": lambda lay: max(16, triton.next_power_of_2(lay.cfg.group)),   # rows of tl.dot
@@ -134,7 +102,6 @@ class AttnPartial(Instruction):
         "PART_SPLITS": lambda lay: lay.attn_instr_splits,        # partials per query head (row stride)
         "ATTN_BLOCK": lambda lay: lay.tiling.attn_block,
         "ATTN_STAGES": lambda lay: lay.tiling.attn_stages,
-        "ATTN_WHOLE": lambda lay: lay.tiling.attn_whole,
         "QSCALE": lambda lay: float(1.4426950408889634 / math.sqrt(lay.cfg.hd)),   # log2(e) / sqrt(hd)
     }
     TIMING = Timing.LATENCY
@@ -193,8 +160,6 @@ class AttnPartial(Instruction):
 
     def run_torch(self, lay: Layout, st) -> None:
         c, ns = lay.cfg, lay.tiling.attn_splits
-        if st.pos < lay.tiling.attn_whole:          # ATTN_REDUCE attends to the whole sequence
-            return
         if self.s == ns - 1:
             start, stop = st.pos, st.pos + 1
         else:

@@ -10,11 +10,6 @@ Reads ``SPLITS * (hd + 2) * 4`` bytes of partials from L2.
 With ``Tiling.key_in_reduce`` the key at ``pos`` is not a split: the merge attends to it itself
 (``s = bf16(q * scale) . k``, weight ``2^(s - M)``, value ``v``: what the one-key split computes) over
 the ``SPLITS - 1`` prefix splits, so it waits on the K/V tiles of its head instead of a split after them.
-
-With ``Tiling.attn_whole`` > 0, at ``pos < attn_whole`` the merge is the whole attention of its head:
-it attends to every key ``[0, pos]`` itself with the partials' key loop (``attn_partial.attend``), and
-the partials, which it still waits for, store nothing. One latency-bound instruction and its hop
-leave the critical path where the whole prefix is a few KB; the tape is the same at every position.
 """
 from __future__ import annotations
 
@@ -25,16 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .attn_partial import AttnPartial, attend
+from .attn_partial import AttnPartial
 from .base import Cost, Instruction, Layout, Region, Timing, register
 from .common import T_KC, T_VC, tab_offset, to_bf16
 
 
 @triton.jit
-def _merge(layer, h, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr, attn_ptr,
-           NQ: tl.constexpr, HD: tl.constexpr, PART_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-           GROUP: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr,
-           KEY_IN_REDUCE: tl.constexpr, INTERP: tl.constexpr):
+def attn_reduce_device(layer, h, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr, attn_ptr,
+                       NQ: tl.constexpr, HD: tl.constexpr, PART_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                       GROUP: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr,
+                       KEY_IN_REDUCE: tl.constexpr, INTERP: tl.constexpr):
     sp = tl.arange(0, SPLITS_PAD)
     sm = sp < PART_SPLITS
     dcol = tl.arange(0, HD)
@@ -64,38 +59,6 @@ def _merge(layer, h, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_p
     tl.store(attn_ptr + layer * (NQ * HD) + h * HD + dcol, out)
 
 
-@triton.jit
-def _whole(layer, h, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, attn_ptr, NQ: tl.constexpr, HD: tl.constexpr,
-           GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr,
-           ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
-    # head h alone over keys [0, pos] (its row 0 of the GROUP_PAD rows the tensor-core dots take)
-    hq = tl.arange(0, GROUP_PAD)
-    hm = hq < 1
-    dcol = tl.arange(0, HD)
-    m_i, l_i, acc = attend(layer, h // GROUP, h + hq * 0, hm, 0, pos + 1, wtab_ptr, kc_ptr, vc_ptr, q_ptr, NQ, HD,
-                           GROUP_PAD, MAX_SEQ, QSCALE, ATTN_BLOCK, INTERP, ATTN_STAGES)
-    out = acc / tl.where(hm, l_i, 1.0)[:, None]
-    tl.store(attn_ptr + layer * (NQ * HD) + h * HD + hq[:, None] * 0 + dcol[None, :], out, mask=hm[:, None])
-
-
-@triton.jit
-def attn_reduce_device(layer, h, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr, attn_ptr,
-                       NQ: tl.constexpr, HD: tl.constexpr, PART_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                       GROUP: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr,
-                       KEY_IN_REDUCE: tl.constexpr, INTERP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                       ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, ATTN_WHOLE: tl.constexpr):
-    if ATTN_WHOLE == 0:
-        _merge(layer, h, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr, attn_ptr, NQ, HD,
-               PART_SPLITS, SPLITS_PAD, GROUP, MAX_SEQ, QSCALE, KEY_IN_REDUCE, INTERP)
-    else:
-        if pos < ATTN_WHOLE:
-            _whole(layer, h, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, attn_ptr, NQ, HD, GROUP, GROUP_PAD, MAX_SEQ,
-                   QSCALE, ATTN_BLOCK, INTERP, ATTN_STAGES)
-        else:
-            _merge(layer, h, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr, attn_ptr, NQ, HD,
-                   PART_SPLITS, SPLITS_PAD, GROUP, MAX_SEQ, QSCALE, KEY_IN_REDUCE, INTERP)
-
-
 @register
 @dataclass(frozen=True)
 class AttnReduce(Instruction):
@@ -105,8 +68,7 @@ class AttnReduce(Instruction):
     NAME = "attn_reduce"
     STAGE = 2
     ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr", "attn_ptr", "NQ", "HD",
-            "PART_SPLITS", "SPLITS_PAD", "GROUP", "MAX_SEQ", "QSCALE", "KEY_IN_REDUCE", "INTERP", "GROUP_PAD",
-            "ATTN_BLOCK", "ATTN_STAGES", "ATTN_WHOLE")
+            "PART_SPLITS", "SPLITS_PAD", "GROUP", "MAX_SEQ", "QSCALE", "KEY_IN_REDUCE", "INTERP")
     CONSTEXPRS = {"PART_SPLITS": AttnPartial.CONSTEXPRS["PART_SPLITS"],
                   "SPLITS_PAD": lambda lay: triton.next_power_of_2(lay.attn_instr_splits),
                   "GROUP": AttnPartial.CONSTEXPRS["GROUP"], "QSCALE": AttnPartial.CONSTEXPRS["QSCALE"],
@@ -135,9 +97,7 @@ class AttnReduce(Instruction):
         r0 = (self.layer * c.n_q + self.h) * ns
         r1 = r0 + ns
         out = [Region("part_o", r0 * c.hd, r1 * c.hd), Region("part_ml", r0 * 2, r1 * 2)]
-        # the key at pos: this head's q, its KV head's new K/V row (with attn_whole, below it, the whole
-        # sequence: the prefix rows are earlier calls', so the new row is the one this call writes)
-        if lay.tiling.key_in_reduce or lay.tiling.attn_whole:
+        if lay.tiling.key_in_reduce:          # the key at pos: this head's q, its KV head's new K/V row
             q0 = self.layer * c.q_dim + self.h * c.hd
             kv0 = self.layer * c.kv_dim + (self.h // c.group) * c.hd
             out += [Region("q", q0, q0 + c.hd), Region("kv_new_k", kv0, kv0 + c.hd),
@@ -157,15 +117,6 @@ class AttnReduce(Instruction):
 
     def run_torch(self, lay: Layout, st) -> None:
         c, ns = lay.cfg, lay.attn_instr_splits
-        if st.pos < lay.tiling.attn_whole:          # head h over every key [0, pos], as the partials would
-            g = self.h // c.group
-            q = st.buf["q"].view(c.layers, c.n_q, c.hd)[self.layer, self.h]
-            k = st.kv[self.layer][0][0, g, :st.pos + 1].float()
-            v = st.kv[self.layer][1][0, g, :st.pos + 1].float()
-            sc = (q * (1.4426950408889634 / math.sqrt(c.hd))) @ k.T          # base-2 scores
-            p = torch.exp2(sc - sc.max())
-            st.buf["attn"].view(c.layers, c.n_q, c.hd)[self.layer, self.h] = (p @ v) / p.sum()
-            return
         hs = slice(self.h, self.h + 1)
         po = st.buf["part_o"].view(c.layers, c.n_q, ns, c.hd)[self.layer, hs]       # [1, SPLITS, hd]
         pml = st.buf["part_ml"].view(c.layers, c.n_q, ns, 2)[self.layer, hs]

@@ -74,11 +74,6 @@ class Tiling:
     # a one-key split in between (the TP rank's K/V tail: run 79)
     key_in_reduce: int = 0
     attn_block: int = 128   # keys per attention inner block
-    # > 0: at positions below it the attention is one instruction a query head: ATTN_REDUCE attends
-    # to every key [0, pos] itself and the partials store nothing (one latency-bound instruction and
-    # its hop less on the critical path, where a whole prefix is a few KB); at pos >= attn_whole the
-    # splits and their merge as without it. 0: always split. The tape is the same at every position
-    attn_whole: int = 0
     # software-pipelining depth of the attention key loop: 3 keeps two 128-key K/V blocks in
     # flight, so a ~270-key split costs ~2 loaded HBM round trips instead of one per block
     # (H200: 12.3 -> 7.4 us per split, 446 -> 436 us per layer; bench/NOTES.md v7)
@@ -111,7 +106,7 @@ class Tiling:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "attn_whole") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
