@@ -213,6 +213,34 @@ def test_gluon_chain_ws_compiles_for_sm90(tmp_path, gap_us):
     assert int(m.group(2)) == 0 and int(m.group(3)) == 0, got["resources"]
 
 
+@pytest.mark.parametrize("mode", ["NO_TMA", "NO_MATH"])
+def test_gluon_chain_ws_halves_compile_for_sm90(tmp_path, mode):
+    """--halves: NO_TMA's loader copies nothing and arrives on the slot's ready barrier itself; NO_MATH's
+    consumer never reads the ring (its only shared-memory reads are gone, the vector's store stays)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(root), TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    code = ("import sys; from bench.probes import gluon_chain_probe as g; "
+            "sys.stdout.write(g.compile_sm90(5, 0, getattr(g, sys.argv[1] + '_')).asm['ttgir'])")
+    r = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, env=env, cwd=root,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ttgir = r.stdout
+    default = ttgir.split("ttg.warp_specialize(", 1)[1].split("partition0(", 1)[0]
+    worker = ttgir.split("partition0(", 1)[1].split("ttg.warp_return", 1)[0]
+    if mode == "NO_TMA":
+        assert "async_tma_copy" not in ttgir and "ttng.barrier_expect" not in worker
+        assert "ttng.arrive_barrier" in worker and "ttg.local_load" in default
+    else:
+        assert worker.count("ttng.async_tma_copy_global_to_local") == 4
+        assert "ttg.local_load" not in default and "ttg.local_store" in default
+        assert "ttng.wait_barrier" in default and "ttng.arrive_barrier" in default
+
+
 def test_gluon_chain_probe_arguments(capsys, monkeypatch):
     """--help prints the usage and exits 0; a depth that is not an integer >= 1, or a bad --gap-us, is one
     line and exit 2, before any GPU work."""
@@ -220,7 +248,8 @@ def test_gluon_chain_probe_arguments(capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(gcp, "run", lambda **kw: pytest.fail(f"ran {kw}"))
     assert gcp.main(["--help"]) == 0 and "--gap-us G" in capsys.readouterr().out
-    for bad, what in ((["x"], "'x'"), (["0"], "'0'"), (["6", "--gap-us", "-1"], "--gap-us"), (["--gap-us"], "--gap-us")):
+    for bad, what in ((["x"], "'x'"), (["0"], "'0'"), (["6", "--gap-us", "-1"], "--gap-us"), (["--gap-us"], "--gap-us"),
+                      (["--halves", "y"], "'y'")):
         assert gcp.main(bad) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and what in err, err

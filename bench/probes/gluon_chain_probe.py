@@ -1,8 +1,13 @@
 """chain_probe's chain of dependent one-wave GEMV stages, streamed by a warp-specialized TMA loader
 (Gluon), against chain_probe's `per_tile` and `flat` Triton kernels in the same process.
 
-    python3 -m bench.probes.gluon_chain_probe [stages...] [--gap-us G]   (a GPU (H200); default 5; ring min(stages, 6))
+    python3 -m bench.probes.gluon_chain_probe [stages...] [--gap-us G] [--halves]   (a GPU (H200); default 5; ring min(stages, 6))
     python3 -m bench.probes.gluon_chain_probe --compile [RING [DIR]] [--gap-us G]   (no GPU: sm_90 offline)
+
+``--halves``: also ``ws``'s two halves alone, in the same alternation: ``ws_no_tma`` (the consumer at
+its own pace: the loader copies nothing and marks each free slot ready at once) and ``ws_no_math`` (the
+loader and the HBM at theirs: the consumer frees each slot unread); their counters and waits are
+checked, not their sums. Whichever half is as slow as ``ws`` bounds it.
 
 ``--gap-us G``: after every layer's QKV stage each O tile spins G us after its wait (chain_probe.gaps),
 as the 1B's attention sits between QKV and O (~6 us a layer of idle HBM, run 137): ``per_tile`` idles
@@ -79,6 +84,12 @@ BLOCK_BYTES_ = ROWS_ * COLS_ * 2
 MAX_RING = 6                        # 6 x 32 KB + the 16 KB vector + barriers fit 232448 bytes (an H200 block's maximum)
 BR, BK, BOX, NSUB = gl.constexpr(ROWS_), gl.constexpr(COLS_), gl.constexpr(BOX_), gl.constexpr(NSUB_)
 BLOCK_BYTES = gl.constexpr(BLOCK_BYTES_)
+#: halves of the ws pipeline timed alone (``chain_ws``'s MODE; their sums are wrong, their counters right):
+#: NO_TMA, the consumer alone (the loader copies nothing and marks each free slot ready at once: the
+#: consumer's waits, vector, shared-memory dots and signals at their own pace); NO_MATH, the loader and
+#: the HBM alone (the consumer waits for each slot and frees it without reading it)
+NO_TMA_, NO_MATH_ = 1, 2
+NO_TMA, NO_MATH = gl.constexpr(NO_TMA_), gl.constexpr(NO_MATH_)
 #: the launch's options (the offline compile uses the same)
 #: GLUON_WS_WARPS=8: 8 consumer warps (12 with the loader's group: 168 registers a thread); run 125: no faster
 _W = os.environ.get("GLUON_WS_WARPS", "4")
@@ -98,15 +109,19 @@ def _row(tab_ptr, j, ok):
 
 
 @gluon.jit
-def _loader(w_desc, bufs, ready, empty, b0, b1, RING: gl.constexpr):
+def _loader(w_desc, bufs, ready, empty, b0, b1, RING: gl.constexpr, MODE: gl.constexpr):
     # 1 warp: every block of the SM's queue into the ring, in order; waits only for a free slot
+    # (MODE 1, NO_TMA: a slot is "ready" as soon as it is free, nothing is copied)
     s = 0
     ph = 0
     for j in range(b0, b1):
         mbarrier.wait(empty.index(s), ph ^ 1)     # a fresh barrier passes parity 1: the first lap never waits
-        mbarrier.expect(ready.index(s), BLOCK_BYTES)
-        for c in gl.static_range(NSUB):
-            tma.async_copy_global_to_shared(w_desc, [j * BR, c * BOX], ready.index(s), bufs.index(s * NSUB + c))
+        if MODE == NO_TMA:
+            mbarrier.arrive(ready.index(s))
+        else:
+            mbarrier.expect(ready.index(s), BLOCK_BYTES)
+            for c in gl.static_range(NSUB):
+                tma.async_copy_global_to_shared(w_desc, [j * BR, c * BOX], ready.index(s), bufs.index(s * NSUB + c))
         s += 1
         if s == RING:
             s = 0
@@ -115,7 +130,7 @@ def _loader(w_desc, bufs, ready, empty, b0, b1, RING: gl.constexpr):
 
 @gluon.jit
 def _consumer(tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, xs, ready, empty, gap_ptr,
-              RING: gl.constexpr, L: gl.constexpr, GAP: gl.constexpr):
+              RING: gl.constexpr, L: gl.constexpr, GAP: gl.constexpr, MODE: gl.constexpr):
     # the default partition (4 warps): waits, vector, multiply-accumulate from shared memory, stores, signals
     gl.static_assert(NSUB == 4)
     rows = gl.arange(0, BR, layout=gl.SliceLayout(1, L))
@@ -137,18 +152,21 @@ def _consumer(tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, xs
         if (wc >= 0) | (j == b0):                                    # a tile's first block (the chain's first: no wait)
             xs.store(gl.load(x_ptr + xo, cache_modifier=".cg"))
             gl.thread_barrier()     # the previous tile's readers passed its last block's barrier; these stores are seen
-        r = (j % 4) * NSUB                                           # chain_probe's x[(j % 4) * 1024:][:1024]
-        x0 = xr.index(r).load(gl.SliceLayout(0, L))
-        x1 = xr.index(r + 1).load(gl.SliceLayout(0, L))
-        x2 = xr.index(r + 2).load(gl.SliceLayout(0, L))
-        x3 = xr.index(r + 3).load(gl.SliceLayout(0, L))
-        mbarrier.wait(ready.index(s), ph)
-        w0 = bufs.index(s * NSUB).load(L)
-        gl.static_assert(gl.bank_conflicts(w0.type, bufs.index(0).type) == 0)    # checked when compiled
-        acc += w0.to(gl.float32) * x0[None, :]
-        acc += bufs.index(s * NSUB + 1).load(L).to(gl.float32) * x1[None, :]
-        acc += bufs.index(s * NSUB + 2).load(L).to(gl.float32) * x2[None, :]
-        acc += bufs.index(s * NSUB + 3).load(L).to(gl.float32) * x3[None, :]
+        if MODE == NO_MATH:
+            mbarrier.wait(ready.index(s), ph)
+        else:
+            r = (j % 4) * NSUB                                       # chain_probe's x[(j % 4) * 1024:][:1024]
+            x0 = xr.index(r).load(gl.SliceLayout(0, L))
+            x1 = xr.index(r + 1).load(gl.SliceLayout(0, L))
+            x2 = xr.index(r + 2).load(gl.SliceLayout(0, L))
+            x3 = xr.index(r + 3).load(gl.SliceLayout(0, L))
+            mbarrier.wait(ready.index(s), ph)
+            w0 = bufs.index(s * NSUB).load(L)
+            gl.static_assert(gl.bank_conflicts(w0.type, bufs.index(0).type) == 0)    # checked when compiled
+            acc += w0.to(gl.float32) * x0[None, :]
+            acc += bufs.index(s * NSUB + 1).load(L).to(gl.float32) * x1[None, :]
+            acc += bufs.index(s * NSUB + 2).load(L).to(gl.float32) * x2[None, :]
+            acc += bufs.index(s * NSUB + 3).load(L).to(gl.float32) * x3[None, :]
         fence_async_shared()        # the generic-proxy reads before the next TMA (async proxy) write
         gl.thread_barrier()         # every consumer warp has read the slot
         mbarrier.arrive(empty.index(s))
@@ -167,7 +185,7 @@ def _consumer(tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, xs
 
 @gluon.jit(do_not_specialize=["epoch"])
 def chain_ws(tab_ptr, start_ptr, x_ptr, w_desc, out_ptr, cnt_ptr, err_ptr, epoch, gap_ptr, RING: gl.constexpr,
-             GAP: gl.constexpr):
+             GAP: gl.constexpr, MODE: gl.constexpr = 0):
     NW: gl.constexpr = gl.num_warps()
     # a [16, 256] box read 8 bf16 (16 bytes) a thread, a warp per 512-byte row
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
@@ -184,8 +202,8 @@ def chain_ws(tab_ptr, start_ptr, x_ptr, w_desc, out_ptr, cnt_ptr, err_ptr, epoch
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, xs, ready, empty, gap_ptr, RING, L,
-                     GAP)),
-        (_loader, (w_desc, bufs, ready, empty, b0, b1, RING)),
+                     GAP, MODE)),
+        (_loader, (w_desc, bufs, ready, empty, b0, b1, RING, MODE)),
     ], [1], [24])
     for i in gl.static_range(RING):
         mbarrier.invalidate(ready.index(i))
@@ -198,13 +216,16 @@ def make_desc(w: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(w.view(-1, COLS_), [ROWS_, BOX_], SMEM_LAYOUT)
 
 
-def launch_ws(tables, x, desc, out, cnt, err, epoch, sms, ring, gap=None):
-    """``gap``: chain_probe.gaps' per-counter nanoseconds (int64 on the device), or None (no gap code)."""
+def launch_ws(tables, x, desc, out, cnt, err, epoch, sms, ring, gap=None, mode=0):
+    """``gap``: chain_probe.gaps' per-counter nanoseconds (int64 on the device), or None (no gap code);
+    ``mode``: 0, or one half of the pipeline alone (:data:`NO_TMA`, :data:`NO_MATH`: wrong sums)."""
     if not 1 <= ring <= MAX_RING:
         raise ValueError(f"ring {ring}: 1..{MAX_RING} slots of 32 KB fit an H200 block's shared memory")
+    if mode not in (0, NO_TMA_, NO_MATH_):
+        raise ValueError(f"mode {mode!r}: 0, NO_TMA ({NO_TMA_}) or NO_MATH ({NO_MATH_})")
     tab_t, start_t = tables[0], tables[1]
     chain_ws[(sms,)](tab_t, start_t, x, desc, out, cnt, err, epoch, tab_t if gap is None else gap, RING=ring,
-                     GAP=int(gap is not None), **LAUNCH)
+                     GAP=int(gap is not None), MODE=mode, **LAUNCH)
 
 
 def reference(tab, w: torch.Tensor, x: torch.Tensor, nout: int, chunk: int = 4096) -> torch.Tensor:
@@ -238,12 +259,15 @@ def signals_per_call(tab, ncnt: int) -> torch.Tensor:
 
 def check(name, out, cnt, err, calls, ref, per_call, tol=1e-4) -> float:
     """After ``calls`` calls of a variant: no wait gave up, every counter rose by its stage's tiles per
-    call, the outputs are the reference's (fp32, rtol = atol = tol). Returns the largest difference."""
+    call, the outputs are the reference's (fp32, rtol = atol = tol; ``ref`` None: not compared, 0.0
+    returned). Returns the largest difference."""
     if int(err.item()):
         raise RuntimeError(f"{name}: {int(err.item())} waits gave up")
     if not torch.equal(cnt.cpu(), per_call.cpu() * calls):
         raise RuntimeError(f"{name}: counters {cnt.cpu().tolist()[:8]}... after {calls} calls, expected "
                            f"{(per_call.cpu() * calls).tolist()[:8]}... (each tile signals once a call)")
+    if ref is None:
+        return 0.0
     diff = (out - ref).abs().max().item()
     if not torch.allclose(out, ref, rtol=tol, atol=tol):
         raise RuntimeError(f"{name}: outputs differ from the fp32 reference (max abs diff {diff:.3g})")
@@ -251,7 +275,7 @@ def check(name, out, cnt, err, calls, ref, per_call, tol=1e-4) -> float:
 
 
 # ---- offline compile (no GPU) ----------------------------------------------------------------------------
-def compile_sm90(ring: int = 5, gap: int = 0):
+def compile_sm90(ring: int = 5, gap: int = 0, mode: int = 0):
     """chain_ws compiled for sm_90 with LAUNCH's options and the signature the runtime gives the
     launch's arguments (the descriptor's type from a CPU stand-in). Needs TRITON_INTERPRET unset when triton
     is first imported (under it gluon's own @triton.jit helpers, gl.sum's among them, are interpreted
@@ -264,10 +288,11 @@ def compile_sm90(ring: int = 5, gap: int = 0):
     desc = make_desc(torch.zeros(ROWS_ * COLS_ * 4, dtype=torch.bfloat16))
     sig = {"tab_ptr": "*i64", "start_ptr": "*i64", "x_ptr": "*fp32", "w_desc": mangle_type(desc), "out_ptr": "*fp32",
            "cnt_ptr": "*i32", "err_ptr": "*i32", "epoch": "i32", "gap_ptr": "*i64", "RING": "constexpr",
-           "GAP": "constexpr"}
+           "GAP": "constexpr", "MODE": "constexpr"}
     names = chain_ws.arg_names
     src = GluonASTSource(fn=chain_ws, signature={n: sig[n] for n in names},
-                         constexprs={(names.index("RING"),): ring, (names.index("GAP"),): gap},
+                         constexprs={(names.index("RING"),): ring, (names.index("GAP"),): gap,
+                                     (names.index("MODE"),): mode},
                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*"})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH))
 
@@ -287,13 +312,16 @@ def _compile_main(ring: int, out_dir: str | None, gap: int = 0) -> int:
 
 # ---- the GPU run ------------------------------------------------------------------------------------------
 NAMES = ("per_tile", "flat", "ws")
+#: ws's halves alone (``--halves``): wrong sums, counters and waits checked
+HALVES = {"ws_no_tma": NO_TMA_, "ws_no_math": NO_MATH_}
 
 
-def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0):
+def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0, halves=False):
     """Every variant checked once against the reference, then timed alternated: ``stages`` is the
     Triton kernels' pipeline depth and the ws ring's slots. ``gap_us`` > 0: after every layer's QKV
     stage each O tile spins that long after its wait (chain_probe.gaps), a phase that streams nothing
-    but what a variant loads ahead (the 1B's attention)."""
+    but what a variant loads ahead (the 1B's attention). ``halves``: also ws's consumer alone and its
+    loader alone (:data:`HALVES`; counters and waits checked, not their sums)."""
     dev = torch.device(device)
     sms = sms or torch.cuda.get_device_properties(dev).multi_processor_count
     ring = min(stages, MAX_RING)
@@ -309,29 +337,34 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0):
     per_call = signals_per_call(tab, ncnt).to(dev)
     gap = i64(cp.gaps(ncnt, len(cp.STAGE_SHAPES), round(gap_us * 1e3))) if gap_us > 0 else None
 
+    names = NAMES + (tuple(HALVES) if halves else ())
+
     def call(name, out, cnt, err, epoch):
-        if name == "ws":
-            launch_ws(tables, x, desc, out, cnt, err, epoch, sms, ring, gap)
+        if name == "ws" or name in HALVES:
+            launch_ws(tables, x, desc, out, cnt, err, epoch, sms, ring, gap, HALVES.get(name, 0))
         else:
             cp.launch(name, tables, x, w, out, cnt, err, epoch, sms, stages, gap)
 
     fresh = lambda: (torch.zeros(nout * ROWS_, dtype=torch.float32, device=dev),       # noqa: E731
                      torch.zeros(ncnt, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev))
-    for name in NAMES:                          # checked (and compiled) before any timing
+    for name in names:                          # checked (and compiled) before any timing
         out, cnt, err = fresh()
         call(name, out, cnt, err, 1)
         torch.cuda.synchronize()
-        print(f"  {name}: matches the fp32 reference (max abs diff {check(name, out, cnt, err, 1, ref, per_call):.2e})")
+        r = None if name in HALVES else ref
+        diff = check(name, out, cnt, err, 1, r, per_call)
+        print(f"  {name}: " + ("counters and waits as the chain's (sums not compared)" if r is None else
+                               f"matches the fp32 reference (max abs diff {diff:.2e})"))
     res = {}
-    for name in NAMES + NAMES[::-1]:
+    for name in names + names[::-1]:
         out, cnt, err = fresh()
         t = cp.timed_median(lambda step: call(name, out, cnt, err, step), steps)
-        check(name, out, cnt, err, steps, ref, per_call)
+        check(name, out, cnt, err, steps, None if name in HALVES else ref, per_call)
         res.setdefault(name, []).append(t)
     what = f"pipeline {stages} (ws: ring of {ring} x 32 KB)"
     if gap is not None:
         what += f"; a {gap_us:g} us gap after each layer's QKV ({layers * gap_us:g} us a call beside the floor)"
-    floor_us = cp.report(dev, layers, sms, w.numel() * 2, bw, what, res, 9)
+    floor_us = cp.report(dev, layers, sms, w.numel() * 2, bw, what, res, 10)
     return res, floor_us
 
 
@@ -343,6 +376,8 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET") not in (None, "", "0"):
         print("TRITON_INTERPRET is set: Gluon kernels are never interpreted; unset it", file=sys.stderr)
         return 2
+    halves = "--halves" in args
+    args = [a for a in args if a != "--halves"]
     gap_us = 0.0
     if "--gap-us" in args:
         i = args.index("--gap-us")
@@ -362,10 +397,10 @@ def main(argv=None) -> int:
     bad = [s for s in args if not s.isdigit() or int(s) < 1]
     if bad:
         print(f"{bad[0]!r}: a pipeline depth is an integer >= 1 (usage: python3 -m bench.probes.gluon_chain_probe "
-              "[stages...] [--gap-us G] | --compile [RING [DIR]])", file=sys.stderr)
+              "[stages...] [--gap-us G] [--halves] | --compile [RING [DIR]])", file=sys.stderr)
         return 2
     for st in [int(s) for s in (args or ["5"])]:
-        run(stages=st, gap_us=gap_us)
+        run(stages=st, gap_us=gap_us, halves=halves)
     return 0
 
 
