@@ -250,7 +250,14 @@ def test_gluon_chain_steal_plan_covers_the_chain():
     nblocks = len(cp.plan(2, 132)[0])
     assert len(tab) == nblocks and len(st) == 2 * len(cp.STAGE_SHAPES)
     groups = [t * r // gcp.ROWS_ for t, r, _ in cp.STAGE_SHAPES] * 2
-    assert [n for _, n in st] == groups and [b for b, _ in st] == [2 * sum(groups[:i]) for i in range(len(groups))]
+    assert [n for _, n, _ in st] == groups and [b for b, _, _ in st] == [2 * sum(groups[:i]) for i in range(len(groups))]
+    assert all(k == 0 for *_, k in st)
+    # a static share first: k = floor(keep * groups / SMs) of its own an SM (the 1B's gate/up: 1024 groups -> 5)
+    t75, s75 = gcp.plan_steal(2, 132, 0.75)
+    assert t75 == tab and [k for *_, k in s75] == [int(0.75 * n / 132) for n in groups]
+    assert [k for *_, k in s75][:4] == [1, 0, 5, 2]
+    with pytest.raises(ValueError, match="keep"):
+        gcp.plan_steal(2, 132, 1.5)
     assert all(r[0] == j * gcp.ROWS_ * gcp.COLS_ and r[1] == (j % 4) * gcp.COLS_ for j, r in enumerate(tab))
     assert [r[4] for r in tab[1::2]] == list(range(len(tab) // 2)) and all(r[4] == -1 for r in tab[::2])
     assert gcp.signals_per_call(tab, len(st)).tolist() == groups

@@ -13,7 +13,9 @@ checked, not their sums. Whichever half is as slow as ``ws`` bounds it.
 each stage, which every SM's loader takes by ticket (one relaxed atomic a group, the ring full while
 it waits) until the stage's pool is empty, then marks one slot "stage over"; the consumer waits for
 the previous stage at the first group it gets, and signals the stage's counter once a group. All
-132 SMs take part in every stage, and an SM the HBM serves less takes fewer groups.
+132 SMs take part in every stage, and an SM the HBM serves less takes fewer groups. ``ws_steal75``:
+each SM first takes a static share (75% of a stage's groups over the SMs, rounded down; no ticket),
+then tickets for the rest.
 
 ``--gap-us G``: after every layer's QKV stage each O tile spins G us after its wait (chain_probe.gaps),
 as the 1B's attention sits between QKV and O (~6 us a layer of idle HBM, run 137): ``per_tile`` idles
@@ -223,15 +225,23 @@ def _steal_loader(w_desc, bufs, gid, ready, empty, stage_ptr, tk_ptr, epoch, nst
     # its first slot's tag; then one untagged slot (-1, no bytes) that tells the consumer the stage is over
     LW: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     nsm = gl.num_programs(0)
+    pid = gl.program_id(0)
     s = 0
     ph = 0
     for st in range(nst):
-        base = gl.load(stage_ptr + 2 * st).to(gl.int32)
-        n = gl.load(stage_ptr + 2 * st + 1).to(gl.int32)
-        off = (epoch - 1) * (n + nsm)       # each call takes n + (one failed ticket an SM) of the stage's tickets
+        base = gl.load(stage_ptr + 3 * st).to(gl.int32)
+        n = gl.load(stage_ptr + 3 * st + 1).to(gl.int32)
+        k = gl.load(stage_ptr + 3 * st + 2).to(gl.int32)     # groups an SM takes without a ticket
+        # each call takes the pool's groups (all but nsm * k) and one failed ticket an SM
+        off = (epoch - 1) * (n - nsm * k + nsm) - nsm * k
         go = 1
+        i = 0
         while go == 1:
-            t = gl.atomic_add(tk_ptr + st, 1, sem="relaxed", scope="gpu") - off
+            if i < k:                                    # this SM's own share: groups pid * k + [0, k)
+                t = pid * k + i
+            else:
+                t = gl.atomic_add(tk_ptr + st, 1, sem="relaxed", scope="gpu") - off
+            i += 1
             mbarrier.wait(empty.index(s), ph ^ 1)
             if t < n:
                 gid.index(s).store(gl.zeros([32], gl.int32, LW) + t)
@@ -293,8 +303,8 @@ def _steal_consumer(x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, nst, stage_ptr, buf
     s = 0
     ph = 0
     for st in range(nst):
-        base = gl.load(stage_ptr + 2 * st).to(gl.int32)
-        pn = gl.load(stage_ptr + 2 * st - 1, mask=st > 0, other=0).to(gl.int32)     # the previous stage's groups
+        base = gl.load(stage_ptr + 3 * st).to(gl.int32)
+        pn = gl.load(stage_ptr + 3 * st - 2, mask=st > 0, other=0).to(gl.int32)     # the previous stage's groups
         first = 1
         go = 1
         while go == 1:
@@ -347,18 +357,22 @@ def chain_steal(stage_ptr, x_ptr, w_desc, out_ptr, cnt_ptr, tk_ptr, err_ptr, epo
         mbarrier.invalidate(empty.index(i))
 
 
-def plan_steal(layers: int, stages=cp.STAGE_SHAPES):
+def plan_steal(layers: int, sms: int = 132, keep: float = 0.0, stages=cp.STAGE_SHAPES):
     """ws_steal's table: every stage's row groups (16 rows x 2048 columns: 2 blocks, the sum stored at
     the second) in stage order, blocks packed in table order as :func:`reference` wants them (block j's
     vector x[(j % 4) * 1024:]; a group's second block carries its output index and its stage's counter,
-    so :func:`signals_per_call` counts a stage's groups); and [stage][first block, groups]."""
+    so :func:`signals_per_call` counts a stage's groups); and [stage][first block, groups, k]: each of
+    the ``sms`` SMs first takes k = floor(keep * groups / sms) groups of its own (SM p: p * k + [0, k)),
+    the rest by ticket."""
+    if not 0.0 <= keep <= 1.0:
+        raise ValueError(f"keep {keep!r}: the fraction of a stage's groups taken without tickets, in [0, 1]")
     tab, st = [], []
     for _ in range(layers):
         for si, (ntiles, rows, k) in enumerate(stages):
             if k != 2 * COLS_ or rows % ROWS_:
                 raise ValueError(f"stage {si}: rows {rows} x K {k}, not groups of {ROWS_} x {2 * COLS_}")
             ng = ntiles * rows // ROWS_
-            st.append([len(tab), ng])
+            st.append([len(tab), ng, int(keep * ng / sms)])
             for _ in range(2 * ng):
                 j = len(tab)
                 last = j % 2 == 1
@@ -372,6 +386,8 @@ def launch_steal(stage_t, x, desc, out, cnt, tk, err, epoch, sms, ring):
         raise ValueError(f"ring {ring}: 1..{MAX_RING} slots of 32 KB fit an H200 block's shared memory")
     if ring < 2:
         raise ValueError("ws_steal needs a ring of >= 2 slots (a group is two blocks)")
+    if stage_t.shape[1] != 3 or bool((stage_t[:, 2] * sms > stage_t[:, 1]).any()):
+        raise ValueError("stage table: [first block, groups, k] rows with sms * k <= groups (plan_steal's)")
     chain_steal[(sms,)](stage_t, x, desc, out, cnt, tk, err, epoch, stage_t.shape[0], RING=ring, **LAUNCH)
 
 
@@ -496,6 +512,8 @@ def _compile_main(ring: int, out_dir: str | None, gap: int = 0) -> int:
 NAMES = ("per_tile", "flat", "ws")
 #: ws's halves alone (``--halves``): wrong sums, counters and waits checked
 HALVES = {"ws_no_tma": NO_TMA_, "ws_no_math": NO_MATH_}
+#: ws_steal's rows (``--steal``): the fraction of a stage's groups each SM takes without a ticket first
+STEALS = {"ws_steal": 0.0, "ws_steal75": 0.75}
 
 
 def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0, halves=False, steal=False):
@@ -523,32 +541,34 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0, halv
     per_call = signals_per_call(tab, ncnt).to(dev)
     gap = i64(cp.gaps(ncnt, len(cp.STAGE_SHAPES), round(gap_us * 1e3))) if gap_us > 0 else None
 
-    names = NAMES + (tuple(HALVES) if halves else ()) + (("ws_steal",) if steal else ())
+    names = NAMES + (tuple(HALVES) if halves else ()) + (tuple(STEALS) if steal else ())
     if steal:
-        stab, sst = plan_steal(layers)
-        if len(stab) * ROWS_ * COLS_ != nw:
-            raise RuntimeError(f"plan_steal has {len(stab)} blocks, the chain {nw // (ROWS_ * COLS_)}")
-        stage_t = i64(sst)
-        sref = reference(stab, w, x, len(stab) // 2)
+        stage_ts = {}
+        for nm, keep in STEALS.items():
+            stab, sst = plan_steal(layers, sms, keep)
+            if len(stab) * ROWS_ * COLS_ != nw:
+                raise RuntimeError(f"plan_steal has {len(stab)} blocks, the chain {nw // (ROWS_ * COLS_)}")
+            stage_ts[nm] = i64(sst)
+        sref = reference(stab, w, x, len(stab) // 2)        # the same table whatever keep is
         sper_call = signals_per_call(stab, len(sst)).to(dev)
     tk = []           # ws_steal's ticket counters, zeroed with every fresh set of buffers
 
     def call(name, out, cnt, err, epoch):
-        if name == "ws_steal":
-            launch_steal(stage_t, x, desc, out, cnt, tk[-1], err, epoch, sms, ring)
+        if name in STEALS:
+            launch_steal(stage_ts[name], x, desc, out, cnt, tk[-1], err, epoch, sms, ring)
         elif name == "ws" or name in HALVES:
             launch_ws(tables, x, desc, out, cnt, err, epoch, sms, ring, gap, HALVES.get(name, 0))
         else:
             cp.launch(name, tables, x, w, out, cnt, err, epoch, sms, stages, gap)
 
     def fresh(name):
-        n_cnt = len(sst) if name == "ws_steal" else ncnt
+        n_cnt = len(sst) if name in STEALS else ncnt
         tk.append(torch.zeros(n_cnt, dtype=torch.int32, device=dev))
         return (torch.zeros(nout * ROWS_, dtype=torch.float32, device=dev),
                 torch.zeros(n_cnt, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev))
 
     def expect(name):
-        if name == "ws_steal":
+        if name in STEALS:
             return sref, sper_call
         return (None if name in HALVES else ref), per_call
 
