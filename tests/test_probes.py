@@ -270,6 +270,11 @@ def test_gluon_chain_steal_plan_covers_the_chain():
     torch.testing.assert_close(ref[37 * gcp.ROWS_:][:gcp.ROWS_], want)
     with pytest.raises(ValueError, match="ring"):
         gcp.launch_steal(None, None, None, None, None, None, None, 1, 1, 1)
+    stage_t = torch.tensor(s75, dtype=torch.int64)
+    with pytest.raises(ValueError, match="bound 6"):
+        gcp.launch_steal(stage_t, None, None, None, None, None, None, 1, 132, 6, 6)
+    with pytest.raises(ValueError, match="sms \\* k"):
+        gcp.launch_steal(stage_t, None, None, None, None, None, None, 1, 400, 6, 2)
 
 
 def test_gluon_chain_steal_compiles_for_sm90(tmp_path):

@@ -15,7 +15,8 @@ it waits) until the stage's pool is empty, then marks one slot "stage over"; the
 the previous stage at the first group it gets, and signals the stage's counter once a group. All
 132 SMs take part in every stage, and an SM the HBM serves less takes fewer groups. ``ws_steal75``:
 each SM first takes a static share (75% of a stage's groups over the SMs, rounded down; no ticket),
-then tickets for the rest.
+then tickets for the rest. ``ws_steal_b2``: that, and the loader takes a ticket only once its consumer
+holds at most 2 slots (one group): a stage's groups go one an SM at its boundary, not a ring's worth.
 
 ``--gap-us G``: after every layer's QKV stage each O tile spins G us after its wait (chain_probe.gaps),
 as the 1B's attention sits between QKV and O (~6 us a layer of idle HBM, run 137): ``per_tile`` idles
@@ -220,7 +221,8 @@ def chain_ws(tab_ptr, start_ptr, x_ptr, w_desc, out_ptr, cnt_ptr, err_ptr, epoch
 
 # ---- ws_steal: the loader takes row groups by ticket (``--steal``) -----------------------------------------
 @gluon.jit
-def _steal_loader(w_desc, bufs, gid, ready, empty, stage_ptr, tk_ptr, epoch, nst, RING: gl.constexpr):
+def _steal_loader(w_desc, bufs, gid, ready, empty, stage_ptr, tk_ptr, epoch, nst, RING: gl.constexpr,
+                  BOUND: gl.constexpr):
     # 1 warp: per stage, row groups (2 blocks) by ticket while the pool lasts, each group's id written to
     # its first slot's tag; then one untagged slot (-1, no bytes) that tells the consumer the stage is over
     LW: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -228,6 +230,7 @@ def _steal_loader(w_desc, bufs, gid, ready, empty, stage_ptr, tk_ptr, epoch, nst
     pid = gl.program_id(0)
     s = 0
     ph = 0
+    p = 0             # slots filled so far (groups' blocks and stage ends): the position in the ring's history
     for st in range(nst):
         base = gl.load(stage_ptr + 3 * st).to(gl.int32)
         n = gl.load(stage_ptr + 3 * st + 1).to(gl.int32)
@@ -240,6 +243,13 @@ def _steal_loader(w_desc, bufs, gid, ready, empty, stage_ptr, tk_ptr, epoch, nst
             if i < k:                                    # this SM's own share: groups pid * k + [0, k)
                 t = pid * k + i
             else:
+                if BOUND > 0:
+                    # a ticket only once the consumer has freed every slot but the last BOUND: the fill
+                    # at position p - BOUND (slot q, lap lp) released is empty[q]'s phase lp complete
+                    if p >= BOUND:
+                        q = (p - BOUND) % RING
+                        lp = (p - BOUND) // RING
+                        mbarrier.wait(empty.index(q), lp & 1)
                 t = gl.atomic_add(tk_ptr + st, 1, sem="relaxed", scope="gpu") - off
             i += 1
             mbarrier.wait(empty.index(s), ph ^ 1)
@@ -253,6 +263,7 @@ def _steal_loader(w_desc, bufs, gid, ready, empty, stage_ptr, tk_ptr, epoch, nst
                         tma.async_copy_global_to_shared(w_desc, [(base + 2 * t + b) * BR, c * BOX], ready.index(s),
                                                         bufs.index(s * NSUB + c))
                     s += 1
+                    p += 1
                     if s == RING:
                         s = 0
                         ph ^= 1
@@ -260,6 +271,7 @@ def _steal_loader(w_desc, bufs, gid, ready, empty, stage_ptr, tk_ptr, epoch, nst
                 gid.index(s).store(gl.zeros([32], gl.int32, LW) - 1)
                 mbarrier.arrive(ready.index(s))
                 s += 1
+                p += 1
                 if s == RING:
                     s = 0
                     ph ^= 1
@@ -335,7 +347,8 @@ def _steal_consumer(x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, nst, stage_ptr, buf
 
 
 @gluon.jit(do_not_specialize=["epoch", "nst"])
-def chain_steal(stage_ptr, x_ptr, w_desc, out_ptr, cnt_ptr, tk_ptr, err_ptr, epoch, nst, RING: gl.constexpr):
+def chain_steal(stage_ptr, x_ptr, w_desc, out_ptr, cnt_ptr, tk_ptr, err_ptr, epoch, nst, RING: gl.constexpr,
+                BOUND: gl.constexpr = 0):
     NW: gl.constexpr = gl.num_warps()
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     bufs = gl.allocate_shared_memory(w_desc.dtype, [RING * NSUB, BR, BOX], w_desc.layout)
@@ -350,7 +363,7 @@ def chain_steal(stage_ptr, x_ptr, w_desc, out_ptr, cnt_ptr, tk_ptr, err_ptr, epo
     gl.warp_specialize([
         (_steal_consumer, (x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, nst, stage_ptr, bufs, xs, gid, ready, empty,
                            RING, L)),
-        (_steal_loader, (w_desc, bufs, gid, ready, empty, stage_ptr, tk_ptr, epoch, nst, RING)),
+        (_steal_loader, (w_desc, bufs, gid, ready, empty, stage_ptr, tk_ptr, epoch, nst, RING, BOUND)),
     ], [1], [24])
     for i in gl.static_range(RING):
         mbarrier.invalidate(ready.index(i))
@@ -381,14 +394,18 @@ def plan_steal(layers: int, sms: int = 132, keep: float = 0.0, stages=cp.STAGE_S
     return tab, st
 
 
-def launch_steal(stage_t, x, desc, out, cnt, tk, err, epoch, sms, ring):
+def launch_steal(stage_t, x, desc, out, cnt, tk, err, epoch, sms, ring, bound=0):
     if not 1 <= ring <= MAX_RING:
         raise ValueError(f"ring {ring}: 1..{MAX_RING} slots of 32 KB fit an H200 block's shared memory")
     if ring < 2:
         raise ValueError("ws_steal needs a ring of >= 2 slots (a group is two blocks)")
     if stage_t.shape[1] != 3 or bool((stage_t[:, 2] * sms > stage_t[:, 1]).any()):
         raise ValueError("stage table: [first block, groups, k] rows with sms * k <= groups (plan_steal's)")
-    chain_steal[(sms,)](stage_t, x, desc, out, cnt, tk, err, epoch, stage_t.shape[0], RING=ring, **LAUNCH)
+    if not 0 <= bound < ring:
+        raise ValueError(f"bound {bound}: the slots a consumer may hold when its loader takes a ticket, 0 (any) "
+                         f"to ring - 1 = {ring - 1}")
+    chain_steal[(sms,)](stage_t, x, desc, out, cnt, tk, err, epoch, stage_t.shape[0], RING=ring, BOUND=bound,
+                        **LAUNCH)
 
 
 def make_desc(w: torch.Tensor) -> TensorDescriptor:
@@ -478,7 +495,7 @@ def compile_sm90(ring: int = 5, gap: int = 0, mode: int = 0):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH))
 
 
-def compile_steal_sm90(ring: int = 6):
+def compile_steal_sm90(ring: int = 6, bound: int = 0):
     """chain_steal compiled for sm_90 (as :func:`compile_sm90`)."""
     if os.environ.get("TRITON_INTERPRET") not in (None, "", "0"):
         raise RuntimeError("compile_steal_sm90: unset TRITON_INTERPRET (Gluon kernels are compiled, never interpreted)")
@@ -487,10 +504,11 @@ def compile_steal_sm90(ring: int = 6):
     from triton.runtime.jit import mangle_type
     desc = make_desc(torch.zeros(ROWS_ * COLS_ * 4, dtype=torch.bfloat16))
     sig = {"stage_ptr": "*i64", "x_ptr": "*fp32", "w_desc": mangle_type(desc), "out_ptr": "*fp32", "cnt_ptr": "*i32",
-           "tk_ptr": "*i32", "err_ptr": "*i32", "epoch": "i32", "nst": "i32", "RING": "constexpr"}
+           "tk_ptr": "*i32", "err_ptr": "*i32", "epoch": "i32", "nst": "i32", "RING": "constexpr",
+           "BOUND": "constexpr"}
     names = chain_steal.arg_names
     src = GluonASTSource(fn=chain_steal, signature={n: sig[n] for n in names},
-                         constexprs={(names.index("RING"),): ring},
+                         constexprs={(names.index("RING"),): ring, (names.index("BOUND"),): bound},
                          attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*"})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH))
 
@@ -512,8 +530,9 @@ def _compile_main(ring: int, out_dir: str | None, gap: int = 0) -> int:
 NAMES = ("per_tile", "flat", "ws")
 #: ws's halves alone (``--halves``): wrong sums, counters and waits checked
 HALVES = {"ws_no_tma": NO_TMA_, "ws_no_math": NO_MATH_}
-#: ws_steal's rows (``--steal``): the fraction of a stage's groups each SM takes without a ticket first
-STEALS = {"ws_steal": 0.0, "ws_steal75": 0.75}
+#: ws_steal's rows (``--steal``): (the fraction of a stage's groups each SM takes without a ticket first,
+#: the slots its consumer may still hold when its loader takes a ticket: 0, as many as the ring frees)
+STEALS = {"ws_steal": (0.0, 0), "ws_steal75": (0.75, 0), "ws_steal_b2": (0.75, 2)}
 
 
 def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0, halves=False, steal=False):
@@ -544,7 +563,7 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0, halv
     names = NAMES + (tuple(HALVES) if halves else ()) + (tuple(STEALS) if steal else ())
     if steal:
         stage_ts = {}
-        for nm, keep in STEALS.items():
+        for nm, (keep, _) in STEALS.items():
             stab, sst = plan_steal(layers, sms, keep)
             if len(stab) * ROWS_ * COLS_ != nw:
                 raise RuntimeError(f"plan_steal has {len(stab)} blocks, the chain {nw // (ROWS_ * COLS_)}")
@@ -555,7 +574,7 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0, halv
 
     def call(name, out, cnt, err, epoch):
         if name in STEALS:
-            launch_steal(stage_ts[name], x, desc, out, cnt, tk[-1], err, epoch, sms, ring)
+            launch_steal(stage_ts[name], x, desc, out, cnt, tk[-1], err, epoch, sms, ring, STEALS[name][1])
         elif name == "ws" or name in HALVES:
             launch_ws(tables, x, desc, out, cnt, err, epoch, sms, ring, gap, HALVES.get(name, 0))
         else:
