@@ -241,74 +241,6 @@ def test_gluon_chain_ws_halves_compile_for_sm90(tmp_path, mode):
         assert "ttng.wait_barrier" in default and "ttng.arrive_barrier" in default
 
 
-def test_gluon_chain_steal_plan_covers_the_chain():
-    """plan_steal: the chain's blocks (as many as cp.plan's), every stage's row groups in order, each group's
-    second block carrying its output index and its stage's counter; per-call signals = a stage's groups."""
-    from bench.probes import chain_probe as cp
-    from bench.probes import gluon_chain_probe as gcp
-    tab, st = gcp.plan_steal(2)
-    nblocks = len(cp.plan(2, 132)[0])
-    assert len(tab) == nblocks and len(st) == 2 * len(cp.STAGE_SHAPES)
-    groups = [t * r // gcp.ROWS_ for t, r, _ in cp.STAGE_SHAPES] * 2
-    assert [n for _, n, _ in st] == groups and [b for b, _, _ in st] == [2 * sum(groups[:i]) for i in range(len(groups))]
-    assert all(k == 0 for *_, k in st)
-    # a static share first: k = floor(keep * groups / SMs) of its own an SM (the 1B's gate/up: 1024 groups -> 5)
-    t75, s75 = gcp.plan_steal(2, 132, 0.75)
-    assert t75 == tab and [k for *_, k in s75] == [int(0.75 * n / 132) for n in groups]
-    assert [k for *_, k in s75][:4] == [1, 0, 5, 2]
-    with pytest.raises(ValueError, match="keep"):
-        gcp.plan_steal(2, 132, 1.5)
-    assert all(r[0] == j * gcp.ROWS_ * gcp.COLS_ and r[1] == (j % 4) * gcp.COLS_ for j, r in enumerate(tab))
-    assert [r[4] for r in tab[1::2]] == list(range(len(tab) // 2)) and all(r[4] == -1 for r in tab[::2])
-    assert gcp.signals_per_call(tab, len(st)).tolist() == groups
-    w = torch.randn(len(tab) * gcp.ROWS_ * gcp.COLS_, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    x = torch.randn(4096, generator=torch.Generator().manual_seed(2))
-    ref = gcp.reference(tab, w, x, len(tab) // 2)
-    j = 2 * 37                                          # group 37 by hand
-    w2 = w.view(-1, gcp.ROWS_, gcp.COLS_)
-    want = sum((w2[j + b].float() * x[((j + b) % 4) * gcp.COLS_:][:gcp.COLS_]).sum(1) for b in (0, 1))
-    torch.testing.assert_close(ref[37 * gcp.ROWS_:][:gcp.ROWS_], want)
-    with pytest.raises(ValueError, match="ring"):
-        gcp.launch_steal(None, None, None, None, None, None, None, 1, 1, 1)
-    stage_t = torch.tensor(s75, dtype=torch.int64)
-    with pytest.raises(ValueError, match="bound 6"):
-        gcp.launch_steal(stage_t, None, None, None, None, None, None, 1, 132, 6, 6)
-    with pytest.raises(ValueError, match="sms \\* k"):
-        gcp.launch_steal(stage_t, None, None, None, None, None, None, 1, 400, 6, 2)
-
-
-def test_gluon_chain_steal_compiles_for_sm90(tmp_path):
-    """ws_steal: the loader takes a ticket (relaxed atomic) a group and issues its two blocks' 8 TMA boxes,
-    never polls a counter; the consumer polls (acquire) and signals (release), issues no TMA; no spills."""
-    import os
-    import pathlib
-    import re
-    import subprocess
-    import sys
-    root = pathlib.Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(root), TRITON_CACHE_DIR=str(tmp_path / "cache"))
-    code = ("import sys, json; from bench.probes import gluon_chain_probe as g; from bench.ptx_diff import resources; "
-            "ck = g.compile_steal_sm90(6); open(sys.argv[1] + '/s.ptx', 'w').write(ck.asm['ptx']); "
-            "open(sys.argv[1] + '/s.ttgir', 'w').write(ck.asm['ttgir']); "
-            "print(json.dumps({'shared': ck.metadata.shared, 'res': resources(sys.argv[1] + '/s.ptx')}))")
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env, cwd=root,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    import json
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    ttgir = (tmp_path / "s.ttgir").read_text()
-    default = ttgir.split("ttg.warp_specialize(", 1)[1].split("partition0(", 1)[0]
-    worker = ttgir.split("partition0(", 1)[1].split("ttg.warp_return", 1)[0]
-    assert worker.count("ttng.async_tma_copy_global_to_local") == 8 and "tt.atomic_rmw add, relaxed, gpu" in worker
-    assert "acquire" not in worker and "release" not in worker
-    assert "tt.atomic_rmw add, acquire, gpu" in default and "tt.atomic_rmw add, release, gpu" in default
-    assert "async_tma_copy" not in default
-    assert 6 * 32768 + 16384 <= got["shared"] <= H200_SMEM_PER_BLOCK, got["shared"]
-    m = re.fullmatch(r"(\d+) registers, (\d+) / (\d+) bytes spill stores / loads", got["res"])
-    assert m and int(m.group(2)) == 0 and int(m.group(3)) == 0, got["res"]
-
-
 def test_gluon_chain_probe_arguments(capsys, monkeypatch):
     """--help prints the usage and exits 0; a depth that is not an integer >= 1, or a bad --gap-us, is one
     line and exit 2, before any GPU work."""
@@ -317,7 +249,7 @@ def test_gluon_chain_probe_arguments(capsys, monkeypatch):
     monkeypatch.setattr(gcp, "run", lambda **kw: pytest.fail(f"ran {kw}"))
     assert gcp.main(["--help"]) == 0 and "--gap-us G" in capsys.readouterr().out
     for bad, what in ((["x"], "'x'"), (["0"], "'0'"), (["6", "--gap-us", "-1"], "--gap-us"), (["--gap-us"], "--gap-us"),
-                      (["--halves", "y"], "'y'"), (["--steal", "--gap-us", "6"], "--steal")):
+                      (["--halves", "y"], "'y'")):
         assert gcp.main(bad) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and what in err, err

@@ -9,15 +9,6 @@ its own pace: the loader copies nothing and marks each free slot ready at once) 
 loader and the HBM at theirs: the consumer frees each slot unread); their counters and waits are
 checked, not their sums. Whichever half is as slow as ``ws`` bounds it.
 
-``--steal``: also ``ws_steal``, the same blocks as row groups (16 rows x 2048 columns, two blocks) of
-each stage, which every SM's loader takes by ticket (one relaxed atomic a group, the ring full while
-it waits) until the stage's pool is empty, then marks one slot "stage over"; the consumer waits for
-the previous stage at the first group it gets, and signals the stage's counter once a group. All
-132 SMs take part in every stage, and an SM the HBM serves less takes fewer groups. ``ws_steal75``:
-each SM first takes a static share (75% of a stage's groups over the SMs, rounded down; no ticket),
-then tickets for the rest. ``ws_steal_b2``: that, and the loader takes a ticket only once its consumer
-holds at most 2 slots (one group): a stage's groups go one an SM at its boundary, not a ring's worth.
-
 ``--gap-us G``: after every layer's QKV stage each O tile spins G us after its wait (chain_probe.gaps),
 as the 1B's attention sits between QKV and O (~6 us a layer of idle HBM, run 137): ``per_tile`` idles
 through it, ``flat`` has ``STAGES - 1`` blocks in flight across it, ``ws``'s loader fills its ring.
@@ -219,195 +210,6 @@ def chain_ws(tab_ptr, start_ptr, x_ptr, w_desc, out_ptr, cnt_ptr, err_ptr, epoch
         mbarrier.invalidate(empty.index(i))
 
 
-# ---- ws_steal: the loader takes row groups by ticket (``--steal``) -----------------------------------------
-@gluon.jit
-def _steal_loader(w_desc, bufs, gid, ready, empty, stage_ptr, tk_ptr, epoch, nst, RING: gl.constexpr,
-                  BOUND: gl.constexpr):
-    # 1 warp: per stage, row groups (2 blocks) by ticket while the pool lasts, each group's id written to
-    # its first slot's tag; then one untagged slot (-1, no bytes) that tells the consumer the stage is over
-    LW: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    nsm = gl.num_programs(0)
-    pid = gl.program_id(0)
-    s = 0
-    ph = 0
-    p = 0             # slots filled so far (groups' blocks and stage ends): the position in the ring's history
-    for st in range(nst):
-        base = gl.load(stage_ptr + 3 * st).to(gl.int32)
-        n = gl.load(stage_ptr + 3 * st + 1).to(gl.int32)
-        k = gl.load(stage_ptr + 3 * st + 2).to(gl.int32)     # groups an SM takes without a ticket
-        # each call takes the pool's groups (all but nsm * k) and one failed ticket an SM
-        off = (epoch - 1) * (n - nsm * k + nsm) - nsm * k
-        go = 1
-        i = 0
-        while go == 1:
-            if i < k:                                    # this SM's own share: groups pid * k + [0, k)
-                t = pid * k + i
-            else:
-                if BOUND > 0:
-                    # a ticket only once the consumer has freed every slot but the last BOUND: the fill
-                    # at position p - BOUND (slot q, lap lp) released is empty[q]'s phase lp complete
-                    if p >= BOUND:
-                        q = (p - BOUND) % RING
-                        lp = (p - BOUND) // RING
-                        mbarrier.wait(empty.index(q), lp & 1)
-                t = gl.atomic_add(tk_ptr + st, 1, sem="relaxed", scope="gpu") - off
-            i += 1
-            mbarrier.wait(empty.index(s), ph ^ 1)
-            if t < n:
-                gid.index(s).store(gl.zeros([32], gl.int32, LW) + t)
-                for b in gl.static_range(2):
-                    if b == 1:
-                        mbarrier.wait(empty.index(s), ph ^ 1)
-                    mbarrier.expect(ready.index(s), BLOCK_BYTES)
-                    for c in gl.static_range(NSUB):
-                        tma.async_copy_global_to_shared(w_desc, [(base + 2 * t + b) * BR, c * BOX], ready.index(s),
-                                                        bufs.index(s * NSUB + c))
-                    s += 1
-                    p += 1
-                    if s == RING:
-                        s = 0
-                        ph ^= 1
-            else:
-                gid.index(s).store(gl.zeros([32], gl.int32, LW) - 1)
-                mbarrier.arrive(ready.index(s))
-                s += 1
-                p += 1
-                if s == RING:
-                    s = 0
-                    ph ^= 1
-                go = 0
-
-
-@gluon.jit
-def _steal_block(bufs, xr, ready, empty, s, ph, j, acc, L: gl.constexpr, RING: gl.constexpr):
-    # block j (table row) from ring slot s: its vector slice, the dot, the slot freed; the next slot
-    r = (j % 4) * NSUB
-    x0 = xr.index(r).load(gl.SliceLayout(0, L))
-    x1 = xr.index(r + 1).load(gl.SliceLayout(0, L))
-    x2 = xr.index(r + 2).load(gl.SliceLayout(0, L))
-    x3 = xr.index(r + 3).load(gl.SliceLayout(0, L))
-    mbarrier.wait(ready.index(s), ph)
-    acc += bufs.index(s * NSUB).load(L).to(gl.float32) * x0[None, :]
-    acc += bufs.index(s * NSUB + 1).load(L).to(gl.float32) * x1[None, :]
-    acc += bufs.index(s * NSUB + 2).load(L).to(gl.float32) * x2[None, :]
-    acc += bufs.index(s * NSUB + 3).load(L).to(gl.float32) * x3[None, :]
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(empty.index(s))
-    s += 1
-    if s == RING:
-        s = 0
-        ph ^= 1
-    return acc, s, ph
-
-
-@gluon.jit
-def _steal_consumer(x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, nst, stage_ptr, bufs, xs, gid, ready, empty,
-                    RING: gl.constexpr, L: gl.constexpr):
-    # the default partition: per stage, the groups the loader took, in its order; at the stage's first one
-    # the previous stage's counter (every group of it done) and the vector; each group's 16 sums stored
-    # and one release on the stage's counter
-    LG: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    rows = gl.arange(0, BR, layout=gl.SliceLayout(1, L))
-    xo = gl.arange(0, 4 * NSUB, layout=gl.SliceLayout(1, L))[:, None] * BOX + \
-        gl.arange(0, BOX, layout=gl.SliceLayout(0, L))[None, :]
-    xr = xs._reinterpret(gl.float32, [4 * NSUB, BOX], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    s = 0
-    ph = 0
-    for st in range(nst):
-        base = gl.load(stage_ptr + 3 * st).to(gl.int32)
-        pn = gl.load(stage_ptr + 3 * st - 2, mask=st > 0, other=0).to(gl.int32)     # the previous stage's groups
-        first = 1
-        go = 1
-        while go == 1:
-            mbarrier.wait(ready.index(s), ph)
-            t = gl.max(gid.index(s).load(LG), axis=0)
-            if t < 0:                                   # the loader's end of the stage: free the slot
-                gl.thread_barrier()
-                mbarrier.arrive(empty.index(s))
-                s += 1
-                if s == RING:
-                    s = 0
-                    ph ^= 1
-                go = 0
-            else:
-                if first == 1:
-                    if st > 0:
-                        cp._wait(cnt_ptr, err_ptr, st - 1, pn * epoch)
-                    gl.thread_barrier()     # the previous stage's readers of the vector are past it
-                    xs.store(gl.load(x_ptr + xo, cache_modifier=".cg"))
-                    gl.thread_barrier()
-                    first = 0
-                acc = gl.zeros([BR, BOX], gl.float32, L)
-                acc, s, ph = _steal_block(bufs, xr, ready, empty, s, ph, base + 2 * t, acc, L, RING)
-                acc, s, ph = _steal_block(bufs, xr, ready, empty, s, ph, base + 2 * t + 1, acc, L, RING)
-                gl.store(out_ptr + (base // 2 + t) * BR + rows, gl.sum(acc, 1))
-                gl.thread_barrier()
-                gl.atomic_add(cnt_ptr + st, 1, sem="release", scope="gpu")
-
-
-@gluon.jit(do_not_specialize=["epoch", "nst"])
-def chain_steal(stage_ptr, x_ptr, w_desc, out_ptr, cnt_ptr, tk_ptr, err_ptr, epoch, nst, RING: gl.constexpr,
-                BOUND: gl.constexpr = 0):
-    NW: gl.constexpr = gl.num_warps()
-    L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
-    bufs = gl.allocate_shared_memory(w_desc.dtype, [RING * NSUB, BR, BOX], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    xs = gl.allocate_shared_memory(gl.float32, [4 * NSUB, BOX], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    gid = gl.allocate_shared_memory(gl.int32, [RING, 32], gl.SwizzledSharedLayout(1, 1, 1, [0]))   # rows indexable
-    for i in gl.static_range(RING):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    fence_async_shared()
-    gl.warp_specialize([
-        (_steal_consumer, (x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, nst, stage_ptr, bufs, xs, gid, ready, empty,
-                           RING, L)),
-        (_steal_loader, (w_desc, bufs, gid, ready, empty, stage_ptr, tk_ptr, epoch, nst, RING, BOUND)),
-    ], [1], [24])
-    for i in gl.static_range(RING):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
-
-
-def plan_steal(layers: int, sms: int = 132, keep: float = 0.0, stages=cp.STAGE_SHAPES):
-    """ws_steal's table: every stage's row groups (16 rows x 2048 columns: 2 blocks, the sum stored at
-    the second) in stage order, blocks packed in table order as :func:`reference` wants them (block j's
-    vector x[(j % 4) * 1024:]; a group's second block carries its output index and its stage's counter,
-    so :func:`signals_per_call` counts a stage's groups); and [stage][first block, groups, k]: each of
-    the ``sms`` SMs first takes k = floor(keep * groups / sms) groups of its own (SM p: p * k + [0, k)),
-    the rest by ticket."""
-    if not 0.0 <= keep <= 1.0:
-        raise ValueError(f"keep {keep!r}: the fraction of a stage's groups taken without tickets, in [0, 1]")
-    tab, st = [], []
-    for _ in range(layers):
-        for si, (ntiles, rows, k) in enumerate(stages):
-            if k != 2 * COLS_ or rows % ROWS_:
-                raise ValueError(f"stage {si}: rows {rows} x K {k}, not groups of {ROWS_} x {2 * COLS_}")
-            ng = ntiles * rows // ROWS_
-            st.append([len(tab), ng, int(keep * ng / sms)])
-            for _ in range(2 * ng):
-                j = len(tab)
-                last = j % 2 == 1
-                tab.append([j * ROWS_ * COLS_, (j % 4) * COLS_, -1, 0, j // 2 if last else -1,
-                            len(st) - 1 if last else -1])
-    return tab, st
-
-
-def launch_steal(stage_t, x, desc, out, cnt, tk, err, epoch, sms, ring, bound=0):
-    if not 1 <= ring <= MAX_RING:
-        raise ValueError(f"ring {ring}: 1..{MAX_RING} slots of 32 KB fit an H200 block's shared memory")
-    if ring < 2:
-        raise ValueError("ws_steal needs a ring of >= 2 slots (a group is two blocks)")
-    if stage_t.shape[1] != 3 or bool((stage_t[:, 2] * sms > stage_t[:, 1]).any()):
-        raise ValueError("stage table: [first block, groups, k] rows with sms * k <= groups (plan_steal's)")
-    if not 0 <= bound < ring:
-        raise ValueError(f"bound {bound}: the slots a consumer may hold when its loader takes a ticket, 0 (any) "
-                         f"to ring - 1 = {ring - 1}")
-    chain_steal[(sms,)](stage_t, x, desc, out, cnt, tk, err, epoch, stage_t.shape[0], RING=ring, BOUND=bound,
-                        **LAUNCH)
-
-
 def make_desc(w: torch.Tensor) -> TensorDescriptor:
     """The TMA descriptor of chain_probe's packed weights (block j at element j * 16384) as a
     [blocks * 16, 1024] bf16 matrix, [16, 256] boxes."""
@@ -495,24 +297,6 @@ def compile_sm90(ring: int = 5, gap: int = 0, mode: int = 0):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH))
 
 
-def compile_steal_sm90(ring: int = 6, bound: int = 0):
-    """chain_steal compiled for sm_90 (as :func:`compile_sm90`)."""
-    if os.environ.get("TRITON_INTERPRET") not in (None, "", "0"):
-        raise RuntimeError("compile_steal_sm90: unset TRITON_INTERPRET (Gluon kernels are compiled, never interpreted)")
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-    desc = make_desc(torch.zeros(ROWS_ * COLS_ * 4, dtype=torch.bfloat16))
-    sig = {"stage_ptr": "*i64", "x_ptr": "*fp32", "w_desc": mangle_type(desc), "out_ptr": "*fp32", "cnt_ptr": "*i32",
-           "tk_ptr": "*i32", "err_ptr": "*i32", "epoch": "i32", "nst": "i32", "RING": "constexpr",
-           "BOUND": "constexpr"}
-    names = chain_steal.arg_names
-    src = GluonASTSource(fn=chain_steal, signature={n: sig[n] for n in names},
-                         constexprs={(names.index("RING"),): ring, (names.index("BOUND"),): bound},
-                         attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*"})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH))
-
-
 def _compile_main(ring: int, out_dir: str | None, gap: int = 0) -> int:
     from bench.ptx_diff import resources
     d = pathlib.Path(out_dir or tempfile.mkdtemp(prefix="gluon_chain_"))
@@ -530,21 +314,14 @@ def _compile_main(ring: int, out_dir: str | None, gap: int = 0) -> int:
 NAMES = ("per_tile", "flat", "ws")
 #: ws's halves alone (``--halves``): wrong sums, counters and waits checked
 HALVES = {"ws_no_tma": NO_TMA_, "ws_no_math": NO_MATH_}
-#: ws_steal's rows (``--steal``): (the fraction of a stage's groups each SM takes without a ticket first,
-#: the slots its consumer may still hold when its loader takes a ticket: 0, as many as the ring frees)
-STEALS = {"ws_steal": (0.0, 0), "ws_steal75": (0.75, 0), "ws_steal_b2": (0.75, 2)}
 
 
-def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0, halves=False, steal=False):
+def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0, halves=False):
     """Every variant checked once against the reference, then timed alternated: ``stages`` is the
     Triton kernels' pipeline depth and the ws ring's slots. ``gap_us`` > 0: after every layer's QKV
     stage each O tile spins that long after its wait (chain_probe.gaps), a phase that streams nothing
     but what a variant loads ahead (the 1B's attention). ``halves``: also ws's consumer alone and its
-    loader alone (:data:`HALVES`; counters and waits checked, not their sums). ``steal``: also
-    ``ws_steal`` (:func:`chain_steal`: the same blocks as row groups every SM's loader takes by ticket,
-    checked against the reference of its own table)."""
-    if steal and gap_us > 0:
-        raise ValueError("ws_steal has no gap code: --steal without --gap-us")
+    loader alone (:data:`HALVES`; counters and waits checked, not their sums)."""
     dev = torch.device(device)
     sms = sms or torch.cuda.get_device_properties(dev).multi_processor_count
     ring = min(stages, MAX_RING)
@@ -560,50 +337,29 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0, halv
     per_call = signals_per_call(tab, ncnt).to(dev)
     gap = i64(cp.gaps(ncnt, len(cp.STAGE_SHAPES), round(gap_us * 1e3))) if gap_us > 0 else None
 
-    names = NAMES + (tuple(HALVES) if halves else ()) + (tuple(STEALS) if steal else ())
-    if steal:
-        stage_ts = {}
-        for nm, (keep, _) in STEALS.items():
-            stab, sst = plan_steal(layers, sms, keep)
-            if len(stab) * ROWS_ * COLS_ != nw:
-                raise RuntimeError(f"plan_steal has {len(stab)} blocks, the chain {nw // (ROWS_ * COLS_)}")
-            stage_ts[nm] = i64(sst)
-        sref = reference(stab, w, x, len(stab) // 2)        # the same table whatever keep is
-        sper_call = signals_per_call(stab, len(sst)).to(dev)
-    tk = []           # ws_steal's ticket counters, zeroed with every fresh set of buffers
+    names = NAMES + (tuple(HALVES) if halves else ())
 
     def call(name, out, cnt, err, epoch):
-        if name in STEALS:
-            launch_steal(stage_ts[name], x, desc, out, cnt, tk[-1], err, epoch, sms, ring, STEALS[name][1])
-        elif name == "ws" or name in HALVES:
+        if name == "ws" or name in HALVES:
             launch_ws(tables, x, desc, out, cnt, err, epoch, sms, ring, gap, HALVES.get(name, 0))
         else:
             cp.launch(name, tables, x, w, out, cnt, err, epoch, sms, stages, gap)
 
-    def fresh(name):
-        n_cnt = len(sst) if name in STEALS else ncnt
-        tk.append(torch.zeros(n_cnt, dtype=torch.int32, device=dev))
-        return (torch.zeros(nout * ROWS_, dtype=torch.float32, device=dev),
-                torch.zeros(n_cnt, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev))
-
-    def expect(name):
-        if name in STEALS:
-            return sref, sper_call
-        return (None if name in HALVES else ref), per_call
-
+    fresh = lambda: (torch.zeros(nout * ROWS_, dtype=torch.float32, device=dev),       # noqa: E731
+                     torch.zeros(ncnt, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev))
     for name in names:                          # checked (and compiled) before any timing
-        out, cnt, err = fresh(name)
+        out, cnt, err = fresh()
         call(name, out, cnt, err, 1)
         torch.cuda.synchronize()
-        r, pc = expect(name)
-        diff = check(name, out, cnt, err, 1, r, pc)
+        r = None if name in HALVES else ref
+        diff = check(name, out, cnt, err, 1, r, per_call)
         print(f"  {name}: " + ("counters and waits as the chain's (sums not compared)" if r is None else
                                f"matches the fp32 reference (max abs diff {diff:.2e})"))
     res = {}
     for name in names + names[::-1]:
-        out, cnt, err = fresh(name)
+        out, cnt, err = fresh()
         t = cp.timed_median(lambda step: call(name, out, cnt, err, step), steps)
-        check(name, out, cnt, err, steps, *expect(name))
+        check(name, out, cnt, err, steps, None if name in HALVES else ref, per_call)
         res.setdefault(name, []).append(t)
     what = f"pipeline {stages} (ws: ring of {ring} x 32 KB)"
     if gap is not None:
@@ -620,8 +376,8 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET") not in (None, "", "0"):
         print("TRITON_INTERPRET is set: Gluon kernels are never interpreted; unset it", file=sys.stderr)
         return 2
-    halves, steal = "--halves" in args, "--steal" in args
-    args = [a for a in args if a not in ("--halves", "--steal")]
+    halves = "--halves" in args
+    args = [a for a in args if a != "--halves"]
     gap_us = 0.0
     if "--gap-us" in args:
         i = args.index("--gap-us")
@@ -641,13 +397,10 @@ def main(argv=None) -> int:
     bad = [s for s in args if not s.isdigit() or int(s) < 1]
     if bad:
         print(f"{bad[0]!r}: a pipeline depth is an integer >= 1 (usage: python3 -m bench.probes.gluon_chain_probe "
-              "[stages...] [--gap-us G] [--halves] [--steal] | --compile [RING [DIR]])", file=sys.stderr)
-        return 2
-    if steal and gap_us > 0:
-        print("--steal: ws_steal has no gap code; leave out --gap-us", file=sys.stderr)
+              "[stages...] [--gap-us G] [--halves] | --compile [RING [DIR]])", file=sys.stderr)
         return 2
     for st in [int(s) for s in (args or ["5"])]:
-        run(stages=st, gap_us=gap_us, halves=halves, steal=steal)
+        run(stages=st, gap_us=gap_us, halves=halves)
     return 0
 
 
