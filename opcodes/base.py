@@ -62,6 +62,10 @@ class Tiling:
     o_bk: int = 0
     o_k: int = 0            # n_q*hd columns per O-projection tile (0: all, no split)
     gu_rows: int = 16       # rows of gate AND of up per gate/up tile
+    # > 0: that many gate/up tiles, the ffn rows split as evenly as the row loop's stages allow (each
+    # at most gu_rows), e.g. 132 for every SM of an H200 where ffn / gu_rows = 128 would leave 4 idle.
+    # Needs the row loop (row_bytes) and one down K chunk. 0: ffn / gu_rows tiles of gu_rows rows
+    gu_tiles: int = 0
     down_rows: int = 32     # output rows per down-projection tile
     # columns a down tile streams per pipeline stage (0: bk): down_rows=64, down_bk=256 on the 70B TP
     # shard (TPLayout.default_tiling; 20 layers -1.2%, run 83; the 70B layer on one GPU unchanged)
@@ -106,7 +110,7 @@ class Tiling:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:

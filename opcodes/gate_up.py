@@ -19,13 +19,18 @@ from .common import T_N2, T_WG, T_WU, gemv_stream, norm_row_vec, rows_dot, tab_o
 
 
 @triton.jit
-def _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_out,
+def _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out,
              D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-             GU_RB: tl.constexpr, STAGES: tl.constexpr):
-    # whole rows, GU_RB of gate and of up per pipeline stage (Tiling.row_bytes)
+             GU_RB: tl.constexpr, STAGES: tl.constexpr, GU_SPAN: tl.constexpr):
+    # whole rows, GU_RB of gate and of up per pipeline stage (Tiling.row_bytes); GU_SPAN: the tile's
+    # rows are its operand ``nrows`` (a multiple of GU_RB, Tiling.gu_tiles), else GU_ROWS
     hv, rstd = norm_row_vec(xin, nw_ptr, D, DP, EPS)
-    EVEN: tl.constexpr = (D == DP) and (FFN % GU_ROWS == 0)
-    for b in tl.range(0, GU_ROWS // GU_RB, num_stages=STAGES):
+    EVEN: tl.constexpr = (D == DP) and (FFN % GU_ROWS == 0) and not GU_SPAN
+    if GU_SPAN:
+        nb = nrows // GU_RB
+    else:
+        nb = GU_ROWS // GU_RB
+    for b in tl.range(0, nb, num_stages=STAGES):
         rows = row0 + b * GU_RB + tl.arange(0, GU_RB)
         rm = rows < FFN
         gv = rows_dot(g_ptr, rows, rm, hv, 0, D, D, DP, EVEN) * rstd
@@ -34,9 +39,9 @@ def _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_out,
 
 
 @triton.jit
-def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
+def gate_up_device(layer, row0, nrows, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
                    D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GU_SPAN: tl.constexpr):
     g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
@@ -52,8 +57,8 @@ def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_pt
         act = gv / (1.0 + tl.exp(-gv)) * uv
         tl.store(act_ptr + layer * FFN + rows, act, mask=rm)
     else:
-        _gu_rows(row0, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, D, DP, FFN, EPS, GU_ROWS,
-                 GU_RB, STAGES)
+        _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, D, DP, FFN, EPS, GU_ROWS,
+                 GU_RB, STAGES, GU_SPAN)
 
 
 @register
@@ -61,13 +66,15 @@ def gate_up_device(layer, row0, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_pt
 class GateUp(Instruction):
     layer: int
     row0: int
+    rows: int = 0     # rows of gate and of up (0: Tiling.gu_rows; > 0 only with Tiling.gu_tiles)
 
     NAME = "gate_up"
     STAGE = 4
     ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB",
-            "BK", "STAGES")
+            "BK", "STAGES", "GU_SPAN")
     CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
-                  "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows)}
+                  "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows),
+                  "GU_SPAN": lambda lay: int(lay.tiling.gu_tiles > 0)}
     device = gate_up_device
 
     SCRATCH = {"act": "fp32"}
@@ -80,12 +87,48 @@ class GateUp(Instruction):
     def stream_rows(cls, lay: Layout) -> int:
         return 2 * lay.tiling.gu_rows           # gate and up
 
+    @classmethod
+    def spans(cls, lay: Layout) -> list[tuple[int, int]]:
+        """The layer's tiles as (row0, rows) operands: ``ffn / gu_rows`` tiles of ``gu_rows`` rows (rows
+        0), or with ``Tiling.gu_tiles`` = N, N tiles of whole pipeline stages (``GU_RB`` rows), the
+        larger ones first, at most ``gu_rows`` rows each."""
+        t, ffn = lay.tiling, lay.cfg.ffn
+        if not t.gu_tiles:
+            return [(r, 0) for r in range(0, ffn, t.gu_rows)]
+        rb = cls.CONSTEXPRS["GU_RB"](lay)
+        if not rb or ffn % rb:
+            raise ValueError(f"Tiling.gu_tiles needs the row loop (row_bytes > 0) over whole stages of rows: "
+                             f"ffn = {ffn}, {rb} rows a stage")
+        if lay.n_down_k != 1:
+            raise ValueError(f"Tiling.gu_tiles needs one down K chunk (down_k >= ffn = {ffn}), got down_k = "
+                             f"{t.down_k}: a gate/up tile signals the counter of one chunk")
+        units, n, least = ffn // rb, t.gu_tiles, -(-ffn // t.gu_rows)
+        if not least <= n <= units:
+            raise ValueError(f"Tiling.gu_tiles = {n} must be in [{least}, {units}]: tiles of at most gu_rows = "
+                             f"{t.gu_rows} rows, at least one stage of {rb} rows each")
+        q, extra = divmod(units, n)
+        out, r = [], 0
+        for i in range(n):
+            k = (q + (i < extra)) * rb
+            out.append((r, k))
+            r += k
+        return out
+
     def check_operands(self, lay: Layout) -> list[str]:
-        return (in_range("layer", self.layer, lay.cfg.layers)
-                + tile_start("row0", self.row0, lay.tiling.gu_rows, lay.cfg.ffn))
+        bad = in_range("layer", self.layer, lay.cfg.layers)
+        if not self.rows:
+            return bad + tile_start("row0", self.row0, lay.tiling.gu_rows, lay.cfg.ffn)
+        rb = self.CONSTEXPRS["GU_RB"](lay)
+        if not lay.tiling.gu_tiles or not rb:
+            return bad + [f"rows {self.rows}: a gate/up tile's own row count needs Tiling.gu_tiles and the row loop"]
+        bad += tile_start("row0", self.row0, rb, lay.cfg.ffn)
+        if not (0 < self.rows <= lay.tiling.gu_rows and self.rows % rb == 0 and self.row0 + self.rows <= lay.cfg.ffn):
+            bad.append(f"rows {self.rows} not a multiple of {rb} in (0, {lay.tiling.gu_rows}] ending by ffn "
+                       f"{lay.cfg.ffn}")
+        return bad
 
     def _rows(self, lay: Layout) -> tuple[int, int]:
-        return self.row0, min(self.row0 + lay.tiling.gu_rows, lay.cfg.ffn)
+        return self.row0, min(self.row0 + (self.rows or lay.tiling.gu_rows), lay.cfg.ffn)
 
     def reads(self, lay: Layout) -> list[Region]:
         d = lay.cfg.d

@@ -159,8 +159,8 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
             else:
                 for rb in range(n_rb):
                     p.add(OReduce(l, rb * t.red_rows), (co[rb],), cx)
-        for r in range(0, c.ffn, t.gu_rows):
-            p.add(GateUp(l, r), (cx,), cact[r // t.down_k])
+        for r, n in GateUp.spans(lay):
+            p.add(GateUp(l, r, n), (cx,), cact[r // t.down_k])
         for kc in range(lay.n_down_k):
             for r in range(0, c.d, t.down_rows):
                 p.add(Down(l, r, kc), (cact[kc],), cd[r // t.red_rows])
