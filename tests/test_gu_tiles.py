@@ -35,7 +35,22 @@ def test_spans_cover_ffn_in_whole_stages():
     assert len(sp) == 132 and sp[0] == (0, 64) and sp[-1] == (8132, 60)
     assert sorted({n for _, n in sp}) == [60, 64] and sum(n == 64 for _, n in sp) == 68
     assert all(r1 == r0 + n for (r0, n), (r1, _) in zip(sp, sp[1:])) and sp[-1][0] + sp[-1][1] == one_b.ffn
-    assert GateUp.spans(make_layout(one_b, 256, Tiling.for_config(one_b))) == [(r, 0) for r in range(0, 8192, 64)]
+    assert GateUp.spans(make_layout(one_b, 256, Tiling.for_config(one_b, gu_tiles=0))) == \
+        [(r, 0) for r in range(0, 8192, 64)]
+
+
+def test_default_only_where_132_tiles_fit_and_not_on_a_rank():
+    """The default (Tiling.for_config): 132 tiles for the 1B (128 of gu_rows would leave 4 SMs idle);
+    none for the 8B and 70B shapes (more than a wave already), the small test configs (fewer stages of
+    rows than 132) or a tensor-parallel rank (not measured there); an explicit value wins."""
+    from opcodes.tp import TPLayout, shard_config
+    one_b = opcodes.PRESETS["llama3.2-1b"]
+    assert Tiling.for_config(one_b).gu_tiles == 132 and Tiling.for_config(one_b, gu_tiles=0).gu_tiles == 0
+    assert Tiling.for_config(one_b, gu_rows=32).gu_tiles == 0            # 256 tiles of 32 rows: more than 132
+    for name in ("llama3.1-8b", "llama70b-layer", "small-2layer"):
+        assert Tiling.for_config(opcodes.PRESETS[name]).gu_tiles == 0, name
+    assert Tiling.for_config(CFG).gu_tiles == 0
+    assert TPLayout.default_tiling(shard_config(one_b, 0, 2)).gu_tiles == 0
     tiny = make_layout(CFG, 16, Tiling.for_config(CFG, gu_tiles=7, **OVER))
     assert [n for _, n in GateUp.spans(tiny)] == [24, 24, 24, 24, 24, 20, 20]
 

@@ -39,7 +39,7 @@ def expected_counts(lay: Layout) -> dict[str, int]:
         "attn_partial": c.n_kv * (t.attn_splits - t.key_in_reduce),
         "oproj": cdiv(c.d, t.o_rows) * lay.n_o_k,             # one per (row tile, K chunk)
         "o_reduce": cdiv(c.d, t.red_rows) if lay.n_o_k > 1 else 0,
-        "gate_up": cdiv(c.ffn, t.gu_rows),
+        "gate_up": t.gu_tiles or cdiv(c.ffn, t.gu_rows),        # Tiling.gu_tiles: that many (the 1B: 132)
         "down": cdiv(c.d, t.down_rows) * cdiv(c.ffn, t.down_k),
     }
     # the attention merge is per query head or per KV group depending on the opcode's operands
