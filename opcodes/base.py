@@ -229,7 +229,7 @@ class Tiling:
             # tiles of 64 and 60 rows, not 128 of 64): 910.4 -> 904.9 us at pos 128, -0.3..-0.4% at 1024
             # (runs 190-191, bench/NOTES.md v109)
             rb = t.rows_per_block(d, 2, t.gu_rows)
-            if rb and ffn % rb == 0 and cdiv(ffn, t.gu_rows) < H200_SMS <= ffn // rb:
+            if rb and ffn % rb == 0 and t.down_k >= ffn and cdiv(ffn, t.gu_rows) < H200_SMS <= ffn // rb:
                 t = dataclasses.replace(t, gu_tiles=H200_SMS)
         return t
 

@@ -47,6 +47,7 @@ def test_default_only_where_132_tiles_fit_and_not_on_a_rank():
     one_b = opcodes.PRESETS["llama3.2-1b"]
     assert Tiling.for_config(one_b).gu_tiles == 132 and Tiling.for_config(one_b, gu_tiles=0).gu_tiles == 0
     assert Tiling.for_config(one_b, gu_rows=32).gu_tiles == 0            # 256 tiles of 32 rows: more than 132
+    assert Tiling.for_config(one_b, down_k=4096).gu_tiles == 0           # two down K chunks: tiles per chunk
     for name in ("llama3.1-8b", "llama70b-layer", "small-2layer"):
         assert Tiling.for_config(opcodes.PRESETS[name]).gu_tiles == 0, name
     assert Tiling.for_config(CFG).gu_tiles == 0
