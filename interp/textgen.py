@@ -156,7 +156,7 @@ def interpreter_options(cfg) -> dict:
     qkv = mc.hd & -mc.hd                 # the largest power of two dividing hd
     d = next_pow2(mc.d)
     tiling = Tiling.for_config(mc, attn_splits=2, qkv_rows=min(qkv, 64), gu_rows=min(128, next_pow2(mc.ffn)),
-                               o_rows=min(256, d), down_rows=min(256, d), red_rows=min(1024, d))
+                               gu_tiles=0, o_rows=min(256, d), down_rows=min(256, d), red_rows=min(1024, d))
     return {"tiling": tiling, "lm_rows": min(512, next_pow2(mc.vocab))}
 
 

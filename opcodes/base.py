@@ -204,8 +204,8 @@ class Tiling:
             # TP -1.3%, the 70B layer -0.4..-0.9%, its 16 layers -0.7% (bench/NOTES.md v45, runs 79-82)
             clamped.update(o_rows=2 * base.o_rows, o_bk=max(16, clamped["bk"] // 2))
         if d <= 2048:
-            # small d: gate/up and the LM head stream whole rows in coarse tiles (one 64-row gate/up
-            # tile per SM), 5 stages (bench/NOTES.md v28-v30). Not at d 4096: the 8B shape measured
+            # small d: gate/up and the LM head stream whole rows in coarse tiles (one ~64-row gate/up
+            # tile per SM, below), 5 stages (bench/NOTES.md v28-v30). Not at d 4096: the 8B shape measured
             # 5018 us with the row loop against 4425 without (run 47). The residual folded into the
             # next layer's readers: 1B 1005.0 -> 980.0 us at pos 1024 (run 51); the 8B shape +4.0%.
             # CTAs of 4 warps at half the streaming width (the same work per thread): the 1B's one-wave
