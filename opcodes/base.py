@@ -228,8 +228,9 @@ class Tiling:
             # gate/up on every SM of the H200 where ffn / gu_rows tiles would leave some idle (the 1B: 132
             # tiles of 64 and 60 rows, not 128 of 64): 910.4 -> 904.9 us at pos 128, -0.3..-0.4% at 1024
             # (runs 190-191, bench/NOTES.md v109)
-            rb = t.rows_per_block(d, 2, t.gu_rows)
-            if rb and ffn % rb == 0 and t.down_k >= ffn and cdiv(ffn, t.gu_rows) < H200_SMS <= ffn // rb:
+            from .gate_up import GateUp         # (gate_up imports this module: its fact, asked at call time)
+            bounds = GateUp.tile_bounds(cfg, t)
+            if not isinstance(bounds, str) and bounds[0] < H200_SMS <= bounds[1]:
                 t = dataclasses.replace(t, gu_tiles=H200_SMS)
         return t
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
+from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
 from .common import T_N2, T_WG, T_WU, gemv_stream, norm_row_vec, rows_dot, tab_offset
 
 
@@ -87,6 +87,20 @@ class GateUp(Instruction):
     def stream_rows(cls, lay: Layout) -> int:
         return 2 * lay.tiling.gu_rows           # gate and up
 
+    @staticmethod
+    def tile_bounds(cfg, tiling) -> tuple[int, int] | str:
+        """The fewest and most tiles ``Tiling.gu_tiles`` may ask for (tiles of at most ``gu_rows`` rows,
+        at least one stage of the row loop each), or why it cannot ask for any."""
+        ffn = cfg.ffn
+        rb = tiling.rows_per_block(cfg.d, 2, tiling.gu_rows)
+        if not rb or ffn % rb:
+            return (f"Tiling.gu_tiles needs the row loop (row_bytes > 0) over whole stages of rows: ffn = {ffn}, "
+                    f"{rb} rows a stage")
+        if tiling.down_k < ffn:
+            return (f"Tiling.gu_tiles needs one down K chunk (down_k >= ffn = {ffn}), got down_k = {tiling.down_k}: "
+                    "a gate/up tile signals the counter of one chunk")
+        return cdiv(ffn, tiling.gu_rows), ffn // rb
+
     @classmethod
     def spans(cls, lay: Layout) -> list[tuple[int, int]]:
         """The layer's tiles as (row0, rows) operands: ``ffn / gu_rows`` tiles of ``gu_rows`` rows (rows
@@ -95,14 +109,11 @@ class GateUp(Instruction):
         t, ffn = lay.tiling, lay.cfg.ffn
         if not t.gu_tiles:
             return [(r, 0) for r in range(0, ffn, t.gu_rows)]
+        bounds, n = cls.tile_bounds(lay.cfg, t), t.gu_tiles
+        if isinstance(bounds, str):
+            raise ValueError(bounds)
+        least, units = bounds
         rb = cls.CONSTEXPRS["GU_RB"](lay)
-        if not rb or ffn % rb:
-            raise ValueError(f"Tiling.gu_tiles needs the row loop (row_bytes > 0) over whole stages of rows: "
-                             f"ffn = {ffn}, {rb} rows a stage")
-        if lay.n_down_k != 1:
-            raise ValueError(f"Tiling.gu_tiles needs one down K chunk (down_k >= ffn = {ffn}), got down_k = "
-                             f"{t.down_k}: a gate/up tile signals the counter of one chunk")
-        units, n, least = ffn // rb, t.gu_tiles, -(-ffn // t.gu_rows)
         if not least <= n <= units:
             raise ValueError(f"Tiling.gu_tiles = {n} must be in [{least}, {units}]: tiles of at most gu_rows = "
                              f"{t.gu_rows} rows, at least one stage of {rb} rows each")

@@ -148,10 +148,9 @@ def test_gluon_chain_descriptor_is_the_compiled_signature():
         gcp.launch_ws((None, None), None, d, None, None, None, 1, 1, gcp.MAX_RING + 1)
 
 
-def _compile_probe(tmp_path, module, *args):
-    """``python -m bench.probes.<module> --compile ARGS`` in a process without TRITON_INTERPRET (Gluon
-    kernels are compiled, never interpreted): the JSON of its last line."""
-    import json
+def _without_interpreter(tmp_path, *argv):
+    """``python ARGV`` from the repository root in a process without TRITON_INTERPRET (Gluon kernels are
+    compiled, never interpreted), its own Triton cache under ``tmp_path``; asserts it succeeded."""
     import os
     import pathlib
     import subprocess
@@ -159,10 +158,25 @@ def _compile_probe(tmp_path, module, *args):
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(root), TRITON_CACHE_DIR=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-m", f"bench.probes.{module}", "--compile", *map(str, args)],
-                       capture_output=True, text=True, env=env, cwd=root, timeout=300)
-    assert r.returncode == 0, f"{module}'s kernels do not compile for sm_90:\n{r.stderr[-3000:]}"
+    r = subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True, env=env, cwd=root,
+                       timeout=300)
+    assert r.returncode == 0, f"{argv[:3]} failed (do the kernels compile for sm_90?):\n{r.stderr[-3000:]}"
+    return r
+
+
+def _compile_probe(tmp_path, module, *args):
+    """``python -m bench.probes.<module> --compile ARGS`` (:func:`_without_interpreter`): the JSON of its
+    last line."""
+    import json
+    r = _without_interpreter(tmp_path, "-m", f"bench.probes.{module}", "--compile", *args)
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _partitions(ttgir: str) -> tuple[str, str]:
+    """A warp-specialized kernel's TTGIR: (its default partition, its one worker partition)."""
+    default = ttgir.split("ttg.warp_specialize(", 1)[1].split("partition0(", 1)[0]
+    worker = ttgir.split("partition0(", 1)[1].split("ttg.warp_return", 1)[0]
+    return default, worker
 
 
 def _ws_compile(tmp_path, ring, gap_us=0):
@@ -184,8 +198,7 @@ def test_gluon_chain_ws_compiles_for_sm90(tmp_path, gap_us):
     # the partitions (TTGIR): a default region of 4 warps and one 1-warp worker at 24 registers
     assert '"ttg.num-warps" = 4 : i32' in ttgir
     assert "ttg.warp_specialize(" in ttgir and "requestedRegisters = array<i32: 24>" in ttgir
-    default = ttgir.split("ttg.warp_specialize(", 1)[1].split("partition0(", 1)[0]
-    worker = ttgir.split("partition0(", 1)[1].split("ttg.warp_return", 1)[0]
+    default, worker = _partitions(ttgir)
     assert worker.split("{", 1)[0].rstrip().endswith("num_warps(1)")
     # the loader: slot waits, the expected bytes, the block's 4 TMA boxes; never a counter, never a global load
     assert worker.count("ttng.async_tma_copy_global_to_local") == 4
@@ -217,21 +230,10 @@ def test_gluon_chain_ws_compiles_for_sm90(tmp_path, gap_us):
 def test_gluon_chain_ws_halves_compile_for_sm90(tmp_path, mode):
     """--halves: NO_TMA's loader copies nothing and arrives on the slot's ready barrier itself; NO_MATH's
     consumer never reads the ring (its only shared-memory reads are gone, the vector's store stays)."""
-    import os
-    import pathlib
-    import subprocess
-    import sys
-    root = pathlib.Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(root), TRITON_CACHE_DIR=str(tmp_path / "cache"))
     code = ("import sys; from bench.probes import gluon_chain_probe as g; "
             "sys.stdout.write(g.compile_sm90(5, 0, getattr(g, sys.argv[1] + '_')).asm['ttgir'])")
-    r = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, env=env, cwd=root,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    ttgir = r.stdout
-    default = ttgir.split("ttg.warp_specialize(", 1)[1].split("partition0(", 1)[0]
-    worker = ttgir.split("partition0(", 1)[1].split("ttg.warp_return", 1)[0]
+    ttgir = _without_interpreter(tmp_path, "-c", code, mode).stdout
+    default, worker = _partitions(ttgir)
     if mode == "NO_TMA":
         assert "async_tma_copy" not in ttgir and "ttng.barrier_expect" not in worker
         assert "ttng.arrive_barrier" in worker and "ttg.local_load" in default

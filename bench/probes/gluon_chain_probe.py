@@ -347,19 +347,19 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0, halv
 
     fresh = lambda: (torch.zeros(nout * ROWS_, dtype=torch.float32, device=dev),       # noqa: E731
                      torch.zeros(ncnt, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev))
+    want = lambda name: None if name in HALVES else ref        # noqa: E731  (a half's sums are not compared)
     for name in names:                          # checked (and compiled) before any timing
         out, cnt, err = fresh()
         call(name, out, cnt, err, 1)
         torch.cuda.synchronize()
-        r = None if name in HALVES else ref
-        diff = check(name, out, cnt, err, 1, r, per_call)
-        print(f"  {name}: " + ("counters and waits as the chain's (sums not compared)" if r is None else
+        diff = check(name, out, cnt, err, 1, want(name), per_call)
+        print(f"  {name}: " + ("counters and waits as the chain's (sums not compared)" if name in HALVES else
                                f"matches the fp32 reference (max abs diff {diff:.2e})"))
     res = {}
     for name in names + names[::-1]:
         out, cnt, err = fresh()
         t = cp.timed_median(lambda step: call(name, out, cnt, err, step), steps)
-        check(name, out, cnt, err, steps, None if name in HALVES else ref, per_call)
+        check(name, out, cnt, err, steps, want(name), per_call)
         res.setdefault(name, []).append(t)
     what = f"pipeline {stages} (ws: ring of {ring} x 32 KB)"
     if gap is not None:
