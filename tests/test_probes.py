@@ -434,3 +434,25 @@ def test_power_probe_reads_nvidia_smi_rows_and_summarizes_a_window():
     assert win["n"] == 2 and win["power_max_W"] == 530.1 and win["reasons"] == {"sw_power_cap": 0.5}
     assert pp.summarize(s, s[2][0], s[2][0])["reasons"] == {"gpu_idle": 1.0}
     assert pp.summarize(s, 0, 1)["n"] == 0
+
+
+# ---- bench/probes/icache_probe.py: instruction fetch between large code bodies -------------------------
+def test_icache_probe_compiles_every_block_for_sm90(tmp_path):
+    """Every block's chain is in the kernel (sm_90, no GPU): blocks x FMAs fma instructions, none folded."""
+    from bench.probes import icache_probe as ip
+    got = _compile_probe(tmp_path, "icache_probe", 48)
+    assert got["fma"] == got["blocks"] * 48 and got["blocks"] >= max(ip.ROTATIONS)
+
+
+def test_icache_probe_orders_and_arguments(capsys, monkeypatch):
+    from bench.probes import icache_probe as ip
+    seqs = ip.orders()
+    assert set(seqs["hot"]) == {0} and all(len(s) == ip.VISITS for s in seqs.values())
+    for k in ip.ROTATIONS:       # rotK: every one of K blocks equally often, never the same twice running
+        s = seqs[f"rot{k}"]
+        assert sorted(set(s)) == list(range(k)) and all(a != b for a, b in zip(s, s[1:]))
+    monkeypatch.setattr(ip, "run", lambda *a, **kw: pytest.fail("icache_probe ran"))
+    for bad in (["0"], ["x"], ["512", "-3"]):
+        assert ip.main(bad) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "FMAs" in err, err
