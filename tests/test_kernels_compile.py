@@ -57,6 +57,19 @@ def compile_sm90(tape, profile: bool = False):
                           options={"num_warps": lay.tiling.num_warps, "num_stages": 1})
 
 
+def code_bytes(cubin: bytes) -> int:
+    """Bytes of SASS in a cubin: the sizes of its ``.text.*`` sections (ELF64 section headers)."""
+    import struct
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = heads[shstrndx][4]
+
+    def name(h):
+        return cubin[names + h[0]:cubin.index(b"\0", names + h[0])]
+    return sum(h[5] for h in heads if name(h).startswith(b".text"))
+
+
 def _main(preset: str, max_seq: int, what: str) -> None:
     from opcodes import PRESETS
     from schedule import compile_model
@@ -68,7 +81,8 @@ def _main(preset: str, max_seq: int, what: str) -> None:
     else:
         tape = compile_model(cfg, 132, max_seq=max_seq, decoder=(what != "layer"), **kw).tape
     ck = compile_sm90(tape, profile=(what == "profile"))
-    print(json.dumps({"shared": ck.metadata.shared, "cubin_bytes": len(ck.asm.get("cubin", b""))}))
+    cubin = ck.asm.get("cubin", b"")
+    print(json.dumps({"shared": ck.metadata.shared, "cubin_bytes": len(cubin), "code_bytes": code_bytes(cubin)}))
 
 
 @pytest.mark.parametrize("preset,max_seq,what", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])

@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 BLOCKS = 16
-ROTATIONS = (2, 4, 8, 16)
+ROTATIONS = (2, 4, 8, 10, 12, 14, 16)
 VISITS = 512
 NT = 128                    # one fp32 a thread, 4 warps
 
