@@ -82,6 +82,9 @@ TOP_P_ONE = 1 << 24
 MAX_EVALS = 160
 SMP_ZMIN, SMP_QSCALE, SMP_LN2_Q20 = tl.constexpr(ZMIN), tl.constexpr(QSCALE), tl.constexpr(LN2_Q20)
 SMP_NONE, SMP_TOP_P_ONE, SMP_MAX_EVALS = tl.constexpr(NONE), tl.constexpr(TOP_P_ONE), tl.constexpr(MAX_EVALS)
+#: the logits a block read reads at once (a pipelined loop over a block): SAMPLE's registers and code
+#: grow with it, and SAMPLE shares the kernel with the layers (bench/NOTES.md run 195)
+SMP_MAX_SUB = tl.constexpr(512)
 
 TABLE_BITS = 10
 SMP_TABLE = tl.constexpr(1 << TABLE_BITS)    # where the parameters start in ``smp``
@@ -110,43 +113,55 @@ def _smp_weights(l, m, scale, exp2_ptr):
 
 
 @triton.jit
-def _smp_block_max(b0, amax_ptr, nparts, LM_ROWS: tl.constexpr, SMP_BLOCK: tl.constexpr):
-    """The largest logit of block [b0, b0 + SMP_BLOCK), from the LM_HEAD tiles' partials."""
-    p = b0 // LM_ROWS + tl.arange(0, SMP_BLOCK // LM_ROWS)
+def _smp_block_maxima(nparts, amax_ptr, VOCAB: tl.constexpr, LM_ROWS: tl.constexpr, SMP_BLOCK: tl.constexpr):
+    """Every block's largest logit, from the LM_HEAD tiles' partials: one load of them all, a
+    vector of ``cdiv(VOCAB, SMP_BLOCK)`` (padded to a power of two with -inf), held in registers."""
+    NB: tl.constexpr = triton.next_power_of_2((VOCAB + SMP_BLOCK - 1) // SMP_BLOCK)
+    PPB: tl.constexpr = SMP_BLOCK // LM_ROWS
+    p = tl.arange(0, NB)[:, None] * PPB + tl.arange(0, PPB)[None, :]
     v = tl.load(amax_ptr + 2 * p, mask=p < nparts, other=float("-inf"), cache_modifier=".cg")
-    return tl.max(v, axis=0)
+    return tl.max(v, axis=1)
 
 
 @triton.jit
-def _smp_eval(x, m, scale, nparts, logits_ptr, amax_ptr, exp2_ptr, MASS: tl.constexpr, VOCAB: tl.constexpr,
-              LM_ROWS: tl.constexpr, SMP_BLOCK: tl.constexpr):
+def _smp_pick(bmv, b, VOCAB: tl.constexpr, SMP_BLOCK: tl.constexpr):
+    """Element ``b`` of the block maxima (no memory access)."""
+    NB: tl.constexpr = triton.next_power_of_2((VOCAB + SMP_BLOCK - 1) // SMP_BLOCK)
+    return tl.max(tl.where(tl.arange(0, NB) == b, bmv, float("-inf")), axis=0)
+
+
+@triton.jit
+def _smp_eval(x, m, scale, bmv, logits_ptr, exp2_ptr, MASS: tl.constexpr, VOCAB: tl.constexpr,
+              SMP_BLOCK: tl.constexpr, SMP_SUB: tl.constexpr):
     """Over the logits >= x: their count, (MASS) the sum of their weights and the smallest of
-    them; and the largest logit < x. Blocks whose largest logit is < x are not read."""
-    cnt = tl.full([], 0, tl.int32)
-    mass = tl.full([], 0, tl.int64)
-    amin = tl.full([], float("inf"), tl.float32)
-    bmax = tl.full([], float("-inf"), tl.float32)
-    for b0 in range(0, VOCAB, SMP_BLOCK):
-        bm = _smp_block_max(b0, amax_ptr, nparts, LM_ROWS, SMP_BLOCK)
+    them; and the largest logit < x. Blocks whose largest logit (``bmv``) is < x are not read; a
+    block read is read in pipelined sub-blocks of ``SMP_SUB`` logits."""
+    cnt = tl.zeros([SMP_SUB], tl.int32)
+    mass = tl.zeros([SMP_SUB], tl.int64)
+    amin = tl.full([SMP_SUB], float("inf"), tl.float32)
+    bmax = tl.full([SMP_SUB], float("-inf"), tl.float32)
+    for b in range(0, (VOCAB + SMP_BLOCK - 1) // SMP_BLOCK):
+        bm = _smp_pick(bmv, b, VOCAB, SMP_BLOCK)
         if bm >= x:
-            idx = b0 + tl.arange(0, SMP_BLOCK)
-            msk = idx < VOCAB
-            l = tl.load(logits_ptr + idx, mask=msk, other=float("-inf"), cache_modifier=".cg")
-            ge = l >= x
-            cnt += tl.sum(ge.to(tl.int32), axis=0)
-            if MASS:
-                w = _smp_weights(tl.where(msk, l, m), m, scale, exp2_ptr)
-                mass += tl.sum(tl.where(ge, w, 0), axis=0)
-            amin = tl.minimum(amin, tl.min(tl.where(ge, l, float("inf")), axis=0))
-            bmax = tl.maximum(bmax, tl.max(tl.where(ge, float("-inf"), l), axis=0))
+            for s0 in tl.range(0, SMP_BLOCK, SMP_SUB, num_stages=3):
+                idx = b * SMP_BLOCK + s0 + tl.arange(0, SMP_SUB)
+                msk = idx < VOCAB
+                l = tl.load(logits_ptr + idx, mask=msk, other=float("-inf"), cache_modifier=".cg")
+                ge = l >= x
+                cnt += ge.to(tl.int32)
+                if MASS:
+                    w = _smp_weights(tl.where(msk, l, m), m, scale, exp2_ptr)
+                    mass += tl.where(ge, w, 0)
+                amin = tl.minimum(amin, tl.where(ge, l, float("inf")))
+                bmax = tl.maximum(bmax, tl.where(ge, float("-inf"), l))
         else:
             bmax = tl.maximum(bmax, bm)
-    return cnt, mass, amin, bmax
+    return tl.sum(cnt, axis=0), tl.sum(mass, axis=0), tl.min(amin, axis=0), tl.max(bmax, axis=0)
 
 
 @triton.jit
-def _smp_search(lo, lo_mass, ph, gal0, need_cnt, need_mass, m, scale, nparts, logits_ptr, amax_ptr, exp2_ptr,
-                MASS: tl.constexpr, VOCAB: tl.constexpr, LM_ROWS: tl.constexpr, SMP_BLOCK: tl.constexpr):
+def _smp_search(lo, lo_mass, ph, gal0, need_cnt, need_mass, m, scale, bmv, logits_ptr, exp2_ptr,
+                MASS: tl.constexpr, VOCAB: tl.constexpr, SMP_BLOCK: tl.constexpr, SMP_SUB: tl.constexpr):
     """The largest logit value v in [lo, ph] whose count (``need_cnt``) or weight sum (MASS,
     ``need_mass``) over the logits >= v reaches the need; ``lo``: SMP_NONE or a logit where it
     does, ``ph``: a logit >= the answer. Returns (v, the weight sum at v)."""
@@ -163,8 +178,7 @@ def _smp_search(lo, lo_mass, ph, gal0, need_cnt, need_mass, m, scale, nparts, lo
             mid = lo + (ph - lo) * 0.5                 # bisect
             if mid <= lo:
                 mid = ph
-        cnt, mass, a, b = _smp_eval(mid, m, scale, nparts, logits_ptr, amax_ptr, exp2_ptr, MASS, VOCAB, LM_ROWS,
-                                    SMP_BLOCK)
+        cnt, mass, a, b = _smp_eval(mid, m, scale, bmv, logits_ptr, exp2_ptr, MASS, VOCAB, SMP_BLOCK, SMP_SUB)
         if MASS:
             ok = mass >= need_mass
         else:
@@ -180,56 +194,56 @@ def _smp_search(lo, lo_mass, ph, gal0, need_cnt, need_mass, m, scale, nparts, lo
 
 
 @triton.jit
-def _smp_locate(t, r, m, scale, nparts, logits_ptr, amax_ptr, exp2_ptr, VOCAB: tl.constexpr, LM_ROWS: tl.constexpr,
-                SMP_BLOCK: tl.constexpr):
+def _smp_locate(t, r, m, scale, bmv, logits_ptr, exp2_ptr, VOCAB: tl.constexpr, SMP_BLOCK: tl.constexpr,
+                SMP_SUB: tl.constexpr):
     """The first index (in index order) among the logits >= t where the running sum of weights
     exceeds r (-1 if none)."""
     run = tl.full([], 0, tl.int64)
     tok = tl.full([], -1, tl.int32)
-    for b0 in range(0, VOCAB, SMP_BLOCK):
+    for b in range(0, (VOCAB + SMP_BLOCK - 1) // SMP_BLOCK):
         if tok < 0:
-            bm = _smp_block_max(b0, amax_ptr, nparts, LM_ROWS, SMP_BLOCK)
+            bm = _smp_pick(bmv, b, VOCAB, SMP_BLOCK)
             if bm >= t:
-                idx = b0 + tl.arange(0, SMP_BLOCK)
-                msk = idx < VOCAB
-                l = tl.load(logits_ptr + idx, mask=msk, other=float("-inf"), cache_modifier=".cg")
-                w = tl.where(l >= t, _smp_weights(tl.where(msk, l, m), m, scale, exp2_ptr), 0)
-                s = tl.sum(w, axis=0)
-                if run + s > r:
+                for s0 in tl.range(0, SMP_BLOCK, SMP_SUB, num_stages=3):
+                    idx = b * SMP_BLOCK + s0 + tl.arange(0, SMP_SUB)
+                    msk = idx < VOCAB
+                    l = tl.load(logits_ptr + idx, mask=msk, other=float("-inf"), cache_modifier=".cg")
+                    w = tl.where(l >= t, _smp_weights(tl.where(msk, l, m), m, scale, exp2_ptr), 0)
                     c = tl.cumsum(w, axis=0) + run
-                    tok = tl.min(tl.where(c > r, idx, VOCAB), axis=0)
-                run += s
+                    hit = tl.min(tl.where(c > r, idx, VOCAB), axis=0)
+                    tok = tl.where((tok < 0) & (hit < VOCAB), hit, tok)
+                    run = tl.max(c, axis=0)
     return tok
 
 
 @triton.jit
 def sample_device(nparts, pos, logits_ptr, amax_ptr, smp_ptr, tok_ptr, toks_ptr, VOCAB: tl.constexpr,
                   LM_ROWS: tl.constexpr, SMP_BLOCK: tl.constexpr):
+    SMP_SUB: tl.constexpr = SMP_MAX_SUB if SMP_BLOCK > SMP_MAX_SUB else SMP_BLOCK
     smp_exp2_ptr = smp_ptr                           # the table; the parameters follow it
     scale = tl.load(smp_ptr + SMP_TABLE).to(tl.int32).to(tl.float32, bitcast=True)
     gal0 = tl.load(smp_ptr + SMP_TABLE + 1).to(tl.int32).to(tl.float32, bitcast=True)
     top_k = tl.load(smp_ptr + SMP_TABLE + 2).to(tl.int32)
     seed = tl.load(smp_ptr + SMP_TABLE + 3).to(tl.int32)
     top_pq = tl.load(smp_ptr + SMP_TABLE + 4)
-    # the largest logit, from the LM_HEAD tiles' partials
-    m = tl.full([], float("-inf"), tl.float32)
-    for p0 in range(0, nparts, SMP_BLOCK // LM_ROWS):
-        m = tl.maximum(m, _smp_block_max(p0 * LM_ROWS, amax_ptr, nparts, LM_ROWS, SMP_BLOCK))
+    # every block's largest logit and the largest of all, from the LM_HEAD tiles' partials
+    bmv = _smp_block_maxima(nparts, amax_ptr, VOCAB, LM_ROWS, SMP_BLOCK)
+    m = tl.max(bmv, axis=0)
     zero = tl.full([], 0, tl.int64)
     t = tl.full([], SMP_NONE, tl.float32)
     if (top_k > 0) & (top_k < VOCAB):
-        t, _ = _smp_search(t, zero, m, gal0, top_k, zero, m, scale, nparts, logits_ptr, amax_ptr, smp_exp2_ptr,
-                           False, VOCAB, LM_ROWS, SMP_BLOCK)
-    _, z, _, _ = _smp_eval(t, m, scale, nparts, logits_ptr, amax_ptr, smp_exp2_ptr, True, VOCAB, LM_ROWS, SMP_BLOCK)
+        t, _ = _smp_search(t, zero, m, gal0, top_k, zero, m, scale, bmv, logits_ptr, smp_exp2_ptr,
+                           False, VOCAB, SMP_BLOCK, SMP_SUB)
+    _, z, _, _ = _smp_eval(t, m, scale, bmv, logits_ptr, smp_exp2_ptr, True, VOCAB, SMP_BLOCK, SMP_SUB)
     if top_pq < SMP_TOP_P_ONE:
         lp = (z & 16777215) * top_pq                # need = ceil(z * top_pq / 2^24), exactly
         need = (z >> 24) * top_pq + (lp >> 24) + ((lp & 16777215) != 0).to(tl.int64)
-        t, z = _smp_search(t, z, m, gal0, 0, need, m, scale, nparts, logits_ptr, amax_ptr, smp_exp2_ptr,
-                           True, VOCAB, LM_ROWS, SMP_BLOCK)
+        t, z = _smp_search(t, z, m, gal0, 0, need, m, scale, bmv, logits_ptr, smp_exp2_ptr,
+                           True, VOCAB, SMP_BLOCK, SMP_SUB)
     bits = tl.randint(seed, pos)                    # Philox-4x32-10 of (seed, pos)
     u = (bits >> 1).to(tl.int64)                    # 31 bits
     r = u * (z >> 31) + ((u * (z & 2147483647)) >> 31)          # floor(u * z / 2^31) < z
-    tok = _smp_locate(t, r, m, scale, nparts, logits_ptr, amax_ptr, smp_exp2_ptr, VOCAB, LM_ROWS, SMP_BLOCK)
+    tok = _smp_locate(t, r, m, scale, bmv, logits_ptr, smp_exp2_ptr, VOCAB, SMP_BLOCK, SMP_SUB)
     tok = tl.minimum(tl.maximum(tok, 0), VOCAB - 1)
     tl.store(tok_ptr, tok)
     tl.store(toks_ptr + pos, tok)
