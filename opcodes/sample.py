@@ -49,16 +49,18 @@ predicate holds, then bisects; every evaluation returns the smallest logit >= th
 largest one below it, so the search ends on a logit value, exactly, after at most
 ``SMP_MAX_EVALS`` evaluations.
 
-**Cost.** One instruction on one SM after the LM head (the other SMs are idle by then); it reads
-the fp32 logits from L2 in blocks of ``SMP_BLOCK`` and skips a block whose largest logit (from
-the LM_HEAD tiles' (max, index) partials) is below the probe. Without top-k / top-p: one pass to
-sum the weights and half a pass (on average) to find the token. Top-k: one evaluation per probe,
-counting only (typically 5-15 probes, each reading only the blocks that hold a logit above it: a
-few blocks for a small k); then the sum over the kept blocks. Top-p: one full pass for the sum,
-then probes that also sum weights (again mostly over the few top blocks for a peaked
-distribution). Per element read: ~15 integer operations and one L1-resident table lookup. For a
-128k vocabulary (512 KB of logits, ~5 us per pass at 100 GB/s from L2 per SM) sampling without
-filters is ~8 us by that estimate (``cost``); not measured on a GPU yet.
+**Cost.** One instruction on one SM after the LM head (the other SMs are idle by then). It reads
+the LM_HEAD tiles' (max, index) partials once, into a vector of each block's largest logit held in
+registers, then reads the fp32 logits from L2 in blocks of ``SMP_BLOCK``, skipping a block whose
+largest logit is below the probe, and a block it reads in a pipelined loop over sub-blocks of
+``SMP_MAX_SUB`` logits. Without top-k / top-p: one pass to sum the weights and half a pass (on
+average) to find the token. Top-k: one evaluation per probe, counting only (typically 5-15 probes,
+each reading only the blocks that hold a logit above it: a few blocks for a small k); then the sum
+over the kept blocks. Top-p: one full pass for the sum, then probes that also sum weights (again
+mostly over the few top blocks for a peaked distribution). Per element read: ~15 integer operations
+and one L1-resident table lookup. SAMPLE shares the kernel with the layers: its registers and code
+are kept small (sub-blocks of 512, not 8192-wide tensors), since an 8192-wide SAMPLE made the whole
+sampling kernel spill and slowed every layer by ~11% (bench/NOTES.md run 195).
 """
 from __future__ import annotations
 
@@ -366,7 +368,7 @@ def sample_torch(logits: torch.Tensor, amax: torch.Tensor, nparts: int, lm_rows:
     return min(max(tok, 0), vocab - 1)
 
 
-#: the largest block of logits a pass reads at once (Sample.CONSTEXPRS)
+#: the most logits of a block an evaluation skips or reads as one (Sample.CONSTEXPRS)
 SMP_MAX_BLOCK = 8192
 
 # ---- the opcode ----------------------------------------------------------------------------------
@@ -378,9 +380,9 @@ class Sample(Instruction):
     NAME = "sample"
     STAGE = 8
     ARGS = ("pos", "logits_ptr", "amax_ptr", "smp_ptr", "tok_ptr", "toks_ptr", "VOCAB", "LM_ROWS", "SMP_BLOCK")
-    # SMP_BLOCK: logits per block (a power of two, a multiple of LM_ROWS). Each block of a pass is
-    # a dependent L2 round trip on the one SM that samples (its partials, then its logits), so
-    # blocks are large: 8192 (16 for a 128k vocabulary) compiles without spills (bench/NOTES.md v32)
+    # SMP_BLOCK: logits per block (a power of two, a multiple of LM_ROWS): the granularity at which
+    # an evaluation skips logits below its probe (by the block's largest logit); a block read is
+    # read SMP_MAX_SUB logits at a time (bench/NOTES.md v32, v110)
     CONSTEXPRS = {"SMP_BLOCK": lambda lay: max(lay.lm_rows, min(SMP_MAX_BLOCK, triton.next_power_of_2(lay.cfg.vocab)))
                   if Sample.applies(lay) else 16}
     TIMING = Timing.FIXED

@@ -38,6 +38,12 @@ CASES = [
     ("llama3.2-1b", 1152, "tp-decoder"),          # ... the whole model: TP_ARGMAX_PUSH / TP_ARGMAX too
 ]
 
+#: an H200 SM's instruction cache (bench/probes/icache_probe.py, runs 193-194: code in rotation up to
+#: 128 KB costs ~4-12 ns a KB, 160 KB and more ~67 ns a KB); the greedy kernels the benches time stay
+#: under it (the 1B decoder's was 126,208 bytes in session 24)
+ICACHE_BYTES = 128 * 1024
+CODE_LIMITED = ("layer", "decoder")
+
 
 def compile_sm90(tape, profile: bool = False):
     """The kernel of ``tape`` as interp.runtime builds it on a GPU (``make_kernel``), compiled for sm_90 (in a process
@@ -98,6 +104,10 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, tmp_path):
     assert got["cubin_bytes"] > 0
     assert got["shared"] <= H200_SMEM_PER_BLOCK, \
         f"{preset} {what}: {got['shared']} bytes of shared memory, an H200 block has {H200_SMEM_PER_BLOCK}"
+    if what in CODE_LIMITED:
+        assert 0 < got["code_bytes"] <= ICACHE_BYTES, \
+            f"{preset} {what}: {got['code_bytes']} bytes of SASS, over the {ICACHE_BYTES} an H200 SM's instruction " \
+            "cache holds: past it every opcode a layer runs refetches its code (~67 ns a KB, bench/NOTES.md runs 193-195)"
 
 
 if __name__ == "__main__":
