@@ -59,7 +59,7 @@ each reading only the blocks that hold a logit above it: a few blocks for a smal
 over the kept blocks. Top-p: one full pass for the sum, then probes that also sum weights (again
 mostly over the few top blocks for a peaked distribution). Per element read: ~15 integer operations
 and one L1-resident table lookup. SAMPLE shares the kernel with the layers: its registers and code
-are kept small (sub-blocks of 512, not 8192-wide tensors), since an 8192-wide SAMPLE made the whole
+are kept small (sub-blocks of 1024, not 8192-wide tensors), since an 8192-wide SAMPLE made the whole
 sampling kernel spill and slowed every layer by ~11% (bench/NOTES.md run 195).
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ SMP_ZMIN, SMP_QSCALE, SMP_LN2_Q20 = tl.constexpr(ZMIN), tl.constexpr(QSCALE), tl
 SMP_NONE, SMP_TOP_P_ONE, SMP_MAX_EVALS = tl.constexpr(NONE), tl.constexpr(TOP_P_ONE), tl.constexpr(MAX_EVALS)
 #: the logits a block read reads at once (a pipelined loop over a block): SAMPLE's registers and code
 #: grow with it, and SAMPLE shares the kernel with the layers (bench/NOTES.md run 195)
-SMP_MAX_SUB = tl.constexpr(512)
+SMP_MAX_SUB = tl.constexpr(1024)
 
 TABLE_BITS = 10
 SMP_TABLE = tl.constexpr(1 << TABLE_BITS)    # where the parameters start in ``smp``
