@@ -126,10 +126,9 @@ def _smp_block_maxima(nparts, amax_ptr, VOCAB: tl.constexpr, LM_ROWS: tl.constex
 
 
 @triton.jit
-def _smp_pick(bmv, b, VOCAB: tl.constexpr, SMP_BLOCK: tl.constexpr):
+def _smp_pick(bmv, b):
     """Element ``b`` of the block maxima (no memory access)."""
-    NB: tl.constexpr = triton.next_power_of_2((VOCAB + SMP_BLOCK - 1) // SMP_BLOCK)
-    return tl.max(tl.where(tl.arange(0, NB) == b, bmv, float("-inf")), axis=0)
+    return tl.max(tl.where(tl.arange(0, bmv.shape[0]) == b, bmv, float("-inf")), axis=0)
 
 
 @triton.jit
@@ -143,7 +142,7 @@ def _smp_eval(x, m, scale, bmv, logits_ptr, exp2_ptr, MASS: tl.constexpr, VOCAB:
     amin = tl.full([SMP_SUB], float("inf"), tl.float32)
     bmax = tl.full([SMP_SUB], float("-inf"), tl.float32)
     for b in range(0, (VOCAB + SMP_BLOCK - 1) // SMP_BLOCK):
-        bm = _smp_pick(bmv, b, VOCAB, SMP_BLOCK)
+        bm = _smp_pick(bmv, b)
         if bm >= x:
             for s0 in tl.range(0, SMP_BLOCK, SMP_SUB, num_stages=3):
                 idx = b * SMP_BLOCK + s0 + tl.arange(0, SMP_SUB)
@@ -204,7 +203,7 @@ def _smp_locate(t, r, m, scale, bmv, logits_ptr, exp2_ptr, VOCAB: tl.constexpr, 
     tok = tl.full([], -1, tl.int32)
     for b in range(0, (VOCAB + SMP_BLOCK - 1) // SMP_BLOCK):
         if tok < 0:
-            bm = _smp_pick(bmv, b, VOCAB, SMP_BLOCK)
+            bm = _smp_pick(bmv, b)
             if bm >= t:
                 for s0 in tl.range(0, SMP_BLOCK, SMP_SUB, num_stages=3):
                     idx = b * SMP_BLOCK + s0 + tl.arange(0, SMP_SUB)
@@ -214,7 +213,7 @@ def _smp_locate(t, r, m, scale, bmv, logits_ptr, exp2_ptr, VOCAB: tl.constexpr, 
                     c = tl.cumsum(w, axis=0) + run
                     hit = tl.min(tl.where(c > r, idx, VOCAB), axis=0)
                     tok = tl.where((tok < 0) & (hit < VOCAB), hit, tok)
-                    run = tl.max(c, axis=0)
+                    run += tl.sum(w, axis=0)
     return tok
 
 
