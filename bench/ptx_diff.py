@@ -4,6 +4,7 @@
     MEGATAPE_TILING=stages=5 python3 -m bench.ptx_diff --resources   (this tree's kernel only)
     MEGATAPE_PRESET=llama3.2-1b MEGATAPE_DECODER=1 python3 -m bench.ptx_diff be1d810   (the decoder's kernel)
     MEGATAPE_TP=1 python3 -m bench.ptx_diff 219da59     (rank 0's tensor-parallel kernel of the preset's layers)
+    MEGATAPE_PRESET=llama3.2-1b MEGATAPE_DECODER=1 MEGATAPE_SAMPLE=1 python3 -m bench.ptx_diff --resources   (sampling)
     MEGATAPE_TTGIR=a.ttgir MEGATAPE_PTX=a.ptx python3 -m bench.ptx_diff --resources   (also write the TTGIR, the PTX)
 
 Each tree's generated interpreter kernel is compiled for sm_90 (Triton's bundled ptxas) with the
@@ -46,7 +47,7 @@ try:        # the opcodes of the program the benches build (some are only in the
     from schedule.program import lower
     if os.environ.get("MEGATAPE_DECODER"):
         from schedule.decoder_program import lower_decoder
-        used = tuple(lower_decoder(Layout(cfg, til, 1152)).classes())
+        used = tuple(lower_decoder(Layout(cfg, til, 1152), sample=bool(os.environ.get("MEGATAPE_SAMPLE"))).classes())
     else:
         used = tuple(lower(lay).classes())
 except Exception:

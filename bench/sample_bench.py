@@ -21,6 +21,7 @@ from opcodes import PRESETS
 
 SETTINGS = (("greedy", dict(temperature=0.0)),
             ("T 0.8", dict(temperature=0.8, seed=1)),
+            ("T 0.8, top-p 0.95", dict(temperature=0.8, top_p=0.95, seed=1)),
             ("T 0.8, top-k 50, top-p 0.95", dict(temperature=0.8, top_k=50, top_p=0.95, seed=1)))
 
 

@@ -49,15 +49,25 @@ predicate holds, then bisects; every evaluation returns the smallest logit >= th
 largest one below it, so the search ends on a logit value, exactly, after at most
 ``SMP_MAX_EVALS`` evaluations.
 
-**Cost.** One instruction on one SM after the LM head (the other SMs are idle by then). It reads
+**Over every SM** (``opcodes/sample_mass.py``). Before SAMPLE, a stage of SAMPLE_MASS instructions
+(one per chunk of ``SMP_CHUNK`` logits, ~126 for a 128k vocabulary: one an SM) sums each chunk's
+weights for the threshold "none", ``smp_mass[c]``. Where no top-k threshold applies (temperature
+alone, or top-p alone) SAMPLE takes ``sum(kept)`` as the sum of those int64s instead of a pass of its
+own, and without top-p it also finds the token from them: the first chunk whose running sum exceeds
+``r``, then the index inside that chunk alone. Integer sums are exact in any grouping, so the token is
+the one the single-SM passes draw (``sample_torch`` is unchanged).
+
+**Cost.** One instruction on one SM after the SAMPLE_MASS stage (the other SMs are idle by then). It reads
 the LM_HEAD tiles' (max, index) partials once, into a vector of each block's largest logit held in
 registers, then reads the fp32 logits from L2 in blocks of ``SMP_BLOCK``, skipping a block whose
 largest logit is below the probe, and a block it reads in a pipelined loop over sub-blocks of
-``SMP_MAX_SUB`` logits. Without top-k / top-p: one pass to sum the weights and half a pass (on
-average) to find the token. Top-k: one evaluation per probe, counting only (typically 5-15 probes,
-each reading only the blocks that hold a logit above it: a few blocks for a small k); then the sum
-over the kept blocks. Top-p: one full pass for the sum, then probes that also sum weights (again
-mostly over the few top blocks for a peaked distribution). Per element read: ~15 integer operations
+``SMP_MAX_SUB`` logits. Without top-k / top-p: the chunk sums and one chunk (before SAMPLE_MASS: one
+pass to sum the weights and half a pass on average to find the token, ~180 us for 128k logits on one
+SM of an H200, bench/NOTES.md run 196). Top-k: one evaluation per probe, counting only (typically
+5-15 probes, each reading only the blocks that hold a logit above it: a few blocks for a small k);
+then the sum over the kept blocks, and the token found over them. Top-p: the chunk sums for the total,
+then probes that also sum weights (mostly over the few top blocks for a peaked distribution), and the
+token found over the kept blocks. Per element read: ~15 integer operations
 and one L1-resident table lookup. SAMPLE shares the kernel with the layers: its registers and code
 are kept small (sub-blocks of 1024, not 8192-wide tensors), since an 8192-wide SAMPLE made the whole
 sampling kernel spill and slowed every layer by ~11% (bench/NOTES.md run 195).
@@ -87,6 +97,16 @@ SMP_NONE, SMP_TOP_P_ONE, SMP_MAX_EVALS = tl.constexpr(NONE), tl.constexpr(TOP_P_
 #: the logits a block read reads at once (a pipelined loop over a block): SAMPLE's registers and code
 #: grow with it, and SAMPLE shares the kernel with the layers (bench/NOTES.md run 195)
 SMP_MAX_SUB = tl.constexpr(1024)
+
+#: SAMPLE_MASS's chunks: at least SMP_MIN_CHUNK logits, at most SMP_BLOCK (a chunk lies in one block), and
+#: at most SMP_MAX_CHUNKS of them (SAMPLE holds their sums in one vector)
+SMP_MIN_CHUNK, SMP_MAX_CHUNKS = 1024, 256
+
+
+def smp_chunk(vocab: int, block: int) -> int:
+    """Logits per SAMPLE_MASS instruction for a vocabulary and SAMPLE's block (both powers of two)."""
+    return min(block, max(SMP_MIN_CHUNK, triton.next_power_of_2(-(-vocab // SMP_MAX_CHUNKS))))
+
 
 TABLE_BITS = 10
 SMP_TABLE = tl.constexpr(1 << TABLE_BITS)    # where the parameters start in ``smp``
@@ -218,8 +238,53 @@ def _smp_locate(t, r, m, scale, bmv, logits_ptr, exp2_ptr, VOCAB: tl.constexpr, 
 
 
 @triton.jit
-def sample_device(nparts, pos, logits_ptr, amax_ptr, smp_ptr, tok_ptr, toks_ptr, VOCAB: tl.constexpr,
-                  LM_ROWS: tl.constexpr, SMP_BLOCK: tl.constexpr):
+def _smp_chunk_mass(c0, m, scale, logits_ptr, exp2_ptr, VOCAB: tl.constexpr, SMP_CHUNK: tl.constexpr,
+                    SMP_SUB: tl.constexpr):
+    """The weight sum of the logits >= SMP_NONE in ``[c0, c0 + SMP_CHUNK)`` (``_smp_eval``'s mass for
+    the threshold "none", over one chunk)."""
+    mass = tl.zeros([SMP_SUB], tl.int64)
+    for s0 in tl.range(0, SMP_CHUNK, SMP_SUB, num_stages=3):
+        idx = c0 + s0 + tl.arange(0, SMP_SUB)
+        msk = idx < VOCAB
+        l = tl.load(logits_ptr + idx, mask=msk, other=float("-inf"), cache_modifier=".cg")
+        w = _smp_weights(tl.where(msk, l, m), m, scale, exp2_ptr)
+        mass += tl.where(l >= SMP_NONE, w, 0)
+    return tl.sum(mass, axis=0)
+
+
+@triton.jit
+def _smp_chunk_sums(smp_mass_ptr, VOCAB: tl.constexpr, SMP_CHUNK: tl.constexpr):
+    """The SAMPLE_MASS stage's sums, one a chunk, as a vector (padded with 0 to a power of two)."""
+    NCH: tl.constexpr = (VOCAB + SMP_CHUNK - 1) // SMP_CHUNK
+    ci = tl.arange(0, triton.next_power_of_2(NCH))
+    return tl.load(smp_mass_ptr + ci, mask=ci < NCH, other=0, cache_modifier=".cg")
+
+
+@triton.jit
+def _smp_locate_chunks(sums, r, m, scale, logits_ptr, exp2_ptr, VOCAB: tl.constexpr, SMP_CHUNK: tl.constexpr,
+                       SMP_SUB: tl.constexpr):
+    """``_smp_locate`` for the threshold "none" from the chunks' sums: the first chunk whose running
+    sum exceeds r, then the first index inside it where the running sum does (-1 if none)."""
+    ci = tl.arange(0, sums.shape[0])
+    c = tl.min(tl.where(tl.cumsum(sums, axis=0) > r, ci, sums.shape[0]), axis=0)
+    run = tl.sum(tl.where(ci < c, sums, 0), axis=0)
+    tok = tl.full([], -1, tl.int32)
+    if c < sums.shape[0]:
+        for s0 in tl.range(0, SMP_CHUNK, SMP_SUB, num_stages=3):
+            idx = c * SMP_CHUNK + s0 + tl.arange(0, SMP_SUB)
+            msk = idx < VOCAB
+            l = tl.load(logits_ptr + idx, mask=msk, other=float("-inf"), cache_modifier=".cg")
+            w = tl.where(l >= SMP_NONE, _smp_weights(tl.where(msk, l, m), m, scale, exp2_ptr), 0)
+            cs = tl.cumsum(w, axis=0) + run
+            hit = tl.min(tl.where(cs > r, idx, VOCAB), axis=0)
+            tok = tl.where((tok < 0) & (hit < VOCAB), hit, tok)
+            run += tl.sum(w, axis=0)
+    return tok
+
+
+@triton.jit
+def sample_device(nparts, pos, logits_ptr, amax_ptr, smp_ptr, smp_mass_ptr, tok_ptr, toks_ptr, VOCAB: tl.constexpr,
+                  LM_ROWS: tl.constexpr, SMP_BLOCK: tl.constexpr, SMP_CHUNK: tl.constexpr):
     SMP_SUB: tl.constexpr = SMP_MAX_SUB if SMP_BLOCK > SMP_MAX_SUB else SMP_BLOCK
     smp_exp2_ptr = smp_ptr                           # the table; the parameters follow it
     scale = tl.load(smp_ptr + SMP_TABLE).to(tl.int32).to(tl.float32, bitcast=True)
@@ -235,7 +300,11 @@ def sample_device(nparts, pos, logits_ptr, amax_ptr, smp_ptr, tok_ptr, toks_ptr,
     if (top_k > 0) & (top_k < VOCAB):
         t, _ = _smp_search(t, zero, m, gal0, top_k, zero, m, scale, bmv, logits_ptr, smp_exp2_ptr,
                            False, VOCAB, SMP_BLOCK, SMP_SUB)
-    _, z, _, _ = _smp_eval(t, m, scale, bmv, logits_ptr, smp_exp2_ptr, True, VOCAB, SMP_BLOCK, SMP_SUB)
+    sums = _smp_chunk_sums(smp_mass_ptr, VOCAB, SMP_CHUNK)
+    if t == SMP_NONE:
+        z = tl.sum(sums, axis=0)                    # the SAMPLE_MASS stage's pass
+    else:
+        _, z, _, _ = _smp_eval(t, m, scale, bmv, logits_ptr, smp_exp2_ptr, True, VOCAB, SMP_BLOCK, SMP_SUB)
     if top_pq < SMP_TOP_P_ONE:
         lp = (z & 16777215) * top_pq                # need = ceil(z * top_pq / 2^24), exactly
         need = (z >> 24) * top_pq + (lp >> 24) + ((lp & 16777215) != 0).to(tl.int64)
@@ -244,7 +313,11 @@ def sample_device(nparts, pos, logits_ptr, amax_ptr, smp_ptr, tok_ptr, toks_ptr,
     bits = tl.randint(seed, pos)                    # Philox-4x32-10 of (seed, pos)
     u = (bits >> 1).to(tl.int64)                    # 31 bits
     r = u * (z >> 31) + ((u * (z & 2147483647)) >> 31)          # floor(u * z / 2^31) < z
-    tok = _smp_locate(t, r, m, scale, bmv, logits_ptr, smp_exp2_ptr, VOCAB, SMP_BLOCK, SMP_SUB)
+    if t == SMP_NONE:
+        tok = _smp_locate_chunks(sums, r, m, scale, logits_ptr, smp_exp2_ptr, VOCAB, SMP_CHUNK,
+                                 SMP_SUB if SMP_CHUNK > SMP_SUB else SMP_CHUNK)
+    else:
+        tok = _smp_locate(t, r, m, scale, bmv, logits_ptr, smp_exp2_ptr, VOCAB, SMP_BLOCK, SMP_SUB)
     tok = tl.minimum(tl.maximum(tok, 0), VOCAB - 1)
     tl.store(tok_ptr, tok)
     tl.store(toks_ptr + pos, tok)
@@ -296,6 +369,14 @@ def unpack_params(smp: torch.Tensor) -> dict:
             "top_p": float(_f32(p[6]))}
 
 
+def block_maxima_torch(amax: torch.Tensor, nparts: int, vocab: int, lm_rows: int, block: int) -> torch.Tensor:
+    """Every block's largest logit from the LM_HEAD partials, as ``_smp_block_maxima``."""
+    nb, npb = -(-vocab // block), block // lm_rows
+    part = torch.full((nb * npb,), float("-inf"))
+    part[:nparts] = amax.reshape(-1)[0:2 * nparts:2].float().cpu()
+    return part.view(nb, npb).max(dim=1).values
+
+
 def sample_torch(logits: torch.Tensor, amax: torch.Tensor, nparts: int, lm_rows: int, block: int, smp: torch.Tensor,
                  pos: int) -> int:
     """The device function's token, in torch: ``logits`` (vocab,) fp32, ``amax`` the LM_HEAD
@@ -308,11 +389,7 @@ def sample_torch(logits: torch.Tensor, amax: torch.Tensor, nparts: int, lm_rows:
     table = smp.reshape(-1)[:int(SMP_TABLE)].cpu()
     l = logits.reshape(-1).float().cpu()
     vocab = l.numel()
-    nb = -(-vocab // block)
-    npb = block // lm_rows
-    part = torch.full((nb * npb,), float("-inf"))
-    part[:nparts] = amax.reshape(-1)[0:2 * nparts:2].float().cpu()
-    bmax_blk = part.view(nb, npb).max(dim=1).values               # per block, as _smp_block_max
+    bmax_blk = block_maxima_torch(amax, nparts, vocab, lm_rows, block)
     blk = torch.arange(vocab) // block
     m = np.float32(bmax_blk.max().item())
     w = weights_torch(l, m, scale, table)
@@ -378,11 +455,15 @@ class Sample(Instruction):
 
     NAME = "sample"
     STAGE = 8
-    ARGS = ("pos", "logits_ptr", "amax_ptr", "smp_ptr", "tok_ptr", "toks_ptr", "VOCAB", "LM_ROWS", "SMP_BLOCK")
+    ARGS = ("pos", "logits_ptr", "amax_ptr", "smp_ptr", "smp_mass_ptr", "tok_ptr", "toks_ptr", "VOCAB", "LM_ROWS",
+            "SMP_BLOCK", "SMP_CHUNK")
     # SMP_BLOCK: logits per block (a power of two, a multiple of LM_ROWS): the granularity at which
     # an evaluation skips logits below its probe (by the block's largest logit); a block read is
-    # read SMP_MAX_SUB logits at a time (bench/NOTES.md v32, v110)
+    # read SMP_MAX_SUB logits at a time (bench/NOTES.md v32, v110). SMP_CHUNK: logits per
+    # SAMPLE_MASS instruction (smp_chunk)
     CONSTEXPRS = {"SMP_BLOCK": lambda lay: max(lay.lm_rows, min(SMP_MAX_BLOCK, triton.next_power_of_2(lay.cfg.vocab)))
+                  if Sample.applies(lay) else 16,
+                  "SMP_CHUNK": lambda lay: smp_chunk(lay.cfg.vocab, Sample.CONSTEXPRS["SMP_BLOCK"](lay))
                   if Sample.applies(lay) else 16}
     TIMING = Timing.FIXED
     # only in the kernels of sampling tapes: the greedy and layer kernels stay the ones measured
@@ -422,13 +503,15 @@ class Sample(Instruction):
         return []
 
     def reads(self, lay: Layout) -> list[Region]:
-        return [Region("logits", 0, lay.cfg.vocab), Region("amax", 0, 2 * self.nparts)]
+        return [Region("logits", 0, lay.cfg.vocab), Region("amax", 0, 2 * self.nparts),
+                Region("smp_mass", 0, n_chunks(lay))]
 
     def cost(self, lay: Layout) -> Cost:
-        # no top-k / top-p: the sum pass and half a pass to find the token, over fp32 logits, plus the
-        # partials (twice) and the table; top-k / top-p add probes (data-dependent, module docstring)
-        v = lay.cfg.vocab
-        return Cost(hbm_bytes=0, l2_bytes=6 * v + 16 * self.nparts + (8 << TABLE_BITS), flops=30 * v)
+        # no top-k / top-p: the chunk sums and one chunk, plus the partials and the table; top-k /
+        # top-p add probes and passes over the kept blocks (data-dependent, module docstring)
+        ch = Sample.CONSTEXPRS["SMP_CHUNK"](lay)
+        return Cost(hbm_bytes=0, l2_bytes=4 * ch + 8 * n_chunks(lay) + 8 * self.nparts + (8 << TABLE_BITS),
+                    flops=30 * ch)
 
     def run_torch(self, lay: Layout, st) -> None:
         params = getattr(st, "state", None) or {}
@@ -437,6 +520,27 @@ class Sample(Instruction):
                              "Sample.state_values(temperature, top_k, top_p, seed))")
         st.next_token = sample_torch(st.buf["logits"], st.buf["amax"], self.nparts, lay.lm_rows,
                                      Sample.CONSTEXPRS["SMP_BLOCK"](lay), params["smp"], st.pos)
+
+
+def n_chunks(lay: Layout) -> int:
+    """SAMPLE_MASS instructions (chunks of SMP_CHUNK logits) of a sampling decoder of ``lay``."""
+    return -(-lay.cfg.vocab // Sample.CONSTEXPRS["SMP_CHUNK"](lay))
+
+
+def chunk_mass_torch(logits: torch.Tensor, amax: torch.Tensor, nparts: int, lm_rows: int, block: int, chunk: int,
+                     smp: torch.Tensor, c0: int) -> int:
+    """SAMPLE_MASS's sum in torch: the weights of the logits >= "none" in ``[c0, c0 + chunk)``, 0
+    where the chunk's block is skipped (its partials' maximum below "none"), as ``sample_torch``
+    weighs them."""
+    prm = unpack_params(smp)
+    l = logits.reshape(-1).float().cpu()
+    bmax_blk = block_maxima_torch(amax, nparts, l.numel(), lm_rows, block)
+    if not bool(bmax_blk[c0 // block] >= float(np.float32(NONE))):
+        return 0
+    m = np.float32(bmax_blk.max().item())
+    seg = l[c0:c0 + chunk]
+    w = weights_torch(seg, m, prm["scale"], smp.reshape(-1)[:int(SMP_TABLE)].cpu())
+    return int(w[seg >= float(np.float32(NONE))].sum())
 
 
 def check_sampling(temperature, top_k, top_p, seed, greedy_ok: bool = True) -> None:

@@ -1,7 +1,8 @@
 """Lowering of a whole-model decode step: EMBED -> the layers -> LM_HEAD tiles -> ARGMAX (or SAMPLE).
 
     EMBED(col0) x n_emb --embed--> QKV(0, *)  (the layers, ``schedule.program.lower``)
-    RESIDUAL(L-1, *) --out[L-1]--> LM_HEAD(row0) x n_lm --logits--> ARGMAX(n_lm) | SAMPLE(n_lm)
+    RESIDUAL(L-1, *) --out[L-1]--> LM_HEAD(row0) x n_lm --logits--> ARGMAX(n_lm)
+                                   or --logits--> SAMPLE_MASS(c0) x n_chunks --smp_mass--> SAMPLE(n_lm)
 
 ARGMAX is the greedy next token; with ``sample=True`` SAMPLE draws it instead (temperature, top-k,
 top-p and seed from its device parameter buffer, ``opcodes.sample``). Either writes the token the
@@ -25,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from opcodes import Argmax, DecoderLayout, Embed, Layout, LMHead, Sample, TPArgmax, TPArgmaxPush, TPDecoderLayout
+from opcodes import (Argmax, DecoderLayout, Embed, Layout, LMHead, Sample, SampleMass, TPArgmax, TPArgmaxPush,
+                     TPDecoderLayout)
 from opcodes.base import NO_COUNTER
 
 from .program import Program, lower
@@ -68,8 +70,13 @@ def lower_decoder(lay: Layout, lm_rows: int = 0, emb_cols: int = 0, sample: bool
         crecv = p.counter("recv_am")
         p.add(TPArgmaxPush(dl.n_lm_tiles), (cl,), crecv)       # signals the PEER's recv_am
         p.add(TPArgmax(dl.n_lm_tiles), (cl, crecv), NO_COUNTER)
+    elif sample:
+        cm = p.counter("smp_mass")
+        for c0 in range(0, c.vocab, Sample.CONSTEXPRS["SMP_CHUNK"](dl)):
+            p.add(SampleMass(c0, dl.n_lm_tiles), (cl,), cm)
+        p.add(Sample(dl.n_lm_tiles), (cm,), NO_COUNTER)
     else:
-        p.add((Sample if sample else Argmax)(dl.n_lm_tiles), (cl,), NO_COUNTER)
+        p.add(Argmax(dl.n_lm_tiles), (cl,), NO_COUNTER)
     return p
 
 

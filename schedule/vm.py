@@ -39,8 +39,10 @@ class VMState:
         self.state = dict(state or {})
         # the opcodes' build-time tables (e.g. RoPE's cos / sin), by kernel pointer name
         self.tables = {k: v for cls in classes for k, v in cls.tables(lay, "cpu").items()}
-        dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
-        self.buf = {name: torch.full((math.prod(shape),), float("nan"), dtype=dt[t])
+        # scratch starts poisoned (NaN; integers: their most negative value), as nothing is read unwritten
+        dt = {"fp32": (torch.float32, float("nan")), "bf16": (torch.bfloat16, float("nan")),
+              "i32": (torch.int32, -2**31), "i64": (torch.int64, -2**63)}
+        self.buf = {name: torch.full((math.prod(shape),), dt[t][1], dtype=dt[t][0])
                     for name, (shape, t) in scratch_buffers(lay, classes).items()}
 
     def layer_input(self, layer: int) -> torch.Tensor:

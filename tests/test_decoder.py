@@ -106,7 +106,7 @@ def test_new_opcodes_are_appended():
     names = list(REGISTRY)
     i = names.index("embed")
     assert names[i:i + 4] == ["embed", "lm_head", "argmax", "sample"]
-    assert names[i + 4:] == ["tp_push", "tp_reduce", "tp_argmax_push", "tp_argmax"]
+    assert names[i + 4:] == ["tp_push", "tp_reduce", "tp_argmax_push", "tp_argmax", "sample_mass"]
     assert [REGISTRY[n].OPCODE for n in names] == list(range(1, len(names) + 1))
 
 

@@ -37,8 +37,8 @@ from interp.decoder import build_decoder, decode_step, generate  # noqa: E402
 from interp.runtime import build_layer, launch, teardown  # noqa: E402
 from interp.textgen import Checkpoint, TextStream, generate_text  # noqa: E402
 from megatape import cli  # noqa: E402
-from opcodes import HEADER, NO_COUNTER, WORDS, Argmax, Sample  # noqa: E402
-from opcodes.sample import philox_randint, sample_torch  # noqa: E402
+from opcodes import HEADER, NO_COUNTER, WORDS, Argmax, Sample, SampleMass  # noqa: E402
+from opcodes.sample import chunk_mass_torch, philox_randint, sample_torch  # noqa: E402
 from schedule.decoder_program import lower_decoder  # noqa: E402
 from schedule.tape import Tape  # noqa: E402
 from schedule.vm import VMState  # noqa: E402
@@ -139,10 +139,15 @@ def test_greedy_keeps_argmax_and_sampling_swaps_in_sample(sampler):
     try:
         assert Argmax in g.tape.classes() and Sample not in g.tape.classes()
         assert Sample in h.tape.classes() and Argmax not in h.tape.classes()
-        # the same program but the last instruction
+        # the same program up to the LM head; then ARGMAX, or a SAMPLE_MASS stage and SAMPLE
         a, s = lower_decoder(g.lay), lower_decoder(g.lay, sample=True)
-        assert a.instrs[:-1] == s.instrs[:-1] and a.waits == s.waits and a.signal == s.signal
-        assert isinstance(a.instrs[-1], Argmax) and s.instrs[-1] == Sample(a.instrs[-1].nparts)
+        n = len(a.instrs) - 1
+        assert a.instrs[:n] == s.instrs[:n] and a.waits[:n] == s.waits[:n] and a.signal[:n] == s.signal[:n]
+        nparts, ch = a.instrs[-1].nparts, Sample.CONSTEXPRS["SMP_CHUNK"](g.lay)
+        assert isinstance(a.instrs[-1], Argmax) and s.instrs[-1] == Sample(nparts)
+        assert s.instrs[n:-1] == [SampleMass(c0, nparts) for c0 in range(0, g.lay.cfg.vocab, ch)]
+        assert {s.waits[i] for i in range(n, len(s.instrs) - 1)} == {a.waits[-1]}      # the LM head's counter
+        assert s.waits[-1] == (s.signal[n],) and len({s.signal[i] for i in range(n, len(s.instrs) - 1)}) == 1
     finally:
         teardown(g.layer)
 
@@ -473,11 +478,14 @@ def test_sample_device_over_several_blocks(monkeypatch, block):
     lay = DecoderLayout(cfg, Tiling.for_config(cfg), 8, lm_rows=256)
     assert Sample.CONSTEXPRS["SMP_BLOCK"](lay) == block
     prog = lower_decoder(lay, sample=True)
-    reps = [next(i for i in prog.instrs if isinstance(i, Sample))]
-    reps += [next(i for i in prog.instrs if type(i) is k) for k in prog.classes() if k is not Sample]
+    # one SM runs the SAMPLE_MASS stage, then SAMPLE; one instruction of every other opcode follows
+    # (never run: the kernel is the sampling decoder's)
+    run = [i for i in prog.instrs if isinstance(i, SampleMass)] + [next(i for i in prog.instrs if isinstance(i, Sample))]
+    assert len(run) == 1 + -(-cfg.vocab // Sample.CONSTEXPRS["SMP_CHUNK"](lay)) > 2
+    reps = run + [next(i for i in prog.instrs if type(i) is k) for k in prog.classes() if k not in (Sample, SampleMass)]
     words = torch.tensor([[i.OPCODE, NO_COUNTER, 0, NO_COUNTER, 0, NO_COUNTER] + list(i.operands()) +
                           [0] * (WORDS - HEADER - len(i.operands())) for i in reps], dtype=torch.int32)
-    tape = Tape(lay, 1, words, torch.tensor([0, 1, 1], dtype=torch.int32), [])
+    tape = Tape(lay, 1, words, torch.tensor([0, len(run), len(run)], dtype=torch.int32), [])
     kv = [tuple(torch.zeros(1, 1, 8, 32, dtype=torch.bfloat16) for _ in range(2))]
     h = build_layer(decoder_weights(cfg, seed=1), kv, cfg, 8, tape=tape, verify_tape=False)
     g = torch.Generator().manual_seed(7)
@@ -501,5 +509,8 @@ def test_sample_device_over_several_blocks(monkeypatch, block):
                 launch(h, x, 5, torch.empty_like(x))
                 h.check()
                 assert int(h.state["tok"][0]) == want, (prm, seed)
+                sums = [chunk_mass_torch(logits, amax, lay.n_lm_tiles, lay.lm_rows, block, ch, smp, i.c0)
+                        for i in run[:-1] for ch in [Sample.CONSTEXPRS["SMP_CHUNK"](lay)]]
+                assert h.scratch["smp_mass"].tolist() == sums, prm            # exact int64 sums
     finally:
         teardown(h)
