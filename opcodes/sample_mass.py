@@ -32,10 +32,10 @@ def sample_mass_device(c0, nparts, logits_ptr, amax_ptr, smp_ptr, smp_mass_ptr, 
     scale = tl.load(smp_ptr + SMP_TABLE).to(tl.int32).to(tl.float32, bitcast=True)
     bmv = _smp_block_maxima(nparts, amax_ptr, VOCAB, LM_ROWS, SMP_BLOCK)
     m = tl.max(bmv, axis=0)
-    mass = tl.full([], 0, tl.int64)
-    if _smp_pick(bmv, c0 // SMP_BLOCK) >= SMP_NONE:
-        mass = _smp_chunk_mass(c0, m, scale, logits_ptr, smp_ptr, VOCAB, SMP_CHUNK, SUB)
-    tl.store(smp_mass_ptr + c0 // SMP_CHUNK, mass)
+    # the chunk is read whatever its block's maximum, so its loads need not wait for the partials'
+    mass = _smp_chunk_mass(c0, m, scale, logits_ptr, smp_ptr, VOCAB, SMP_CHUNK, SUB)
+    keep = _smp_pick(bmv, c0 // SMP_BLOCK) >= SMP_NONE
+    tl.store(smp_mass_ptr + c0 // SMP_CHUNK, tl.where(keep, mass, 0))
 
 
 @register
