@@ -152,6 +152,20 @@ def test_greedy_keeps_argmax_and_sampling_swaps_in_sample(sampler):
         teardown(g.layer)
 
 
+def test_sample_mass_operands_and_vm_errors(sampler):
+    """SAMPLE_MASS names a bad operand (a chunk start off the grid or past the vocabulary, the
+    partials' count), and its VM semantics ask for the sampling parameters as SAMPLE's do."""
+    _, h = sampler
+    lay, ch = h.lay, Sample.CONSTEXPRS["SMP_CHUNK"](h.lay)
+    n = lay.n_lm_tiles
+    assert SampleMass(0, n).check_operands(lay) == []
+    assert "c0 1 is not a chunk start" in SampleMass(1, n).check_operands(lay)[0]
+    assert "not a chunk start" in SampleMass(-(-lay.cfg.vocab // ch) * ch, n).check_operands(lay)[0]
+    assert "nparts 3 is not the number of LM head tiles" in SampleMass(0, 3).check_operands(lay)[0]
+    with pytest.raises(ValueError, match="sampling parameters"):
+        SampleMass(0, n).run_torch(lay, VMState.__new__(VMState))
+
+
 @pytest.mark.parametrize("how", ["prompt-file", "stdin"])
 def test_prompt_from_a_file_or_stdin(ckpt, greedy, capsys, monkeypatch, tmp_path, how):
     path, tok, _ = ckpt
@@ -497,8 +511,15 @@ def test_sample_device_over_several_blocks(monkeypatch, block):
     assert amax.numel() == 2 * lay.n_lm_tiles      # the last tile is short (20000 = 78 x 256 + 32)
     x = torch.zeros(1, cfg.d, dtype=torch.bfloat16)
     try:
-        for prm in (dict(temperature=0.9), dict(temperature=0.7, top_k=30), dict(temperature=1.1, top_p=0.8),
-                    dict(temperature=1.0, top_k=200, top_p=0.9)):
+        # the last case: logits 1024..2047 all -inf (a whole block at SMP_BLOCK 1024: SAMPLE_MASS's
+        # chunk there is skipped by its partials' maximum, and weighs 0)
+        masked = logits.clone()
+        masked[1024:2048] = float("-inf")
+        for prm, logits in ((dict(temperature=0.9), logits), (dict(temperature=0.7, top_k=30), logits),
+                            (dict(temperature=1.1, top_p=0.8), logits),
+                            (dict(temperature=1.0, top_k=200, top_p=0.9), logits), (dict(temperature=1.3), masked)):
+            amax = torch.tensor([[float(p.max()), float(r0 + int(torch.argmax(p)))] for r0, p in
+                                 zip(range(0, cfg.vocab, 256), logits.split(256))]).reshape(-1)
             for seed in range(3):
                 smp = Sample.state_values(seed=seed, **prm)["smp"]
                 want = sample_torch(logits, amax, lay.n_lm_tiles, lay.lm_rows, block, smp, 5)
@@ -512,5 +533,6 @@ def test_sample_device_over_several_blocks(monkeypatch, block):
                 sums = [chunk_mass_torch(logits, amax, lay.n_lm_tiles, lay.lm_rows, block, ch, smp, i.c0)
                         for i in run[:-1] for ch in [Sample.CONSTEXPRS["SMP_CHUNK"](lay)]]
                 assert h.scratch["smp_mass"].tolist() == sums, prm            # exact int64 sums
+                assert (sums[1] == 0) == (logits is masked), sums
     finally:
         teardown(h)
