@@ -86,6 +86,21 @@ def test_no_triton_while_loop_loses_an_aliased_assignment():
     assert not found, "\n".join(found)
 
 
+def test_the_generated_kernels_have_none():
+    """The interpreter kernel's source is generated (``interp.codegen``): its wait loops too, for a
+    greedy and a sampling whole-model decoder."""
+    from interp.codegen import kernel_source
+    from opcodes import PRESETS, Tiling, kernel_constexprs, kernel_pointers
+    from opcodes.decoder import DecoderLayout
+    from schedule.decoder_program import lower_decoder
+    cfg = PRESETS["llama3.2-1b"]
+    lay = DecoderLayout(cfg, Tiling.for_config(cfg), 1152)
+    for sample in (False, True):
+        used = tuple(lower_decoder(lay, sample=sample).classes())
+        src = kernel_source(kernel_pointers(lay, used), list(kernel_constexprs(lay, used=used)), used)
+        assert "while " in src and problems_in(src) == [], sample
+
+
 def test_the_check_finds_v115s_loop():
     """The shape of SAMPLE's v115 thresholds loop (34f5ffb) is flagged; with its own initial value
     for ``lo`` (the fix) it is not."""
