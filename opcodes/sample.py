@@ -498,7 +498,7 @@ class Sample(Instruction):
     def cost(self, lay: Layout) -> Cost:
         # no top-k / top-p: the chunk sums and one chunk, plus the partials and the table; top-k /
         # top-p add probes and passes over the kept blocks (data-dependent, module docstring)
-        ch = Sample.CONSTEXPRS["SMP_CHUNK"](lay)
+        ch = chunk_size(lay)
         return Cost(hbm_bytes=0, l2_bytes=4 * ch + 8 * n_chunks(lay) + 8 * self.nparts + (8 << TABLE_BITS),
                     flops=30 * ch)
 
@@ -511,9 +511,14 @@ class Sample(Instruction):
                                      Sample.CONSTEXPRS["SMP_BLOCK"](lay), params["smp"], st.pos)
 
 
+def chunk_size(lay: Layout) -> int:
+    """Logits per SAMPLE_MASS instruction (the SMP_CHUNK constexpr) of a sampling decoder of ``lay``."""
+    return Sample.CONSTEXPRS["SMP_CHUNK"](lay)
+
+
 def n_chunks(lay: Layout) -> int:
     """SAMPLE_MASS instructions (chunks of SMP_CHUNK logits) of a sampling decoder of ``lay``."""
-    return -(-lay.cfg.vocab // Sample.CONSTEXPRS["SMP_CHUNK"](lay))
+    return -(-lay.cfg.vocab // chunk_size(lay))
 
 
 def chunk_mass_torch(logits: torch.Tensor, amax: torch.Tensor, nparts: int, lm_rows: int, block: int, chunk: int,

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, Timing, register
 from .sample import (SMP_MAX_SUB, SMP_NONE, SMP_TABLE, Sample, _smp_block_maxima, _smp_chunk_mass, _smp_pick,
-                     chunk_mass_torch, n_chunks)
+                     chunk_mass_torch, chunk_size, n_chunks)
 
 
 @triton.jit
@@ -61,7 +61,7 @@ class SampleMass(Instruction):
     def check_operands(self, lay: Layout) -> list[str]:
         if not self.applies(lay):
             return ["sample_mass needs a DecoderLayout (opcodes.decoder)"]
-        ch, v = Sample.CONSTEXPRS["SMP_CHUNK"](lay), lay.cfg.vocab
+        ch, v = chunk_size(lay), lay.cfg.vocab
         out = []
         if self.c0 % ch or not 0 <= self.c0 < v:
             out.append(f"c0 {self.c0} is not a chunk start (a multiple of SMP_CHUNK {ch} in [0, {v}))")
@@ -70,15 +70,15 @@ class SampleMass(Instruction):
         return out
 
     def reads(self, lay: Layout) -> list[Region]:
-        ch = Sample.CONSTEXPRS["SMP_CHUNK"](lay)
+        ch = chunk_size(lay)
         return [Region("logits", self.c0, min(self.c0 + ch, lay.cfg.vocab)), Region("amax", 0, 2 * self.nparts)]
 
     def writes(self, lay: Layout) -> list[Region]:
-        c = self.c0 // Sample.CONSTEXPRS["SMP_CHUNK"](lay)
+        c = self.c0 // chunk_size(lay)
         return [Region("smp_mass", c, c + 1)]
 
     def cost(self, lay: Layout) -> Cost:
-        ch = Sample.CONSTEXPRS["SMP_CHUNK"](lay)
+        ch = chunk_size(lay)
         return Cost(hbm_bytes=0, l2_bytes=4 * ch + 8 * self.nparts + 8, flops=30 * ch)
 
     def run_torch(self, lay: Layout, st) -> None:
@@ -86,7 +86,7 @@ class SampleMass(Instruction):
         if "smp" not in params:
             raise ValueError("sample_mass: the VM needs the sampling parameters: run_tape(..., state="
                              "Sample.state_values(temperature, top_k, top_p, seed))")
-        ch = Sample.CONSTEXPRS["SMP_CHUNK"](lay)
+        ch = chunk_size(lay)
         st.buf["smp_mass"][self.c0 // ch] = chunk_mass_torch(
             st.buf["logits"], st.buf["amax"], self.nparts, lay.lm_rows, Sample.CONSTEXPRS["SMP_BLOCK"](lay), ch,
             params["smp"], self.c0)

@@ -29,6 +29,7 @@ import torch
 from opcodes import (Argmax, DecoderLayout, Embed, Layout, LMHead, Sample, SampleMass, TPArgmax, TPArgmaxPush,
                      TPDecoderLayout)
 from opcodes.base import NO_COUNTER
+from opcodes.sample import chunk_size
 
 from .program import Program, lower
 
@@ -72,7 +73,7 @@ def lower_decoder(lay: Layout, lm_rows: int = 0, emb_cols: int = 0, sample: bool
         p.add(TPArgmax(dl.n_lm_tiles), (cl, crecv), NO_COUNTER)
     elif sample:
         cm = p.counter("smp_mass")
-        for c0 in range(0, c.vocab, Sample.CONSTEXPRS["SMP_CHUNK"](dl)):
+        for c0 in range(0, c.vocab, chunk_size(dl)):
             p.add(SampleMass(c0, dl.n_lm_tiles), (cl,), cm)
         p.add(Sample(dl.n_lm_tiles), (cm,), NO_COUNTER)
     else:

@@ -38,7 +38,7 @@ from interp.runtime import build_layer, launch, teardown  # noqa: E402
 from interp.textgen import Checkpoint, TextStream, generate_text  # noqa: E402
 from megatape import cli  # noqa: E402
 from opcodes import HEADER, NO_COUNTER, WORDS, Argmax, Sample, SampleMass  # noqa: E402
-from opcodes.sample import chunk_mass_torch, philox_randint, sample_torch  # noqa: E402
+from opcodes.sample import chunk_mass_torch, chunk_size, philox_randint, sample_torch  # noqa: E402
 from schedule.decoder_program import lower_decoder  # noqa: E402
 from schedule.tape import Tape  # noqa: E402
 from schedule.vm import VMState  # noqa: E402
@@ -143,7 +143,7 @@ def test_greedy_keeps_argmax_and_sampling_swaps_in_sample(sampler):
         a, s = lower_decoder(g.lay), lower_decoder(g.lay, sample=True)
         n = len(a.instrs) - 1
         assert a.instrs[:n] == s.instrs[:n] and a.waits[:n] == s.waits[:n] and a.signal[:n] == s.signal[:n]
-        nparts, ch = a.instrs[-1].nparts, Sample.CONSTEXPRS["SMP_CHUNK"](g.lay)
+        nparts, ch = a.instrs[-1].nparts, chunk_size(g.lay)
         assert isinstance(a.instrs[-1], Argmax) and s.instrs[-1] == Sample(nparts)
         assert s.instrs[n:-1] == [SampleMass(c0, nparts) for c0 in range(0, g.lay.cfg.vocab, ch)]
         assert {s.waits[i] for i in range(n, len(s.instrs) - 1)} == {a.waits[-1]}      # the LM head's counter
@@ -156,7 +156,7 @@ def test_sample_mass_operands_and_vm_errors(sampler):
     """SAMPLE_MASS names a bad operand (a chunk start off the grid or past the vocabulary, the
     partials' count), and its VM semantics ask for the sampling parameters as SAMPLE's do."""
     _, h = sampler
-    lay, ch = h.lay, Sample.CONSTEXPRS["SMP_CHUNK"](h.lay)
+    lay, ch = h.lay, chunk_size(h.lay)
     n = lay.n_lm_tiles
     assert SampleMass(0, n).check_operands(lay) == []
     assert "c0 1 is not a chunk start" in SampleMass(1, n).check_operands(lay)[0]
@@ -495,7 +495,8 @@ def test_sample_device_over_several_blocks(monkeypatch, block):
     # one SM runs the SAMPLE_MASS stage, then SAMPLE; one instruction of every other opcode follows
     # (never run: the kernel is the sampling decoder's)
     run = [i for i in prog.instrs if isinstance(i, SampleMass)] + [next(i for i in prog.instrs if isinstance(i, Sample))]
-    assert len(run) == 1 + -(-cfg.vocab // Sample.CONSTEXPRS["SMP_CHUNK"](lay)) > 2
+    ch = chunk_size(lay)
+    assert len(run) == 1 + -(-cfg.vocab // ch) > 2
     reps = run + [next(i for i in prog.instrs if type(i) is k) for k in prog.classes() if k not in (Sample, SampleMass)]
     words = torch.tensor([[i.OPCODE, NO_COUNTER, 0, NO_COUNTER, 0, NO_COUNTER] + list(i.operands()) +
                           [0] * (WORDS - HEADER - len(i.operands())) for i in reps], dtype=torch.int32)
@@ -505,9 +506,12 @@ def test_sample_device_over_several_blocks(monkeypatch, block):
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(cfg.vocab, generator=g) * 2.0
     logits[torch.randint(0, cfg.vocab, (40,), generator=g)] += 6.0        # a peaked head across blocks
-    parts = [logits[r0:r0 + 256] for r0 in range(0, cfg.vocab, 256)]      # the LM head tiles' partials
-    amax = torch.tensor([[float(p.max()), float(r0 + int(torch.argmax(p)))] for r0, p in
-                         zip(range(0, cfg.vocab, 256), parts)]).reshape(-1)
+
+    def partials(lg):          # the LM head tiles' (max, index) partials
+        return torch.tensor([[float(p.max()), float(r0 + int(torch.argmax(p)))] for r0, p in
+                             zip(range(0, cfg.vocab, 256), lg.split(256))]).reshape(-1)
+
+    amax = partials(logits)
     assert amax.numel() == 2 * lay.n_lm_tiles      # the last tile is short (20000 = 78 x 256 + 32)
     x = torch.zeros(1, cfg.d, dtype=torch.bfloat16)
     try:
@@ -518,8 +522,7 @@ def test_sample_device_over_several_blocks(monkeypatch, block):
         for prm, logits in ((dict(temperature=0.9), logits), (dict(temperature=0.7, top_k=30), logits),
                             (dict(temperature=1.1, top_p=0.8), logits),
                             (dict(temperature=1.0, top_k=200, top_p=0.9), logits), (dict(temperature=1.3), masked)):
-            amax = torch.tensor([[float(p.max()), float(r0 + int(torch.argmax(p)))] for r0, p in
-                                 zip(range(0, cfg.vocab, 256), logits.split(256))]).reshape(-1)
+            amax = partials(logits)
             for seed in range(3):
                 smp = Sample.state_values(seed=seed, **prm)["smp"]
                 want = sample_torch(logits, amax, lay.n_lm_tiles, lay.lm_rows, block, smp, 5)
@@ -531,7 +534,7 @@ def test_sample_device_over_several_blocks(monkeypatch, block):
                 h.check()
                 assert int(h.state["tok"][0]) == want, (prm, seed)
                 sums = [chunk_mass_torch(logits, amax, lay.n_lm_tiles, lay.lm_rows, block, ch, smp, i.c0)
-                        for i in run[:-1] for ch in [Sample.CONSTEXPRS["SMP_CHUNK"](lay)]]
+                        for i in run[:-1]]
                 assert h.scratch["smp_mass"].tolist() == sums, prm            # exact int64 sums
                 assert (sums[1] == 0) == (logits is masked), sums
     finally:
