@@ -153,9 +153,9 @@ def _smp_pick(bmv, b):
 
 
 @triton.jit
-def _smp_eval(x, m, scale, bmv, logits_ptr, exp2_ptr, MASS: tl.constexpr, VOCAB: tl.constexpr,
-              SMP_BLOCK: tl.constexpr, SMP_SUB: tl.constexpr):
-    """Over the logits >= x: their count, (MASS) the sum of their weights and the smallest of
+def _smp_eval(x, mass_on, m, scale, bmv, logits_ptr, exp2_ptr, VOCAB: tl.constexpr, SMP_BLOCK: tl.constexpr,
+              SMP_SUB: tl.constexpr):
+    """Over the logits >= x: their count, (``mass_on``) the sum of their weights and the smallest of
     them; and the largest logit < x. Blocks whose largest logit (``bmv``) is < x are not read; a
     block read is read in pipelined sub-blocks of ``SMP_SUB`` logits."""
     cnt = tl.zeros([SMP_SUB], tl.int32)
@@ -171,7 +171,7 @@ def _smp_eval(x, m, scale, bmv, logits_ptr, exp2_ptr, MASS: tl.constexpr, VOCAB:
                 l = tl.load(logits_ptr + idx, mask=msk, other=float("-inf"), cache_modifier=".cg")
                 ge = l >= x
                 cnt += ge.to(tl.int32)
-                if MASS:
+                if mass_on:
                     w = _smp_weights(tl.where(msk, l, m), m, scale, exp2_ptr)
                     mass += tl.where(ge, w, 0)
                 amin = tl.minimum(amin, tl.where(ge, l, float("inf")))
@@ -182,44 +182,84 @@ def _smp_eval(x, m, scale, bmv, logits_ptr, exp2_ptr, MASS: tl.constexpr, VOCAB:
 
 
 @triton.jit
-def _smp_search(lo, lo_mass, ph, gal0, need_cnt, need_mass, m, scale, bmv, logits_ptr, exp2_ptr,
-                MASS: tl.constexpr, VOCAB: tl.constexpr, SMP_BLOCK: tl.constexpr, SMP_SUB: tl.constexpr):
-    """The largest logit value v in [lo, ph] whose count (``need_cnt``) or weight sum (MASS,
-    ``need_mass``) over the logits >= v reaches the need; ``lo``: SMP_NONE or a logit where it
-    does, ``ph``: a logit >= the answer. Returns (v, the weight sum at v)."""
-    gal = gal0 * 0.0
-    it = tl.full([], 0, tl.int32)
-    done = (lo == ph).to(tl.int32)
-    while (done == 0) & (it < SMP_MAX_EVALS):
-        if it == 0:
-            mid = ph                                   # the top value first
-        elif lo == SMP_NONE:
-            gal = tl.maximum(gal * 2.0, gal0)          # gallop down from the top
-            mid = tl.maximum(ph - gal, SMP_NONE)
-        else:
-            mid = lo + (ph - lo) * 0.5                 # bisect
-            if mid <= lo:
-                mid = ph
-        cnt, mass, a, b = _smp_eval(mid, m, scale, bmv, logits_ptr, exp2_ptr, MASS, VOCAB, SMP_BLOCK, SMP_SUB)
-        if MASS:
-            ok = mass >= need_mass
-        else:
-            ok = cnt >= need_cnt
-        if ok:
-            lo = a
-            lo_mass = mass
-        else:
-            ph = b
-        done = (lo == ph).to(tl.int32)
-        it += 1
-    return lo, lo_mass
-
-
-@triton.jit
 def _smp_need(z, top_pq):
     """ceil(z * top_pq / 2^24), exactly (int64): the mass top-p keeps."""
     lp = (z & 16777215) * top_pq
     return (z >> 24) * top_pq + (lp >> 24) + ((lp & 16777215) != 0).to(tl.int64)
+
+
+@triton.jit
+def _smp_thresholds(top_k, top_pq, z0, m, gal0, scale, bmv, logits_ptr, exp2_ptr, VOCAB: tl.constexpr,
+                    SMP_BLOCK: tl.constexpr, SMP_SUB: tl.constexpr):
+    """(t, z): the threshold (top-k, then top-p; SMP_NONE where neither applies) and the weight sum
+    over the logits >= t. ``z0``: the sum over every logit (the SAMPLE_MASS stage's).
+
+    Each search finds the largest logit value v in [lo, ph] whose count (top-k: ``top_k``) or weight
+    sum (top-p: the need) over the logits >= v reaches the need: the top value first, then a gallop
+    down from it while ``lo`` is SMP_NONE, then bisection; every evaluation snaps to logit values
+    (``_smp_eval``), so it ends on one, after at most SMP_MAX_EVALS evaluations. The top-k search,
+    the weight sum at its threshold and the top-p search are the phases 0, 1, 2 of one loop with one
+    evaluation call site: SAMPLE shares the kernel with the layers, and its code is kept small
+    (bench/NOTES.md v115)."""
+    t = tl.full([], SMP_NONE, tl.float32)
+    z = z0
+    topp = top_pq < SMP_TOP_P_ONE
+    need = z0 * 0
+    lo = tl.full([], SMP_NONE, tl.float32)  # a search's state: a logit where the need is met (its own
+                                            # object, not t's: Triton's while loop would not carry t)...
+    lo_mass = z0
+    ph = m                                  # ... and one >= the answer
+    gal = gal0 * 0.0
+    it = tl.full([], 0, tl.int32)
+    phase = tl.where((top_k > 0) & (top_k < VOCAB), 0, 2)
+    init2 = (phase == 2).to(tl.int32)       # the top-p search starts next, from (t, z)
+    while phase < 3:
+        if init2 == 1:
+            need = _smp_need(z, top_pq)
+            lo = t
+            lo_mass = z
+            ph = m
+            gal = gal0 * 0.0
+            it = it * 0
+            phase = tl.where(topp, 2, 3)
+            init2 = it * 0
+        elif (phase != 1) & ((lo == ph) | (it >= SMP_MAX_EVALS)):      # a search ends (maybe before it evaluates)
+            t = lo
+            if phase == 0:
+                phase = it * 0 + 1
+                init2 = (t == SMP_NONE).to(tl.int32)       # "none": z0 is its weight sum
+            else:
+                z = lo_mass
+                phase = it * 0 + 3
+        else:
+            if phase == 1:
+                mid = t                                    # the weight sum at the top-k threshold
+            elif it == 0:
+                mid = ph                                   # the top value first
+            elif lo == SMP_NONE:
+                gal = tl.maximum(gal * 2.0, gal0)          # gallop down from the top
+                mid = tl.maximum(ph - gal, SMP_NONE)
+            else:
+                mid = lo + (ph - lo) * 0.5                 # bisect
+                if mid <= lo:
+                    mid = ph
+            cnt, mass, a, b = _smp_eval(mid, phase > 0, m, scale, bmv, logits_ptr, exp2_ptr, VOCAB, SMP_BLOCK,
+                                        SMP_SUB)
+            if phase == 1:
+                z = mass
+                init2 = it * 0 + 1
+            else:
+                if phase == 2:
+                    ok = mass >= need
+                else:
+                    ok = cnt >= top_k
+                if ok:
+                    lo = a
+                    lo_mass = mass
+                else:
+                    ph = b
+                it += 1
+    return t, z
 
 
 @triton.jit
@@ -283,19 +323,8 @@ def sample_device(nparts, pos, logits_ptr, amax_ptr, smp_ptr, smp_mass_ptr, tok_
     # every block's largest logit and the largest of all, from the LM_HEAD tiles' partials
     bmv = _smp_block_maxima(nparts, amax_ptr, VOCAB, LM_ROWS, SMP_BLOCK)
     m = tl.max(bmv, axis=0)
-    zero = tl.full([], 0, tl.int64)
-    t = tl.full([], SMP_NONE, tl.float32)
-    if (top_k > 0) & (top_k < VOCAB):
-        t, _ = _smp_search(t, zero, m, gal0, top_k, zero, m, scale, bmv, logits_ptr, smp_exp2_ptr,
-                           False, VOCAB, SMP_BLOCK, SMP_SUB)
-    if t == SMP_NONE:
-        z = tl.sum(sums, axis=0)                    # the SAMPLE_MASS stage's pass
-    else:
-        _, z, _, _ = _smp_eval(t, m, scale, bmv, logits_ptr, smp_exp2_ptr, True, VOCAB, SMP_BLOCK, SMP_SUB)
-    if top_pq < SMP_TOP_P_ONE:
-        need = _smp_need(z, top_pq)
-        t, z = _smp_search(t, z, m, gal0, 0, need, m, scale, bmv, logits_ptr, smp_exp2_ptr,
-                           True, VOCAB, SMP_BLOCK, SMP_SUB)
+    t, z = _smp_thresholds(top_k, top_pq, tl.sum(sums, axis=0), m, gal0, scale, bmv, logits_ptr, smp_exp2_ptr,
+                           VOCAB, SMP_BLOCK, SMP_SUB)
     bits = tl.randint(seed, pos)                    # Philox-4x32-10 of (seed, pos)
     u = (bits >> 1).to(tl.int64)                    # 31 bits
     r = u * (z >> 31) + ((u * (z & 2147483647)) >> 31)          # floor(u * z / 2^31) < z
