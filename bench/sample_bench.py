@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     if a.profile and not torch.cuda.is_available():
         ap.error("--profile needs a GPU (the profiling build reads %globaltimer)")
     from interp import build_decoder, generate, teardown
+    from opcodes.sample import PATHS
     from opcodes.reference import make_kv_cache
     from .decoder_bench import make_decoder_weights
     cuda = torch.cuda.is_available()
@@ -65,23 +66,27 @@ def main(argv=None) -> int:
         run()                                                              # warm-up
         ts = sorted(_time(run, cuda) for _ in range(a.repeats))
         us = ts[len(ts) // 2] * 1e6 / a.tokens
-        rows.append((name, us))
+        path = "-"
+        if h.sampling:      # where the last token's thresholds came from (opcodes.sample.mass_words)
+            path = PATHS[int(h.layer.scratch["smp_mass"][-1])]
+        rows.append((name, us, path))
         teardown(h)
         if a.profile:
             _profile(name, w, cfg, max_seq, kw, a)
     base = rows[0][1]
     print(f"{torch.cuda.get_device_name() if cuda else 'CPU (Triton interpreter)'}, {a.preset}, "
           f"positions {a.pos}..{a.pos + a.tokens}, median of {a.repeats}")
-    print("| setting | us/token | tokens/s | vs greedy |")
-    print("|---|---|---|---|")
-    for name, us in rows:
-        print(f"| {name} | {us:.1f} | {1e6 / us:.1f} | {us / base:.3f} |")
+    print("| setting | us/token | tokens/s | vs greedy | SAMPLE's path (last token) |")
+    print("|---|---|---|---|---|")
+    for name, us, path in rows:
+        print(f"| {name} | {us:.1f} | {1e6 / us:.1f} | {us / base:.3f} | {path} |")
     return 0
 
 
 def _profile(name, w, cfg, max_seq, kw, a) -> None:
     """One setting's last token, profiled: the per-opcode and per-stage tables."""
     from interp import build_decoder, generate, teardown
+    from opcodes.sample import PATHS
     from interp.runtime import profile_records
     from megatape import views
     from opcodes.reference import make_kv_cache

@@ -57,21 +57,35 @@ own, and without top-p it also finds the token from them: the first chunk whose 
 ``r``, then the index inside that chunk alone. Integer sums are exact in any grouping, so the token is
 the one the single-SM passes draw (``sample_torch`` is unchanged).
 
+**Candidates** (where a top-k or top-p threshold applies). Each SAMPLE_MASS instruction also keeps
+its chunk's ``SMP_CANDS`` (16) largest logits and their weights. SAMPLE first finds the thresholds
+over those candidates alone (held in registers; each search a bisection over the ordered fp32
+values, at most 33 steps), with the same definitions. The result is the whole-vocabulary one exactly
+when every logit >= the final threshold is a candidate, i.e. the threshold lies above every chunk's
+smallest candidate (and the candidates hold k logits / the mass top-p needs, the largest logit is
+finite, and no chunk holds a NaN or a logit above its block's partials' maximum). Then each chunk's
+kept sum is the sum over its candidates >= t, and the token is found as without a threshold: its
+chunk from those sums, then that chunk alone. Otherwise (a chunk holding more than 16 of the kept
+logits, as top-p over a flat distribution can) SAMPLE runs the whole-vocabulary searches below. It
+writes which path it took to the last word of ``smp_mass`` (``PATHS``; ``cand_path_torch`` says the
+same in torch); the token is ``sample_torch``'s either way.
+
 **Cost.** One instruction on one SM after the SAMPLE_MASS stage (the other SMs are idle by then). It reads
 the LM_HEAD tiles' (max, index) partials once, into a vector of each block's largest logit held in
-registers, then reads the fp32 logits from L2 in blocks of ``SMP_BLOCK``, skipping a block whose
-largest logit is below the probe, and a block it reads in a pipelined loop over sub-blocks of
-``SMP_MAX_SUB`` logits. Without top-k / top-p: the chunk sums and one chunk (before SAMPLE_MASS: one
-pass to sum the weights and half a pass on average to find the token, ~180 us for 128k logits on one
-SM of an H200, bench/NOTES.md run 196). Top-k: one evaluation per probe, counting only (typically
-5-15 probes, each reading only the blocks that hold a logit above it: a few blocks for a small k);
-then the sum over the kept blocks, and the token found over them. Top-p: the chunk sums for the total,
-then probes that also sum weights (mostly over the few top blocks for a peaked distribution), and the
-token found over the kept blocks. Per element read: ~15 integer operations
-and one L1-resident table lookup. SAMPLE shares the kernel with the layers: its registers and code
-are kept small (sub-blocks of 1024, not 8192-wide tensors), since an 8192-wide SAMPLE made the whole
-sampling kernel spill and slowed every layer by ~11% (bench/NOTES.md run 195), and a sampling kernel
-of 204 KB of code ran its layers ~5% slower than one of 145-169 KB (runs 200-202).
+registers. Without top-k / top-p: the chunk sums and one chunk (before SAMPLE_MASS: one pass to sum
+the weights and half a pass on average to find the token, ~180 us for 128k logits on one SM of an
+H200, bench/NOTES.md run 196). On the candidate path: the candidates (2016 for a 128k vocabulary),
+up to two bisections over them and one chunk. On the whole-vocabulary path it reads the fp32 logits
+from L2 in blocks of ``SMP_BLOCK``, skipping a block whose largest logit is below the probe, and a
+block it reads in a pipelined loop over sub-blocks of ``SMP_MAX_SUB`` logits: top-k one evaluation
+per probe, counting only (typically 5-15 probes, each reading only the blocks that hold a logit above
+it), then the sum over the kept blocks; top-p probes that also sum weights; then the token found over
+the kept blocks. Per element read: ~15 integer operations and one L1-resident table lookup. SAMPLE
+shares the kernel with the layers: its registers and code are kept small (sub-blocks of 1024, not
+8192-wide tensors; one evaluation call site for both searches; candidates extracted in a loop, not by
+a sorting network), since an 8192-wide SAMPLE made the whole sampling kernel spill and slowed every
+layer by ~11% (bench/NOTES.md run 195), and a sampling kernel of 204 KB of code ran its layers ~5%
+slower than one of 145-169 KB (runs 200-202).
 """
 from __future__ import annotations
 
@@ -102,6 +116,9 @@ SMP_MAX_SUB = tl.constexpr(1024)
 #: SAMPLE_MASS's chunks: at least SMP_MIN_CHUNK logits, at most SMP_BLOCK (a chunk lies in one block), and
 #: at most SMP_MAX_CHUNKS of them (SAMPLE holds their sums in one vector)
 SMP_MIN_CHUNK, SMP_MAX_CHUNKS = 1024, 256
+#: the largest logits of its chunk each SAMPLE_MASS instruction keeps for SAMPLE's candidate path
+#: (at most the chunk's size: ``n_cands``)
+CANDS = 16
 
 
 def smp_chunk(vocab: int, block: int) -> int:
@@ -278,11 +295,62 @@ def _smp_chunk_mass(c0, m, scale, logits_ptr, exp2_ptr, VOCAB: tl.constexpr, SMP
 
 
 @triton.jit
+def _smp_topk(x, K: tl.constexpr):
+    """The K largest values of the vector x, descending (-inf where x has fewer), by K
+    extractions in a loop: small code, as SAMPLE's must be (module docstring)."""
+    idx = tl.arange(0, x.shape[0])
+    kk = tl.arange(0, K)
+    top = tl.full([K], float("-inf"), tl.float32)
+    for j in range(K):
+        v = tl.max(x, axis=0)
+        i = tl.min(tl.where(x == v, idx, x.shape[0]), axis=0)
+        x = tl.where(idx == i, float("-inf"), x)
+        top = tl.where(kk == j, v, top)
+    return top
+
+
+@triton.jit
+def _smp_chunk_cands(c0, bm, m, scale, logits_ptr, exp2_ptr, VOCAB: tl.constexpr, SMP_CHUNK: tl.constexpr,
+                     SMP_SUB: tl.constexpr, SMP_CANDS: tl.constexpr):
+    """SAMPLE's candidates from one chunk: its SMP_CANDS largest logits (descending) and their
+    weights. All -inf (weights 0) where the chunk's block is skipped (``bm``, its partials'
+    maximum, below SMP_NONE); all +inf where the chunk holds a NaN or a logit above ``bm`` (partials
+    that disagree with the logits): SAMPLE then takes the whole-vocabulary path."""
+    top = tl.full([SMP_CANDS], float("-inf"), tl.float32)
+    bad = tl.zeros([SMP_SUB], tl.int32)
+    for s0 in range(0, SMP_CHUNK, SMP_SUB):
+        idx = c0 + s0 + tl.arange(0, SMP_SUB)
+        l = tl.load(logits_ptr + idx, mask=idx < VOCAB, other=float("-inf"), cache_modifier=".cg")
+        bad |= ((l != l) | (l > bm)).to(tl.int32)
+        if SMP_CHUNK > SMP_SUB:
+            top = _smp_topk(tl.reshape(tl.join(top, _smp_topk(l, SMP_CANDS)), [2 * SMP_CANDS]), SMP_CANDS)
+        else:
+            top = _smp_topk(l, SMP_CANDS)
+    top = tl.where(tl.max(bad, axis=0) != 0, float("inf"), tl.where(bm >= SMP_NONE, top, float("-inf")))
+    live = top >= SMP_NONE
+    w = tl.where(live, _smp_weights(tl.where(live, top, m), m, scale, exp2_ptr), 0)
+    return top, w
+
+
+@triton.jit
 def _smp_chunk_sums(smp_mass_ptr, VOCAB: tl.constexpr, SMP_CHUNK: tl.constexpr):
     """The SAMPLE_MASS stage's sums, one a chunk, as a vector (padded with 0 to a power of two)."""
     NCH: tl.constexpr = (VOCAB + SMP_CHUNK - 1) // SMP_CHUNK
     ci = tl.arange(0, triton.next_power_of_2(NCH))
     return tl.load(smp_mass_ptr + ci, mask=ci < NCH, other=0, cache_modifier=".cg")
+
+
+@triton.jit
+def _smp_load_cands(smp_mass_ptr, VOCAB: tl.constexpr, SMP_CHUNK: tl.constexpr, SMP_CANDS: tl.constexpr):
+    """The SAMPLE_MASS stage's candidates ([chunks padded to a power of two, SMP_CANDS]: values
+    -inf and weights 0 in the padding) and the largest of the chunks' smallest candidates."""
+    NCH: tl.constexpr = (VOCAB + SMP_CHUNK - 1) // SMP_CHUNK
+    ci = tl.arange(0, triton.next_power_of_2(NCH))[:, None]
+    off = NCH + ci * SMP_CANDS + tl.arange(0, SMP_CANDS)[None, :]
+    v = tl.load(smp_mass_ptr + off, mask=ci < NCH, other=-8388608, cache_modifier=".cg")
+    w = tl.load(smp_mass_ptr + NCH * SMP_CANDS + off, mask=ci < NCH, other=0, cache_modifier=".cg")
+    v = v.to(tl.int32).to(tl.float32, bitcast=True)
+    return v, w, tl.max(tl.min(v, axis=1), axis=0)
 
 
 @triton.jit
@@ -310,8 +378,65 @@ def _smp_locate(t, r, run, lo, hi, m, scale, bmv, logits_ptr, exp2_ptr, VOCAB: t
 
 
 @triton.jit
+def _smp_ord(x):
+    """fp32 -> int32 in the same order (for non-NaN values; -0.0 just below +0.0). Its own inverse
+    on the bits: ``_smp_ord(o.to(tl.float32, bitcast=True))`` maps back."""
+    b = x.to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 2147483647)
+
+
+@triton.jit
+def _smp_unord(o):
+    """The fp32 value of an ordered int32 (``_smp_ord``'s inverse)."""
+    return (o ^ ((o >> 31) & 2147483647)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _smp_cand_sum(x, count, cand, wc):
+    """Over the candidates >= x: their count (``count``) or the sum of their weights."""
+    return tl.sum(tl.where(cand >= x, tl.where(count, 1, wc), 0))
+
+
+@triton.jit
+def _smp_cand_search(x0, x1, need, count, cand, wc):
+    """The largest value v in [x0, x1] where ``_smp_cand_sum(v, ...)`` reaches ``need``, by
+    bisection over the ordered fp32 values (at most 33 steps); x0 if none does (the caller checks
+    x0)."""
+    a = _smp_ord(x0).to(tl.int64)
+    b = _smp_ord(x1).to(tl.int64)
+    while a < b:
+        mid = a + (b - a + 1) // 2
+        if _smp_cand_sum(_smp_unord(mid.to(tl.int32)), count, cand, wc) >= need:
+            a = mid
+        else:
+            b = mid - 1
+    return _smp_unord(a.to(tl.int32))
+
+
+@triton.jit
+def _smp_cand_thresholds(top_k, top_pq, z0, m, cand, wc, kth, VOCAB: tl.constexpr):
+    """The candidate path: (ok, t, z, each chunk's weight sum over its logits >= t) from the
+    SAMPLE_MASS stage's candidates (``cand``, ``wc``: [chunks, K] values and weights; ``kth``: the
+    largest of the chunks' smallest candidates) instead of passes over the vocabulary. The top-k
+    and top-p searches are two phases of one loop around one search (small code). ``ok`` says the
+    result is the whole-vocabulary searches' (module docstring): m is finite, the candidates hold
+    enough count / mass, and every logit >= t is a candidate (t > kth)."""
+    ok = (m < float("inf")) & (m > float("-inf"))
+    t = tl.full([], SMP_NONE, tl.float32)
+    z = z0
+    for ph in range(2):
+        if ((ph == 0) & (top_k > 0) & (top_k < VOCAB)) | ((ph == 1) & (top_pq < SMP_TOP_P_ONE)):
+            need = tl.where(ph == 0, top_k.to(tl.int64), _smp_need(z, top_pq))
+            ok = ok & (_smp_cand_sum(t, ph == 0, cand, wc) >= need)
+            t = _smp_cand_search(t, m, need, ph == 0, cand, wc)
+            z = _smp_cand_sum(t, False, cand, wc)
+    ok = ok & (t > kth)
+    return ok, t, z, tl.sum(tl.where(cand >= t, wc, 0), axis=1)
+
+
+@triton.jit
 def sample_device(nparts, pos, logits_ptr, amax_ptr, smp_ptr, smp_mass_ptr, tok_ptr, toks_ptr, VOCAB: tl.constexpr,
-                  LM_ROWS: tl.constexpr, SMP_BLOCK: tl.constexpr, SMP_CHUNK: tl.constexpr):
+                  LM_ROWS: tl.constexpr, SMP_BLOCK: tl.constexpr, SMP_CHUNK: tl.constexpr, SMP_CANDS: tl.constexpr):
     SMP_SUB: tl.constexpr = SMP_MAX_SUB if SMP_BLOCK > SMP_MAX_SUB else SMP_BLOCK
     smp_exp2_ptr = smp_ptr                           # the table; the parameters follow it
     scale = tl.load(smp_ptr + SMP_TABLE).to(tl.int32).to(tl.float32, bitcast=True)
@@ -323,19 +448,35 @@ def sample_device(nparts, pos, logits_ptr, amax_ptr, smp_ptr, smp_mass_ptr, tok_
     # every block's largest logit and the largest of all, from the LM_HEAD tiles' partials
     bmv = _smp_block_maxima(nparts, amax_ptr, VOCAB, LM_ROWS, SMP_BLOCK)
     m = tl.max(bmv, axis=0)
-    t, z = _smp_thresholds(top_k, top_pq, tl.sum(sums, axis=0), m, gal0, scale, bmv, logits_ptr, smp_exp2_ptr,
-                           VOCAB, SMP_BLOCK, SMP_SUB)
+    z0 = tl.sum(sums, axis=0)
+    t = tl.full([], SMP_NONE, tl.float32)
+    z = z0
+    path = tl.full([], 0, tl.int64)
+    if ((top_k > 0) & (top_k < VOCAB)) | (top_pq < SMP_TOP_P_ONE):
+        cand, wc, kth = _smp_load_cands(smp_mass_ptr, VOCAB, SMP_CHUNK, SMP_CANDS)
+        ok, tc, zc, csum = _smp_cand_thresholds(top_k, top_pq, z0, m, cand, wc, kth, VOCAB)
+        if ok:
+            t = tc
+            z = zc
+            sums = csum
+            path = path + 1
+        else:
+            t, z = _smp_thresholds(top_k, top_pq, z0, m, gal0, scale, bmv, logits_ptr, smp_exp2_ptr, VOCAB,
+                                   SMP_BLOCK, SMP_SUB)
+            path = path + 2
     bits = tl.randint(seed, pos)                    # Philox-4x32-10 of (seed, pos)
     u = (bits >> 1).to(tl.int64)                    # 31 bits
     r = u * (z >> 31) + ((u * (z & 2147483647)) >> 31)          # floor(u * z / 2^31) < z
-    # no threshold: the token's chunk from the SAMPLE_MASS sums, then that chunk alone
+    # no threshold or the candidate path: the token's chunk from the chunks' sums, then that chunk alone
     ci = tl.arange(0, sums.shape[0])
     c = tl.min(tl.where(tl.cumsum(sums, axis=0) > r, ci, sums.shape[0]), axis=0)
-    whole = t != SMP_NONE
+    whole = path == 2
     lo = tl.where(whole, 0, c * SMP_CHUNK)
     hi = tl.where(whole, VOCAB, tl.minimum((c + 1) * SMP_CHUNK, VOCAB))
     run = tl.where(whole, 0, tl.sum(tl.where(ci < c, sums, 0), axis=0))
     tok = _smp_locate(t, r, run, lo, hi, m, scale, bmv, logits_ptr, smp_exp2_ptr, VOCAB, SMP_BLOCK, SMP_SUB)
+    PATH: tl.constexpr = (VOCAB + SMP_CHUNK - 1) // SMP_CHUNK * (1 + 2 * SMP_CANDS)    # mass_words - 1
+    tl.store(smp_mass_ptr + PATH, path)
     tok = tl.minimum(tl.maximum(tok, 0), VOCAB - 1)
     tl.store(tok_ptr, tok)
     tl.store(toks_ptr + pos, tok)
@@ -474,7 +615,7 @@ class Sample(Instruction):
     NAME = "sample"
     STAGE = 8
     ARGS = ("pos", "logits_ptr", "amax_ptr", "smp_ptr", "smp_mass_ptr", "tok_ptr", "toks_ptr", "VOCAB", "LM_ROWS",
-            "SMP_BLOCK", "SMP_CHUNK")
+            "SMP_BLOCK", "SMP_CHUNK", "SMP_CANDS")
     # SMP_BLOCK: logits per block (a power of two, a multiple of LM_ROWS): the granularity at which
     # an evaluation skips logits below its probe (by the block's largest logit); a block read is
     # read SMP_MAX_SUB logits at a time (bench/NOTES.md v32, v110). SMP_CHUNK: logits per
@@ -482,7 +623,8 @@ class Sample(Instruction):
     CONSTEXPRS = {"SMP_BLOCK": lambda lay: max(lay.lm_rows, min(SMP_MAX_BLOCK, triton.next_power_of_2(lay.cfg.vocab)))
                   if Sample.applies(lay) else 16,
                   "SMP_CHUNK": lambda lay: smp_chunk(lay.cfg.vocab, Sample.CONSTEXPRS["SMP_BLOCK"](lay))
-                  if Sample.applies(lay) else 16}
+                  if Sample.applies(lay) else 16,
+                  "SMP_CANDS": lambda lay: min(CANDS, Sample.CONSTEXPRS["SMP_CHUNK"](lay))}
     TIMING = Timing.FIXED
     # only in the kernels of sampling tapes: the greedy and layer kernels stay the ones measured
     IN_EVERY_KERNEL = False
@@ -522,7 +664,11 @@ class Sample(Instruction):
 
     def reads(self, lay: Layout) -> list[Region]:
         return [Region("logits", 0, lay.cfg.vocab), Region("amax", 0, 2 * self.nparts),
-                Region("smp_mass", 0, n_chunks(lay))]
+                Region("smp_mass", 0, mass_words(lay) - 1)]
+
+    def writes(self, lay: Layout) -> list[Region]:
+        w = mass_words(lay)
+        return [Region("smp_mass", w - 1, w)]
 
     def cost(self, lay: Layout) -> Cost:
         # no top-k / top-p: the chunk sums and one chunk, plus the partials and the table; top-k /
@@ -536,13 +682,26 @@ class Sample(Instruction):
         if "smp" not in params:
             raise ValueError("sample: the VM needs the sampling parameters: run_tape(..., state="
                              "Sample.state_values(temperature, top_k, top_p, seed))")
-        st.next_token = sample_torch(st.buf["logits"], st.buf["amax"], self.nparts, lay.lm_rows,
-                                     Sample.CONSTEXPRS["SMP_BLOCK"](lay), params["smp"], st.pos)
+        args = (st.buf["logits"], st.buf["amax"], self.nparts, lay.lm_rows, Sample.CONSTEXPRS["SMP_BLOCK"](lay))
+        st.next_token = sample_torch(*args, params["smp"], st.pos)
+        st.buf["smp_mass"][mass_words(lay) - 1] = cand_path_torch(*args, chunk_size(lay), n_cands(lay), params["smp"])
 
 
 def chunk_size(lay: Layout) -> int:
     """Logits per SAMPLE_MASS instruction (the SMP_CHUNK constexpr) of a sampling decoder of ``lay``."""
     return Sample.CONSTEXPRS["SMP_CHUNK"](lay)
+
+
+def n_cands(lay: Layout) -> int:
+    """The largest logits of its chunk each SAMPLE_MASS instruction keeps (the SMP_CANDS constexpr)."""
+    return Sample.CONSTEXPRS["SMP_CANDS"](lay)
+
+
+def mass_words(lay: Layout) -> int:
+    """int64 words of the ``smp_mass`` scratch: each chunk's weight sum, each chunk's candidates
+    (fp32 bits), their weights, then the path SAMPLE took (0: no threshold, 1: the candidates,
+    2: the whole vocabulary)."""
+    return n_chunks(lay) * (1 + 2 * n_cands(lay)) + 1
 
 
 def n_chunks(lay: Layout) -> int:
@@ -564,6 +723,83 @@ def chunk_mass_torch(logits: torch.Tensor, amax: torch.Tensor, nparts: int, lm_r
     seg = l[c0:c0 + chunk]
     w = weights_torch(seg, m, prm["scale"], smp.reshape(-1)[:int(SMP_TABLE)].cpu())
     return int(w[seg >= float(np.float32(NONE))].sum())
+
+
+#: SAMPLE's paths, by the word it writes last in ``smp_mass`` (``mass_words``)
+PATHS = ("no threshold", "candidates", "whole vocabulary")
+
+
+def wants_cands(smp: torch.Tensor, vocab: int) -> bool:
+    """Whether SAMPLE_MASS writes candidates for these parameters (a top-k or top-p threshold)."""
+    prm = unpack_params(smp)
+    return 0 < prm["top_k"] < vocab or prm["top_p_q"] < TOP_P_ONE
+
+
+def chunk_cands_torch(logits: torch.Tensor, amax: torch.Tensor, nparts: int, lm_rows: int, block: int, chunk: int,
+                      k: int, smp: torch.Tensor, c0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SAMPLE_MASS's candidates in torch (``_smp_chunk_cands``): the ``k`` largest logits of
+    ``[c0, c0 + chunk)`` (fp32, descending; -inf past the vocabulary) and their int64 weights; all
+    -inf (weight 0) where the chunk's block is skipped, all +inf where the chunk holds a NaN or a
+    logit above its block's partials' maximum."""
+    l = logits.reshape(-1).float().cpu()
+    seg = torch.full((chunk,), float("-inf"))
+    part = l[c0:c0 + chunk]
+    seg[:part.numel()] = part
+    bmax_blk = block_maxima_torch(amax, nparts, l.numel(), lm_rows, block)
+    bm = float(bmax_blk[c0 // block])
+    top = torch.topk(seg, k).values
+    if bool(torch.isnan(seg).any()) or bool((seg > bm).any()):
+        top = torch.full((k,), float("inf"))
+    elif not bm >= float(np.float32(NONE)):
+        top = torch.full((k,), float("-inf"))
+    live = top >= float(np.float32(NONE))
+    m = np.float32(bmax_blk.max().item())
+    prm = unpack_params(smp)
+    w = weights_torch(torch.where(live, top, torch.tensor(float(m))), m, prm["scale"], smp.reshape(-1)[:int(SMP_TABLE)].cpu())
+    return top, torch.where(live, w, torch.zeros_like(w))
+
+
+def f32_words(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values as the int64 words SAMPLE_MASS stores them in (their bits, sign-extended)."""
+    return x.float().contiguous().view(torch.int32).to(torch.int64)
+
+
+def cand_path_torch(logits: torch.Tensor, amax: torch.Tensor, nparts: int, lm_rows: int, block: int, chunk: int,
+                    k: int, smp: torch.Tensor) -> int:
+    """The path the device's SAMPLE takes (the last word of ``smp_mass``): 0 without top-k and
+    top-p, 1 where the candidates decide (``_smp_cand_thresholds``'s ``ok``), 2 where the
+    whole-vocabulary searches run. Either way the token is ``sample_torch``'s."""
+    prm = unpack_params(smp)
+    top_k, top_pq = prm["top_k"], prm["top_p_q"]
+    l = logits.reshape(-1).float().cpu()
+    vocab = l.numel()
+    if not wants_cands(smp, vocab):
+        return 0
+    nch = -(-vocab // chunk)
+    both = [chunk_cands_torch(logits, amax, nparts, lm_rows, block, chunk, k, smp, c * chunk) for c in range(nch)]
+    cand, wc = torch.stack([v for v, _ in both]), torch.stack([w for _, w in both])
+    m = np.float32(block_maxima_torch(amax, nparts, vocab, lm_rows, block).max().item())
+    ok = bool(np.isfinite(m))
+    vals = cand[cand >= float(np.float32(NONE))]
+
+    def mass(x):
+        return int(wc[cand >= x].sum())
+
+    t = float(np.float32(NONE))
+    z = sum(chunk_mass_torch(logits, amax, nparts, lm_rows, block, chunk, smp, c * chunk) for c in range(nch))
+    if 0 < top_k < vocab:
+        ok = ok and vals.numel() >= top_k
+        if ok:
+            t = float(torch.sort(vals, descending=True).values[top_k - 1])
+            z = mass(t)
+    if ok and top_pq < TOP_P_ONE:
+        lp = (z & 0xFFFFFF) * top_pq
+        need = (z >> 24) * top_pq + (lp >> 24) + int((lp & 0xFFFFFF) != 0)
+        ok = mass(t) >= need
+        if ok:
+            t = max(float(v) for v in torch.unique(vals) if float(v) >= t and mass(float(v)) >= need)
+    ok = ok and t > float(cand.min(dim=1).values.max())
+    return 1 if ok else 2
 
 
 def check_sampling(temperature, top_k, top_p, seed, greedy_ok: bool = True) -> None:

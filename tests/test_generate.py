@@ -38,7 +38,8 @@ from interp.runtime import build_layer, launch, teardown  # noqa: E402
 from interp.textgen import Checkpoint, TextStream, generate_text  # noqa: E402
 from megatape import cli  # noqa: E402
 from opcodes import HEADER, NO_COUNTER, WORDS, Argmax, Sample, SampleMass  # noqa: E402
-from opcodes.sample import chunk_mass_torch, chunk_size, philox_randint, sample_torch  # noqa: E402
+from opcodes.sample import (cand_path_torch, chunk_cands_torch, chunk_mass_torch, chunk_size, n_cands,  # noqa: E402
+                            philox_randint, sample_torch, wants_cands)
 from schedule.decoder_program import lower_decoder  # noqa: E402
 from schedule.tape import Tape  # noqa: E402
 from schedule.vm import VMState  # noqa: E402
@@ -352,7 +353,7 @@ def test_sampled_tokens_follow_the_transformers_distribution(sampler, greedy):
     finally:
         teardown(one.h)
     assert dev == draws[:N_DEVICE]
-    st = VMState(lay, c.load_weights(), [], torch.zeros(1), POS, [Sample], state={"smp": smp[0]})
+    st = VMState(lay, c.load_weights(), [], torch.zeros(1), POS, [SampleMass, Sample], state={"smp": smp[0]})
     st.buf["logits"], st.buf["amax"] = logits.clone(), amax.clone()
     Sample(lay.n_lm_tiles).run_torch(lay, st)
     assert st.next_token == draws[0]
@@ -514,14 +515,26 @@ def test_sample_device_over_several_blocks(monkeypatch, block):
     amax = partials(logits)
     assert amax.numel() == 2 * lay.n_lm_tiles      # the last tile is short (20000 = 78 x 256 + 32)
     x = torch.zeros(1, cfg.d, dtype=torch.bfloat16)
+    paths = set()
     try:
         # the last case: logits 1024..2047 all -inf (a whole block at SMP_BLOCK 1024: SAMPLE_MASS's
         # chunk there is skipped by its partials' maximum, and weighs 0)
         masked = logits.clone()
         masked[1024:2048] = float("-inf")
+        # the whole-vocabulary path: one chunk holds the top 40 (more than its candidates), or top-p
+        # keeps thousands of nearly flat logits
+        clustered = logits.clone()
+        clustered[3000:3040] += 9.0
+        flat = torch.randn(cfg.vocab, generator=g) * 0.05
+        # top-k 2 over three equal logits in three chunks: all three kept (ties), all at the threshold
+        tied = logits.clone()
+        tied[[100, 5000, 15000]] = 30.0
         for prm, logits in ((dict(temperature=0.9), logits), (dict(temperature=0.7, top_k=30), logits),
                             (dict(temperature=1.1, top_p=0.8), logits),
-                            (dict(temperature=1.0, top_k=200, top_p=0.9), logits), (dict(temperature=1.3), masked)):
+                            (dict(temperature=1.0, top_k=200, top_p=0.9), logits),
+                            (dict(temperature=0.7, top_k=30), clustered), (dict(temperature=1.0, top_p=0.9), flat),
+                            (dict(temperature=1.0, top_k=2), tied), (dict(temperature=1.0, top_k=2, top_p=0.5), tied),
+                            (dict(temperature=1.3), masked)):
             amax = partials(logits)
             for seed in range(3):
                 smp = Sample.state_values(seed=seed, **prm)["smp"]
@@ -535,7 +548,20 @@ def test_sample_device_over_several_blocks(monkeypatch, block):
                 assert int(h.state["tok"][0]) == want, (prm, seed)
                 sums = [chunk_mass_torch(logits, amax, lay.n_lm_tiles, lay.lm_rows, block, ch, smp, i.c0)
                         for i in run[:-1]]
-                assert h.scratch["smp_mass"].tolist() == sums, prm            # exact int64 sums
+                words = h.scratch["smp_mass"]
+                assert words[:len(sums)].tolist() == sums, prm            # exact int64 sums
                 assert (sums[1] == 0) == (logits is masked), sums
+                k, n = n_cands(lay), len(sums)
+                if wants_cands(smp, cfg.vocab):     # each chunk's k largest logits and their weights
+                    both = [chunk_cands_torch(logits, amax, lay.n_lm_tiles, lay.lm_rows, block, ch, k, smp, i.c0)
+                            for i in run[:-1]]
+                    got = words[n:n * (1 + k)].to(torch.int32).view(torch.float32).view(n, k)
+                    assert torch.equal(got, torch.stack([v for v, _ in both])), prm
+                    assert torch.equal(words[n * (1 + k):-1].view(n, k), torch.stack([w for _, w in both])), prm
+                path = int(words[-1])
+                assert path == cand_path_torch(logits, amax, lay.n_lm_tiles, lay.lm_rows, block, ch, k, smp), prm
+                paths.add((prm.get("top_k", 0) > 0 or "top_p" in prm, path))
+        # both paths ran, each where its torch twin says
+        assert {(False, 0), (True, 1), (True, 2)} <= paths, paths
     finally:
         teardown(h)

@@ -282,7 +282,7 @@ def test_sample_on_the_gpu_draws_the_token_of_run_torch(temperature, top_k, top_
     draws from the same logits, for every seed (49 blocks of logits: the block skipping runs)."""
     from interp import build_decoder, generate, teardown
     from opcodes import Sample
-    from opcodes.sample import sample_torch
+    from opcodes.sample import cand_path_torch, chunk_size, n_cands, sample_torch
     cfg, dev, pos = SAMPLE_CFG, _dev(), 2
     w = decoder_weights(cfg, seed=5, device=dev)
     h = build_decoder(w, make_kv_cache(cfg, 16, 0, device=dev), cfg.to_dict(), 16, sampling=True)
@@ -290,9 +290,14 @@ def test_sample_on_the_gpu_draws_the_token_of_run_torch(temperature, top_k, top_
     try:
         for seed in range(16):
             tok = generate(h, [11, 22, 33], 1, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-            want = sample_torch(h.logits[0].cpu(), h.layer.scratch["amax"].cpu(), lay.n_lm_tiles, lay.lm_rows,
-                                Sample.CONSTEXPRS["SMP_BLOCK"](lay), h.layer.state["smp"].cpu(), pos)
+            args = (h.logits[0].cpu(), h.layer.scratch["amax"].cpu(), lay.n_lm_tiles, lay.lm_rows,
+                    Sample.CONSTEXPRS["SMP_BLOCK"](lay))
+            smp = h.layer.state["smp"].cpu()
+            want = sample_torch(*args, smp, pos)
             assert int(tok[0]) == want, (seed, int(tok[0]), want)
+            # the path SAMPLE took (candidates or the whole vocabulary) is the one its torch twin names
+            path = int(h.layer.scratch["smp_mass"][-1])
+            assert path == cand_path_torch(*args, chunk_size(lay), n_cands(lay), smp), (seed, path)
     finally:
         teardown(h)
 
