@@ -1,7 +1,7 @@
 """A Triton pitfall the CPU tests cannot see, checked on the source instead.
 
-Triton's frontend decides which variables a ``while`` loop carries by running the body once and
-keeping the names whose value *object* changed. If two names hold one value before the loop
+Triton's frontend decides which variables a ``while`` or ``for`` loop carries by running the body
+once and keeping the names whose value *object* changed (``CodeGenerator._find_carries``, both loops). If two names hold one value before the loop
 (``lo = t``) and the body assigns one from the other (``t = lo``), the name looks unchanged and is
 not carried: on the GPU the assignment is lost, while the Triton interpreter (the CPU tests) runs
 Python and keeps it. SAMPLE's thresholds as one loop (bench/NOTES.md v115, session 25) drew wrong
@@ -31,14 +31,14 @@ def _name_pair(node: ast.AST):
 
 
 def aliased_loop_assignments(fn: ast.FunctionDef) -> list[str]:
-    """Problems of one function: a name that a while loop assigns only as ``a = b`` where ``a`` and
+    """Problems of one function: a name that a loop (while or for) assigns only as ``a = b`` where ``a`` and
     ``b`` hold the same value object when the loop starts (assignments before the loop, in line
     order): the frontend sees no change and does not carry it. A name the loop also gives a new
     value (``a = f(...)``, ``a += 1``) is carried, aliases or not."""
     assigns = sorted((n for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))),
                      key=lambda n: n.lineno)
     out = []
-    for loop in (n for n in ast.walk(fn) if isinstance(n, ast.While)):
+    for loop in (n for n in ast.walk(fn) if isinstance(n, (ast.While, ast.For))):
         inside = {id(n) for n in ast.walk(loop)}
         group: dict[str, int] = {}
         fresh = iter(range(1 << 30))
@@ -67,7 +67,8 @@ def aliased_loop_assignments(fn: ast.FunctionDef) -> list[str]:
         for name, hits in seen.items():
             if all(alias for _, alias in hits):
                 node = hits[0][0]
-                out.append(f"{fn.name}, line {node.lineno}: `{name} = {_name_pair(node)[1]}` in the while loop of "
+                kind = "while" if isinstance(loop, ast.While) else "for"
+                out.append(f"{fn.name}, line {node.lineno}: `{name} = {_name_pair(node)[1]}` in the {kind} loop of "
                            f"line {loop.lineno}, where both hold one value when it starts and nothing else in "
                            f"the loop assigns `{name}`: Triton does not carry it (give each loop variable its "
                            f"own initial value)")
@@ -80,7 +81,7 @@ def problems_in(source: str) -> list[str]:
             for p in aliased_loop_assignments(fn)]
 
 
-def test_no_triton_while_loop_loses_an_aliased_assignment():
+def test_no_triton_loop_loses_an_aliased_assignment():
     files = sorted((ROOT / "opcodes").glob("*.py")) + sorted((ROOT / "interp").glob("*.py"))
     found = [f"{p.relative_to(ROOT)}: {msg}" for p in files for msg in problems_in(p.read_text())]
     assert not found, "\n".join(found)
@@ -127,3 +128,7 @@ def test_the_check_finds_v115s_loop():
     assert problems_in(v115.replace("    ph = m\n", "    ph = m\n    t = m * 2.0\n")) == []
     # not jitted: plain Python, not the frontend's rule
     assert problems_in(v115.replace("@triton.jit\n", "")) == []
+    # a for loop is carried by the same rule
+    as_for = v115.replace("    while it < n:\n", "    for j in range(n):\n")
+    found = problems_in(as_for)
+    assert len(found) == 1 and "`t = lo` in the for loop" in found[0], found
