@@ -58,14 +58,14 @@ own, and without top-p it also finds the token from them: the first chunk whose 
 the one the single-SM passes draw (``sample_torch`` is unchanged).
 
 **Candidates** (where a top-k or top-p threshold applies). Each SAMPLE_MASS instruction also keeps
-its chunk's ``SMP_CANDS`` (16) largest logits and their weights. SAMPLE first finds the thresholds
+its chunk's ``SMP_CANDS`` (8) largest logits and their weights. SAMPLE first finds the thresholds
 over those candidates alone (held in registers; each search a bisection over the ordered fp32
 values, at most 33 steps), with the same definitions. The result is the whole-vocabulary one exactly
 when every logit >= the final threshold is a candidate, i.e. the threshold lies above every chunk's
 smallest candidate (and the candidates hold k logits / the mass top-p needs, the largest logit is
 finite, and no chunk holds a NaN or a logit above its block's partials' maximum). Then each chunk's
 kept sum is the sum over its candidates >= t, and the token is found as without a threshold: its
-chunk from those sums, then that chunk alone. Otherwise (a chunk holding more than 16 of the kept
+chunk from those sums, then that chunk alone. Otherwise (a chunk holding more than 8 of the kept
 logits, as top-p over a flat distribution can) SAMPLE runs the whole-vocabulary searches below. It
 writes which path it took to the last word of ``smp_mass`` (``PATHS``; ``cand_path_torch`` says the
 same in torch); the token is ``sample_torch``'s either way.
@@ -74,7 +74,7 @@ same in torch); the token is ``sample_torch``'s either way.
 the LM_HEAD tiles' (max, index) partials once, into a vector of each block's largest logit held in
 registers. Without top-k / top-p: the chunk sums and one chunk (before SAMPLE_MASS: one pass to sum
 the weights and half a pass on average to find the token, ~180 us for 128k logits on one SM of an
-H200, bench/NOTES.md run 196). On the candidate path: the candidates (2016 for a 128k vocabulary),
+H200, bench/NOTES.md run 196). On the candidate path: the candidates (1008 for a 128k vocabulary),
 up to two bisections over them and one chunk. On the whole-vocabulary path it reads the fp32 logits
 from L2 in blocks of ``SMP_BLOCK``, skipping a block whose largest logit is below the probe, and a
 block it reads in a pipelined loop over sub-blocks of ``SMP_MAX_SUB`` logits: top-k one evaluation
@@ -118,7 +118,7 @@ SMP_MAX_SUB = tl.constexpr(1024)
 SMP_MIN_CHUNK, SMP_MAX_CHUNKS = 1024, 256
 #: the largest logits of its chunk each SAMPLE_MASS instruction keeps for SAMPLE's candidate path
 #: (at most the chunk's size: ``n_cands``)
-CANDS = 16
+CANDS = 8
 
 
 def smp_chunk(vocab: int, block: int) -> int:
