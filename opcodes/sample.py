@@ -741,11 +741,11 @@ def chunk_cands_torch(logits: torch.Tensor, amax: torch.Tensor, nparts: int, lm_
     ``[c0, c0 + chunk)`` (fp32, descending; -inf past the vocabulary) and their int64 weights; all
     -inf (weight 0) where the chunk's block is skipped, all +inf where the chunk holds a NaN or a
     logit above its block's partials' maximum."""
-    l = logits.reshape(-1).float().cpu()
+    flat = logits.reshape(-1)
     seg = torch.full((chunk,), float("-inf"))
-    part = l[c0:c0 + chunk]
+    part = flat[c0:c0 + chunk].float().cpu()        # the chunk alone (called once per chunk)
     seg[:part.numel()] = part
-    bmax_blk = block_maxima_torch(amax, nparts, l.numel(), lm_rows, block)
+    bmax_blk = block_maxima_torch(amax, nparts, flat.numel(), lm_rows, block)
     bm = float(bmax_blk[c0 // block])
     top = torch.topk(seg, k).values
     if bool(torch.isnan(seg).any()) or bool((seg > bm).any()):

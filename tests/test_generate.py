@@ -480,18 +480,21 @@ def test_api_errors_name_the_argument_and_run_nothing(sampler, greedy):
         build_decoder(c.load_weights(), [], c.cfg, 16, sampling="yes")
 
 
-@pytest.mark.parametrize("block", [1024, 8192])
-def test_sample_device_over_several_blocks(monkeypatch, block):
+@pytest.mark.parametrize("block,min_chunk", [(1024, 1024), (8192, 1024), (8192, 2048)])
+def test_sample_device_over_several_blocks(monkeypatch, block, min_chunk):
     """SAMPLE's device function on a 20000-token vocabulary (several blocks of SMP_BLOCK logits,
     blocks skipped by their partials' maxima) draws what ``sample_torch`` draws, for temperature
-    alone, top-k and top-p, whatever the block size (the draw does not depend on it)."""
+    alone, top-k and top-p, whatever the block size and the chunk size (the draw does not depend on them;
+    chunks of two sub-blocks merge their candidates)."""
     import opcodes.sample as smp_mod
     from conftest import decoder_weights
     from opcodes import DecoderLayout, ModelConfig, Tiling
     monkeypatch.setattr(smp_mod, "SMP_MAX_BLOCK", block)
+    # chunks of 2048: two sub-blocks of 1024 each, so SAMPLE_MASS merges its candidates across them
+    monkeypatch.setattr(smp_mod, "SMP_MIN_CHUNK", min_chunk)
     cfg = ModelConfig(layers=1, d=64, ffn=128, n_q=2, n_kv=1, hd=32, theta=10000.0, vocab=20000, name="v20k")
     lay = DecoderLayout(cfg, Tiling.for_config(cfg), 8, lm_rows=256)
-    assert Sample.CONSTEXPRS["SMP_BLOCK"](lay) == block
+    assert Sample.CONSTEXPRS["SMP_BLOCK"](lay) == block and chunk_size(lay) == min_chunk
     prog = lower_decoder(lay, sample=True)
     # one SM runs the SAMPLE_MASS stage, then SAMPLE; one instruction of every other opcode follows
     # (never run: the kernel is the sampling decoder's)
@@ -550,7 +553,8 @@ def test_sample_device_over_several_blocks(monkeypatch, block):
                         for i in run[:-1]]
                 words = h.scratch["smp_mass"]
                 assert words[:len(sums)].tolist() == sums, prm            # exact int64 sums
-                assert (sums[1] == 0) == (logits is masked), sums
+                if ch == 1024:                  # the masked logits are chunk 1, which weighs 0
+                    assert (sums[1] == 0) == (logits is masked), sums
                 k, n = n_cands(lay), len(sums)
                 if wants_cands(smp, cfg.vocab):     # each chunk's k largest logits and their weights
                     both = [chunk_cands_torch(logits, amax, lay.n_lm_tiles, lay.lm_rows, block, ch, k, smp, i.c0)
