@@ -1,0 +1,133 @@
+"""Does a one-wave GEMV stage stream faster when its SMs read interleaved row blocks?
+python3 -m bench.probes.interleave_probe (a GPU)
+
+The 1B decoder gives each SM a contiguous range of rows (a gate/up tile: 16 blocks of 4 gate + 4 up rows,
+~512 KB), so at any moment 132 SMs read 132 places ~512 KB apart. A copy kernel's concurrent requests lie
+close together. This probe streams the 1B's gate/up stage (gate and up, 8192 x 2048 each) and its down
+stage (2048 x 8192) as the decoder does: one wave a stage, 16 layers of distinct weights (1.6 GB,
+no L2 reuse), the decoder's row loop (4 warps, 5 stages of 32 KB), with a grid barrier after every
+stage (``SYNC``, the dependency the decoder waits on) or without one (the stream's steady rate). Two
+layouts of the same blocks:
+  contiguous  program p streams blocks [p * nb, (p + 1) * nb) of a stage (the decoder's tiles)
+  interleaved program p streams blocks p, p + P, p + 2P, ... (concurrent requests adjacent)
+Outputs are checked against torch before timing; the two layouts alternate in one process.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+
+from opcodes.common import rows_dot
+
+D, FFN, LAYERS = 2048, 8192, 16
+RB, STAGES, WARPS = 4, 5, 4
+
+
+@triton.jit
+def _barrier(cnt_ptr, target, SPIN: tl.constexpr):
+    # every program arrives, then waits (bounded) until all have: a stage's dependency
+    tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    n = 0
+    while (seen < target) & (n < SPIN):
+        seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+        n += 1
+
+
+@triton.jit
+def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, NBLK, NPROG, K: tl.constexpr, NROWS: tl.constexpr,
+                 LAYERS: tl.constexpr, RB: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
+                 INTERLEAVE: tl.constexpr, SYNC: tl.constexpr, SPIN: tl.constexpr):
+    # one stage a layer: the blocks of RB rows (of w0, and of w1 if TWO) split over the programs
+    pid = tl.program_id(0)
+    nb = (NBLK - pid + NPROG - 1) // NPROG          # this program's blocks (the first NBLK % NPROG get one more)
+    first = pid * (NBLK // NPROG) + tl.minimum(pid, NBLK % NPROG)
+    cols = tl.arange(0, K)
+    hv = tl.load(x_ptr + cols)
+    for layer in range(LAYERS):
+        for b in tl.range(0, nb, num_stages=STAGES):
+            if INTERLEAVE:
+                blk = b * NPROG + pid
+            else:
+                blk = first + b
+            rows = layer * NROWS + blk * RB + tl.arange(0, RB)
+            rm = rows >= 0
+            v = rows_dot(w0_ptr, rows, rm, hv, 0, K, K, K, True)
+            if TWO:
+                uv = rows_dot(w1_ptr, rows, rm, hv, 0, K, K, K, True)
+                v = v / (1.0 + tl.exp(-v)) * uv
+            tl.store(out_ptr + rows, v)
+        if SYNC:
+            _barrier(cnt_ptr, (layer + 1) * NPROG, SPIN)
+
+
+def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D, syncs=(True, False)):
+    """{(stage, layout, sync): (launch, check)}: gate/up and down stages, each layout, with the barrier and
+    without it (``syncs``; the Triton interpreter runs programs one after another, so it cannot sync)."""
+    g = torch.randn(layers * ffn, d, device=dev, dtype=torch.bfloat16)
+    u = torch.randn(layers * ffn, d, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(layers * d, ffn, device=dev, dtype=torch.bfloat16)
+    xg = torch.randn(d, device=dev) / d ** 0.5
+    xd = torch.randn(ffn, device=dev) / ffn ** 0.5
+    ref_gu = torch.nn.functional.silu(g.float() @ xg) * (u.float() @ xg)
+    ref_dn = w.float() @ xd
+    out = torch.empty(layers * max(ffn, d), device=dev)
+    cnt = torch.zeros(1, device=dev, dtype=torch.int32)
+    res = {}
+    for stage, (w0, w1, x, ref, K, nrows, rb, two) in {
+            "gate_up": (g, u, xg, ref_gu, d, ffn, RB, True),
+            "down": (w, w, xd, ref_dn, ffn, d, 2, False)}.items():
+        for lay in ("contiguous", "interleaved"):
+            for sync in syncs:
+                def call(fresh=False, w0=w0, w1=w1, x=x, K=K, nrows=nrows, rb=rb, two=two, lay=lay, sync=sync):
+                    if fresh:                       # a row no block stores stays NaN and fails the check
+                        out.fill_(float("nan"))
+                    cnt.zero_()
+                    stage_kernel[(nprog,)](w0, w1, x, out, cnt, nrows // rb, nprog, K=K, NROWS=nrows, LAYERS=layers,
+                                           RB=rb, STAGES=STAGES, TWO=two, INTERLEAVE=lay == "interleaved",
+                                           SYNC=sync, SPIN=1 << 22, num_warps=WARPS)
+
+                def check(ref=ref, name=f"{stage} {lay} sync={sync}"):
+                    err = ((out[:ref.numel()] - ref).abs().max() / ref.abs().max()).item()
+                    if not err < 1e-2:   # NaN fails too
+                        raise AssertionError(f"interleave_probe {name}, {nprog} programs: max rel err {err:.2e}")
+                    return err
+                res[(stage, lay, sync)] = (call, check)
+    return res
+
+
+def main():
+    dev = "cuda"
+    reps = int(os.environ.get("REPS", "9"))
+    a = torch.empty(1 << 28, device=dev, dtype=torch.bfloat16); b = torch.empty_like(a)
+    e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+    ts = []
+    for _ in range(10):
+        e0.record(); b.copy_(a); e1.record(); torch.cuda.synchronize(); ts.append(e0.elapsed_time(e1))
+    bw = 2 * a.numel() * 2 / (statistics.median(ts) * 1e-3)
+    del a, b
+    print(f"stream copy {bw / 1e12:.3f} TB/s; {LAYERS} stages in one launch, {WARPS} warps, {STAGES} pipeline stages")
+    for nprog in (128, 132):
+        cs = cases(dev, nprog)
+        for name, (call, check) in cs.items():
+            call(fresh=True); torch.cuda.synchronize(); check()
+        times = {k: [] for k in cs}
+        for _ in range(reps):                       # alternated
+            for k, (call, _) in cs.items():
+                e0.record(); call(); e1.record(); torch.cuda.synchronize()
+                times[k].append(e0.elapsed_time(e1) * 1e3 / LAYERS)
+        for (stage, lay, sync), t in times.items():
+            us = statistics.median(t)
+            nbytes = (2 * FFN * D if stage == "gate_up" else FFN * D) * 2
+            print(f"nprog {nprog} {stage:7s} {lay:11s} sync={int(sync)}: {us:6.2f} us a stage "
+                  f"({nbytes / us / 1e6:5.2f} TB/s, {nbytes / bw * 1e6:5.2f} us at copy BW; "
+                  f"min {min(t):6.2f} max {max(t):6.2f})", flush=True)
+        del cs
+
+
+if __name__ == "__main__":
+    main()
