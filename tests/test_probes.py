@@ -458,12 +458,12 @@ def test_icache_probe_orders_and_arguments(capsys, monkeypatch):
         assert len(err.strip().splitlines()) == 1 and "FMAs" in err, err
 
 
-def test_interleave_probe_layouts_compute_their_stage():
-    # bench/probes/interleave_probe.py: both layouts of both stages cover every row block once (an uneven
-    # split: 16 gate/up blocks and 8 down blocks over 3 programs) and compute the stage's outputs
-    from bench.probes import interleave_probe as ip
+def test_stage_probe_layouts_compute_their_stage():
+    # bench/probes/stage_probe.py: both layouts and loaders of both stages cover every row block once (an
+    # uneven split: 16 gate/up blocks and 8 down blocks over 3 programs) and compute the stage's outputs
+    from bench.probes import stage_probe as ip
     cs = ip.cases("cpu", 3, layers=2, ffn=64, d=16, syncs=(False,))
-    assert len(cs) == 4
+    assert len(cs) == 8
     for name, (call, check) in cs.items():
         call(fresh=True)
         assert check() < 1e-4, name

@@ -1,5 +1,5 @@
-"""Does a one-wave GEMV stage stream faster when its SMs read interleaved row blocks?
-python3 -m bench.probes.interleave_probe (a GPU)
+"""How fast does a one-wave GEMV stage stream, by where its SMs read and how they load?
+python3 -m bench.probes.stage_probe (a GPU)
 
 The 1B decoder gives each SM a contiguous range of rows (a gate/up tile: 16 blocks of 4 gate + 4 up rows,
 ~512 KB), so at any moment 132 SMs read 132 places ~512 KB apart. A copy kernel's concurrent requests lie
@@ -10,10 +10,13 @@ stage (``SYNC``, the dependency the decoder waits on) or without one (the stream
 layouts of the same blocks:
   contiguous  program p streams blocks [p * nb, (p + 1) * nb) of a stage (the decoder's tiles)
   interleaved program p streams blocks p, p + P, p + 2P, ... (concurrent requests adjacent)
-Outputs are checked against torch before timing; the two layouts alternate in one process.
+and two loaders: `ptr` (the decoder's cp.async row loop, ``opcodes.common.rows_dot``) and `tma` (the same
+blocks as TMA copies through one in-kernel descriptor a matrix, made once a program).
+Outputs are checked against torch before timing; every case alternates in one process.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 
@@ -41,13 +44,16 @@ def _barrier(cnt_ptr, target, SPIN: tl.constexpr):
 @triton.jit
 def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, NBLK, NPROG, K: tl.constexpr, NROWS: tl.constexpr,
                  LAYERS: tl.constexpr, RB: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
-                 INTERLEAVE: tl.constexpr, SYNC: tl.constexpr, SPIN: tl.constexpr):
+                 INTERLEAVE: tl.constexpr, SYNC: tl.constexpr, SPIN: tl.constexpr, TMA: tl.constexpr):
     # one stage a layer: the blocks of RB rows (of w0, and of w1 if TWO) split over the programs
     pid = tl.program_id(0)
     nb = (NBLK - pid + NPROG - 1) // NPROG          # this program's blocks (the first NBLK % NPROG get one more)
     first = pid * (NBLK // NPROG) + tl.minimum(pid, NBLK % NPROG)
     cols = tl.arange(0, K)
     hv = tl.load(x_ptr + cols)
+    if TMA:
+        d0 = tl.make_tensor_descriptor(w0_ptr, shape=[LAYERS * NROWS, K], strides=[K, 1], block_shape=[RB, K])
+        d1 = tl.make_tensor_descriptor(w1_ptr, shape=[LAYERS * NROWS, K], strides=[K, 1], block_shape=[RB, K])
     for layer in range(LAYERS):
         for b in tl.range(0, nb, num_stages=STAGES):
             if INTERLEAVE:
@@ -56,17 +62,25 @@ def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, NBLK, NPROG, K: tl.con
                 blk = first + b
             rows = layer * NROWS + blk * RB + tl.arange(0, RB)
             rm = rows >= 0
-            v = rows_dot(w0_ptr, rows, rm, hv, 0, K, K, K, True)
-            if TWO:
-                uv = rows_dot(w1_ptr, rows, rm, hv, 0, K, K, K, True)
-                v = v / (1.0 + tl.exp(-v)) * uv
+            if TMA:
+                r0 = layer * NROWS + blk * RB
+                v = tl.sum(d0.load([r0, 0]).to(tl.float32) * hv[None, :], axis=1)
+                if TWO:
+                    uv = tl.sum(d1.load([r0, 0]).to(tl.float32) * hv[None, :], axis=1)
+                    v = v / (1.0 + tl.exp(-v)) * uv
+            else:
+                v = rows_dot(w0_ptr, rows, rm, hv, 0, K, K, K, True)
+                if TWO:
+                    uv = rows_dot(w1_ptr, rows, rm, hv, 0, K, K, K, True)
+                    v = v / (1.0 + tl.exp(-v)) * uv
             tl.store(out_ptr + rows, v)
         if SYNC:
             _barrier(cnt_ptr, (layer + 1) * NPROG, SPIN)
 
 
-def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D, syncs=(True, False)):
-    """{(stage, layout, sync): (launch, check)}: gate/up and down stages, each layout, with the barrier and
+def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D, syncs=(True, False),
+          loaders=("ptr", "tma")):
+    """{(stage, loader, layout, sync): (launch, check)}: gate/up and down stages, each layout, with the barrier and
     without it (``syncs``; the Triton interpreter runs programs one after another, so it cannot sync)."""
     g = torch.randn(layers * ffn, d, device=dev, dtype=torch.bfloat16)
     u = torch.randn(layers * ffn, d, device=dev, dtype=torch.bfloat16)
@@ -81,27 +95,28 @@ def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D
     for stage, (w0, w1, x, ref, K, nrows, rb, two) in {
             "gate_up": (g, u, xg, ref_gu, d, ffn, RB, True),
             "down": (w, w, xd, ref_dn, ffn, d, 2, False)}.items():
-        for lay in ("contiguous", "interleaved"):
-            for sync in syncs:
-                def call(fresh=False, w0=w0, w1=w1, x=x, K=K, nrows=nrows, rb=rb, two=two, lay=lay, sync=sync):
+        for ld, lay, sync in itertools.product(loaders, ("contiguous", "interleaved"), syncs):
+            if True:
+                def call(fresh=False, w0=w0, w1=w1, x=x, K=K, nrows=nrows, rb=rb, two=two, lay=lay, sync=sync, ld=ld):
                     if fresh:                       # a row no block stores stays NaN and fails the check
                         out.fill_(float("nan"))
                     cnt.zero_()
                     stage_kernel[(nprog,)](w0, w1, x, out, cnt, nrows // rb, nprog, K=K, NROWS=nrows, LAYERS=layers,
                                            RB=rb, STAGES=STAGES, TWO=two, INTERLEAVE=lay == "interleaved",
-                                           SYNC=sync, SPIN=1 << 22, num_warps=WARPS)
+                                           SYNC=sync, SPIN=1 << 22, TMA=ld == "tma", num_warps=WARPS)
 
-                def check(ref=ref, name=f"{stage} {lay} sync={sync}"):
+                def check(ref=ref, name=f"{stage} {ld} {lay} sync={sync}"):
                     err = ((out[:ref.numel()] - ref).abs().max() / ref.abs().max()).item()
                     if not err < 1e-2:   # NaN fails too
-                        raise AssertionError(f"interleave_probe {name}, {nprog} programs: max rel err {err:.2e}")
+                        raise AssertionError(f"stage_probe {name}, {nprog} programs: max rel err {err:.2e}")
                     return err
-                res[(stage, lay, sync)] = (call, check)
+                res[(stage, ld, lay, sync)] = (call, check)
     return res
 
 
 def main():
     dev = "cuda"
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, device=dev, dtype=torch.int8))
     reps = int(os.environ.get("REPS", "9"))
     a = torch.empty(1 << 28, device=dev, dtype=torch.bfloat16); b = torch.empty_like(a)
     e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
@@ -120,10 +135,10 @@ def main():
             for k, (call, _) in cs.items():
                 e0.record(); call(); e1.record(); torch.cuda.synchronize()
                 times[k].append(e0.elapsed_time(e1) * 1e3 / LAYERS)
-        for (stage, lay, sync), t in times.items():
+        for (stage, ld, lay, sync), t in times.items():
             us = statistics.median(t)
             nbytes = (2 * FFN * D if stage == "gate_up" else FFN * D) * 2
-            print(f"nprog {nprog} {stage:7s} {lay:11s} sync={int(sync)}: {us:6.2f} us a stage "
+            print(f"nprog {nprog} {stage:7s} {ld:3s} {lay:11s} sync={int(sync)}: {us:6.2f} us a stage "
                   f"({nbytes / us / 1e6:5.2f} TB/s, {nbytes / bw * 1e6:5.2f} us at copy BW; "
                   f"min {min(t):6.2f} max {max(t):6.2f})", flush=True)
         del cs
