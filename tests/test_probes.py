@@ -459,11 +459,11 @@ def test_icache_probe_orders_and_arguments(capsys, monkeypatch):
 
 
 def test_stage_probe_layouts_compute_their_stage():
-    # bench/probes/stage_probe.py: both layouts and loaders of both stages cover every row block once (an
-    # uneven split: 16 gate/up blocks and 8 down blocks over 3 programs) and compute the stage's outputs
+    # bench/probes/stage_probe.py: both layouts and every loader of both stages cover every row block once
+    # (uneven splits over 3 programs: 128 / 16 gate/up blocks, 64 / 16 down blocks) and compute the stage
     from bench.probes import stage_probe as ip
-    cs = ip.cases("cpu", 3, layers=2, ffn=64, d=16, syncs=(False,))
-    assert len(cs) == 8
+    cs = ip.cases("cpu", 3, layers=2, ffn=512, d=256, syncs=(False,))
+    assert len(cs) == 12
     for name, (call, check) in cs.items():
         call(fresh=True)
         assert check() < 1e-4, name

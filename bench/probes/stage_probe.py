@@ -45,15 +45,24 @@ def _barrier(cnt_ptr, target, SPIN: tl.constexpr):
 def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, NBLK, NPROG, K: tl.constexpr, NROWS: tl.constexpr,
                  LAYERS: tl.constexpr, RB: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
                  INTERLEAVE: tl.constexpr, SYNC: tl.constexpr, SPIN: tl.constexpr, TMA: tl.constexpr):
+    # TMA 1: [RB, K] boxes of the matrix; TMA 2: the matrix seen as rows of 256, a block's RB x K elements
+    # one contiguous [RB * K / 256, 256] box, dotted with the vector laid out the same way
     # one stage a layer: the blocks of RB rows (of w0, and of w1 if TWO) split over the programs
     pid = tl.program_id(0)
     nb = (NBLK - pid + NPROG - 1) // NPROG          # this program's blocks (the first NBLK % NPROG get one more)
     first = pid * (NBLK // NPROG) + tl.minimum(pid, NBLK % NPROG)
     cols = tl.arange(0, K)
     hv = tl.load(x_ptr + cols)
-    if TMA:
+    BR: tl.constexpr = RB * K // 256
+    if TMA == 1:
         d0 = tl.make_tensor_descriptor(w0_ptr, shape=[LAYERS * NROWS, K], strides=[K, 1], block_shape=[RB, K])
         d1 = tl.make_tensor_descriptor(w1_ptr, shape=[LAYERS * NROWS, K], strides=[K, 1], block_shape=[RB, K])
+    elif TMA == 2:
+        d0 = tl.make_tensor_descriptor(w0_ptr, shape=[LAYERS * NROWS * (K // 256), 256], strides=[256, 1],
+                                       block_shape=[BR, 256])
+        d1 = tl.make_tensor_descriptor(w1_ptr, shape=[LAYERS * NROWS * (K // 256), 256], strides=[256, 1],
+                                       block_shape=[BR, 256])
+        hvt = tl.load(x_ptr + (tl.arange(0, BR)[:, None] % (K // 256)) * 256 + tl.arange(0, 256)[None, :])
     for layer in range(LAYERS):
         for b in tl.range(0, nb, num_stages=STAGES):
             if INTERLEAVE:
@@ -62,11 +71,18 @@ def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, NBLK, NPROG, K: tl.con
                 blk = first + b
             rows = layer * NROWS + blk * RB + tl.arange(0, RB)
             rm = rows >= 0
-            if TMA:
+            if TMA == 1:
                 r0 = layer * NROWS + blk * RB
                 v = tl.sum(d0.load([r0, 0]).to(tl.float32) * hv[None, :], axis=1)
                 if TWO:
                     uv = tl.sum(d1.load([r0, 0]).to(tl.float32) * hv[None, :], axis=1)
+                    v = v / (1.0 + tl.exp(-v)) * uv
+            elif TMA == 2:
+                r0 = (layer * NROWS + blk * RB) * (K // 256)
+                v = tl.sum(tl.reshape(tl.sum(d0.load([r0, 0]).to(tl.float32) * hvt, axis=1), [RB, K // 256]), axis=1)
+                if TWO:
+                    uv = tl.sum(tl.reshape(tl.sum(d1.load([r0, 0]).to(tl.float32) * hvt, axis=1), [RB, K // 256]),
+                                axis=1)
                     v = v / (1.0 + tl.exp(-v)) * uv
             else:
                 v = rows_dot(w0_ptr, rows, rm, hv, 0, K, K, K, True)
@@ -79,7 +95,7 @@ def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, NBLK, NPROG, K: tl.con
 
 
 def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D, syncs=(True, False),
-          loaders=("ptr", "tma")):
+          loaders=("ptr", "tma", "tma16")):
     """{(stage, loader, layout, sync): (launch, check)}: gate/up and down stages, each layout, with the barrier and
     without it (``syncs``; the Triton interpreter runs programs one after another, so it cannot sync)."""
     g = torch.randn(layers * ffn, d, device=dev, dtype=torch.bfloat16)
@@ -96,21 +112,24 @@ def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D
             "gate_up": (g, u, xg, ref_gu, d, ffn, RB, True),
             "down": (w, w, xd, ref_dn, ffn, d, 2, False)}.items():
         for ld, lay, sync in itertools.product(loaders, ("contiguous", "interleaved"), syncs):
-            if True:
-                def call(fresh=False, w0=w0, w1=w1, x=x, K=K, nrows=nrows, rb=rb, two=two, lay=lay, sync=sync, ld=ld):
-                    if fresh:                       # a row no block stores stays NaN and fails the check
-                        out.fill_(float("nan"))
-                    cnt.zero_()
-                    stage_kernel[(nprog,)](w0, w1, x, out, cnt, nrows // rb, nprog, K=K, NROWS=nrows, LAYERS=layers,
-                                           RB=rb, STAGES=STAGES, TWO=two, INTERLEAVE=lay == "interleaved",
-                                           SYNC=sync, SPIN=1 << 22, TMA=ld == "tma", num_warps=WARPS)
+            # tma16: one 16 KB box a matrix a block (the vector laid out as [RB * K / 256, 256])
+            rbl = 16384 // (2 * K) if ld == "tma16" else rb
 
-                def check(ref=ref, name=f"{stage} {ld} {lay} sync={sync}"):
-                    err = ((out[:ref.numel()] - ref).abs().max() / ref.abs().max()).item()
-                    if not err < 1e-2:   # NaN fails too
-                        raise AssertionError(f"stage_probe {name}, {nprog} programs: max rel err {err:.2e}")
-                    return err
-                res[(stage, ld, lay, sync)] = (call, check)
+            def call(fresh=False, w0=w0, w1=w1, x=x, K=K, nrows=nrows, rb=rbl, two=two, lay=lay, sync=sync, ld=ld):
+                if fresh:                       # a row no block stores stays NaN and fails the check
+                    out.fill_(float("nan"))
+                cnt.zero_()
+                stage_kernel[(nprog,)](w0, w1, x, out, cnt, nrows // rb, nprog, K=K, NROWS=nrows, LAYERS=layers,
+                                       RB=rb, STAGES=STAGES, TWO=two, INTERLEAVE=lay == "interleaved",
+                                       SYNC=sync, SPIN=1 << 22, TMA=("ptr", "tma", "tma16").index(ld),
+                                       num_warps=WARPS)
+
+            def check(ref=ref, name=f"{stage} {ld} {lay} sync={sync}"):
+                err = ((out[:ref.numel()] - ref).abs().max() / ref.abs().max()).item()
+                if not err < 1e-2:   # NaN fails too
+                    raise AssertionError(f"stage_probe {name}, {nprog} programs: max rel err {err:.2e}")
+                return err
+            res[(stage, ld, lay, sync)] = (call, check)
     return res
 
 
