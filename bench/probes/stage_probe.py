@@ -16,9 +16,11 @@ Outputs are checked against torch before timing; every case alternates in one pr
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import statistics
+import sys
 
 import torch
 import triton
@@ -94,8 +96,11 @@ def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, NBLK, NPROG, K: tl.con
             _barrier(cnt_ptr, (layer + 1) * NPROG, SPIN)
 
 
+LOADERS = ("ptr", "tma", "tma16")
+
+
 def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D, syncs=(True, False),
-          loaders=("ptr", "tma", "tma16")):
+          loaders=LOADERS, layouts=("contiguous", "interleaved"), stages: int = STAGES):
     """{(stage, loader, layout, sync): (launch, check)}: gate/up and down stages, each layout, with the barrier and
     without it (``syncs``; the Triton interpreter runs programs one after another, so it cannot sync)."""
     g = torch.randn(layers * ffn, d, device=dev, dtype=torch.bfloat16)
@@ -111,7 +116,7 @@ def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D
     for stage, (w0, w1, x, ref, K, nrows, rb, two) in {
             "gate_up": (g, u, xg, ref_gu, d, ffn, RB, True),
             "down": (w, w, xd, ref_dn, ffn, d, 2, False)}.items():
-        for ld, lay, sync in itertools.product(loaders, ("contiguous", "interleaved"), syncs):
+        for ld, lay, sync in itertools.product(loaders, layouts, syncs):
             # tma16: one 16 KB box a matrix a block (the vector laid out as [RB * K / 256, 256])
             rbl = 16384 // (2 * K) if ld == "tma16" else rb
 
@@ -120,8 +125,8 @@ def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D
                     out.fill_(float("nan"))
                 cnt.zero_()
                 stage_kernel[(nprog,)](w0, w1, x, out, cnt, nrows // rb, nprog, K=K, NROWS=nrows, LAYERS=layers,
-                                       RB=rb, STAGES=STAGES, TWO=two, INTERLEAVE=lay == "interleaved",
-                                       SYNC=sync, SPIN=1 << 22, TMA=("ptr", "tma", "tma16").index(ld),
+                                       RB=rb, STAGES=stages, TWO=two, INTERLEAVE=lay == "interleaved",
+                                       SYNC=sync, SPIN=1 << 22, TMA=LOADERS.index(ld),
                                        num_warps=WARPS)
 
             def check(ref=ref, name=f"{stage} {ld} {lay} sync={sync}"):
@@ -133,7 +138,25 @@ def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D
     return res
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python3 -m bench.probes.stage_probe", description=__doc__.splitlines()[0])
+    ap.add_argument("nprog", nargs="*", type=int, default=[128, 132], help="programs (one an SM), each a run")
+    ap.add_argument("--loaders", default=",".join(LOADERS), help=f"comma-separated, of {', '.join(LOADERS)}")
+    ap.add_argument("--layouts", default="contiguous,interleaved", help="comma-separated: contiguous, interleaved")
+    ap.add_argument("--stages", type=int, default=STAGES, help="the loop's pipeline stages (num_stages)")
+    args = ap.parse_args(argv)
+    loaders, layouts = args.loaders.split(","), args.layouts.split(",")
+    for v in loaders:
+        if v not in LOADERS:
+            ap.error(f"--loaders: unknown loader {v!r} (have {', '.join(LOADERS)})")
+    for v in layouts:
+        if v not in ("contiguous", "interleaved"):
+            ap.error(f"--layouts: unknown layout {v!r} (have contiguous, interleaved)")
+    for n in args.nprog:
+        if not 1 <= n <= 132:
+            ap.error(f"nprog: {n} is not between 1 and 132 (one program an SM, co-resident for the barrier)")
+    if not 2 <= args.stages <= 6:
+        ap.error(f"--stages: {args.stages} is not between 2 and 6 (32 KB a stage in shared memory)")
     dev = "cuda"
     triton.set_allocator(lambda size, align, stream: torch.empty(size, device=dev, dtype=torch.int8))
     reps = int(os.environ.get("REPS", "9"))
@@ -144,9 +167,9 @@ def main():
         e0.record(); b.copy_(a); e1.record(); torch.cuda.synchronize(); ts.append(e0.elapsed_time(e1))
     bw = 2 * a.numel() * 2 / (statistics.median(ts) * 1e-3)
     del a, b
-    print(f"stream copy {bw / 1e12:.3f} TB/s; {LAYERS} stages in one launch, {WARPS} warps, {STAGES} pipeline stages")
-    for nprog in (128, 132):
-        cs = cases(dev, nprog)
+    print(f"stream copy {bw / 1e12:.3f} TB/s; {LAYERS} stages in one launch, {WARPS} warps, {args.stages} pipeline stages")
+    for nprog in args.nprog:
+        cs = cases(dev, nprog, loaders=loaders, layouts=layouts, stages=args.stages)
         for name, (call, check) in cs.items():
             call(fresh=True); torch.cuda.synchronize(); check()
         times = {k: [] for k in cs}
@@ -157,11 +180,12 @@ def main():
         for (stage, ld, lay, sync), t in times.items():
             us = statistics.median(t)
             nbytes = (2 * FFN * D if stage == "gate_up" else FFN * D) * 2
-            print(f"nprog {nprog} {stage:7s} {ld:3s} {lay:11s} sync={int(sync)}: {us:6.2f} us a stage "
-                  f"({nbytes / us / 1e6:5.2f} TB/s, {nbytes / bw * 1e6:5.2f} us at copy BW; "
-                  f"min {min(t):6.2f} max {max(t):6.2f})", flush=True)
+            print(f"nprog {nprog} {stage:7s} {ld:5s} {lay:11s} sync={int(sync)}: {us:6.2f} us a stage "
+                  f"({nbytes / us / 1e6:5.2f} TB/s, {nbytes / nprog / us / 1e3:5.1f} GB/s an SM, {nbytes / bw * 1e6:5.2f} "
+                  f"us at copy BW; min {min(t):6.2f} max {max(t):6.2f})", flush=True)
         del cs
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
