@@ -44,11 +44,48 @@ def _barrier(cnt_ptr, target, SPIN: tl.constexpr):
 
 
 @triton.jit
+def _mma(a, w, acc, F32: tl.constexpr):
+    # acc + a @ w^T on the tensor cores; F32: in fp32 (the Triton interpreter's bf16 dot is wrong)
+    if F32:
+        return tl.dot(a.to(tl.float32), tl.trans(w).to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def mma_tile(w0_ptr, w1_ptr, row0, nrows, x_ptr, K: tl.constexpr, TR: tl.constexpr, BK: tl.constexpr,
+             STAGES: tl.constexpr, TWO: tl.constexpr, F32: tl.constexpr):
+    # rows [row0, row0 + nrows) of W0 (and W1) dotted with the vector: TR-row tiles streamed in [TR, BK]
+    # chunks, each multiplied on the tensor cores by a [16, BK] operand whose row 0 is the vector's chunk in
+    # bf16 and row 1 the bf16 of what that rounding lost (rows 2-15 zero), accumulated in fp32: no
+    # reduction across threads until the tile's end
+    rows = row0 + tl.arange(0, TR)
+    rm = tl.arange(0, TR) < nrows
+    i16 = tl.arange(0, 16)[:, None]
+    acc0 = tl.zeros([16, TR], tl.float32)
+    acc1 = tl.zeros([16, TR], tl.float32)
+    for k in tl.range(0, K, BK, num_stages=STAGES):
+        cols = k + tl.arange(0, BK)
+        xv = tl.load(x_ptr + cols)
+        hi = xv.to(tl.bfloat16)
+        lo = (xv - hi.to(tl.float32)).to(tl.bfloat16)
+        a = tl.where(i16 == 0, hi[None, :], tl.where(i16 == 1, lo[None, :], tl.zeros_like(lo)[None, :]))
+        w0 = tl.load(w0_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=rm[:, None], other=0.0)
+        acc0 = _mma(a, w0, acc0, F32)
+        if TWO:
+            w1 = tl.load(w1_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=rm[:, None], other=0.0)
+            acc1 = _mma(a, w1, acc1, F32)
+    return tl.sum(tl.where(i16 < 2, acc0, 0.0), axis=0), tl.sum(tl.where(i16 < 2, acc1, 0.0), axis=0)
+
+
+@triton.jit
 def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, NBLK, NPROG, K: tl.constexpr, NROWS: tl.constexpr,
                  LAYERS: tl.constexpr, RB: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
-                 INTERLEAVE: tl.constexpr, SYNC: tl.constexpr, SPIN: tl.constexpr, TMA: tl.constexpr):
-    # TMA 1: [RB, K] boxes of the matrix; TMA 2: the matrix seen as rows of 256, a block's RB x K elements
-    # one contiguous [RB * K / 256, 256] box, dotted with the vector laid out the same way
+                 INTERLEAVE: tl.constexpr, SYNC: tl.constexpr, SPIN: tl.constexpr, TMA: tl.constexpr,
+                 TILE_BLOCKS: tl.constexpr, INTERP: tl.constexpr):
+    # TMA 0: the decoder's row loop; 1: [RB, K] boxes of the matrix; 2: the matrix seen as rows of 256, a
+    # block's RB x K elements one contiguous [RB * K / 256, 256] box, dotted with the vector laid out the same
+    # way; 3: the program's blocks as one tile (contiguous layout only), streamed in column chunks through
+    # the tensor cores (``mma_tile``)
     # one stage a layer: the blocks of RB rows (of w0, and of w1 if TWO) split over the programs
     pid = tl.program_id(0)
     nb = (NBLK - pid + NPROG - 1) // NPROG          # this program's blocks (the first NBLK % NPROG get one more)
@@ -66,37 +103,45 @@ def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, NBLK, NPROG, K: tl.con
                                        block_shape=[BR, 256])
         hvt = tl.load(x_ptr + (tl.arange(0, BR)[:, None] % (K // 256)) * 256 + tl.arange(0, 256)[None, :])
     for layer in range(LAYERS):
-        for b in tl.range(0, nb, num_stages=STAGES):
-            if INTERLEAVE:
-                blk = b * NPROG + pid
-            else:
-                blk = first + b
-            rows = layer * NROWS + blk * RB + tl.arange(0, RB)
-            rm = rows >= 0
-            if TMA == 1:
-                r0 = layer * NROWS + blk * RB
-                v = tl.sum(d0.load([r0, 0]).to(tl.float32) * hv[None, :], axis=1)
-                if TWO:
-                    uv = tl.sum(d1.load([r0, 0]).to(tl.float32) * hv[None, :], axis=1)
-                    v = v / (1.0 + tl.exp(-v)) * uv
-            elif TMA == 2:
-                r0 = (layer * NROWS + blk * RB) * (K // 256)
-                v = tl.sum(tl.reshape(tl.sum(d0.load([r0, 0]).to(tl.float32) * hvt, axis=1), [RB, K // 256]), axis=1)
-                if TWO:
-                    uv = tl.sum(tl.reshape(tl.sum(d1.load([r0, 0]).to(tl.float32) * hvt, axis=1), [RB, K // 256]),
-                                axis=1)
-                    v = v / (1.0 + tl.exp(-v)) * uv
-            else:
-                v = rows_dot(w0_ptr, rows, rm, hv, 0, K, K, K, True)
-                if TWO:
-                    uv = rows_dot(w1_ptr, rows, rm, hv, 0, K, K, K, True)
-                    v = v / (1.0 + tl.exp(-v)) * uv
-            tl.store(out_ptr + rows, v)
+        if TMA == 3:
+            TR: tl.constexpr = RB * TILE_BLOCKS
+            r0 = layer * NROWS + first * RB
+            v, uv = mma_tile(w0_ptr, w1_ptr, r0, nb * RB, x_ptr, K, TR, 32768 // (2 * TR * (1 + TWO)), STAGES, TWO,
+                             INTERP)
+            if TWO:
+                v = v / (1.0 + tl.exp(-v)) * uv
+            tl.store(out_ptr + r0 + tl.arange(0, TR), v, mask=tl.arange(0, TR) < nb * RB)
+        else:
+            for b in tl.range(0, nb, num_stages=STAGES):
+                if INTERLEAVE:
+                    blk = b * NPROG + pid
+                else:
+                    blk = first + b
+                rows = layer * NROWS + blk * RB + tl.arange(0, RB)
+                rm = rows >= 0
+                if TMA == 1:
+                    r0 = layer * NROWS + blk * RB
+                    v = tl.sum(d0.load([r0, 0]).to(tl.float32) * hv[None, :], axis=1)
+                    if TWO:
+                        uv = tl.sum(d1.load([r0, 0]).to(tl.float32) * hv[None, :], axis=1)
+                        v = v / (1.0 + tl.exp(-v)) * uv
+                elif TMA == 2:
+                    r0 = (layer * NROWS + blk * RB) * (K // 256)
+                    v = tl.sum(tl.reshape(tl.sum(d0.load([r0, 0]).to(tl.float32) * hvt, axis=1), [RB, K // 256]), axis=1)
+                    if TWO:
+                        uv = tl.sum(tl.reshape(tl.sum(d1.load([r0, 0]).to(tl.float32) * hvt, axis=1), [RB, K // 256]),
+                                    axis=1)
+                        v = v / (1.0 + tl.exp(-v)) * uv
+                else:
+                    v = rows_dot(w0_ptr, rows, rm, hv, 0, K, K, K, True)
+                    if TWO:
+                        uv = rows_dot(w1_ptr, rows, rm, hv, 0, K, K, K, True)
+                        v = v / (1.0 + tl.exp(-v)) * uv
+                tl.store(out_ptr + rows, v)
         if SYNC:
             _barrier(cnt_ptr, (layer + 1) * NPROG, SPIN)
 
-
-LOADERS = ("ptr", "tma", "tma16")
+LOADERS = ("ptr", "tma", "tma16", "mma")
 
 
 def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D, syncs=(True, False),
@@ -117,6 +162,8 @@ def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D
             "gate_up": (g, u, xg, ref_gu, d, ffn, RB, True),
             "down": (w, w, xd, ref_dn, ffn, d, 2, False)}.items():
         for ld, lay, sync in itertools.product(loaders, layouts, syncs):
+            if ld == "mma" and lay != "contiguous":      # a tile is a contiguous range of rows
+                continue
             # tma16: one 16 KB box a matrix a block (the vector laid out as [RB * K / 256, 256])
             rbl = 16384 // (2 * K) if ld == "tma16" else rb
 
@@ -127,6 +174,8 @@ def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D
                 stage_kernel[(nprog,)](w0, w1, x, out, cnt, nrows // rb, nprog, K=K, NROWS=nrows, LAYERS=layers,
                                        RB=rb, STAGES=stages, TWO=two, INTERLEAVE=lay == "interleaved",
                                        SYNC=sync, SPIN=1 << 22, TMA=LOADERS.index(ld),
+                                       TILE_BLOCKS=triton.next_power_of_2(-(-(nrows // rb) // nprog)),
+                                       INTERP=os.environ.get("TRITON_INTERPRET") == "1",
                                        num_warps=WARPS)
 
             def check(ref=ref, name=f"{stage} {ld} {lay} sync={sync}"):
