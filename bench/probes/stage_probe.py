@@ -53,11 +53,12 @@ def _mma(a, w, acc, F32: tl.constexpr):
 
 @triton.jit
 def mma_tile(w0_ptr, w1_ptr, row0, nrows, x_ptr, K: tl.constexpr, TR: tl.constexpr, BK: tl.constexpr,
-             STAGES: tl.constexpr, TWO: tl.constexpr, F32: tl.constexpr):
+             STAGES: tl.constexpr, TWO: tl.constexpr, F32: tl.constexpr, nw_ptr=None, NW: tl.constexpr = 0):
     # rows [row0, row0 + nrows) of W0 (and W1) dotted with the vector: TR-row tiles streamed in [TR, BK]
     # chunks, each multiplied on the tensor cores by a [16, BK] operand whose row 0 is the vector's chunk in
     # bf16 and row 1 the bf16 of what that rounding lost (rows 2-15 zero), accumulated in fp32: no
-    # reduction across threads until the tile's end
+    # reduction across threads until the tile's end. NW 1 / 2: the vector is x (read at L2, as the
+    # decoder reads x1) times a norm weight read each stage, bf16 (the model's: GATE_UP's form) or fp32
     rows = row0 + tl.arange(0, TR)
     rm = tl.arange(0, TR) < nrows
     i16 = tl.arange(0, 16)[:, None]
@@ -65,7 +66,10 @@ def mma_tile(w0_ptr, w1_ptr, row0, nrows, x_ptr, K: tl.constexpr, TR: tl.constex
     acc1 = tl.zeros([16, TR], tl.float32)
     for k in tl.range(0, K, BK, num_stages=STAGES):
         cols = k + tl.arange(0, BK)
-        xv = tl.load(x_ptr + cols)
+        if NW == 0:
+            xv = tl.load(x_ptr + cols)
+        else:
+            xv = tl.load(x_ptr + cols, cache_modifier=".cg") * tl.load(nw_ptr + cols).to(tl.float32)
         hi = xv.to(tl.bfloat16)
         lo = (xv - hi.to(tl.float32)).to(tl.bfloat16)
         a = tl.where(i16 == 0, hi[None, :], tl.where(i16 == 1, lo[None, :], tl.zeros_like(lo)[None, :]))
@@ -78,14 +82,14 @@ def mma_tile(w0_ptr, w1_ptr, row0, nrows, x_ptr, K: tl.constexpr, TR: tl.constex
 
 
 @triton.jit
-def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, NBLK, NPROG, K: tl.constexpr, NROWS: tl.constexpr,
+def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, nw_ptr, NBLK, NPROG, K: tl.constexpr, NROWS: tl.constexpr,
                  LAYERS: tl.constexpr, RB: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
                  INTERLEAVE: tl.constexpr, SYNC: tl.constexpr, SPIN: tl.constexpr, TMA: tl.constexpr,
                  TILE_BLOCKS: tl.constexpr, INTERP: tl.constexpr):
     # TMA 0: the decoder's row loop; 1: [RB, K] boxes of the matrix; 2: the matrix seen as rows of 256, a
     # block's RB x K elements one contiguous [RB * K / 256, 256] box, dotted with the vector laid out the same
     # way; 3: the program's blocks as one tile (contiguous layout only), streamed in column chunks through
-    # the tensor cores (``mma_tile``)
+    # the tensor cores (``mma_tile``); 4, 5: that with a bf16 / fp32 norm weight read each stage
     # one stage a layer: the blocks of RB rows (of w0, and of w1 if TWO) split over the programs
     pid = tl.program_id(0)
     nb = (NBLK - pid + NPROG - 1) // NPROG          # this program's blocks (the first NBLK % NPROG get one more)
@@ -103,11 +107,11 @@ def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, NBLK, NPROG, K: tl.con
                                        block_shape=[BR, 256])
         hvt = tl.load(x_ptr + (tl.arange(0, BR)[:, None] % (K // 256)) * 256 + tl.arange(0, 256)[None, :])
     for layer in range(LAYERS):
-        if TMA == 3:
+        if TMA >= 3:
             TR: tl.constexpr = RB * TILE_BLOCKS
             r0 = layer * NROWS + first * RB
             v, uv = mma_tile(w0_ptr, w1_ptr, r0, nb * RB, x_ptr, K, TR, 32768 // (2 * TR * (1 + TWO)), STAGES, TWO,
-                             INTERP)
+                             INTERP, nw_ptr, TMA - 3)
             if TWO:
                 v = v / (1.0 + tl.exp(-v)) * uv
             tl.store(out_ptr + r0 + tl.arange(0, TR), v, mask=tl.arange(0, TR) < nb * RB)
@@ -141,7 +145,7 @@ def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, NBLK, NPROG, K: tl.con
         if SYNC:
             _barrier(cnt_ptr, (layer + 1) * NPROG, SPIN)
 
-LOADERS = ("ptr", "tma", "tma16", "mma")
+LOADERS = ("ptr", "tma", "tma16", "mma", "mma_nw16", "mma_nw32")
 
 
 def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D, syncs=(True, False),
@@ -153,25 +157,28 @@ def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D
     w = torch.randn(layers * d, ffn, device=dev, dtype=torch.bfloat16)
     xg = torch.randn(d, device=dev) / d ** 0.5
     xd = torch.randn(ffn, device=dev) / ffn ** 0.5
-    ref_gu = torch.nn.functional.silu(g.float() @ xg) * (u.float() @ xg)
-    ref_dn = w.float() @ xd
+    nw16 = (1 + 0.1 * torch.randn(max(d, ffn), device=dev)).to(torch.bfloat16)
+    nw32 = nw16.float()
     out = torch.empty(layers * max(ffn, d), device=dev)
     cnt = torch.zeros(1, device=dev, dtype=torch.int32)
     res = {}
-    for stage, (w0, w1, x, ref, K, nrows, rb, two) in {
-            "gate_up": (g, u, xg, ref_gu, d, ffn, RB, True),
-            "down": (w, w, xd, ref_dn, ffn, d, 2, False)}.items():
+    for stage, (w0, w1, x, K, nrows, rb, two) in {
+            "gate_up": (g, u, xg, d, ffn, RB, True),
+            "down": (w, w, xd, ffn, d, 2, False)}.items():
         for ld, lay, sync in itertools.product(loaders, layouts, syncs):
-            if ld == "mma" and lay != "contiguous":      # a tile is a contiguous range of rows
+            if ld.startswith("mma") and lay != "contiguous":      # a tile is a contiguous range of rows
                 continue
+            h = x * nw32[:K] if ld.startswith("mma_nw") else x
+            ref = torch.nn.functional.silu(w0.float() @ h) * (w1.float() @ h) if two else w0.float() @ h
+            nw = nw32 if ld == "mma_nw32" else nw16
             # tma16: one 16 KB box a matrix a block (the vector laid out as [RB * K / 256, 256])
             rbl = 16384 // (2 * K) if ld == "tma16" else rb
 
-            def call(fresh=False, w0=w0, w1=w1, x=x, K=K, nrows=nrows, rb=rbl, two=two, lay=lay, sync=sync, ld=ld):
+            def call(fresh=False, w0=w0, w1=w1, x=x, K=K, nrows=nrows, rb=rbl, two=two, lay=lay, sync=sync, ld=ld, nw=nw):
                 if fresh:                       # a row no block stores stays NaN and fails the check
                     out.fill_(float("nan"))
                 cnt.zero_()
-                stage_kernel[(nprog,)](w0, w1, x, out, cnt, nrows // rb, nprog, K=K, NROWS=nrows, LAYERS=layers,
+                stage_kernel[(nprog,)](w0, w1, x, out, cnt, nw, nrows // rb, nprog, K=K, NROWS=nrows, LAYERS=layers,
                                        RB=rb, STAGES=stages, TWO=two, INTERLEAVE=lay == "interleaved",
                                        SYNC=sync, SPIN=1 << 22, TMA=LOADERS.index(ld),
                                        TILE_BLOCKS=triton.next_power_of_2(-(-(nrows // rb) // nprog)),
