@@ -20,11 +20,16 @@ from .common import T_N2, T_WG, T_WU, gemv_mma, gemv_stream, norm_row_vec, rows_
 
 def gu_mma_bk(lay: Layout) -> int:
     """Columns a pipeline stage of a tensor-core GATE_UP tile streams (``Tiling.gu_mma``; 0: off):
-    ``row_bytes`` (32 KB if 0) a stage over gate's and up's ``gu_rows`` rows, at least 16."""
+    ``row_bytes`` (32 KB if 0) a stage over gate's and up's ``gu_rows`` rows, widened where d has
+    room for two such stages to two columns a thread (the norm weight's bf16 chunk then loads 4
+    bytes a thread, which cp.async can pipeline: one a thread is read synchronously every stage,
+    bench/NOTES.md v119)."""
     t, d = lay.tiling, lay.cfg.d
     if not t.gu_mma:
         return 0
     bk = max(16, (t.row_bytes or ROW_BYTES) // (4 * t.gu_rows))
+    if bk < 64 * t.num_warps <= d // 2:
+        bk = 64 * t.num_warps
     if t.gu_rows < 16 or d % bk:
         raise ValueError(f"Tiling.gu_mma needs gu_rows >= 16 (got {t.gu_rows}) and d a multiple of its {bk}-column "
                          f"stages (d = {d})")
@@ -55,7 +60,7 @@ def _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out,
 def gate_up_device(layer, row0, nrows, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
                    D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
                    GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GU_SPAN: tl.constexpr,
-                   GU_MMA: tl.constexpr, INTERP: tl.constexpr):
+                   GU_MMA: tl.constexpr, GU_MSTAGES: tl.constexpr, INTERP: tl.constexpr):
     g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
@@ -67,7 +72,7 @@ def gate_up_device(layer, row0, nrows, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr,
             rm = tl.arange(0, GU_ROWS) < nrows
         else:
             rm = rows < FFN
-        g, u, ss = gemv_mma(g_ptr, u_ptr, rows, rm, xin, nw_ptr, D, GU_ROWS, GU_MMA, STAGES, True, INTERP)
+        g, u, ss = gemv_mma(g_ptr, u_ptr, rows, rm, xin, nw_ptr, D, GU_ROWS, GU_MMA, GU_MSTAGES, True, INTERP)
         rstd = 1.0 / tl.sqrt(ss / D + EPS)
         gv = g * rstd
         uv = u * rstd
@@ -97,11 +102,14 @@ class GateUp(Instruction):
     NAME = "gate_up"
     STAGE = 4
     ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB",
-            "BK", "STAGES", "GU_SPAN", "GU_MMA", "INTERP")
+            "BK", "STAGES", "GU_SPAN", "GU_MMA", "GU_MSTAGES", "INTERP")
     CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
                   "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows),
                   "GU_SPAN": lambda lay: int(lay.tiling.gu_tiles > 0),
-                  "GU_MMA": lambda lay: gu_mma_bk(lay)}
+                  "GU_MMA": lambda lay: gu_mma_bk(lay),
+                  # the tensor-core loop's depth: as many bytes in flight as the row loop's
+                  "GU_MSTAGES": lambda lay: max(2, (lay.tiling.stages - 1) * (lay.tiling.row_bytes or ROW_BYTES)
+                                                // max(1, 4 * lay.tiling.gu_rows * gu_mma_bk(lay)) + 1)}
     device = gate_up_device
 
     SCRATCH = {"act": "fp32"}
