@@ -108,16 +108,11 @@ class Tiling:
     # 1B decoder -0.8..-1.5%, runs 173-174); the 8B shape +5.5..+6.0%, and GATE_UP or O waiting inside
     # lost on the 1B alone and beside it (bench/NOTES.md v96-v102)
     down_wait: int = 0
-    # 1: GATE_UP tiles stream through the tensor cores (opcodes.common.gemv_mma): 32 KB column chunks of
-    # the tile's gate and up rows, the vector as a bf16 pair, no row sum across warps until the tile's
-    # end. The row loop's gate/up is bound by the SM at ~34 GB/s; this one streams a one-wave stage of
-    # 132 SMs at 96% of copy (bench/NOTES.md runs 211-212)
-    gu_mma: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "gu_mma") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -129,7 +124,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "down_wait", "gu_mma"):
+        for k in ("res_fold", "key_in_reduce", "down_wait"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:

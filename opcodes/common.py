@@ -156,42 +156,6 @@ def gemv_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, x_ptr, nw_ptr, kbase,
 
 
 @triton.jit
-def gemv_mma(w1_ptr, w2_ptr, rows, row_mask, x_ptr, nw_ptr, K: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
-             STAGES: tl.constexpr, TWO: tl.constexpr, INTERP: tl.constexpr):
-    """``W1[rows] . (x * nw)`` (and ``W2[rows] . (x * nw)`` with ``TWO``) on the tensor cores, and the
-    sum of ``x^2`` (the caller's ``rsqrt``, applied after the dots): the rows stream in ``[ROWS, BK]``
-    column chunks, pipelined ``STAGES`` deep, each multiplied by a ``[16, BK]`` bf16 operand whose
-    row 0 is the vector's chunk rounded to bf16 and row 1 what that rounding lost (rows 2-15 zero),
-    into fp32 accumulators of 16 x ``ROWS``. So no row needs a sum across threads until the tile's
-    end (the row loop sums every row of every stage across its warps: bench/NOTES.md run 211), and
-    the vector keeps ~16 bits (the row loop's fp32: within 2^-16 of it). Rows outside ``row_mask``
-    read nothing and come out 0. ``K`` a multiple of ``BK``. Returns ``(y1, y2, ss)``: ``[ROWS]``
-    fp32 (``y2`` zero without ``TWO``) and the scalar sum of squares."""
-    i16 = tl.arange(0, 16)[:, None]
-    acc1 = tl.zeros([16, ROWS], dtype=tl.float32)
-    acc2 = tl.zeros([16, ROWS], dtype=tl.float32)
-    ss = tl.zeros([BK], dtype=tl.float32)
-    wrow1 = w1_ptr + rows[:, None] * K
-    wrow2 = w2_ptr + rows[:, None] * K
-    for kk in tl.range(0, K, BK, num_stages=STAGES):
-        cols = kk + tl.arange(0, BK)
-        xv = tl.load(x_ptr + cols, cache_modifier=".cg").to(tl.float32)
-        ss += xv * xv
-        hv = xv * tl.load(nw_ptr + cols).to(tl.float32)
-        hi = to_bf16(hv, INTERP)
-        lo = to_bf16(hv - hi.to(tl.float32), INTERP)
-        a = tl.where(i16 == 0, hi[None, :], tl.where(i16 == 1, lo[None, :], tl.zeros_like(lo)[None, :]))
-        w1 = tl.load(wrow1 + cols[None, :], mask=row_mask[:, None], other=0.0, eviction_policy="evict_first")
-        acc1 += mma(a, tl.trans(w1), INTERP)
-        if TWO:
-            w2 = tl.load(wrow2 + cols[None, :], mask=row_mask[:, None], other=0.0, eviction_policy="evict_first")
-            acc2 += mma(a, tl.trans(w2), INTERP)
-    y1 = tl.sum(tl.where(i16 < 2, acc1, 0.0), axis=0)
-    y2 = tl.sum(tl.where(i16 < 2, acc2, 0.0), axis=0)
-    return y1, y2, tl.sum(ss, axis=0)
-
-
-@triton.jit
 def row_vec(x_ptr, nw_ptr, kbase, KLEN: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr):
     """The vector of a row-streaming GEMV (``Tiling.row_bytes``): ``x[kbase : kbase + KLEN]`` in
     fp32, zero-padded to ``KP`` (a power of two), times the RMSNorm weight at ``nw_ptr`` with

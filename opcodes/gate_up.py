@@ -14,26 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import ROW_BYTES, Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
-from .common import T_N2, T_WG, T_WU, gemv_mma, gemv_stream, norm_row_vec, rows_dot, tab_offset
-
-
-def gu_mma_bk(lay: Layout) -> int:
-    """Columns a pipeline stage of a tensor-core GATE_UP tile streams (``Tiling.gu_mma``; 0: off):
-    ``row_bytes`` (32 KB if 0) a stage over gate's and up's ``gu_rows`` rows, widened where d has
-    room for two such stages to two columns a thread (the norm weight's bf16 chunk then loads 4
-    bytes a thread, which cp.async can pipeline: one a thread is read synchronously every stage,
-    bench/NOTES.md v119)."""
-    t, d = lay.tiling, lay.cfg.d
-    if not t.gu_mma:
-        return 0
-    bk = max(16, (t.row_bytes or ROW_BYTES) // (4 * t.gu_rows))
-    if bk < 64 * t.num_warps <= d // 2:
-        bk = 64 * t.num_warps
-    if t.gu_rows < 16 or d % bk:
-        raise ValueError(f"Tiling.gu_mma needs gu_rows >= 16 (got {t.gu_rows}) and d a multiple of its {bk}-column "
-                         f"stages (d = {d})")
-    return bk
+from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
+from .common import T_N2, T_WG, T_WU, gemv_stream, norm_row_vec, rows_dot, tab_offset
 
 
 @triton.jit
@@ -59,25 +41,12 @@ def _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out,
 @triton.jit
 def gate_up_device(layer, row0, nrows, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
                    D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GU_SPAN: tl.constexpr,
-                   GU_MMA: tl.constexpr, GU_MSTAGES: tl.constexpr, INTERP: tl.constexpr):
+                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GU_SPAN: tl.constexpr):
     g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
     xin = x1_ptr + layer * D
-    if GU_MMA > 0:
-        # the tile's rows through the tensor cores (Tiling.gu_mma), GU_MMA columns a pipeline stage
-        rows = row0 + tl.arange(0, GU_ROWS)
-        if GU_SPAN:
-            rm = tl.arange(0, GU_ROWS) < nrows
-        else:
-            rm = rows < FFN
-        g, u, ss = gemv_mma(g_ptr, u_ptr, rows, rm, xin, nw_ptr, D, GU_ROWS, GU_MMA, GU_MSTAGES, True, INTERP)
-        rstd = 1.0 / tl.sqrt(ss / D + EPS)
-        gv = g * rstd
-        uv = u * rstd
-        tl.store(act_ptr + layer * FFN + rows, gv / (1.0 + tl.exp(-gv)) * uv, mask=rm)
-    elif GU_RB == 0:
+    if GU_RB == 0:
         rows = row0 + tl.arange(0, GU_ROWS)
         rm = rows < FFN
         accg, accu, ss = gemv_stream(g_ptr, rows, u_ptr, rows, rm, xin, nw_ptr, 0, D, D, GU_ROWS, BK, STAGES,
@@ -102,14 +71,10 @@ class GateUp(Instruction):
     NAME = "gate_up"
     STAGE = 4
     ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB",
-            "BK", "STAGES", "GU_SPAN", "GU_MMA", "GU_MSTAGES", "INTERP")
+            "BK", "STAGES", "GU_SPAN")
     CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
                   "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows),
-                  "GU_SPAN": lambda lay: int(lay.tiling.gu_tiles > 0),
-                  "GU_MMA": lambda lay: gu_mma_bk(lay),
-                  # the tensor-core loop's depth: as many bytes in flight as the row loop's
-                  "GU_MSTAGES": lambda lay: max(2, (lay.tiling.stages - 1) * (lay.tiling.row_bytes or ROW_BYTES)
-                                                // max(1, 4 * lay.tiling.gu_rows * gu_mma_bk(lay)) + 1)}
+                  "GU_SPAN": lambda lay: int(lay.tiling.gu_tiles > 0)}
     device = gate_up_device
 
     SCRATCH = {"act": "fp32"}

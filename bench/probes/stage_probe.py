@@ -1,18 +1,21 @@
-"""How fast does a one-wave GEMV stage stream, by where its SMs read and how they load?
-python3 -m bench.probes.stage_probe (a GPU)
+"""How fast does a one-wave GEMV stage stream, by how its SMs load and where they read?
+python3 -m bench.probes.stage_probe [PROGRAMS ...] [--loaders ...] [--layouts ...] [--stages N]   (a GPU)
 
-The 1B decoder gives each SM a contiguous range of rows (a gate/up tile: 16 blocks of 4 gate + 4 up rows,
-~512 KB), so at any moment 132 SMs read 132 places ~512 KB apart. A copy kernel's concurrent requests lie
-close together. This probe streams the 1B's gate/up stage (gate and up, 8192 x 2048 each) and its down
-stage (2048 x 8192) as the decoder does: one wave a stage, 16 layers of distinct weights (1.6 GB,
-no L2 reuse), the decoder's row loop (4 warps, 5 stages of 32 KB), with a grid barrier after every
-stage (``SYNC``, the dependency the decoder waits on) or without one (the stream's steady rate). Two
-layouts of the same blocks:
-  contiguous  program p streams blocks [p * nb, (p + 1) * nb) of a stage (the decoder's tiles)
-  interleaved program p streams blocks p, p + P, p + 2P, ... (concurrent requests adjacent)
-and two loaders: `ptr` (the decoder's cp.async row loop, ``opcodes.common.rows_dot``) and `tma` (the same
-blocks as TMA copies through one in-kernel descriptor a matrix, made once a program).
-Outputs are checked against torch before timing; every case alternates in one process.
+The 1B decoder's gate/up stage (gate and up, 8192 x 2048 each) and down stage (2048 x 8192), one wave a
+stage as the decoder runs them, 16 layers of distinct weights in one launch (1.5 GB: no L2 reuse), with a
+grid barrier after every stage (``sync=1``: the dependency the decoder waits on) or without one (``sync=0``:
+the stream's steady rate). Run over fewer programs it separates the SM's bound from the HBM's (run 211: the
+row loop's gate/up stops at ~34 GB/s an SM with the HBM idle). Loaders (bench/NOTES.md runs 208-215):
+  ptr       the decoder's cp.async row loop (``opcodes.common.rows_dot``: 4 warps, 5 stages of 32 KB)
+  mma       the program's blocks as one tile streamed in 32 KB column chunks through the tensor cores,
+            the vector as a bf16 pair (``mma_tile``): 96% of copy unsynced on 132 SMs (run 212)
+  mma_nw16  mma with the vector x times a bf16 norm weight read each stage (GATE_UP's form: read
+            synchronously, ~5 us a stage more, run 214); mma_nw32 the same weight in fp32 (pipelined)
+Layouts of the same blocks: ``contiguous`` (program p streams blocks [p * nb, (p + 1) * nb), the decoder's
+tiles) and ``interleaved`` (blocks p, p + P, p + 2P, ...: concurrent requests adjacent; ptr only).
+TMA loaders (boxes of [4, 2048] and one contiguous 16 KB box a block) lost 20-60% (runs 209-210) and left.
+Outputs are checked against torch before timing (a row no block stores stays NaN); every case alternates
+in one process.
 """
 from __future__ import annotations
 
@@ -84,34 +87,23 @@ def mma_tile(w0_ptr, w1_ptr, row0, nrows, x_ptr, K: tl.constexpr, TR: tl.constex
 @triton.jit
 def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, nw_ptr, NBLK, NPROG, K: tl.constexpr, NROWS: tl.constexpr,
                  LAYERS: tl.constexpr, RB: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
-                 INTERLEAVE: tl.constexpr, SYNC: tl.constexpr, SPIN: tl.constexpr, TMA: tl.constexpr,
+                 INTERLEAVE: tl.constexpr, SYNC: tl.constexpr, SPIN: tl.constexpr, LOADER: tl.constexpr,
                  TILE_BLOCKS: tl.constexpr, INTERP: tl.constexpr):
-    # TMA 0: the decoder's row loop; 1: [RB, K] boxes of the matrix; 2: the matrix seen as rows of 256, a
-    # block's RB x K elements one contiguous [RB * K / 256, 256] box, dotted with the vector laid out the same
-    # way; 3: the program's blocks as one tile (contiguous layout only), streamed in column chunks through
-    # the tensor cores (``mma_tile``); 4, 5: that with a bf16 / fp32 norm weight read each stage
-    # one stage a layer: the blocks of RB rows (of w0, and of w1 if TWO) split over the programs
+    # one stage a layer: the blocks of RB rows (of w0, and of w1 if TWO) split over the programs. LOADER 0:
+    # the decoder's row loop; 1: the program's blocks as one tile (contiguous layout only), streamed in
+    # column chunks through the tensor cores (``mma_tile``); 2, 3: that with a bf16 / fp32 norm weight
+    # read each stage
     pid = tl.program_id(0)
     nb = (NBLK - pid + NPROG - 1) // NPROG          # this program's blocks (the first NBLK % NPROG get one more)
     first = pid * (NBLK // NPROG) + tl.minimum(pid, NBLK % NPROG)
     cols = tl.arange(0, K)
     hv = tl.load(x_ptr + cols)
-    BR: tl.constexpr = RB * K // 256
-    if TMA == 1:
-        d0 = tl.make_tensor_descriptor(w0_ptr, shape=[LAYERS * NROWS, K], strides=[K, 1], block_shape=[RB, K])
-        d1 = tl.make_tensor_descriptor(w1_ptr, shape=[LAYERS * NROWS, K], strides=[K, 1], block_shape=[RB, K])
-    elif TMA == 2:
-        d0 = tl.make_tensor_descriptor(w0_ptr, shape=[LAYERS * NROWS * (K // 256), 256], strides=[256, 1],
-                                       block_shape=[BR, 256])
-        d1 = tl.make_tensor_descriptor(w1_ptr, shape=[LAYERS * NROWS * (K // 256), 256], strides=[256, 1],
-                                       block_shape=[BR, 256])
-        hvt = tl.load(x_ptr + (tl.arange(0, BR)[:, None] % (K // 256)) * 256 + tl.arange(0, 256)[None, :])
     for layer in range(LAYERS):
-        if TMA >= 3:
+        if LOADER >= 1:
             TR: tl.constexpr = RB * TILE_BLOCKS
             r0 = layer * NROWS + first * RB
             v, uv = mma_tile(w0_ptr, w1_ptr, r0, nb * RB, x_ptr, K, TR, 32768 // (2 * TR * (1 + TWO)), STAGES, TWO,
-                             INTERP, nw_ptr, TMA - 3)
+                             INTERP, nw_ptr, LOADER - 1)
             if TWO:
                 v = v / (1.0 + tl.exp(-v)) * uv
             tl.store(out_ptr + r0 + tl.arange(0, TR), v, mask=tl.arange(0, TR) < nb * RB)
@@ -123,29 +115,16 @@ def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, nw_ptr, NBLK, NPROG, K
                     blk = first + b
                 rows = layer * NROWS + blk * RB + tl.arange(0, RB)
                 rm = rows >= 0
-                if TMA == 1:
-                    r0 = layer * NROWS + blk * RB
-                    v = tl.sum(d0.load([r0, 0]).to(tl.float32) * hv[None, :], axis=1)
-                    if TWO:
-                        uv = tl.sum(d1.load([r0, 0]).to(tl.float32) * hv[None, :], axis=1)
-                        v = v / (1.0 + tl.exp(-v)) * uv
-                elif TMA == 2:
-                    r0 = (layer * NROWS + blk * RB) * (K // 256)
-                    v = tl.sum(tl.reshape(tl.sum(d0.load([r0, 0]).to(tl.float32) * hvt, axis=1), [RB, K // 256]), axis=1)
-                    if TWO:
-                        uv = tl.sum(tl.reshape(tl.sum(d1.load([r0, 0]).to(tl.float32) * hvt, axis=1), [RB, K // 256]),
-                                    axis=1)
-                        v = v / (1.0 + tl.exp(-v)) * uv
-                else:
-                    v = rows_dot(w0_ptr, rows, rm, hv, 0, K, K, K, True)
-                    if TWO:
-                        uv = rows_dot(w1_ptr, rows, rm, hv, 0, K, K, K, True)
-                        v = v / (1.0 + tl.exp(-v)) * uv
+                v = rows_dot(w0_ptr, rows, rm, hv, 0, K, K, K, True)
+                if TWO:
+                    uv = rows_dot(w1_ptr, rows, rm, hv, 0, K, K, K, True)
+                    v = v / (1.0 + tl.exp(-v)) * uv
                 tl.store(out_ptr + rows, v)
         if SYNC:
             _barrier(cnt_ptr, (layer + 1) * NPROG, SPIN)
 
-LOADERS = ("ptr", "tma", "tma16", "mma", "mma_nw16", "mma_nw32")
+
+LOADERS = ("ptr", "mma", "mma_nw16", "mma_nw32")
 
 
 def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D, syncs=(True, False),
@@ -171,16 +150,13 @@ def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D
             h = x * nw32[:K] if ld.startswith("mma_nw") else x
             ref = torch.nn.functional.silu(w0.float() @ h) * (w1.float() @ h) if two else w0.float() @ h
             nw = nw32 if ld == "mma_nw32" else nw16
-            # tma16: one 16 KB box a matrix a block (the vector laid out as [RB * K / 256, 256])
-            rbl = 16384 // (2 * K) if ld == "tma16" else rb
-
-            def call(fresh=False, w0=w0, w1=w1, x=x, K=K, nrows=nrows, rb=rbl, two=two, lay=lay, sync=sync, ld=ld, nw=nw):
+            def call(fresh=False, w0=w0, w1=w1, x=x, K=K, nrows=nrows, rb=rb, two=two, lay=lay, sync=sync, ld=ld, nw=nw):
                 if fresh:                       # a row no block stores stays NaN and fails the check
                     out.fill_(float("nan"))
                 cnt.zero_()
                 stage_kernel[(nprog,)](w0, w1, x, out, cnt, nw, nrows // rb, nprog, K=K, NROWS=nrows, LAYERS=layers,
                                        RB=rb, STAGES=stages, TWO=two, INTERLEAVE=lay == "interleaved",
-                                       SYNC=sync, SPIN=1 << 22, TMA=LOADERS.index(ld),
+                                       SYNC=sync, SPIN=1 << 22, LOADER=LOADERS.index(ld),
                                        TILE_BLOCKS=triton.next_power_of_2(-(-(nrows // rb) // nprog)),
                                        INTERP=os.environ.get("TRITON_INTERPRET") == "1",
                                        num_warps=WARPS)
@@ -214,7 +190,6 @@ def main(argv=None):
     if not 2 <= args.stages <= 6:
         ap.error(f"--stages: {args.stages} is not between 2 and 6 (32 KB a stage in shared memory)")
     dev = "cuda"
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, device=dev, dtype=torch.int8))
     reps = int(os.environ.get("REPS", "9"))
     a = torch.empty(1 << 28, device=dev, dtype=torch.bfloat16); b = torch.empty_like(a)
     e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
