@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bench.baselines import stream_copy_bandwidth
 from opcodes.common import rows_dot
 
 D, FFN, LAYERS = 2048, 8192, 16
@@ -191,13 +192,8 @@ def main(argv=None):
         ap.error(f"--stages: {args.stages} is not between 2 and 6 (32 KB a stage in shared memory)")
     dev = "cuda"
     reps = int(os.environ.get("REPS", "9"))
-    a = torch.empty(1 << 28, device=dev, dtype=torch.bfloat16); b = torch.empty_like(a)
+    bw = stream_copy_bandwidth(dev, nbytes=512 * 1024**2)
     e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-    ts = []
-    for _ in range(10):
-        e0.record(); b.copy_(a); e1.record(); torch.cuda.synchronize(); ts.append(e0.elapsed_time(e1))
-    bw = 2 * a.numel() * 2 / (statistics.median(ts) * 1e-3)
-    del a, b
     print(f"stream copy {bw / 1e12:.3f} TB/s; {LAYERS} stages in one launch, {WARPS} warps, {args.stages} pipeline stages")
     for nprog in args.nprog:
         cs = cases(dev, nprog, loaders=loaders, layouts=layouts, stages=args.stages)
