@@ -129,7 +129,7 @@ LOADERS = ("ptr", "mma", "mma_nw16", "mma_nw32")
 
 
 def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D, syncs=(True, False),
-          loaders=LOADERS, layouts=("contiguous", "interleaved"), stages: int = STAGES):
+          loaders=LOADERS, layouts=("contiguous", "interleaved"), stages: int = STAGES, warps: int = WARPS):
     """{(stage, loader, layout, sync): (launch, check)}: gate/up and down stages, each layout, with the barrier and
     without it (``syncs``; the Triton interpreter runs programs one after another, so it cannot sync)."""
     g = torch.randn(layers * ffn, d, device=dev, dtype=torch.bfloat16)
@@ -160,7 +160,7 @@ def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D
                                        SYNC=sync, SPIN=1 << 22, LOADER=LOADERS.index(ld),
                                        TILE_BLOCKS=triton.next_power_of_2(-(-(nrows // rb) // nprog)),
                                        INTERP=os.environ.get("TRITON_INTERPRET") == "1",
-                                       num_warps=WARPS)
+                                       num_warps=warps)
 
             def check(ref=ref, name=f"{stage} {ld} {lay} sync={sync}"):
                 err = ((out[:ref.numel()] - ref).abs().max() / ref.abs().max()).item()
@@ -177,6 +177,7 @@ def main(argv=None):
     ap.add_argument("--loaders", default=",".join(LOADERS), help=f"comma-separated, of {', '.join(LOADERS)}")
     ap.add_argument("--layouts", default="contiguous,interleaved", help="comma-separated: contiguous, interleaved")
     ap.add_argument("--stages", type=int, default=STAGES, help="the loop's pipeline stages (num_stages)")
+    ap.add_argument("--warps", type=int, default=WARPS, help="warps a program (the 1B decoder's kernel runs 4)")
     args = ap.parse_args(argv)
     loaders, layouts = args.loaders.split(","), args.layouts.split(",")
     for v in loaders:
@@ -188,15 +189,17 @@ def main(argv=None):
     for n in args.nprog:
         if not 1 <= n <= 132:
             ap.error(f"nprog: {n} is not between 1 and 132 (one program an SM, co-resident for the barrier)")
+    if args.warps not in (1, 2, 4, 8):
+        ap.error(f"--warps: {args.warps} is not 1, 2, 4 or 8")
     if not 2 <= args.stages <= 6:
         ap.error(f"--stages: {args.stages} is not between 2 and 6 (32 KB a stage in shared memory)")
     dev = "cuda"
     reps = int(os.environ.get("REPS", "9"))
     bw = stream_copy_bandwidth(dev, nbytes=512 * 1024**2)
     e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-    print(f"stream copy {bw / 1e12:.3f} TB/s; {LAYERS} stages in one launch, {WARPS} warps, {args.stages} pipeline stages")
+    print(f"stream copy {bw / 1e12:.3f} TB/s; {LAYERS} stages in one launch, {args.warps} warps, {args.stages} pipeline stages")
     for nprog in args.nprog:
-        cs = cases(dev, nprog, loaders=loaders, layouts=layouts, stages=args.stages)
+        cs = cases(dev, nprog, loaders=loaders, layouts=layouts, stages=args.stages, warps=args.warps)
         for name, (call, check) in cs.items():
             call(fresh=True); torch.cuda.synchronize(); check()
         times = {k: [] for k in cs}
