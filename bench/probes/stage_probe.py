@@ -49,7 +49,8 @@ def _barrier(cnt_ptr, target, SPIN: tl.constexpr):
 
 @triton.jit
 def _mma(a, w, acc, F32: tl.constexpr):
-    # acc + a @ w^T on the tensor cores; F32: in fp32 (the Triton interpreter's bf16 dot is wrong)
+    # acc + a @ w^T on the tensor cores; F32: in fp32 (the Triton interpreter's bf16 dot is wrong, as
+    # opcodes.common.mma says; this form passes the accumulator to the dot, as runs 212-217 measured it)
     if F32:
         return tl.dot(a.to(tl.float32), tl.trans(w).to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, tl.trans(w), acc)
@@ -154,7 +155,7 @@ def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D
             def call(fresh=False, w0=w0, w1=w1, x=x, K=K, nrows=nrows, rb=rb, two=two, lay=lay, sync=sync, ld=ld, nw=nw):
                 if fresh:                       # a row no block stores stays NaN and fails the check
                     out.fill_(float("nan"))
-                cnt.zero_()
+                cnt.zero_()                     # (inside the timed window: ~0.2 us a stage, every case alike)
                 stage_kernel[(nprog,)](w0, w1, x, out, cnt, nw, nrows // rb, nprog, K=K, NROWS=nrows, LAYERS=layers,
                                        RB=rb, STAGES=stages, TWO=two, INTERLEAVE=lay == "interleaved",
                                        SYNC=sync, SPIN=1 << 22, LOADER=LOADERS.index(ld),
