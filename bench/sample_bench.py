@@ -86,7 +86,6 @@ def main(argv=None) -> int:
 def _profile(name, w, cfg, max_seq, kw, a) -> None:
     """One setting's last token, profiled: the per-opcode and per-stage tables."""
     from interp import build_decoder, generate, teardown
-    from opcodes.sample import PATHS
     from interp.runtime import profile_records
     from megatape import views
     from opcodes.reference import make_kv_cache

@@ -333,6 +333,12 @@ def _smp_chunk_cands(c0, bm, m, scale, logits_ptr, exp2_ptr, VOCAB: tl.constexpr
 
 
 @triton.jit
+def _smp_thresholded(top_k, top_pq, VOCAB: tl.constexpr):
+    """Whether a top-k or top-p threshold applies (SAMPLE_MASS then keeps candidates; ``wants_cands``)."""
+    return ((top_k > 0) & (top_k < VOCAB)) | (top_pq < SMP_TOP_P_ONE)
+
+
+@triton.jit
 def _smp_chunk_sums(smp_mass_ptr, VOCAB: tl.constexpr, SMP_CHUNK: tl.constexpr):
     """The SAMPLE_MASS stage's sums, one a chunk, as a vector (padded with 0 to a power of two)."""
     NCH: tl.constexpr = (VOCAB + SMP_CHUNK - 1) // SMP_CHUNK
@@ -452,7 +458,7 @@ def sample_device(nparts, pos, logits_ptr, amax_ptr, smp_ptr, smp_mass_ptr, tok_
     t = tl.full([], SMP_NONE, tl.float32)
     z = z0
     path = tl.full([], 0, tl.int64)
-    if ((top_k > 0) & (top_k < VOCAB)) | (top_pq < SMP_TOP_P_ONE):
+    if _smp_thresholded(top_k, top_pq, VOCAB):
         cand, wc, kth = _smp_load_cands(smp_mass_ptr, VOCAB, SMP_CHUNK, SMP_CANDS)
         ok, tc, zc, csum = _smp_cand_thresholds(top_k, top_pq, z0, m, cand, wc, kth, VOCAB)
         if ok:
@@ -496,6 +502,12 @@ def philox_randint(seed: int, offset: int, rounds: int = 10) -> int:
         c0, c1, c2, c3 = (p2 >> 32) ^ c1 ^ k0, p2 & _M32, (p0 >> 32) ^ c3 ^ k1, p0 & _M32
         k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
     return c0
+
+
+def need_torch(z: int, top_pq: int) -> int:
+    """:func:`_smp_need` in Python ints: ceil(z * top_pq / 2^24), the mass top-p keeps."""
+    lp = (z & 0xFFFFFF) * top_pq
+    return (z >> 24) * top_pq + (lp >> 24) + int((lp & 0xFFFFFF) != 0)
 
 
 def weights_torch(l: torch.Tensor, m, scale, table: torch.Tensor) -> torch.Tensor:
@@ -591,9 +603,7 @@ def sample_torch(logits: torch.Tensor, amax: torch.Tensor, nparts: int, lm_rows:
         t, _ = search(t, 0, m, top_k, False)
     z = evaluate(t)[1]
     if top_pq < TOP_P_ONE:
-        lp = (z & 0xFFFFFF) * top_pq
-        need = (z >> 24) * top_pq + (lp >> 24) + int((lp & 0xFFFFFF) != 0)
-        t, z = search(t, z, m, need, True)
+        t, z = search(t, z, m, need_torch(z, top_pq), True)
     u = philox_randint(seed, pos) >> 1
     r = u * (z >> 31) + ((u * (z & 0x7FFFFFFF)) >> 31)
     keep = (bmax_blk >= float(t))[blk] & (l >= float(t))
@@ -793,8 +803,7 @@ def cand_path_torch(logits: torch.Tensor, amax: torch.Tensor, nparts: int, lm_ro
             t = float(torch.sort(vals, descending=True).values[top_k - 1])
             z = mass(t)
     if ok and top_pq < TOP_P_ONE:
-        lp = (z & 0xFFFFFF) * top_pq
-        need = (z >> 24) * top_pq + (lp >> 24) + int((lp & 0xFFFFFF) != 0)
+        need = need_torch(z, top_pq)
         ok = mass(t) >= need
         if ok:
             t = max(float(v) for v in torch.unique(vals) if float(v) >= t and mass(float(v)) >= need)

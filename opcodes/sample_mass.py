@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, Timing, register
-from .sample import (SMP_MAX_SUB, SMP_NONE, SMP_TABLE, SMP_TOP_P_ONE, Sample, _smp_block_maxima, _smp_chunk_cands,
-                     _smp_chunk_mass, _smp_pick, chunk_cands_torch, chunk_mass_torch, chunk_size, f32_words, mass_words,
+from .sample import (SMP_MAX_SUB, SMP_NONE, SMP_TABLE, Sample, _smp_block_maxima, _smp_chunk_cands,
+                     _smp_chunk_mass, _smp_pick, _smp_thresholded, chunk_cands_torch, chunk_mass_torch, chunk_size, f32_words, mass_words,
                      n_cands, n_chunks, wants_cands)
 
 
@@ -47,7 +47,7 @@ def sample_mass_device(c0, nparts, logits_ptr, amax_ptr, smp_ptr, smp_mass_ptr, 
     bm = _smp_pick(bmv, c0 // SMP_BLOCK)
     c = c0 // SMP_CHUNK
     tl.store(smp_mass_ptr + c, tl.where(bm >= SMP_NONE, mass, 0))
-    if ((top_k > 0) & (top_k < VOCAB)) | (top_pq < SMP_TOP_P_ONE):      # SAMPLE's candidate path
+    if _smp_thresholded(top_k, top_pq, VOCAB):      # SAMPLE's candidate path
         top, w = _smp_chunk_cands(c0, bm, m, scale, logits_ptr, smp_ptr, VOCAB, SMP_CHUNK, SUB, SMP_CANDS)
         NCH: tl.constexpr = (VOCAB + SMP_CHUNK - 1) // SMP_CHUNK
         k = NCH + c * SMP_CANDS + tl.arange(0, SMP_CANDS)
