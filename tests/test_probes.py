@@ -463,7 +463,7 @@ def test_stage_probe_layouts_compute_their_stage():
     # (uneven splits over 3 programs: 128 / 16 gate/up blocks, 64 / 16 down blocks) and compute the stage
     from bench.probes import stage_probe as ip
     cs = ip.cases("cpu", 3, layers=2, ffn=512, d=256, syncs=(False,))
-    assert len(cs) == 10
+    assert len(cs) == 14
     for name, (call, check) in cs.items():
         call(fresh=True)
         assert check() < 1e-4, name

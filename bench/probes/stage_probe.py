@@ -87,6 +87,26 @@ def mma_tile(w0_ptr, w1_ptr, row0, nrows, x_ptr, K: tl.constexpr, TR: tl.constex
 
 
 @triton.jit
+def store_here(ptr, v):
+    # st.global of fp32 v from every thread holding it, in v's own layout: tl.store would first convert to
+    # its coalesced layout (through shared memory, with a barrier); threads holding the same element
+    # store the same value
+    return tl.inline_asm_elementwise("st.global.f32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [ptr.to(tl.int64), v],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def rows_part(w_ptr, rows, hv3, K: tl.constexpr):
+    # W[rows] . hv with one row a warp (RB = warps): the [RB, K] block loaded as [RB, K / 256, 256], which
+    # Triton 3.6 lays out with the warps on rows (the two non-contiguous dims tie; dim 0 takes the warps),
+    # so each row's sum stays inside its warp: no shared memory, no barrier
+    r = tl.arange(0, K // 256)[None, :, None] * 256
+    c = tl.arange(0, 256)[None, None, :]
+    w = tl.load(w_ptr + rows[:, None, None].to(tl.int64) * K + r + c, eviction_policy="evict_first")
+    return tl.sum(tl.sum(w.to(tl.float32) * hv3[None, :, :], axis=1), axis=1)
+
+
+@triton.jit
 def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, nw_ptr, NBLK, NPROG, K: tl.constexpr, NROWS: tl.constexpr,
                  LAYERS: tl.constexpr, RB: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
                  INTERLEAVE: tl.constexpr, SYNC: tl.constexpr, SPIN: tl.constexpr, LOADER: tl.constexpr,
@@ -100,8 +120,24 @@ def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, nw_ptr, NBLK, NPROG, K
     first = pid * (NBLK // NPROG) + tl.minimum(pid, NBLK % NPROG)
     cols = tl.arange(0, K)
     hv = tl.load(x_ptr + cols)
+    hv3 = tl.load(x_ptr + tl.arange(0, K // 256)[:, None] * 256 + tl.arange(0, 256)[None, :])
     for layer in range(LAYERS):
-        if LOADER >= 1:
+        if LOADER == 4:
+            for b in tl.range(0, nb, num_stages=STAGES):
+                if INTERLEAVE:
+                    blk = b * NPROG + pid
+                else:
+                    blk = first + b
+                rows = layer * NROWS + blk * RB + tl.arange(0, RB)
+                v = rows_part(w0_ptr, rows, hv3, K)
+                if TWO:
+                    uv = rows_part(w1_ptr, rows, hv3, K)
+                    v = v / (1.0 + tl.exp(-v)) * uv
+                if INTERP:
+                    tl.store(out_ptr + rows, v)
+                else:
+                    store_here(out_ptr + rows, v)
+        elif LOADER >= 1:
             TR: tl.constexpr = RB * TILE_BLOCKS
             r0 = layer * NROWS + first * RB
             v, uv = mma_tile(w0_ptr, w1_ptr, r0, nb * RB, x_ptr, K, TR, 32768 // (2 * TR * (1 + TWO)), STAGES, TWO,
@@ -126,7 +162,7 @@ def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, nw_ptr, NBLK, NPROG, K
             _barrier(cnt_ptr, (layer + 1) * NPROG, SPIN)
 
 
-LOADERS = ("ptr", "mma", "mma_nw16", "mma_nw32")
+LOADERS = ("ptr", "mma", "mma_nw16", "mma_nw32", "rows")
 
 
 def cases(dev: str, nprog: int, layers: int = LAYERS, ffn: int = FFN, d: int = D, syncs=(True, False),
