@@ -108,11 +108,15 @@ class Tiling:
     # 1B decoder -0.8..-1.5%, runs 173-174); the 8B shape +5.5..+6.0%, and GATE_UP or O waiting inside
     # lost on the 1B alone and beside it (bench/NOTES.md v96-v102)
     down_wait: int = 0
+    # 1: the row loop (row_bytes) of GATE_UP and LM_HEAD sums each row inside one warp
+    # (opcodes.common.warp_rows_dot) instead of across the CTA's warps: needs d a multiple of 256 and
+    # each stage's rows a multiple of num_warps (Layout checks)
+    warp_rows: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -124,7 +128,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "down_wait"):
+        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -277,6 +281,9 @@ class Layout:
         if t.o_k and t.o_k < c.q_dim and t.o_k % c.hd:
             raise ValueError(f"Tiling.o_k = {t.o_k} must be a multiple of hd = {c.hd} (a K chunk waits "
                              "for whole attention heads)")
+        if t.warp_rows and not (t.row_bytes and c.d % 256 == 0 and next_pow2(c.d // 256) == c.d // 256):
+            raise ValueError(f"Tiling.warp_rows = 1 needs the row loop (row_bytes > 0, got {t.row_bytes}) and d a "
+                             f"power of two times 256 (the warp's [d / 256, 256] rows), got d = {c.d}")
 
     @classmethod
     def column(cls, key: str) -> int:
@@ -365,7 +372,7 @@ class Layout:
         c, t = self.cfg, self.tiling
         return dict(LAYERS=c.layers, D=c.d, DP=next_pow2(c.d), FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd,
                     MAX_SEQ=self.max_seq,
-                    EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp),
+                    EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp), WARP_ROWS=bool(t.warp_rows),
                     RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k)
 
     # ---- serialisation --------------------------------------------------------------

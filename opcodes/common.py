@@ -204,6 +204,49 @@ def rows_dot(w_ptr, rows, row_mask, hv, kbase, K: tl.constexpr, klen, KP: tl.con
 
 
 @triton.jit
+def warp_row_vec(x_ptr, nw_ptr, K: tl.constexpr, EPS: tl.constexpr):
+    """:func:`norm_row_vec` for :func:`warp_rows_dot` (``Tiling.warp_rows``): ``x[0:K] * nw`` as a
+    ``[K / 256, 256]`` fp32 block (``K`` a multiple of 256) and ``rsqrt(mean(x^2) + EPS)``."""
+    offs = tl.arange(0, K // 256)[:, None] * 256 + tl.arange(0, 256)[None, :]
+    xv = tl.load(x_ptr + offs, cache_modifier=".cg").to(tl.float32)
+    ss = tl.sum(tl.sum(xv * xv, axis=1), axis=0)
+    return xv * tl.load(nw_ptr + offs).to(tl.float32), 1.0 / tl.sqrt(ss / K + EPS)
+
+
+@triton.jit
+def warp_rows_dot(w_ptr, rows, row_mask, hv, K: tl.constexpr, EVEN: tl.constexpr):
+    """``W[rows] . hv`` (whole rows of ``K`` columns; ``hv`` from :func:`warp_row_vec`) with each row
+    inside one warp (``Tiling.warp_rows``): the block is read through ``[rows, K / 256, 256]``
+    pointers, which Triton 3.6 lays out with the warps on the rows (the two dims that are not
+    contiguous tie and dim 0 takes the warps), so a row sums in its threads, then over its warp's
+    lanes: no shared memory and no barrier, where :func:`rows_dot` sums every row across the
+    CTA's warps (bench/NOTES.md run 218: 58 GB/s an SM against 34). The vector is replicated in
+    every warp (``K / 32`` registers a thread against ``K / (32 * warps)``). ``EVEN``: no masks."""
+    r = tl.arange(0, K // 256)[None, :, None] * 256
+    c = tl.arange(0, 256)[None, None, :]
+    ptrs = w_ptr + rows[:, None, None] * K + r + c
+    if EVEN:
+        w = tl.load(ptrs, eviction_policy="evict_first")
+    else:
+        w = tl.load(ptrs, mask=row_mask[:, None, None], other=0.0, eviction_policy="evict_first")
+    return tl.sum(tl.sum(w.to(tl.float32) * hv[None, :, :], axis=1), axis=1)
+
+
+@triton.jit
+def store_in_place(ptr, v, mask, INTERP: tl.constexpr):
+    """``tl.store(ptr, v, mask)`` of fp32 ``v`` from the threads that hold it, in ``v``'s own layout:
+    ``tl.store`` first converts a result of :func:`warp_rows_dot` (each row's value in every lane of
+    its warp) to a coalesced layout, through shared memory and a barrier. Threads holding the same
+    element store the same value. (The interpreter runs no PTX: there it is ``tl.store``.)"""
+    if INTERP:
+        tl.store(ptr, v, mask=mask)
+    else:
+        tl.inline_asm_elementwise(
+            "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $3, 0;\n\t@p st.global.f32 [$1], $2;\n\t}\n\tmov.u32 $0, 0;",
+            "=r,l,r,r", [ptr.to(tl.int64), v, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def poll_counter(ptr, wt, spin_limit):
     """One bounded wait on a counter (gpu scope): acquire reads of ``ptr`` until it reaches ``wt``, at
     most ``1 + spin_limit`` of them; returns the last value read (``wt`` exactly when met; below it when

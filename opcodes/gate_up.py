@@ -15,16 +15,22 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
-from .common import T_N2, T_WG, T_WU, gemv_stream, norm_row_vec, rows_dot, tab_offset
+from .common import (T_N2, T_WG, T_WU, gemv_stream, norm_row_vec, rows_dot, store_in_place, tab_offset,
+                     warp_row_vec, warp_rows_dot)
 
 
 @triton.jit
 def _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out,
              D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-             GU_RB: tl.constexpr, STAGES: tl.constexpr, GU_SPAN: tl.constexpr):
+             GU_RB: tl.constexpr, STAGES: tl.constexpr, GU_SPAN: tl.constexpr, WARP_ROWS: tl.constexpr,
+             INTERP: tl.constexpr):
     # whole rows, GU_RB of gate and of up per pipeline stage (Tiling.row_bytes); GU_SPAN: the tile's
-    # rows are its operand ``nrows`` (a multiple of GU_RB, Tiling.gu_tiles), else GU_ROWS
-    hv, rstd = norm_row_vec(xin, nw_ptr, D, DP, EPS)
+    # rows are its operand ``nrows`` (a multiple of GU_RB, Tiling.gu_tiles), else GU_ROWS. WARP_ROWS:
+    # each row summed inside one warp (Tiling.warp_rows)
+    if WARP_ROWS:
+        hv, rstd = warp_row_vec(xin, nw_ptr, D, EPS)
+    else:
+        hv, rstd = norm_row_vec(xin, nw_ptr, D, DP, EPS)
     EVEN: tl.constexpr = (D == DP) and (FFN % GU_ROWS == 0) and not GU_SPAN
     if GU_SPAN:
         nb = nrows // GU_RB
@@ -33,15 +39,21 @@ def _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out,
     for b in tl.range(0, nb, num_stages=STAGES):
         rows = row0 + b * GU_RB + tl.arange(0, GU_RB)
         rm = rows < FFN
-        gv = rows_dot(g_ptr, rows, rm, hv, 0, D, D, DP, EVEN) * rstd
-        uv = rows_dot(u_ptr, rows, rm, hv, 0, D, D, DP, EVEN) * rstd
-        tl.store(act_out + rows, gv / (1.0 + tl.exp(-gv)) * uv, mask=rm)
+        if WARP_ROWS:
+            gv = warp_rows_dot(g_ptr, rows, rm, hv, D, EVEN) * rstd
+            uv = warp_rows_dot(u_ptr, rows, rm, hv, D, EVEN) * rstd
+            store_in_place(act_out + rows, gv / (1.0 + tl.exp(-gv)) * uv, rm, INTERP)
+        else:
+            gv = rows_dot(g_ptr, rows, rm, hv, 0, D, D, DP, EVEN) * rstd
+            uv = rows_dot(u_ptr, rows, rm, hv, 0, D, D, DP, EVEN) * rstd
+            tl.store(act_out + rows, gv / (1.0 + tl.exp(-gv)) * uv, mask=rm)
 
 
 @triton.jit
 def gate_up_device(layer, row0, nrows, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
                    D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
-                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GU_SPAN: tl.constexpr):
+                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GU_SPAN: tl.constexpr,
+                   WARP_ROWS: tl.constexpr, INTERP: tl.constexpr):
     g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
@@ -58,7 +70,7 @@ def gate_up_device(layer, row0, nrows, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr,
         tl.store(act_ptr + layer * FFN + rows, act, mask=rm)
     else:
         _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, D, DP, FFN, EPS, GU_ROWS,
-                 GU_RB, STAGES, GU_SPAN)
+                 GU_RB, STAGES, GU_SPAN, WARP_ROWS, INTERP)
 
 
 @register
@@ -71,7 +83,7 @@ class GateUp(Instruction):
     NAME = "gate_up"
     STAGE = 4
     ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB",
-            "BK", "STAGES", "GU_SPAN")
+            "BK", "STAGES", "GU_SPAN", "WARP_ROWS", "INTERP")
     CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
                   "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows),
                   "GU_SPAN": lambda lay: int(lay.tiling.gu_tiles > 0)}

@@ -23,13 +23,14 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, register, tile_start
-from .common import gemv_stream, norm_row_vec, rows_dot
+from .common import gemv_stream, norm_row_vec, rows_dot, store_in_place, warp_row_vec, warp_rows_dot
 
 
 @triton.jit
 def lm_head_device(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, amax_ptr,
                    D: tl.constexpr, DP: tl.constexpr, VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr,
-                   LM_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+                   LM_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, WARP_ROWS: tl.constexpr,
+                   INTERP: tl.constexpr):
     rows = row0 + tl.arange(0, LM_ROWS)
     rm = rows < VOCAB
     if LM_RB == 0:
@@ -40,7 +41,8 @@ def lm_head_device(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, amax_ptr,
         y = tl.sum(acc, axis=1) * rstd
         tl.store(logits_ptr + rows, y, mask=rm)
     else:
-        y = _lm_rows(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, D, DP, VOCAB, EPS, LM_ROWS, LM_RB, STAGES)
+        y = _lm_rows(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, D, DP, VOCAB, EPS, LM_ROWS, LM_RB, STAGES,
+                     WARP_ROWS, INTERP)
     _lm_tile_max(y, rows, rm, row0, amax_ptr, VOCAB, LM_ROWS)
 
 
@@ -57,15 +59,22 @@ def _lm_tile_max(y, rows, rm, row0, amax_ptr, VOCAB: tl.constexpr, LM_ROWS: tl.c
 
 @triton.jit
 def _lm_rows(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, D: tl.constexpr, DP: tl.constexpr,
-             VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr, LM_RB: tl.constexpr, STAGES: tl.constexpr):
-    # whole rows, LM_RB per pipeline stage (Tiling.row_bytes). Returns the tile's logits, read
-    # back for its (max, argmax).
-    hv, rstd = norm_row_vec(out_ptr, fnorm_ptr, D, DP, EPS)
+             VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr, LM_RB: tl.constexpr, STAGES: tl.constexpr,
+             WARP_ROWS: tl.constexpr, INTERP: tl.constexpr):
+    # whole rows, LM_RB per pipeline stage (Tiling.row_bytes); WARP_ROWS: each row summed inside one
+    # warp (Tiling.warp_rows). Returns the tile's logits, read back for its (max, argmax).
+    if WARP_ROWS:
+        hv, rstd = warp_row_vec(out_ptr, fnorm_ptr, D, EPS)
+    else:
+        hv, rstd = norm_row_vec(out_ptr, fnorm_ptr, D, DP, EPS)
     EVEN: tl.constexpr = (D == DP) and (VOCAB % LM_ROWS == 0)
     for b in tl.range(0, LM_ROWS // LM_RB, num_stages=STAGES):
         r = row0 + b * LM_RB + tl.arange(0, LM_RB)
         m = r < VOCAB
-        tl.store(logits_ptr + r, rows_dot(lmh_ptr, r.to(tl.int64), m, hv, 0, D, D, DP, EVEN) * rstd, mask=m)
+        if WARP_ROWS:
+            store_in_place(logits_ptr + r, warp_rows_dot(lmh_ptr, r.to(tl.int64), m, hv, D, EVEN) * rstd, m, INTERP)
+        else:
+            tl.store(logits_ptr + r, rows_dot(lmh_ptr, r.to(tl.int64), m, hv, 0, D, D, DP, EVEN) * rstd, mask=m)
     tl.debug_barrier()                         # this CTA's stores, visible to all its threads
     rows = row0 + tl.arange(0, LM_ROWS)
     return tl.load(logits_ptr + rows, mask=rows < VOCAB, other=0.0)
@@ -89,7 +98,7 @@ class LMHead(Instruction):
     # the device function's VOCAB parameter is LM_VOCAB, the rows of this program's LM head (on one
     # GPU the vocabulary: the same value as VOCAB)
     ARGS = ("out_ptr", "fnorm_ptr", "lmh_ptr", "logits_ptr", "amax_ptr", "D", "DP", "LM_VOCAB", "EPS", "LM_ROWS",
-            "LM_RB", "BK", "STAGES")
+            "LM_RB", "BK", "STAGES", "WARP_ROWS", "INTERP")
     # the branch is in every kernel; on a layout without a vocabulary it is never taken and is
     # compiled at the smallest tile
     CONSTEXPRS = {"VOCAB": lambda lay: max(1, lay.cfg.vocab),

@@ -1,0 +1,45 @@
+"""``Tiling.warp_rows``: the row loop of GATE_UP and LM_HEAD with each row summed inside one warp
+(``opcodes.common.warp_rows_dot``). The same dots in another order: the decoder's logits match the
+default loop's to fp32 rounding and its tokens are equal (Triton interpreter), including an LM head
+whose last tile runs past the vocabulary; bad values are named."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import decode_tokens, decoder_weights, require_interpreter
+from opcodes import ModelConfig, Tiling
+from schedule.program import make_layout
+
+require_interpreter()
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+# d = 512: a row is two [256] pieces in each thread of its warp; 4 rows of gate and of up a stage (8 KB), 8 of
+# the LM head; a vocabulary of 300 leaves the last LM tile partly past it
+CFG = ModelConfig(layers=2, d=512, ffn=192, n_q=8, n_kv=2, hd=64, theta=10000.0, vocab=300, name="warp-rows")
+OVER = dict(attn_splits=2, gu_rows=32, row_bytes=8192)
+
+
+def test_decoder_logits_match_the_cta_row_loop():
+    w = decoder_weights(CFG, 0)
+    t0 = Tiling.for_config(CFG, **OVER)
+    t1 = Tiling.for_config(CFG, warp_rows=1, **OVER)
+    assert t0.row_bytes and t0.num_warps == 4 and t1.warp_rows == 1
+    assert t1.rows_per_block(CFG.d, 2, t1.gu_rows) == 4 and t1.rows_per_block(CFG.d, 1, 64) == 8
+    base = decode_tokens(w, CFG, t0, max_seq=16)
+    wr = decode_tokens(w, CFG, t1, max_seq=16)
+    assert base[0].shape == (3, CFG.vocab) and torch.isfinite(wr[0]).all()
+    err = ((wr[0] - base[0]).abs().max() / base[0].abs().max()).item()
+    assert err < 1e-5, err
+    assert wr[1] == base[1]
+
+
+def test_bad_warp_rows_are_named():
+    for v in (2, -1, True):
+        with pytest.raises(ValueError, match="warp_rows"):
+            Tiling(warp_rows=v)
+    small = ModelConfig(layers=1, d=384, ffn=256, n_q=4, n_kv=2, hd=64, vocab=100)      # 384 = 256 x 1.5
+    for cfg, over, what in ((small, {}, "d = 384"), (CFG, {"row_bytes": 0}, "row_bytes > 0, got 0")):
+        with pytest.raises(ValueError, match=what):
+            make_layout(cfg, 16, Tiling.for_config(cfg, warp_rows=1, **{**OVER, **over}))
