@@ -223,6 +223,11 @@ class Tiling:
             clamped.update(row_bytes=ROW_BYTES, stages=5, gu_rows=min(64, next_pow2(ffn)), res_fold=1,
                            num_warps=4, bk=min(256, clamped["bk"]), o_rows=min(16, clamped["o_rows"]),
                            down_rows=min(16, clamped["down_rows"]), down_k=ffn, down_wait=1)
+            if d % 256 == 0 and next_pow2(d // 256) == d // 256:
+                # each row of the gate/up and LM head loops summed inside one warp (no shared memory, no
+                # barrier a stage): 1B 906.3-909.7 -> 892.6-896.3 us at pos 128 (-1.7%, run 219; GATE_UP
+                # 18.9 -> 18.2 us a tile; bench/NOTES.md v121)
+                clamped.update(warp_rows=1)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown Tiling fields {sorted(unknown)}")

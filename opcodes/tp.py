@@ -363,10 +363,11 @@ class TPLayout(Layout):
         (the 70B shard: 512 -> 256 tiles of 917 KB): 20 layers -1.2% (v50, run 83; one GPU's 70B layer
         measured no difference). No down tile waits inside its loop (``down_wait``: a tensor-parallel
         kernel makes every wait itself), and gate/up keeps ffn / gu_rows tiles (``gu_tiles`` 0: the one-GPU
-        132 tiles of v109 have not been measured on a rank)."""
+        132 tiles of v109 have not been measured on a rank) and its rows summed across the CTA
+        (``warp_rows`` 0: v121, likewise)."""
         base = Tiling.for_config(sc)
         q = overrides.get("qkv_rows", base.qkv_rows)
-        auto = {"kv_rows": max(2, q // 2), "down_wait": 0, "gu_tiles": 0}
+        auto = {"kv_rows": max(2, q // 2), "down_wait": 0, "gu_tiles": 0, "warp_rows": 0}
         if cdiv(sc.d, 2 * base.down_rows) >= 128:
             auto.update(down_rows=2 * base.down_rows, down_bk=max(16, base.bk // 2))
         return Tiling.for_config(sc, **{**auto, **overrides})

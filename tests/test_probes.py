@@ -459,11 +459,15 @@ def test_icache_probe_orders_and_arguments(capsys, monkeypatch):
 
 
 def test_stage_probe_layouts_compute_their_stage():
-    # bench/probes/stage_probe.py: both layouts and every loader of both stages cover every row block once
-    # (uneven splits over 3 programs: 128 / 16 gate/up blocks, 64 / 16 down blocks) and compute the stage
+    # bench/probes/stage_probe.py: both layouts and every loader of each stage cover every row block once
+    # (uneven splits over 3 programs: 128 / 16 gate/up blocks, 64 / 16 down blocks; QKV and O in the
+    # decoder's tiles of 32 and 16 rows) and compute the stage
     from bench.probes import stage_probe as ip
     cs = ip.cases("cpu", 3, layers=2, ffn=512, d=256, syncs=(False,))
-    assert len(cs) == 14
-    for name, (call, check) in cs.items():
+    # gate/up and down: ptr and rows in both layouts, the three mma loaders; QKV and O: ptr, rows, col
+    assert len(cs) == 2 * 7 + 2 * 3
+    assert {k[1] for k in cs if k[0] == "qkv"} == {"ptr", "rows", "col"}
+    assert cs[("qkv", "col", "contiguous", False)][2:] == (2 * 384 * 256, 12)
+    for name, (call, check, _, _) in cs.items():
         call(fresh=True)
         assert check() < 1e-4, name
