@@ -471,3 +471,21 @@ def test_stage_probe_layouts_compute_their_stage():
     for name, (call, check, _, _) in cs.items():
         call(fresh=True)
         assert check() < 1e-4, name
+
+
+def test_sm_probe_shares_cover_the_stage():
+    # bench/probes/sm_probe.py: equal, rotated and weighted shares each cover every row block once and compute
+    # the gate/up stage; each program records its SM (its program id under the interpreter) and its layer
+    # times; weighted shares follow the rates and sum to the blocks; bad shares are named
+    from bench.probes import sm_probe as sp
+    st = sp.Stage("cpu", nprog=3, layers=2, ffn=512, d=256)
+    eq = sp.equal_shares(st.nblk, 3)
+    assert eq == [43, 43, 42]
+    for sh in (eq, eq[1:] + eq[:1], sp.weighted_shares(st.nblk, [1.0, 2.0, 1.0])):
+        rec = st.run(sh, fresh=True)
+        assert st.check() < 1e-4
+        assert rec[:, 0].tolist() == [0, 1, 2] and (rec[:, 1:] > 0).all()
+    assert sp.weighted_shares(st.nblk, [1.0, 2.0, 1.0]) == [32, 64, 32]
+    assert sp.weighted_shares(10, [1.0, 1.0, 1.0]) == [4, 3, 3]
+    with pytest.raises(ValueError, match="shares"):
+        st.run([100, 0, 0])
