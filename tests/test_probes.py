@@ -482,10 +482,10 @@ def test_sm_probe_shares_cover_the_stage():
     eq = sp.equal_shares(st.nblk, 3)
     assert eq == [43, 43, 42]
     for sh in (eq, eq[1:] + eq[:1], sp.weighted_shares(st.nblk, [1.0, 2.0, 1.0])):
-        rec = st.run(sh, fresh=True)
+        rec = st.run(st.shares(sh), fresh=True)
         assert st.check() < 1e-4
         assert rec[:, 0].tolist() == [0, 1, 2] and (rec[:, 1:] > 0).all()
     assert sp.weighted_shares(st.nblk, [1.0, 2.0, 1.0]) == [32, 64, 32]
     assert sp.weighted_shares(10, [1.0, 1.0, 1.0]) == [4, 3, 3]
     with pytest.raises(ValueError, match="shares"):
-        st.run([100, 0, 0])
+        st.shares([100, 0, 0])

@@ -96,13 +96,21 @@ class Stage:
         self.rec = torch.zeros(nprog, layers + 1, device=dev, dtype=torch.int64)
         self.nblk = ffn // RB
 
-    def run(self, shares: list[int], fresh: bool = False) -> torch.Tensor:
-        """One launch with ``shares`` blocks a program (in program order, contiguous); returns rec."""
+    def shares(self, shares: list[int]) -> tuple:
+        """The launch's (first, count) device tensors for ``shares`` blocks a program (contiguous, in program
+        order), made before any timed window."""
         if len(shares) != self.nprog or sum(shares) != self.nblk or min(shares) < 0:
             raise ValueError(f"shares: {self.nprog} counts >= 0 summing to {self.nblk}, got {len(shares)} "
                              f"summing to {sum(shares)}")
-        first = torch.tensor([sum(shares[:p]) for p in range(self.nprog)], dtype=torch.int32, device=self.dev)
-        nb = torch.tensor(shares, dtype=torch.int32, device=self.dev)
+        first = [0]
+        for n in shares[:-1]:
+            first.append(first[-1] + n)
+        return (torch.tensor(first, dtype=torch.int32, device=self.dev),
+                torch.tensor(shares, dtype=torch.int32, device=self.dev))
+
+    def run(self, sh: tuple, fresh: bool = False) -> torch.Tensor:
+        """One launch with the shares ``sh`` (:meth:`shares`); returns rec."""
+        first, nb = sh
         if fresh:
             self.out.fill_(float("nan"))
         self.cnt.zero_()
@@ -141,11 +149,12 @@ def main(argv=None) -> int:
     st = Stage(dev)
     eq = equal_shares(st.nblk, NPROG)
     rot = eq[1:] + eq[:1]
-    st.run(eq, fresh=True); torch.cuda.synchronize(); st.check()
+    dev_eq, dev_rot = st.shares(eq), st.shares(rot)
+    st.run(dev_eq, fresh=True); torch.cuda.synchronize(); st.check()
     recs = {"equal": [], "rotated": []}
     for _ in range(3):
-        recs["equal"].append(st.run(eq).clone()); torch.cuda.synchronize()
-        recs["rotated"].append(st.run(rot).clone()); torch.cuda.synchronize()
+        recs["equal"].append(st.run(dev_eq).clone()); torch.cuda.synchronize()
+        recs["rotated"].append(st.run(dev_rot).clone()); torch.cuda.synchronize()
     sms = [r[:, 0].tolist() for rs in recs.values() for r in rs]
     same = sum(all(s[p] == sms[0][p] for s in sms) for p in range(NPROG))
     re_ = [statistics.fmean(v) for v in zip(*[rates(r, eq) for r in recs["equal"]])]
@@ -159,18 +168,23 @@ def main(argv=None) -> int:
     print("fastest programs (p:sm:rows/us):", " ".join(f"{p}:{sms[0][p]}:{re_[p]:.2f}" for p in order[-12:]))
     wt = weighted_shares(st.nblk, re_)
     print(f"weighted shares: {min(wt)}..{max(wt)} blocks a program (equal {min(eq)}..{max(eq)})")
-    st.run(wt, fresh=True); torch.cuda.synchronize(); st.check()
+    dev_wt = st.shares(wt)
+    st.run(dev_wt, fresh=True); torch.cuda.synchronize(); st.check()
     e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
     times = {"equal": [], "weighted": []}
+    inner = {"equal": [], "weighted": []}
     for _ in range(reps):
-        for name, sh in (("equal", eq), ("weighted", wt)):
-            e0.record(); st.run(sh); e1.record(); torch.cuda.synchronize()
+        for name, sh in (("equal", dev_eq), ("weighted", dev_wt)):
+            e0.record(); rec = st.run(sh); e1.record(); torch.cuda.synchronize()
             times[name].append(e0.elapsed_time(e1) * 1e3 / LAYERS)
+            # the slowest program's loop a layer, median over layers (the stage's end without the barrier)
+            inner[name].append(rec[:, 1:].float().max(dim=0).values.median().item() / 1e3)
     nbytes = 2 * FFN * D * 2
     for name, t in times.items():
         us = statistics.median(t)
         print(f"{name:8s}: {us:6.2f} us a synced stage ({nbytes / us / 1e6:5.2f} TB/s; {nbytes / bw * 1e6:5.2f} us at copy "
-              f"BW; min {min(t):6.2f} max {max(t):6.2f})", flush=True)
+              f"BW; min {min(t):6.2f} max {max(t):6.2f}); the slowest program's loop {statistics.median(inner[name]):6.2f} us",
+              flush=True)
     return 0
 
 
