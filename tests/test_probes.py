@@ -489,3 +489,14 @@ def test_sm_probe_shares_cover_the_stage():
     assert sp.weighted_shares(10, [1.0, 1.0, 1.0]) == [4, 3, 3]
     with pytest.raises(ValueError, match="shares"):
         st.shares([100, 0, 0])
+
+
+def test_gu8_probe_loaders_compute_the_stage():
+    # bench/probes/gu8_probe.py: the column-loop tiles and the split-row loop cover every unit of 16 rows once
+    # (uneven over 3 programs: 16 units) and compute the gate/up stage
+    from bench.probes import gu8_probe as gp
+    cs = gp.cases("cpu", 3, layers=2, ffn=256, d=1024, syncs=(False,))
+    assert set(cs) == {("col", False), ("split", False)}
+    for name, (call, check) in cs.items():
+        call(fresh=True)
+        assert check() < 1e-4, name
