@@ -109,20 +109,7 @@ def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, nw_ptr, NBLK, NPROG, K
     hv = tl.load(x_ptr + cols)
     hv3 = tl.load(x_ptr + tl.arange(0, K // 256)[:, None] * 256 + tl.arange(0, 256)[None, :])
     for layer in range(LAYERS):
-        if LOADER == 4:
-            for b in tl.range(0, nb, num_stages=STAGES):
-                if INTERLEAVE:
-                    blk = b * NPROG + pid
-                else:
-                    blk = first + b
-                rows = layer * NROWS + blk * RB + tl.arange(0, RB)
-                rm = rows >= 0
-                v = warp_rows_dot(w0_ptr, rows.to(tl.int64), rm, hv3, K, True)
-                if TWO:
-                    uv = warp_rows_dot(w1_ptr, rows.to(tl.int64), rm, hv3, K, True)
-                    v = v / (1.0 + tl.exp(-v)) * uv
-                store_in_place(out_ptr + rows, v, rm, INTERP)
-        elif LOADER == 5:
+        if LOADER == 5:
             # the column loop of QKV, O and DOWN (opcodes.common.gemv_stream): the program's rows as one
             # tile, [TR, 256] blocks, summed over K at the tile's end
             TR: tl.constexpr = RB * TILE_BLOCKS
@@ -130,7 +117,7 @@ def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, nw_ptr, NBLK, NPROG, K
             acc, _, _ = gemv_stream(w0_ptr, rows, w0_ptr, rows, rows >= 0, x_ptr, nw_ptr, 0, K, K, TR, 256, STAGES,
                                     TWO=False, NORM=False, EVEN=True)
             tl.store(out_ptr + rows, tl.sum(acc, axis=1))
-        elif LOADER >= 1:
+        elif LOADER <= 3 and LOADER >= 1:
             TR: tl.constexpr = RB * TILE_BLOCKS
             r0 = layer * NROWS + first * RB
             v, uv = mma_tile(w0_ptr, w1_ptr, r0, nb * RB, x_ptr, K, TR, 32768 // (2 * TR * (1 + TWO)), STAGES, TWO,
@@ -146,11 +133,18 @@ def stage_kernel(w0_ptr, w1_ptr, x_ptr, out_ptr, cnt_ptr, nw_ptr, NBLK, NPROG, K
                     blk = first + b
                 rows = layer * NROWS + blk * RB + tl.arange(0, RB)
                 rm = rows >= 0
-                v = rows_dot(w0_ptr, rows, rm, hv, 0, K, K, K, True)
-                if TWO:
-                    uv = rows_dot(w1_ptr, rows, rm, hv, 0, K, K, K, True)
-                    v = v / (1.0 + tl.exp(-v)) * uv
-                tl.store(out_ptr + rows, v)
+                if LOADER == 4:
+                    v = warp_rows_dot(w0_ptr, rows.to(tl.int64), rm, hv3, K, True)
+                    if TWO:
+                        uv = warp_rows_dot(w1_ptr, rows.to(tl.int64), rm, hv3, K, True)
+                        v = v / (1.0 + tl.exp(-v)) * uv
+                    store_in_place(out_ptr + rows, v, rm, INTERP)
+                else:
+                    v = rows_dot(w0_ptr, rows, rm, hv, 0, K, K, K, True)
+                    if TWO:
+                        uv = rows_dot(w1_ptr, rows, rm, hv, 0, K, K, K, True)
+                        v = v / (1.0 + tl.exp(-v)) * uv
+                    tl.store(out_ptr + rows, v)
         if SYNC:
             _barrier(cnt_ptr, (layer + 1) * NPROG, SPIN)
 
