@@ -109,8 +109,9 @@ class Tiling:
     # lost on the 1B alone and beside it (bench/NOTES.md v96-v102)
     down_wait: int = 0
     # 1: the row loop (row_bytes) of GATE_UP and LM_HEAD sums each row inside one warp
-    # (opcodes.common.warp_rows_dot) instead of across the CTA's warps: needs d a multiple of 256 and
-    # each stage's rows a multiple of num_warps (Layout checks)
+    # (opcodes.common.warp_rows_dot) instead of across the CTA's warps: needs d a power of two times
+    # 256 (Layout checks); one row a warp where a stage's rows are a multiple of num_warps (the 1B:
+    # 4 gate/up rows, 8 LM head rows a stage on 4 warps), else a row's warps still share its sum
     warp_rows: int = 0
 
     def __post_init__(self):

@@ -247,6 +247,39 @@ def store_in_place(ptr, v, mask, INTERP: tl.constexpr):
 
 
 @triton.jit
+def row_loop_vec(x_ptr, nw_ptr, D: tl.constexpr, DP: tl.constexpr, EPS: tl.constexpr, WARP_ROWS: tl.constexpr):
+    """The row loop's RMSNorm'ed vector and ``rsqrt``, laid out for its dot: :func:`warp_row_vec`
+    with ``WARP_ROWS`` (``Tiling.warp_rows``), else :func:`norm_row_vec`."""
+    if WARP_ROWS:
+        hv, rstd = warp_row_vec(x_ptr, nw_ptr, D, EPS)
+    else:
+        hv, rstd = norm_row_vec(x_ptr, nw_ptr, D, DP, EPS)
+    return hv, rstd
+
+
+@triton.jit
+def row_loop_dot(w_ptr, rows, row_mask, hv, D: tl.constexpr, DP: tl.constexpr, EVEN: tl.constexpr,
+                 WARP_ROWS: tl.constexpr):
+    """One stage of the row loop, ``W[rows] . hv`` (``hv`` from :func:`row_loop_vec`): each row inside
+    one warp with ``WARP_ROWS`` (:func:`warp_rows_dot`), else across the CTA (:func:`rows_dot`)."""
+    if WARP_ROWS:
+        v = warp_rows_dot(w_ptr, rows, row_mask, hv, D, EVEN)
+    else:
+        v = rows_dot(w_ptr, rows, row_mask, hv, 0, D, D, DP, EVEN)
+    return v
+
+
+@triton.jit
+def row_loop_store(ptr, v, mask, WARP_ROWS: tl.constexpr, INTERP: tl.constexpr):
+    """Store a :func:`row_loop_dot` result: from the warps that hold it with ``WARP_ROWS``
+    (:func:`store_in_place`), else ``tl.store``."""
+    if WARP_ROWS:
+        store_in_place(ptr, v, mask, INTERP)
+    else:
+        tl.store(ptr, v, mask=mask)
+
+
+@triton.jit
 def poll_counter(ptr, wt, spin_limit):
     """One bounded wait on a counter (gpu scope): acquire reads of ``ptr`` until it reaches ``wt``, at
     most ``1 + spin_limit`` of them; returns the last value read (``wt`` exactly when met; below it when

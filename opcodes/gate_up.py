@@ -15,8 +15,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
-from .common import (T_N2, T_WG, T_WU, gemv_stream, norm_row_vec, rows_dot, store_in_place, tab_offset,
-                     warp_row_vec, warp_rows_dot)
+from .common import T_N2, T_WG, T_WU, gemv_stream, row_loop_dot, row_loop_store, row_loop_vec, tab_offset
 
 
 @triton.jit
@@ -27,10 +26,7 @@ def _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out,
     # whole rows, GU_RB of gate and of up per pipeline stage (Tiling.row_bytes); GU_SPAN: the tile's
     # rows are its operand ``nrows`` (a multiple of GU_RB, Tiling.gu_tiles), else GU_ROWS. WARP_ROWS:
     # each row summed inside one warp (Tiling.warp_rows)
-    if WARP_ROWS:
-        hv, rstd = warp_row_vec(xin, nw_ptr, D, EPS)
-    else:
-        hv, rstd = norm_row_vec(xin, nw_ptr, D, DP, EPS)
+    hv, rstd = row_loop_vec(xin, nw_ptr, D, DP, EPS, WARP_ROWS)
     EVEN: tl.constexpr = (D == DP) and (FFN % GU_ROWS == 0) and not GU_SPAN
     if GU_SPAN:
         nb = nrows // GU_RB
@@ -39,14 +35,9 @@ def _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out,
     for b in tl.range(0, nb, num_stages=STAGES):
         rows = row0 + b * GU_RB + tl.arange(0, GU_RB)
         rm = rows < FFN
-        if WARP_ROWS:
-            gv = warp_rows_dot(g_ptr, rows, rm, hv, D, EVEN) * rstd
-            uv = warp_rows_dot(u_ptr, rows, rm, hv, D, EVEN) * rstd
-            store_in_place(act_out + rows, gv / (1.0 + tl.exp(-gv)) * uv, rm, INTERP)
-        else:
-            gv = rows_dot(g_ptr, rows, rm, hv, 0, D, D, DP, EVEN) * rstd
-            uv = rows_dot(u_ptr, rows, rm, hv, 0, D, D, DP, EVEN) * rstd
-            tl.store(act_out + rows, gv / (1.0 + tl.exp(-gv)) * uv, mask=rm)
+        gv = row_loop_dot(g_ptr, rows, rm, hv, D, DP, EVEN, WARP_ROWS) * rstd
+        uv = row_loop_dot(u_ptr, rows, rm, hv, D, DP, EVEN, WARP_ROWS) * rstd
+        row_loop_store(act_out + rows, gv / (1.0 + tl.exp(-gv)) * uv, rm, WARP_ROWS, INTERP)
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, register, tile_start
-from .common import gemv_stream, norm_row_vec, rows_dot, store_in_place, warp_row_vec, warp_rows_dot
+from .common import gemv_stream, row_loop_dot, row_loop_store, row_loop_vec
 
 
 @triton.jit
@@ -63,18 +63,13 @@ def _lm_rows(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, D: tl.constexpr, DP:
              WARP_ROWS: tl.constexpr, INTERP: tl.constexpr):
     # whole rows, LM_RB per pipeline stage (Tiling.row_bytes); WARP_ROWS: each row summed inside one
     # warp (Tiling.warp_rows). Returns the tile's logits, read back for its (max, argmax).
-    if WARP_ROWS:
-        hv, rstd = warp_row_vec(out_ptr, fnorm_ptr, D, EPS)
-    else:
-        hv, rstd = norm_row_vec(out_ptr, fnorm_ptr, D, DP, EPS)
+    hv, rstd = row_loop_vec(out_ptr, fnorm_ptr, D, DP, EPS, WARP_ROWS)
     EVEN: tl.constexpr = (D == DP) and (VOCAB % LM_ROWS == 0)
     for b in tl.range(0, LM_ROWS // LM_RB, num_stages=STAGES):
         r = row0 + b * LM_RB + tl.arange(0, LM_RB)
         m = r < VOCAB
-        if WARP_ROWS:
-            store_in_place(logits_ptr + r, warp_rows_dot(lmh_ptr, r.to(tl.int64), m, hv, D, EVEN) * rstd, m, INTERP)
-        else:
-            tl.store(logits_ptr + r, rows_dot(lmh_ptr, r.to(tl.int64), m, hv, 0, D, D, DP, EVEN) * rstd, mask=m)
+        row_loop_store(logits_ptr + r, row_loop_dot(lmh_ptr, r.to(tl.int64), m, hv, D, DP, EVEN, WARP_ROWS) * rstd, m,
+                       WARP_ROWS, INTERP)
     tl.debug_barrier()                         # this CTA's stores, visible to all its threads
     rows = row0 + tl.arange(0, LM_ROWS)
     return tl.load(logits_ptr + rows, mask=rows < VOCAB, other=0.0)
