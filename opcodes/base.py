@@ -144,6 +144,12 @@ class Tiling:
         if self.attn_block < 16:
             raise ValueError("Tiling.attn_block must be >= 16 (tl.dot)")
 
+    @staticmethod
+    def warp_rows_fit(d: int) -> bool:
+        """Whether ``warp_rows`` can stream rows of ``d`` columns: d is 256 times a power of two (a warp
+        holds a row as [d / 256, 256])."""
+        return d % 256 == 0 and next_pow2(d // 256) == d // 256
+
     def rows_per_block(self, k: int, mats: int, rows: int, row_bytes: int | None = None) -> int:
         """Rows per pipeline stage of a row-streaming GEMV (``row_bytes`` > 0; else 0): ``mats``
         matrices' rows of ``k`` columns (padded to a power of two), at most the tile's ``rows``.
@@ -224,7 +230,7 @@ class Tiling:
             clamped.update(row_bytes=ROW_BYTES, stages=5, gu_rows=min(64, next_pow2(ffn)), res_fold=1,
                            num_warps=4, bk=min(256, clamped["bk"]), o_rows=min(16, clamped["o_rows"]),
                            down_rows=min(16, clamped["down_rows"]), down_k=ffn, down_wait=1)
-            if d % 256 == 0 and next_pow2(d // 256) == d // 256:
+            if cls.warp_rows_fit(d):
                 # each row of the gate/up and LM head loops summed inside one warp (no shared memory, no
                 # barrier a stage): 1B 906.3-909.7 -> 892.6-896.3 us at pos 128 (-1.7%, run 219; GATE_UP
                 # 18.9 -> 18.2 us a tile; bench/NOTES.md v121)
@@ -287,7 +293,7 @@ class Layout:
         if t.o_k and t.o_k < c.q_dim and t.o_k % c.hd:
             raise ValueError(f"Tiling.o_k = {t.o_k} must be a multiple of hd = {c.hd} (a K chunk waits "
                              "for whole attention heads)")
-        if t.warp_rows and not (t.row_bytes and c.d % 256 == 0 and next_pow2(c.d // 256) == c.d // 256):
+        if t.warp_rows and not (t.row_bytes and Tiling.warp_rows_fit(c.d)):
             raise ValueError(f"Tiling.warp_rows = 1 needs the row loop (row_bytes > 0, got {t.row_bytes}) and d a "
                              f"power of two times 256 (the warp's [d / 256, 256] rows), got d = {c.d}")
 

@@ -28,8 +28,8 @@ import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, Timing, register
 from .sample import (SMP_MAX_SUB, SMP_NONE, SMP_TABLE, Sample, _smp_block_maxima, _smp_chunk_cands,
-                     _smp_chunk_mass, _smp_pick, _smp_thresholded, chunk_cands_torch, chunk_mass_torch, chunk_size, f32_words, mass_words,
-                     n_cands, n_chunks, wants_cands)
+                     _smp_chunk_mass, _smp_pick, _smp_thresholded, chunk_cands_torch, chunk_mass_torch, chunk_size,
+                     f32_words, mass_words, n_cands, n_chunks, wants_cands)
 
 
 @triton.jit
