@@ -113,11 +113,14 @@ class Tiling:
     # 256 (Layout checks); one row a warp where a stage's rows are a multiple of num_warps (the 1B:
     # 4 gate/up rows, 8 LM head rows a stage on 4 warps), else a row's warps still share its sum
     warp_rows: int = 0
+    # 1: GATE_UP's row loop makes its input vector (x1's RMSNorm) in its first iteration, after the
+    # pipeline's prologue has issued the first weight blocks, not before the loop (v122)
+    vec_in_loop: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows", "vec_in_loop") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -129,7 +132,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows"):
+        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows", "vec_in_loop"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:

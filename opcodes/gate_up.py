@@ -22,17 +22,28 @@ from .common import T_N2, T_WG, T_WU, gemv_stream, row_loop_dot, row_loop_store,
 def _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out,
              D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
              GU_RB: tl.constexpr, STAGES: tl.constexpr, GU_SPAN: tl.constexpr, WARP_ROWS: tl.constexpr,
-             INTERP: tl.constexpr):
+             INTERP: tl.constexpr, VEC_IN_LOOP: tl.constexpr):
     # whole rows, GU_RB of gate and of up per pipeline stage (Tiling.row_bytes); GU_SPAN: the tile's
     # rows are its operand ``nrows`` (a multiple of GU_RB, Tiling.gu_tiles), else GU_ROWS. WARP_ROWS:
-    # each row summed inside one warp (Tiling.warp_rows)
-    hv, rstd = row_loop_vec(xin, nw_ptr, D, DP, EPS, WARP_ROWS)
+    # each row summed inside one warp (Tiling.warp_rows). VEC_IN_LOOP: the vector made in the first
+    # iteration, after the pipeline's prologue has issued its weight loads (Tiling.vec_in_loop)
+    if VEC_IN_LOOP:
+        if WARP_ROWS:
+            hv = tl.zeros([D // 256, 256], tl.float32)
+        else:
+            hv = tl.zeros([DP], tl.float32)
+        rstd = tl.full([], 0.0, tl.float32)
+    else:
+        hv, rstd = row_loop_vec(xin, nw_ptr, D, DP, EPS, WARP_ROWS)
     EVEN: tl.constexpr = (D == DP) and (FFN % GU_ROWS == 0) and not GU_SPAN
     if GU_SPAN:
         nb = nrows // GU_RB
     else:
         nb = GU_ROWS // GU_RB
     for b in tl.range(0, nb, num_stages=STAGES):
+        if VEC_IN_LOOP:
+            if b == 0:
+                hv, rstd = row_loop_vec(xin, nw_ptr, D, DP, EPS, WARP_ROWS)
         rows = row0 + b * GU_RB + tl.arange(0, GU_RB)
         rm = rows < FFN
         gv = row_loop_dot(g_ptr, rows, rm, hv, D, DP, EVEN, WARP_ROWS) * rstd
@@ -44,7 +55,7 @@ def _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out,
 def gate_up_device(layer, row0, nrows, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
                    D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
                    GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GU_SPAN: tl.constexpr,
-                   WARP_ROWS: tl.constexpr, INTERP: tl.constexpr):
+                   WARP_ROWS: tl.constexpr, INTERP: tl.constexpr, VEC_IN_LOOP: tl.constexpr):
     g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
@@ -61,7 +72,7 @@ def gate_up_device(layer, row0, nrows, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr,
         tl.store(act_ptr + layer * FFN + rows, act, mask=rm)
     else:
         _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, D, DP, FFN, EPS, GU_ROWS,
-                 GU_RB, STAGES, GU_SPAN, WARP_ROWS, INTERP)
+                 GU_RB, STAGES, GU_SPAN, WARP_ROWS, INTERP, VEC_IN_LOOP)
 
 
 @register
@@ -74,10 +85,11 @@ class GateUp(Instruction):
     NAME = "gate_up"
     STAGE = 4
     ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB",
-            "BK", "STAGES", "GU_SPAN", "WARP_ROWS", "INTERP")
+            "BK", "STAGES", "GU_SPAN", "WARP_ROWS", "INTERP", "VEC_IN_LOOP")
     CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
                   "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows),
-                  "GU_SPAN": lambda lay: int(lay.tiling.gu_tiles > 0)}
+                  "GU_SPAN": lambda lay: int(lay.tiling.gu_tiles > 0),
+                  "VEC_IN_LOOP": lambda lay: bool(lay.tiling.vec_in_loop)}
     device = gate_up_device
 
     SCRATCH = {"act": "fp32"}
