@@ -113,8 +113,8 @@ class Tiling:
     # 256 (Layout checks); one row a warp where a stage's rows are a multiple of num_warps (the 1B:
     # 4 gate/up rows, 8 LM head rows a stage on 4 warps), else a row's warps still share its sum
     warp_rows: int = 0
-    # 1: GATE_UP's row loop makes its input vector (x1's RMSNorm) in its first iteration, after the
-    # pipeline's prologue has issued the first weight blocks, not before the loop (v122)
+    # 1: GATE_UP's and LM_HEAD's row loops make their input vector (the RMSNorm'ed x) in their first
+    # iteration, after the pipeline's prologue has issued the first weight blocks, not before the loop (v122)
     vec_in_loop: int = 0
 
     def __post_init__(self):
@@ -388,7 +388,7 @@ class Layout:
         return dict(LAYERS=c.layers, D=c.d, DP=next_pow2(c.d), FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd,
                     MAX_SEQ=self.max_seq,
                     EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp), WARP_ROWS=bool(t.warp_rows),
-                    RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k)
+                    VEC_IN_LOOP=bool(t.vec_in_loop), RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k)
 
     # ---- serialisation --------------------------------------------------------------
     def extra(self) -> dict:

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
-from .common import T_N2, T_WG, T_WU, gemv_stream, row_loop_dot, row_loop_store, row_loop_vec, tab_offset
+from .common import T_N2, T_WG, T_WU, gemv_stream, row_loop_dot, row_loop_store, row_loop_vec_before, row_loop_vec_in, tab_offset
 
 
 @triton.jit
@@ -27,23 +27,14 @@ def _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out,
     # rows are its operand ``nrows`` (a multiple of GU_RB, Tiling.gu_tiles), else GU_ROWS. WARP_ROWS:
     # each row summed inside one warp (Tiling.warp_rows). VEC_IN_LOOP: the vector made in the first
     # iteration, after the pipeline's prologue has issued its weight loads (Tiling.vec_in_loop)
-    if VEC_IN_LOOP:
-        if WARP_ROWS:
-            hv = tl.zeros([D // 256, 256], tl.float32)
-        else:
-            hv = tl.zeros([DP], tl.float32)
-        rstd = tl.full([], 0.0, tl.float32)
-    else:
-        hv, rstd = row_loop_vec(xin, nw_ptr, D, DP, EPS, WARP_ROWS)
+    hv, rstd = row_loop_vec_before(xin, nw_ptr, D, DP, EPS, WARP_ROWS, VEC_IN_LOOP)
     EVEN: tl.constexpr = (D == DP) and (FFN % GU_ROWS == 0) and not GU_SPAN
     if GU_SPAN:
         nb = nrows // GU_RB
     else:
         nb = GU_ROWS // GU_RB
     for b in tl.range(0, nb, num_stages=STAGES):
-        if VEC_IN_LOOP:
-            if b == 0:
-                hv, rstd = row_loop_vec(xin, nw_ptr, D, DP, EPS, WARP_ROWS)
+        hv, rstd = row_loop_vec_in(b, hv, rstd, xin, nw_ptr, D, DP, EPS, WARP_ROWS, VEC_IN_LOOP)
         rows = row0 + b * GU_RB + tl.arange(0, GU_RB)
         rm = rows < FFN
         gv = row_loop_dot(g_ptr, rows, rm, hv, D, DP, EVEN, WARP_ROWS) * rstd
@@ -88,8 +79,7 @@ class GateUp(Instruction):
             "BK", "STAGES", "GU_SPAN", "WARP_ROWS", "INTERP", "VEC_IN_LOOP")
     CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
                   "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows),
-                  "GU_SPAN": lambda lay: int(lay.tiling.gu_tiles > 0),
-                  "VEC_IN_LOOP": lambda lay: bool(lay.tiling.vec_in_loop)}
+                  "GU_SPAN": lambda lay: int(lay.tiling.gu_tiles > 0)}
     device = gate_up_device
 
     SCRATCH = {"act": "fp32"}
