@@ -58,6 +58,9 @@ class Tiling:
     # tiles (lower bottom level), so they are the tail wave of the QKV stage that every last attention
     # split waits for: smaller K/V tiles spread that tail over more SMs
     kv_rows: int = 0
+    # columns streamed per inner-loop iteration of a QKV tile (0: bk). With qkv_rows=64, qkv_bk=256 keeps
+    # the accumulators' registers and the bytes per stage while halving the tile count (v123)
+    qkv_bk: int = 0
     o_rows: int = 32        # output rows per O-projection tile
     # columns streamed per inner-loop iteration of an O tile (0: bk). With o_rows=64, o_bk=256 keeps
     # the pipeline's bytes per stage while halving the tile count (the 70B shape's O in one wave)
@@ -120,13 +123,13 @@ class Tiling:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows", "vec_in_loop") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "qkv_bk", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows", "vec_in_loop") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Tiling.{f.name} must be a positive int, got {v!r}")
         for k in ("qkv_rows", "kv_rows", "o_rows", "gu_rows", "down_rows", "red_rows", "attn_block", "bk", "num_warps",
-                  "o_bk", "down_bk"):
+                  "qkv_bk", "o_bk", "down_bk"):
             v = getattr(self, k)
             if v & (v - 1):
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
@@ -137,7 +140,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
             raise ValueError("Tiling.qkv_rows must be >= 2 (RoPE pairs)")
-        for k in ("o_bk", "down_bk"):
+        for k in ("qkv_bk", "o_bk", "down_bk"):
             if 0 < getattr(self, k) < 16:
                 raise ValueError(f"Tiling.{k} must be 0 (bk) or >= 16, got {getattr(self, k)}")
         if self.kv_rows == 1:
