@@ -58,9 +58,6 @@ class Tiling:
     # tiles (lower bottom level), so they are the tail wave of the QKV stage that every last attention
     # split waits for: smaller K/V tiles spread that tail over more SMs
     kv_rows: int = 0
-    # columns streamed per inner-loop iteration of a QKV tile (0: bk). With qkv_rows=64, qkv_bk=256 keeps
-    # the accumulators' registers and the bytes per stage while halving the tile count (v123)
-    qkv_bk: int = 0
     o_rows: int = 32        # output rows per O-projection tile
     # columns streamed per inner-loop iteration of an O tile (0: bk). With o_rows=64, o_bk=256 keeps
     # the pipeline's bytes per stage while halving the tile count (the 70B shape's O in one wave)
@@ -116,31 +113,28 @@ class Tiling:
     # 256 (Layout checks); one row a warp where a stage's rows are a multiple of num_warps (the 1B:
     # 4 gate/up rows, 8 LM head rows a stage on 4 warps), else a row's warps still share its sum
     warp_rows: int = 0
-    # 1: GATE_UP's and LM_HEAD's row loops make their input vector (the RMSNorm'ed x) in their first
-    # iteration, after the pipeline's prologue has issued the first weight blocks, not before the loop (v122)
-    vec_in_loop: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "qkv_bk", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows", "vec_in_loop") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Tiling.{f.name} must be a positive int, got {v!r}")
         for k in ("qkv_rows", "kv_rows", "o_rows", "gu_rows", "down_rows", "red_rows", "attn_block", "bk", "num_warps",
-                  "qkv_bk", "o_bk", "down_bk"):
+                  "o_bk", "down_bk"):
             v = getattr(self, k)
             if v & (v - 1):
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows", "vec_in_loop"):
+        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
             raise ValueError("Tiling.qkv_rows must be >= 2 (RoPE pairs)")
-        for k in ("qkv_bk", "o_bk", "down_bk"):
+        for k in ("o_bk", "down_bk"):
             if 0 < getattr(self, k) < 16:
                 raise ValueError(f"Tiling.{k} must be 0 (bk) or >= 16, got {getattr(self, k)}")
         if self.kv_rows == 1:
@@ -391,7 +385,7 @@ class Layout:
         return dict(LAYERS=c.layers, D=c.d, DP=next_pow2(c.d), FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd,
                     MAX_SEQ=self.max_seq,
                     EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp), WARP_ROWS=bool(t.warp_rows),
-                    VEC_IN_LOOP=bool(t.vec_in_loop), RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k)
+                    RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k)
 
     # ---- serialisation --------------------------------------------------------------
     def extra(self) -> dict:

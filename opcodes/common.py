@@ -258,33 +258,6 @@ def row_loop_vec(x_ptr, nw_ptr, D: tl.constexpr, DP: tl.constexpr, EPS: tl.const
 
 
 @triton.jit
-def row_loop_vec_before(x_ptr, nw_ptr, D: tl.constexpr, DP: tl.constexpr, EPS: tl.constexpr, WARP_ROWS: tl.constexpr,
-                        VEC_IN_LOOP: tl.constexpr):
-    """:func:`row_loop_vec` before the row loop, or with ``VEC_IN_LOOP`` (``Tiling.vec_in_loop``) zeros of
-    its shape, made in the loop's first iteration by :func:`row_loop_vec_in`."""
-    if VEC_IN_LOOP:
-        if WARP_ROWS:
-            hv = tl.zeros([D // 256, 256], tl.float32)
-        else:
-            hv = tl.zeros([DP], tl.float32)
-        rstd = tl.full([], 0.0, tl.float32)
-    else:
-        hv, rstd = row_loop_vec(x_ptr, nw_ptr, D, DP, EPS, WARP_ROWS)
-    return hv, rstd
-
-
-@triton.jit
-def row_loop_vec_in(b, hv, rstd, x_ptr, nw_ptr, D: tl.constexpr, DP: tl.constexpr, EPS: tl.constexpr,
-                    WARP_ROWS: tl.constexpr, VEC_IN_LOOP: tl.constexpr):
-    """At the top of the row loop's body (iteration ``b``): with ``VEC_IN_LOOP`` the vector is made in the
-    first iteration, after the pipeline's prologue has issued its weight loads (v122); else as given."""
-    if VEC_IN_LOOP:
-        if b == 0:
-            hv, rstd = row_loop_vec(x_ptr, nw_ptr, D, DP, EPS, WARP_ROWS)
-    return hv, rstd
-
-
-@triton.jit
 def row_loop_dot(w_ptr, rows, row_mask, hv, D: tl.constexpr, DP: tl.constexpr, EVEN: tl.constexpr,
                  WARP_ROWS: tl.constexpr):
     """One stage of the row loop, ``W[rows] . hv`` (``hv`` from :func:`row_loop_vec`): each row inside

@@ -15,26 +15,24 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
-from .common import T_N2, T_WG, T_WU, gemv_stream, row_loop_dot, row_loop_store, row_loop_vec_before, row_loop_vec_in, tab_offset
+from .common import T_N2, T_WG, T_WU, gemv_stream, row_loop_dot, row_loop_store, row_loop_vec, tab_offset
 
 
 @triton.jit
 def _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out,
              D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
              GU_RB: tl.constexpr, STAGES: tl.constexpr, GU_SPAN: tl.constexpr, WARP_ROWS: tl.constexpr,
-             INTERP: tl.constexpr, VEC_IN_LOOP: tl.constexpr):
+             INTERP: tl.constexpr):
     # whole rows, GU_RB of gate and of up per pipeline stage (Tiling.row_bytes); GU_SPAN: the tile's
     # rows are its operand ``nrows`` (a multiple of GU_RB, Tiling.gu_tiles), else GU_ROWS. WARP_ROWS:
-    # each row summed inside one warp (Tiling.warp_rows). VEC_IN_LOOP: the vector made in the first
-    # iteration, after the pipeline's prologue has issued its weight loads (Tiling.vec_in_loop)
-    hv, rstd = row_loop_vec_before(xin, nw_ptr, D, DP, EPS, WARP_ROWS, VEC_IN_LOOP)
+    # each row summed inside one warp (Tiling.warp_rows)
+    hv, rstd = row_loop_vec(xin, nw_ptr, D, DP, EPS, WARP_ROWS)
     EVEN: tl.constexpr = (D == DP) and (FFN % GU_ROWS == 0) and not GU_SPAN
     if GU_SPAN:
         nb = nrows // GU_RB
     else:
         nb = GU_ROWS // GU_RB
     for b in tl.range(0, nb, num_stages=STAGES):
-        hv, rstd = row_loop_vec_in(b, hv, rstd, xin, nw_ptr, D, DP, EPS, WARP_ROWS, VEC_IN_LOOP)
         rows = row0 + b * GU_RB + tl.arange(0, GU_RB)
         rm = rows < FFN
         gv = row_loop_dot(g_ptr, rows, rm, hv, D, DP, EVEN, WARP_ROWS) * rstd
@@ -46,7 +44,7 @@ def _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out,
 def gate_up_device(layer, row0, nrows, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
                    D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
                    GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GU_SPAN: tl.constexpr,
-                   WARP_ROWS: tl.constexpr, INTERP: tl.constexpr, VEC_IN_LOOP: tl.constexpr):
+                   WARP_ROWS: tl.constexpr, INTERP: tl.constexpr):
     g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
@@ -63,7 +61,7 @@ def gate_up_device(layer, row0, nrows, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr,
         tl.store(act_ptr + layer * FFN + rows, act, mask=rm)
     else:
         _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, D, DP, FFN, EPS, GU_ROWS,
-                 GU_RB, STAGES, GU_SPAN, WARP_ROWS, INTERP, VEC_IN_LOOP)
+                 GU_RB, STAGES, GU_SPAN, WARP_ROWS, INTERP)
 
 
 @register
@@ -76,7 +74,7 @@ class GateUp(Instruction):
     NAME = "gate_up"
     STAGE = 4
     ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB",
-            "BK", "STAGES", "GU_SPAN", "WARP_ROWS", "INTERP", "VEC_IN_LOOP")
+            "BK", "STAGES", "GU_SPAN", "WARP_ROWS", "INTERP")
     CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
                   "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows),
                   "GU_SPAN": lambda lay: int(lay.tiling.gu_tiles > 0)}

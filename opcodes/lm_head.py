@@ -23,14 +23,14 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, register, tile_start
-from .common import gemv_stream, row_loop_dot, row_loop_store, row_loop_vec_before, row_loop_vec_in
+from .common import gemv_stream, row_loop_dot, row_loop_store, row_loop_vec
 
 
 @triton.jit
 def lm_head_device(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, amax_ptr,
                    D: tl.constexpr, DP: tl.constexpr, VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr,
                    LM_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, WARP_ROWS: tl.constexpr,
-                   INTERP: tl.constexpr, VEC_IN_LOOP: tl.constexpr):
+                   INTERP: tl.constexpr):
     rows = row0 + tl.arange(0, LM_ROWS)
     rm = rows < VOCAB
     if LM_RB == 0:
@@ -42,7 +42,7 @@ def lm_head_device(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, amax_ptr,
         tl.store(logits_ptr + rows, y, mask=rm)
     else:
         y = _lm_rows(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, D, DP, VOCAB, EPS, LM_ROWS, LM_RB, STAGES,
-                     WARP_ROWS, INTERP, VEC_IN_LOOP)
+                     WARP_ROWS, INTERP)
     _lm_tile_max(y, rows, rm, row0, amax_ptr, VOCAB, LM_ROWS)
 
 
@@ -60,16 +60,14 @@ def _lm_tile_max(y, rows, rm, row0, amax_ptr, VOCAB: tl.constexpr, LM_ROWS: tl.c
 @triton.jit
 def _lm_rows(row0, out_ptr, fnorm_ptr, lmh_ptr, logits_ptr, D: tl.constexpr, DP: tl.constexpr,
              VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr, LM_RB: tl.constexpr, STAGES: tl.constexpr,
-             WARP_ROWS: tl.constexpr, INTERP: tl.constexpr, VEC_IN_LOOP: tl.constexpr):
+             WARP_ROWS: tl.constexpr, INTERP: tl.constexpr):
     # whole rows, LM_RB per pipeline stage (Tiling.row_bytes); WARP_ROWS: each row summed inside one
-    # warp (Tiling.warp_rows); VEC_IN_LOOP: the vector made in the first iteration (Tiling.vec_in_loop).
-    # Returns the tile's logits, read back for its (max, argmax).
-    hv, rstd = row_loop_vec_before(out_ptr, fnorm_ptr, D, DP, EPS, WARP_ROWS, VEC_IN_LOOP)
+    # warp (Tiling.warp_rows). Returns the tile's logits, read back for its (max, argmax).
+    hv, rstd = row_loop_vec(out_ptr, fnorm_ptr, D, DP, EPS, WARP_ROWS)
     EVEN: tl.constexpr = (D == DP) and (VOCAB % LM_ROWS == 0)
     for b in tl.range(0, LM_ROWS // LM_RB, num_stages=STAGES):
         r = row0 + b * LM_RB + tl.arange(0, LM_RB)
         m = r < VOCAB
-        hv, rstd = row_loop_vec_in(b, hv, rstd, out_ptr, fnorm_ptr, D, DP, EPS, WARP_ROWS, VEC_IN_LOOP)
         row_loop_store(logits_ptr + r, row_loop_dot(lmh_ptr, r.to(tl.int64), m, hv, D, DP, EVEN, WARP_ROWS) * rstd, m,
                        WARP_ROWS, INTERP)
     tl.debug_barrier()                         # this CTA's stores, visible to all its threads
@@ -95,7 +93,7 @@ class LMHead(Instruction):
     # the device function's VOCAB parameter is LM_VOCAB, the rows of this program's LM head (on one
     # GPU the vocabulary: the same value as VOCAB)
     ARGS = ("out_ptr", "fnorm_ptr", "lmh_ptr", "logits_ptr", "amax_ptr", "D", "DP", "LM_VOCAB", "EPS", "LM_ROWS",
-            "LM_RB", "BK", "STAGES", "WARP_ROWS", "INTERP", "VEC_IN_LOOP")
+            "LM_RB", "BK", "STAGES", "WARP_ROWS", "INTERP")
     # the branch is in every kernel; on a layout without a vocabulary it is never taken and is
     # compiled at the smallest tile
     CONSTEXPRS = {"VOCAB": lambda lay: max(1, lay.cfg.vocab),

@@ -1,5 +1,5 @@
-"""Per-opcode streaming widths (``Tiling.qkv_bk``, ``Tiling.o_bk``, ``Tiling.down_bk``): QKV, O and down
-tiles stream their own number of columns per pipeline stage, so a tile of twice the rows keeps the bytes per stage.
+"""Per-opcode streaming widths (``Tiling.o_bk``, ``Tiling.down_bk``): O and down tiles stream their
+own number of columns per pipeline stage, so a tile of twice the rows keeps the bytes per stage.
 Only the fp32 summation order changes: the kernel stays within rounding of the tape VM."""
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from opcodes import ModelConfig, Tiling
 from opcodes.base import Layout
 from opcodes.down import Down
 from opcodes.oproj import OProj
-from opcodes.qkv import QKV
 from opcodes.reference import make_kv_cache, make_weights, rel_err
 from schedule import compile_model
 from schedule.fluid import FluidModel
@@ -22,8 +21,7 @@ require_interpreter()
 CFG = ModelConfig.from_name("small-2layer")        # d 128, q_dim 128: bk 128
 
 
-@pytest.mark.parametrize("over", [{"o_rows": 64, "o_bk": 32}, {"o_rows": 64, "o_bk": 32, "key_in_reduce": 1},
-                                  {"qkv_rows": 32, "kv_rows": 16, "qkv_bk": 32}])
+@pytest.mark.parametrize("over", [{"o_rows": 64, "o_bk": 32}, {"o_rows": 64, "o_bk": 32, "key_in_reduce": 1}])
 def test_kernel_with_own_width_matches_the_vm(over):
     w = make_weights(CFG, seed=7)
     x = rand_x(CFG.d, 8)
@@ -51,8 +49,6 @@ def test_widths_reach_the_kernel_and_the_model():
     m, m0 = FluidModel.h200(lay), FluidModel.h200(base)
     assert m.cap[OProj] < m0.cap[OProj]
     assert m.cap[OProj] == pytest.approx(FluidModel.sm_cap(64 * 32 * 2 * (t.stages - 1)))
-    q = Layout(CFG, Tiling.for_config(CFG, qkv_rows=32, qkv_bk=32), 64)
-    assert QKV.CONSTEXPRS["QKV_BK"](q) == QKV.stream_width(q) == 32 != base.tiling.bk
 
 
 def test_bad_widths_are_named():
@@ -60,8 +56,6 @@ def test_bad_widths_are_named():
         Tiling(o_bk=96)
     with pytest.raises(ValueError, match="down_bk must be 0"):
         Tiling(down_bk=8)
-    with pytest.raises(ValueError, match="qkv_bk must be a power of two"):
-        Tiling(qkv_bk=48)
 
 
 @pytest.mark.parametrize("over", [{"down_rows": 64, "down_bk": 32}])

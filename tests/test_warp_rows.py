@@ -57,15 +57,3 @@ def test_bad_warp_rows_are_named():
     for cfg, over, what in ((small, {}, "d = 384"), (CFG, {"row_bytes": 0}, "row_bytes > 0, got 0")):
         with pytest.raises(ValueError, match=what):
             make_layout(cfg, 16, Tiling.for_config(cfg, warp_rows=1, **{**OVER, **over}))
-
-
-def test_vector_in_the_first_iteration_is_bitwise_the_same():
-    # Tiling.vec_in_loop: GATE_UP's vector made inside its loop's first iteration, the same values in the same
-    # order, for both row loops
-    w = decoder_weights(CFG, 1)
-    for wr in (0, 1):
-        base = decode_tokens(w, CFG, Tiling.for_config(CFG, warp_rows=wr, **OVER), max_seq=16)
-        vil = decode_tokens(w, CFG, Tiling.for_config(CFG, warp_rows=wr, vec_in_loop=1, **OVER), max_seq=16)
-        assert torch.equal(base[0], vil[0]) and base[1] == vil[1], wr
-    with pytest.raises(ValueError, match="vec_in_loop"):
-        Tiling(vec_in_loop=2)

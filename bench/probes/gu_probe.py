@@ -35,7 +35,7 @@ def two_kernel(g_ptr, u_ptr, nw_ptr, x_ptr, out_ptr, REPS, NPROG, D: tl.constexp
     for r in range(REPS):
         row0 = (r * NPROG + pid) * GU_ROWS
         _gu_rows(row0, GU_ROWS, g_ptr, u_ptr, nw_ptr, x_ptr, out_ptr, D, D, FFN, 1e-5, GU_ROWS, RB, STAGES, False,
-                 False, False, False)
+                 False, False)
 
 
 @triton.jit
