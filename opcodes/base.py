@@ -129,9 +129,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        if self.warp_rows not in (0, 1, 2):
-            raise ValueError(f"Tiling.warp_rows must be 0, 1 or 2, got {self.warp_rows}")
-        for k in ("res_fold", "key_in_reduce", "down_wait"):
+        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -386,7 +384,7 @@ class Layout:
         c, t = self.cfg, self.tiling
         return dict(LAYERS=c.layers, D=c.d, DP=next_pow2(c.d), FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd,
                     MAX_SEQ=self.max_seq,
-                    EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp), WARP_ROWS=t.warp_rows,
+                    EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp), WARP_ROWS=bool(t.warp_rows),
                     RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k)
 
     # ---- serialisation --------------------------------------------------------------

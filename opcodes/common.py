@@ -214,21 +214,7 @@ def warp_row_vec(x_ptr, nw_ptr, K: tl.constexpr, EPS: tl.constexpr):
 
 
 @triton.jit
-def warp_row_vec_rows(x_ptr, nw_ptr, RB: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr):
-    """:func:`warp_row_vec` in :func:`warp_rows_dot`'s block layout: ``[RB, K / 256, 256]``, every row the
-    whole vector (each warp loads it for its rows), and ``rsqrt(mean(x^2) + EPS)`` as ``[RB]`` (all the
-    same), so neither the sum of squares nor the dot moves the vector across warps (no shared memory,
-    no barrier before the loop's prologue)."""
-    offs = (tl.arange(0, RB)[:, None, None] * 0 + tl.arange(0, K // 256)[None, :, None] * 256
-            + tl.arange(0, 256)[None, None, :])
-    xv = tl.load(x_ptr + offs, cache_modifier=".cg").to(tl.float32)
-    nw = tl.load(nw_ptr + offs).to(tl.float32)
-    ss = tl.sum(tl.sum(xv * xv, axis=1), axis=1)
-    return xv * nw, 1.0 / tl.sqrt(ss / K + EPS)
-
-
-@triton.jit
-def warp_rows_dot(w_ptr, rows, row_mask, hv, K: tl.constexpr, EVEN: tl.constexpr, HV_ROWS: tl.constexpr = False):
+def warp_rows_dot(w_ptr, rows, row_mask, hv, K: tl.constexpr, EVEN: tl.constexpr):
     """``W[rows] . hv`` (whole rows of ``K`` columns; ``hv`` from :func:`warp_row_vec`) with each row
     inside one warp (``Tiling.warp_rows``): the block is read through ``[rows, K / 256, 256]``
     pointers, which Triton 3.6 lays out with the warps on the rows (the two dims that are not
@@ -243,11 +229,7 @@ def warp_rows_dot(w_ptr, rows, row_mask, hv, K: tl.constexpr, EVEN: tl.constexpr
         w = tl.load(ptrs, eviction_policy="evict_first")
     else:
         w = tl.load(ptrs, mask=row_mask[:, None, None], other=0.0, eviction_policy="evict_first")
-    if HV_ROWS:         # hv from warp_row_vec_rows, already in the block's layout
-        v = tl.sum(tl.sum(w.to(tl.float32) * hv, axis=1), axis=1)
-    else:
-        v = tl.sum(tl.sum(w.to(tl.float32) * hv[None, :, :], axis=1), axis=1)
-    return v
+    return tl.sum(tl.sum(w.to(tl.float32) * hv[None, :, :], axis=1), axis=1)
 
 
 @triton.jit
@@ -277,11 +259,11 @@ def row_loop_vec(x_ptr, nw_ptr, D: tl.constexpr, DP: tl.constexpr, EPS: tl.const
 
 @triton.jit
 def row_loop_dot(w_ptr, rows, row_mask, hv, D: tl.constexpr, DP: tl.constexpr, EVEN: tl.constexpr,
-                 WARP_ROWS: tl.constexpr, HV_ROWS: tl.constexpr = False):
+                 WARP_ROWS: tl.constexpr):
     """One stage of the row loop, ``W[rows] . hv`` (``hv`` from :func:`row_loop_vec`): each row inside
     one warp with ``WARP_ROWS`` (:func:`warp_rows_dot`), else across the CTA (:func:`rows_dot`)."""
     if WARP_ROWS:
-        v = warp_rows_dot(w_ptr, rows, row_mask, hv, D, EVEN, HV_ROWS)
+        v = warp_rows_dot(w_ptr, rows, row_mask, hv, D, EVEN)
     else:
         v = rows_dot(w_ptr, rows, row_mask, hv, 0, D, D, DP, EVEN)
     return v

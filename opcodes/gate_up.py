@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
-from .common import T_N2, T_WG, T_WU, gemv_stream, row_loop_dot, row_loop_store, row_loop_vec, tab_offset, warp_row_vec_rows
+from .common import T_N2, T_WG, T_WU, gemv_stream, row_loop_dot, row_loop_store, row_loop_vec, tab_offset
 
 
 @triton.jit
@@ -26,11 +26,7 @@ def _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out,
     # whole rows, GU_RB of gate and of up per pipeline stage (Tiling.row_bytes); GU_SPAN: the tile's
     # rows are its operand ``nrows`` (a multiple of GU_RB, Tiling.gu_tiles), else GU_ROWS. WARP_ROWS:
     # each row summed inside one warp (Tiling.warp_rows)
-    HV_ROWS: tl.constexpr = WARP_ROWS == 2
-    if HV_ROWS:
-        hv, rstd = warp_row_vec_rows(xin, nw_ptr, GU_RB, D, EPS)
-    else:
-        hv, rstd = row_loop_vec(xin, nw_ptr, D, DP, EPS, WARP_ROWS)
+    hv, rstd = row_loop_vec(xin, nw_ptr, D, DP, EPS, WARP_ROWS)
     EVEN: tl.constexpr = (D == DP) and (FFN % GU_ROWS == 0) and not GU_SPAN
     if GU_SPAN:
         nb = nrows // GU_RB
@@ -39,8 +35,8 @@ def _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out,
     for b in tl.range(0, nb, num_stages=STAGES):
         rows = row0 + b * GU_RB + tl.arange(0, GU_RB)
         rm = rows < FFN
-        gv = row_loop_dot(g_ptr, rows, rm, hv, D, DP, EVEN, WARP_ROWS, HV_ROWS) * rstd
-        uv = row_loop_dot(u_ptr, rows, rm, hv, D, DP, EVEN, WARP_ROWS, HV_ROWS) * rstd
+        gv = row_loop_dot(g_ptr, rows, rm, hv, D, DP, EVEN, WARP_ROWS) * rstd
+        uv = row_loop_dot(u_ptr, rows, rm, hv, D, DP, EVEN, WARP_ROWS) * rstd
         row_loop_store(act_out + rows, gv / (1.0 + tl.exp(-gv)) * uv, rm, WARP_ROWS, INTERP)
 
 
