@@ -113,15 +113,11 @@ class Tiling:
     # 256 (Layout checks); one row a warp where a stage's rows are a multiple of num_warps (the 1B:
     # 4 gate/up rows, 8 LM head rows a stage on 4 warps), else a row's warps still share its sum
     warp_rows: int = 0
-    # 1: QKV tiles wait inside a row loop (as down_wait: the whole tile's weights issued before the waits;
-    # one row a warp with warp_rows); the K/V tiles must be as tall as the Q tiles (v125; v104 measured the
-    # CTA row loop's form +3..+4.6%)
-    qkv_wait: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows", "qkv_wait") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -133,7 +129,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows", "qkv_wait"):
+        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -290,9 +286,6 @@ class Layout:
         if isinstance(self.max_seq, bool) or not isinstance(self.max_seq, int) or self.max_seq <= 0:
             raise ValueError(f"max_seq_len must be a positive int, got {self.max_seq!r}")
         t, c = self.tiling, self.cfg
-        if t.qkv_wait and self.kv_rows != t.qkv_rows:
-            raise ValueError(f"Tiling.qkv_wait = 1 needs K/V tiles as tall as the Q tiles (kv_rows 0 or "
-                             f"{t.qkv_rows}), got kv_rows = {t.kv_rows}")
         if c.hd % t.qkv_rows:
             raise ValueError(f"Tiling.qkv_rows = {t.qkv_rows} must divide hd = {c.hd}")
         if c.hd % self.kv_rows:

@@ -17,10 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import ROW_BYTES, Cost, Instruction, Layout, Region, register
+from .base import Cost, Instruction, Layout, Region, register
 from .reference import rope_tables
-from .common import (T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, gemv_stream, layer_input, layer_rows, row_loop_dot,
-                     row_loop_store, tab_offset, tape_waits, to_bf16)
+from .common import T_KC, T_N1, T_VC, T_WK, T_WQ, T_WV, gemv_stream, layer_input, tab_offset, to_bf16
 
 SECTIONS = ("q", "k", "v")
 
@@ -63,100 +62,11 @@ def _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, c
 
 
 @triton.jit
-def _pick(v2, bi, b):
-    # row b of a [NB, RB] tensor, as [RB] (a select and a sum: no dynamic indexing of registers)
-    return tl.sum(tl.where(bi[:, None] == b, v2, 0.0), axis=0)
-
-
-@triton.jit
-def _qkv_vec(x_ptr, xout_ptr, x1_ptr, dpart_ptr, nw_ptr, layer, D: tl.constexpr, DP: tl.constexpr, EPS: tl.constexpr,
-             DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, WARP_ROWS: tl.constexpr, INTERP: tl.constexpr):
-    """The layer's input (as RESIDUAL rounds it) times the norm weight, laid out for ``row_loop_dot``
-    (``[D / 256, 256]`` with ``WARP_ROWS``, else ``[DP]``), and ``rsqrt(mean(x^2) + EPS)``."""
-    if WARP_ROWS:
-        offs = tl.arange(0, D // 256)[:, None] * 256 + tl.arange(0, 256)[None, :]
-        xv = layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, offs, offs < D, D, DOWN_CHUNKS, RES_FOLD, INTERP)
-        ss = tl.sum(tl.sum(xv * xv, axis=1), axis=0)
-        hv = xv * tl.load(nw_ptr + offs).to(tl.float32)
-    else:
-        offs = tl.arange(0, DP)
-        xv = layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, offs, offs < D, D, DOWN_CHUNKS, RES_FOLD, INTERP)
-        ss = tl.sum(xv * xv, axis=0)
-        hv = xv * tl.load(nw_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
-    return hv, 1.0 / tl.sqrt(ss / D + EPS)
-
-
-@triton.jit
-def _qkv_rows_waiting(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
-                      wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, ins, cnt_ptr, epoch, spin_limit,
-                      D: tl.constexpr, DP: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
-                      EPS: tl.constexpr, QKV_ROWS: tl.constexpr, Q_RB: tl.constexpr, STAGES: tl.constexpr,
-                      DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, WARP_ROWS: tl.constexpr,
-                      INTERP: tl.constexpr, PROFILE: tl.constexpr):
-    # Q_WAIT: whole rows, Q_RB dims of both halves of the head a pipeline stage (the row loop's, one row a
-    # warp with WARP_ROWS); the loop's prologue issued before the waits, made in the first iteration with
-    # the reads they guard (the layer's input); cos / sin read before the loop; RoPE and the stores a block
-    # at a time
-    HALF: tl.constexpr = QKV_ROWS // 2
-    NB: tl.constexpr = HALF // Q_RB
-    EVEN: tl.constexpr = D == DP
-    w_ptr = section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr)
-    nw_ptr = n1_ptr + tab_offset(wtab_ptr, layer, T_N1)
-    bi = tl.arange(0, NB)
-    dims2 = j * HALF + bi[:, None] * Q_RB + tl.arange(0, Q_RB)[None, :]
-    rot = sec < 2
-    c2 = tl.where(rot, tl.load(cos_ptr + pos * (HD // 2) + dims2), 1.0)
-    s2 = tl.where(rot, tl.load(sin_ptr + pos * (HD // 2) + dims2), 0.0)
-    if WARP_ROWS:
-        hv = tl.zeros([D // 256, 256], tl.float32)
-    else:
-        hv = tl.zeros([DP], tl.float32)
-    rstd = tl.full([], 0.0, tl.float32)
-    bad_c = tl.full([], -1, tl.int32)
-    bad_s = tl.full([], 0, tl.int32)
-    t_exec = tl.full([], 0, tl.int64)
-    for b in tl.range(0, NB, num_stages=STAGES):
-        if b == 0:
-            bad_c, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE)
-            hv, rstd = _qkv_vec(x_ptr, xout_ptr, x1_ptr, dpart_ptr, nw_ptr, layer, D, DP, EPS, DOWN_CHUNKS, RES_FOLD,
-                                WARP_ROWS, INTERP)
-        dims = j * HALF + b * Q_RB + tl.arange(0, Q_RB)
-        rows1 = head * HD + dims
-        ok = (rows1 >= 0) & (bad_c < 0)
-        y1 = row_loop_dot(w_ptr, rows1, rows1 >= 0, hv, D, DP, EVEN, WARP_ROWS) * rstd
-        y2 = row_loop_dot(w_ptr, rows1 + HD // 2, rows1 >= 0, hv, D, DP, EVEN, WARP_ROWS) * rstd
-        c = _pick(c2, bi, b)
-        s = _pick(s2, bi, b)
-        o1 = y1 * c - y2 * s
-        o2 = y2 * c + y1 * s
-        if sec == 0:
-            qb = q_ptr + layer * (NQ * HD) + head * HD
-            row_loop_store(qb + dims, o1, ok, WARP_ROWS, INTERP)
-            row_loop_store(qb + HD // 2 + dims, o2, ok, WARP_ROWS, INTERP)
-        else:
-            if sec == 1:
-                cb = kc_ptr + tab_offset(wtab_ptr, layer, T_KC)
-            else:
-                cb = vc_ptr + tab_offset(wtab_ptr, layer, T_VC)
-            cb = cb + head * (MAX_SEQ * HD) + pos * HD
-            tl.store(cb + dims, to_bf16(o1, INTERP), mask=ok)
-            tl.store(cb + HD // 2 + dims, to_bf16(o2, INTERP), mask=ok)
-    return bad_c, bad_s, t_exec
-
-
-@triton.jit
 def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
                kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
                D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
                EPS: tl.constexpr, QKV_ROWS: tl.constexpr, KV_ROWS: tl.constexpr, BK: tl.constexpr,
-               STAGES: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr,
-               Q_WAIT: tl.constexpr, Q_RB: tl.constexpr, DP: tl.constexpr, WARP_ROWS: tl.constexpr, ins, cnt_ptr,
-               epoch, spin_limit, PROFILE: tl.constexpr):
-    if Q_WAIT:      # the row loop, waiting inside (QKV.WAIT_INSIDE; the K/V tiles as tall as the Q tiles)
-        return _qkv_rows_waiting(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr,
-                                 wk_ptr, wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, ins, cnt_ptr, epoch,
-                                 spin_limit, D, DP, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, Q_RB, STAGES, DOWN_CHUNKS, RES_FOLD,
-                                 WARP_ROWS, INTERP, PROFILE)
+               STAGES: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     if KV_ROWS == QKV_ROWS:
         _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
                   wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, BK, STAGES,
@@ -218,13 +128,8 @@ class QKV(Instruction):
     ARGS = ("pos", "x_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr",
             "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
             "D", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "KV_ROWS", "BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD",
-            "INTERP", "Q_WAIT", "Q_RB", "DP", "WARP_ROWS")
-    CONSTEXPRS = {"QKV_ROWS": lambda lay: lay.tiling.qkv_rows, "KV_ROWS": lambda lay: lay.kv_rows,
-                  "Q_WAIT": lambda lay: bool(lay.tiling.qkv_wait),
-                  # the waiting row loop's dims of each half a stage (Tiling.row_bytes, else ROW_BYTES)
-                  "Q_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.qkv_rows // 2,
-                                                                lay.tiling.row_bytes or ROW_BYTES)}
-    WAIT_INSIDE = "Q_WAIT"
+            "INTERP")
+    CONSTEXPRS = {"QKV_ROWS": lambda lay: lay.tiling.qkv_rows, "KV_ROWS": lambda lay: lay.kv_rows}
     TABLES = {"cos_ptr": "fp32", "sin_ptr": "fp32"}
     # the new K/V rows live in the caller's cache (row ``pos``): tracked by the verifier, not allocated
     VIRTUAL = ("kv_new_k", "kv_new_v")

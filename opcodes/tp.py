@@ -367,7 +367,7 @@ class TPLayout(Layout):
         (``warp_rows`` 0: v121, likewise)."""
         base = Tiling.for_config(sc)
         q = overrides.get("qkv_rows", base.qkv_rows)
-        auto = {"kv_rows": max(2, q // 2), "down_wait": 0, "qkv_wait": 0, "gu_tiles": 0, "warp_rows": 0}
+        auto = {"kv_rows": max(2, q // 2), "down_wait": 0, "gu_tiles": 0, "warp_rows": 0}
         if cdiv(sc.d, 2 * base.down_rows) >= 128:
             auto.update(down_rows=2 * base.down_rows, down_bk=max(16, base.bk // 2))
         return Tiling.for_config(sc, **{**auto, **overrides})
