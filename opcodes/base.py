@@ -298,6 +298,11 @@ class Layout:
         if t.warp_rows and not (t.row_bytes and Tiling.warp_rows_fit(c.d)):
             raise ValueError(f"Tiling.warp_rows = 1 needs the row loop (row_bytes > 0, got {t.row_bytes}) and d a "
                              f"power of two times 256 (the warp's [d / 256, 256] rows), got d = {c.d}")
+        if t.down_wait == 2 and (t.down_k % (128 * t.num_warps) or c.ffn % t.down_k or c.d % t.down_rows
+                                 or t.down_rows % 2):
+            raise ValueError(f"Tiling.down_wait = 2 needs down_k a multiple of 128 x num_warps (got {t.down_k}, "
+                             f"{t.num_warps} warps) dividing ffn = {c.ffn}, and an even down_rows dividing d = {c.d} "
+                             f"(got {t.down_rows})")
 
     @classmethod
     def column(cls, key: str) -> int:
