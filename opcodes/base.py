@@ -129,9 +129,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        if self.down_wait not in (0, 1, 2):
-            raise ValueError(f"Tiling.down_wait must be 0, 1 or 2, got {self.down_wait}")
-        for k in ("res_fold", "key_in_reduce", "warp_rows"):
+        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -298,11 +296,6 @@ class Layout:
         if t.warp_rows and not (t.row_bytes and Tiling.warp_rows_fit(c.d)):
             raise ValueError(f"Tiling.warp_rows = 1 needs the row loop (row_bytes > 0, got {t.row_bytes}) and d a "
                              f"power of two times 256 (the warp's [d / 256, 256] rows), got d = {c.d}")
-        if t.down_wait == 2 and (t.down_k % (128 * t.num_warps) or c.ffn % t.down_k or c.d % t.down_rows
-                                 or t.down_rows % 2):
-            raise ValueError(f"Tiling.down_wait = 2 needs down_k a multiple of 128 x num_warps (got {t.down_k}, "
-                             f"{t.num_warps} warps) dividing ffn = {c.ffn}, and an even down_rows dividing d = {c.d} "
-                             f"(got {t.down_rows})")
 
     @classmethod
     def column(cls, key: str) -> int:

@@ -45,49 +45,12 @@ def _down_rows_waiting(row0, kc, w_ptr, act_in, out, ins, cnt_ptr, epoch, spin_l
 
 
 @triton.jit
-def _down_ksplit_waiting(row0, kc, w_ptr, act_in, out, ins, cnt_ptr, epoch, spin_limit,
-                         D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
-                         STAGES: tl.constexpr, NW: tl.constexpr, PROFILE: tl.constexpr):
-    # D_WAIT == 2: _down_rows_waiting with each warp on its own 1 / NW of the K chunk: a stage is two whole
-    # rows read through [NW, 2, K / NW / 128, 128] pointers (128: act's fp32 fills a warp's lanes) (the warps on dim 0, as in warp_rows_dot), each
-    # warp sums its part of both rows inside itself, and the warps' partials meet once a tile (v126).
-    # acc[q, i, b]: warp q's partial of row 2b + i. Even shapes only
-    KW: tl.constexpr = DOWN_K // NW
-    NB: tl.constexpr = DOWN_ROWS // 2
-    k0 = kc * DOWN_K
-    offs = (tl.arange(0, NW)[:, None, None, None] * KW + tl.arange(0, KW // 128)[None, None, :, None] * 128
-            + tl.arange(0, 128)[None, None, None, :])
-    rr = tl.arange(0, 2)[None, :, None, None]
-    hv = tl.zeros([NW, 1, KW // 128, 128], dtype=tl.float32)
-    acc = tl.zeros([NW, 2, NB], dtype=tl.float32)
-    bb = tl.arange(0, NB)[None, None, :]
-    bad_c = tl.full([], -1, tl.int32)
-    bad_s = tl.full([], 0, tl.int32)
-    t_exec = tl.full([], 0, tl.int64)
-    for b in tl.range(0, NB, num_stages=STAGES):
-        if b == 0:
-            bad_c, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE)
-            hv = tl.load(act_in + k0 + offs, cache_modifier=".cg")
-        w = tl.load(w_ptr + (row0 + b * 2 + rr) * FFN + k0 + offs, eviction_policy="evict_first")
-        part = tl.sum(tl.sum(w.to(tl.float32) * hv, axis=2), axis=2)
-        acc += tl.where(bb == b, part[:, :, None], 0.0)
-    y = tl.sum(acc, axis=0)                                   # [2, NB]: row 2b + i at [i, b]
-    rows = row0 + tl.arange(0, NB)[None, :] * 2 + tl.arange(0, 2)[:, None]
-    tl.store(out + rows, y, mask=(rows < D) & (bad_c < 0))
-    return bad_c, bad_s, t_exec
-
-
-@triton.jit
 def down_device(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
                 D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
                 DOWN_CHUNKS: tl.constexpr, DOWN_BK: tl.constexpr, STAGES: tl.constexpr, D_WAIT: tl.constexpr,
-                D_RB: tl.constexpr, DKP: tl.constexpr, D_NW: tl.constexpr, ins, cnt_ptr, epoch, spin_limit,
-                PROFILE: tl.constexpr):
+                D_RB: tl.constexpr, DKP: tl.constexpr, ins, cnt_ptr, epoch, spin_limit, PROFILE: tl.constexpr):
     w_ptr = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
     out = dpart_ptr + (layer * DOWN_CHUNKS + kc) * D
-    if D_WAIT == 2:
-        return _down_ksplit_waiting(row0, kc, w_ptr, act_ptr + layer * FFN, out, ins, cnt_ptr, epoch, spin_limit,
-                                    D, FFN, DOWN_ROWS, DOWN_K, STAGES, D_NW, PROFILE)
     if D_WAIT:      # the row loop, waiting inside (Down.WAIT_INSIDE)
         return _down_rows_waiting(row0, kc, w_ptr, act_ptr + layer * FFN, out, ins, cnt_ptr, epoch, spin_limit,
                                   D, FFN, DOWN_ROWS, DOWN_K, DKP, D_RB, STAGES, PROFILE)
@@ -109,15 +72,14 @@ class Down(Instruction):
     NAME = "down"
     STAGE = 5
     ARGS = ("wtab_ptr", "wd_ptr", "act_ptr", "dpart_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS",
-            "DOWN_BK", "STAGES", "D_WAIT", "D_RB", "DKP", "D_NW")
+            "DOWN_BK", "STAGES", "D_WAIT", "D_RB", "DKP")
     CONSTEXPRS = {"DOWN_ROWS": lambda lay: lay.tiling.down_rows, "DOWN_K": lambda lay: lay.tiling.down_k,
                   "DOWN_BK": lambda lay: lay.tiling.down_bk or lay.tiling.bk,
                   "D_WAIT": lambda lay: lay.tiling.down_wait,
                   # the waiting row loop's rows a stage (Tiling.row_bytes, else ROW_BYTES) and padded K chunk
                   "D_RB": lambda lay: lay.tiling.rows_per_block(Down._chunk(lay), 1, lay.tiling.down_rows,
                                                                 row_bytes=lay.tiling.row_bytes or ROW_BYTES),
-                  "DKP": lambda lay: next_pow2(Down._chunk(lay)),
-                  "D_NW": lambda lay: lay.tiling.num_warps}
+                  "DKP": lambda lay: next_pow2(Down._chunk(lay))}
     WAIT_INSIDE = "D_WAIT"
     device = down_device
 

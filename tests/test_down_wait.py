@@ -134,24 +134,3 @@ def test_tensor_parallel_kernels_refuse_waits_inside():
     assert "tl.static_assert(D_WAIT == 0" in text
     one = opcodes.Layout(LAYER, Tiling.for_config(LAYER), MAX_SEQ)
     assert "static_assert" not in kernel_source(kernel_pointers(one), list(opcodes.kernel_constexprs(one)))
-
-
-# ---- Tiling.down_wait = 2: each warp on its own quarter of the K chunk ---------------------------------
-def test_decoder_logits_with_k_split_down():
-    """The warps' partials of each row meet once a tile instead of once a stage: logits within fp32
-    reordering of the CTA loop's, the same tokens (d 512, ffn 1024: 256 columns a warp)."""
-    cfg = ModelConfig(layers=2, d=512, ffn=1024, n_q=8, n_kv=2, hd=64, theta=10000.0, vocab=300, name="k-split")
-    over = dict(attn_splits=2, gu_rows=32, row_bytes=8192)
-    w = decoder_weights(cfg, 0)
-    base = decode_tokens(w, cfg, Tiling.for_config(cfg, **over), max_seq=MAX_SEQ)
-    split = decode_tokens(w, cfg, Tiling.for_config(cfg, down_wait=2, **over), max_seq=MAX_SEQ)
-    err = ((split[0] - base[0]).abs().max() / base[0].abs().max()).item()
-    assert err < 1e-5, err
-    assert split[1] == base[1]
-
-
-def test_k_split_down_needs_whole_warp_quarters():
-    with pytest.raises(ValueError, match="down_wait = 2 needs down_k a multiple of 128 x num_warps"):
-        opcodes.DecoderLayout(CFG, Tiling.for_config(CFG, down_wait=2), MAX_SEQ)       # ffn 160
-    with pytest.raises(ValueError, match="down_wait must be 0, 1 or 2"):
-        Tiling(down_wait=3)
