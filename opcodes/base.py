@@ -129,9 +129,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        if self.down_wait not in (0, 1, 2):
-            raise ValueError(f"Tiling.down_wait must be 0, 1 or 2, got {self.down_wait}")
-        for k in ("res_fold", "key_in_reduce", "warp_rows"):
+        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:

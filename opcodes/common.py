@@ -294,42 +294,20 @@ def poll_counter(ptr, wt, spin_limit):
 
 
 @triton.jit
-def tape_prepoll(ins, cnt_ptr, NT: tl.constexpr, INTERP: tl.constexpr):
-    """The instruction's first wait's counter (header word 1; counter 0 where it has none), read with
-    acquire semantics by each of the CTA's ``NT`` threads: a load, not Triton's one-thread atomic with its
-    shared-memory broadcast and barrier, so a caller can issue it before a pipeline's prologue and test it
-    after (:func:`tape_waits` ``pre``), without the read returning behind the prologue's bytes."""
-    p = cnt_ptr + tl.maximum(tl.load(ins + 1), 0) + tl.zeros([NT], tl.int32)
-    if INTERP:
-        v = tl.load(p, volatile=True)
-    else:
-        v = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [p], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-    return v
-
-
-@triton.jit
-def tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE: tl.constexpr, pre=None, PRE: tl.constexpr = False):
+def tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE: tl.constexpr):
     """The instruction's waits, made by its device function (``Instruction.WAIT_INSIDE``): header
     words ``1 + 2k`` (counter, -1 for none) and ``2 + 2k`` (producers per call) of each of its
     ``MAX_WAITS`` waits, call ``epoch`` waiting for ``target * epoch``, each a bounded acquire poll
     (:func:`poll_counter`, as the kernel's own). Returns ``(counter, seen)`` of the first wait whose
     counter is not exactly at its target after ``spin_limit`` polls (counter -1: all met), and when
-    they were met (``PROFILE``; else 0). (The target is the tape's: the kernel reads it again.) ``PRE``:
-    ``pre`` is :func:`tape_prepoll`'s read; where it already shows the first wait met, that wait is not
-    polled again."""
+    they were met (``PROFILE``; else 0). (The target is the tape's: the kernel reads it again.)"""
     bad_c = tl.full([], -1, tl.int32)
     bad_s = tl.full([], 0, tl.int32)
     for k in tl.static_range(_MAX_WAITS):
         wc = tl.load(ins + 1 + 2 * k)
         wt = tl.load(ins + 2 + 2 * k) * epoch
         if (wc >= 0) & (bad_c < 0):
-            if PRE and k == 0:
-                seen = tl.min(pre, axis=0)
-                if seen != wt:
-                    seen = poll_counter(cnt_ptr + wc, wt, spin_limit)
-            else:
-                seen = poll_counter(cnt_ptr + wc, wt, spin_limit)
+            seen = poll_counter(cnt_ptr + wc, wt, spin_limit)
             if seen != wt:
                 bad_c = wc
                 bad_s = seen

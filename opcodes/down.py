@@ -14,14 +14,13 @@ import triton
 import triton.language as tl
 
 from .base import ROW_BYTES, Cost, Instruction, Layout, Region, in_range, next_pow2, register, tile_start
-from .common import T_WD, gemv_stream, rows_load, tab_offset, tape_prepoll, tape_waits
+from .common import T_WD, gemv_stream, rows_load, tab_offset, tape_waits
 
 
 @triton.jit
 def _down_rows_waiting(row0, kc, w_ptr, act_in, out, ins, cnt_ptr, epoch, spin_limit,
                        D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
-                       DKP: tl.constexpr, D_RB: tl.constexpr, STAGES: tl.constexpr, PROFILE: tl.constexpr,
-                       PRE: tl.constexpr, NT: tl.constexpr, INTERP: tl.constexpr):
+                       DKP: tl.constexpr, D_RB: tl.constexpr, STAGES: tl.constexpr, PROFILE: tl.constexpr):
     # D_WAIT: whole rows of the tile's K chunk, D_RB a pipeline stage; the loop's prologue (its first
     # STAGES - 1 blocks) issued before the waits, made in the first iteration with the read they guard
     # (the chunk of act, [1, DKP] in the blocks' layout)
@@ -33,13 +32,9 @@ def _down_rows_waiting(row0, kc, w_ptr, act_in, out, ins, cnt_ptr, epoch, spin_l
     bad_c = tl.full([], -1, tl.int32)
     bad_s = tl.full([], 0, tl.int32)
     t_exec = tl.full([], 0, tl.int64)
-    if PRE:         # D_WAIT == 2: the first wait's counter read before the prologue (v127)
-        pre = tape_prepoll(ins, cnt_ptr, NT, INTERP)
-    else:
-        pre = tl.zeros([NT], tl.int32)
     for b in tl.range(0, NB, num_stages=STAGES):
         if b == 0:
-            bad_c, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE, pre, PRE)
+            bad_c, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE)
             cols = tl.arange(0, DKP)
             hv = tl.load(act_in + k0 + cols, mask=cols < klen, other=0.0, cache_modifier=".cg")[None, :]
         r = row0 + b * D_RB + tl.arange(0, D_RB)
@@ -53,13 +48,12 @@ def _down_rows_waiting(row0, kc, w_ptr, act_in, out, ins, cnt_ptr, epoch, spin_l
 def down_device(layer, row0, kc, wtab_ptr, wd_ptr, act_ptr, dpart_ptr,
                 D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
                 DOWN_CHUNKS: tl.constexpr, DOWN_BK: tl.constexpr, STAGES: tl.constexpr, D_WAIT: tl.constexpr,
-                D_RB: tl.constexpr, DKP: tl.constexpr, D_NT: tl.constexpr, INTERP: tl.constexpr, ins, cnt_ptr,
-                epoch, spin_limit, PROFILE: tl.constexpr):
+                D_RB: tl.constexpr, DKP: tl.constexpr, ins, cnt_ptr, epoch, spin_limit, PROFILE: tl.constexpr):
     w_ptr = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
     out = dpart_ptr + (layer * DOWN_CHUNKS + kc) * D
     if D_WAIT:      # the row loop, waiting inside (Down.WAIT_INSIDE)
         return _down_rows_waiting(row0, kc, w_ptr, act_ptr + layer * FFN, out, ins, cnt_ptr, epoch, spin_limit,
-                                  D, FFN, DOWN_ROWS, DOWN_K, DKP, D_RB, STAGES, PROFILE, D_WAIT == 2, D_NT, INTERP)
+                                  D, FFN, DOWN_ROWS, DOWN_K, DKP, D_RB, STAGES, PROFILE)
     rows = row0 + tl.arange(0, DOWN_ROWS)
     rm = rows < D
     acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, act_ptr + layer * FFN, act_ptr, kc * DOWN_K, FFN, DOWN_K,
@@ -78,15 +72,14 @@ class Down(Instruction):
     NAME = "down"
     STAGE = 5
     ARGS = ("wtab_ptr", "wd_ptr", "act_ptr", "dpart_ptr", "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS",
-            "DOWN_BK", "STAGES", "D_WAIT", "D_RB", "DKP", "D_NT", "INTERP")
+            "DOWN_BK", "STAGES", "D_WAIT", "D_RB", "DKP")
     CONSTEXPRS = {"DOWN_ROWS": lambda lay: lay.tiling.down_rows, "DOWN_K": lambda lay: lay.tiling.down_k,
                   "DOWN_BK": lambda lay: lay.tiling.down_bk or lay.tiling.bk,
                   "D_WAIT": lambda lay: lay.tiling.down_wait,
                   # the waiting row loop's rows a stage (Tiling.row_bytes, else ROW_BYTES) and padded K chunk
                   "D_RB": lambda lay: lay.tiling.rows_per_block(Down._chunk(lay), 1, lay.tiling.down_rows,
                                                                 row_bytes=lay.tiling.row_bytes or ROW_BYTES),
-                  "DKP": lambda lay: next_pow2(Down._chunk(lay)),
-                  "D_NT": lambda lay: 32 * lay.tiling.num_warps}
+                  "DKP": lambda lay: next_pow2(Down._chunk(lay))}
     WAIT_INSIDE = "D_WAIT"
     device = down_device
 
