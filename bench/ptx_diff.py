@@ -96,11 +96,15 @@ print(f"shared memory {ck.metadata.shared} bytes", file=sys.stderr)
 '''
 
 
+def triton_tool(name: str) -> pathlib.Path:
+    """One of the CUDA tools Triton bundles (``ptxas``, ``nvdisasm``)."""
+    import triton
+    return pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+
+
 def resources(ptx: pathlib.Path) -> str:
     """'N registers, M bytes spill stores, K bytes spill loads' from the bundled ptxas."""
-    import triton
-    ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    r = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", os.devnull],
+    r = subprocess.run([str(triton_tool("ptxas")), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", os.devnull],
                        capture_output=True, text=True)
     text = r.stdout + r.stderr
     regs = re.search(r"Used (\d+) registers", text)

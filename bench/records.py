@@ -60,7 +60,8 @@ def stage_table(rows: list[list], layer: int, tail: int = 3) -> list[str]:
     return out
 
 
-def _corr(a: list[float], b: list[float]) -> float:
+def corr(a: list[float], b: list[float]) -> float:
+    """Pearson's correlation of ``a`` and ``b`` (NaN where either is constant)."""
     ma, mb = statistics.fmean(a), statistics.fmean(b)
     va = sum((x - ma) ** 2 for x in a)
     vb = sum((y - mb) ** 2 for y in b)
@@ -89,7 +90,7 @@ def per_sm_table(rows: list[list], show: int = 4) -> list[str]:
         mean = {sm: statistics.fmean(v for ts in by.values() for v in ts) for sm, by in sms.items()}
         both = [sm for sm, by in sms.items() if any(l % 2 == 0 for l in by) and any(l % 2 for l in by)]
         half = lambda sm, parity: statistics.fmean(v for l, ts in sms[sm].items() if l % 2 == parity for v in ts)  # noqa: E731
-        c = _corr([half(sm, 0) for sm in both], [half(sm, 1) for sm in both]) if len(both) >= 3 else float("nan")
+        c = corr([half(sm, 0) for sm in both], [half(sm, 1) for sm in both]) if len(both) >= 3 else float("nan")
         overall = statistics.fmean(v for by in sms.values() for ts in by.values() for v in ts)
         # the stage's last end per layer, as it ran and with each SM's offset from the mean taken out
         earlier = statistics.fmean(max(r[6] for r in rs) / 1e3 - max(r[6] / 1e3 - (mean[r[3]] - overall) for r in rs)

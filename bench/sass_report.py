@@ -23,6 +23,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from bench.ptx_diff import triton_tool
+
 #: the instruction kinds a loop's report counts (the mnemonic before its first '.')
 KINDS = ("BAR", "SHFL", "STS", "LDS", "LDGSTS", "LDG", "FFMA")
 
@@ -100,12 +102,10 @@ def span(ins: list[Ins], where: tuple[str, int]) -> list[Ins]:
 
 
 def disassemble(ptx: pathlib.Path) -> str:
-    import triton
-    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = pathlib.Path(tmp) / "k.cubin"
-        subprocess.run([str(tools / "ptxas"), "-lineinfo", "-arch=sm_90a", str(ptx), "-o", str(cubin)], check=True)
-        return subprocess.run([str(tools / "nvdisasm"), "-gi", str(cubin)], check=True, capture_output=True,
+        subprocess.run([str(triton_tool("ptxas")), "-lineinfo", "-arch=sm_90a", str(ptx), "-o", str(cubin)], check=True)
+        return subprocess.run([str(triton_tool("nvdisasm")), "-gi", str(cubin)], check=True, capture_output=True,
                               text=True).stdout
 
 
@@ -115,8 +115,7 @@ def report(ins: list[Ins], labels: dict[str, int], where: tuple[str, int] | None
     lines += [f"  {n * 16 / 1024:7.2f} KB  {f}" for f, n in by_file.most_common(12)]
     lines.append("loops (innermost first): start..end, instructions, most of them from, counts")
     for a, b, body in loops(ins, labels):
-        top = ", ".join(f"{f}:{n}" for f, n in collections.Counter(
-            f"{i.src[0]}" for i in body if i.src).most_common(3))
+        top = ", ".join(f"{f}:{n}" for f, n in collections.Counter(i.src[0] for i in body if i.src).most_common(3))
         lines.append(f"  {a:#x}..{b:#x}  {len(body):5d}  {top}  {kinds(body)}")
     if where:
         s = span(ins, where)

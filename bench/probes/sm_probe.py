@@ -28,6 +28,7 @@ import triton.language as tl
 
 from bench.baselines import stream_copy_bandwidth
 from bench.probes.stage_probe import _barrier
+from bench.records import corr
 from interp.sync import clock_ns
 from opcodes.common import store_in_place, warp_rows_dot
 
@@ -133,13 +134,6 @@ def rates(rec: torch.Tensor, shares: list[int]) -> list[float]:
     return [RB * s / (t / 1e3) if t > 0 else 0.0 for s, t in zip(shares, ns)]
 
 
-def _corr(a: list[float], b: list[float]) -> float:
-    ma, mb = statistics.fmean(a), statistics.fmean(b)
-    num = sum((x - ma) * (y - mb) for x, y in zip(a, b))
-    den = (sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b)) ** 0.5
-    return num / den if den else float("nan")
-
-
 def main(argv=None) -> int:
     if argv:
         print(__doc__, file=sys.stderr)
@@ -162,7 +156,7 @@ def main(argv=None) -> int:
     print(f"stream copy {bw / 1e12:.3f} TB/s; gate/up stage, {NPROG} programs, {LAYERS} layers")
     print(f"programs on the same SM in all {len(sms)} launches: {same} / {NPROG}; SM ids {min(sms[0])}..{max(sms[0])}")
     print(f"rows a us a program, equal: mean {statistics.fmean(re_):.3f} min {min(re_):.3f} max {max(re_):.3f}; "
-          f"corr(equal, rotated) by program {_corr(re_, rr):.3f}")
+          f"corr(equal, rotated) by program {corr(re_, rr):.3f}")
     order = sorted(range(NPROG), key=lambda p: re_[p])
     print("slowest programs (p:sm:rows/us):", " ".join(f"{p}:{sms[0][p]}:{re_[p]:.2f}" for p in order[:8]))
     print("fastest programs (p:sm:rows/us):", " ".join(f"{p}:{sms[0][p]}:{re_[p]:.2f}" for p in order[-12:]))
