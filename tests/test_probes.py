@@ -349,10 +349,12 @@ def test_probe_arguments_are_checked_before_any_gpu_work(capsys, monkeypatch):
     from bench.probes import tma_wait_probe as tw
     monkeypatch.setattr(pp, "run", lambda *a, **kw: pytest.fail("poll_probe ran"))
     monkeypatch.setattr(tw, "run", lambda *a, **kw: pytest.fail("tma_wait_probe ran"))
-    for main, bad in ((pp.main, ["0"]), (pp.main, ["x"]), (tw.main, ["1"]), (tw.main, ["a"])):
+    for main, bad, named in ((pp.main, ["0"], "'0'"), (pp.main, ["x"], "'x'"), (tw.main, ["1"], "'1'"),
+                             (tw.main, ["a"], "'a'"), (pp.main, ["--polls", "relaxed,nope"], "'relaxed,nope'"),
+                             (pp.main, ["--polls"], "--polls ''")):
         assert main(bad) == 2
         err = capsys.readouterr().err
-        assert len(err.strip().splitlines()) == 1 and repr(bad[0]) in err, err
+        assert len(err.strip().splitlines()) == 1 and named in err, err
 
 
 def test_poll_probe_compiles_for_sm90(tmp_path):
@@ -367,6 +369,14 @@ def test_poll_probe_compiles_for_sm90(tmp_path):
     assert (got["cpasync_ws"]["tma"], got["cpasync_ws"]["cp.async"], got["cpasync_ws"]["num_warps"]) == (0, 4, 8)
     for mode in got.values():
         assert 4 * 32768 <= mode["shared"] <= H200_SMEM_PER_BLOCK, mode
+    # --polls: the cp.async prologue with each other poll instruction, and only that one
+    assert got["cpasync"]["poll"] == ["ld.global.gpu.acquire"]
+    assert got["cpasync/relaxed"]["poll"] == ["ld.relaxed.gpu.global.b32"]
+    assert got["cpasync/volatile"]["poll"] == ["ld.volatile.global.b32"]
+    assert got["cpasync/atom_or"]["poll"] == ["atom.relaxed.gpu.global.or.b32"]
+    assert got["cpasync/relaxed_fence"]["poll"] == ["fence.acq_rel.gpu", "ld.relaxed.gpu.global.b32"]
+    for q in ("relaxed", "volatile", "atom_or", "relaxed_fence"):
+        assert got[f"cpasync/{q}"]["cp.async"] == 64
 
 
 # ---- bench/probes/inloop_probe.py: the row chain, each stage's wait before or inside its loop -------------

@@ -31,6 +31,7 @@ import sys
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -42,16 +43,31 @@ from interp.sync import clock_ns
 ROWS_, COLS_ = 64, 256                  # a block: 64 x 256 bf16 = 32 KB, one TMA box
 NBLK_ = 4                               # the prologue: 4 blocks = 128 KB, GATE_UP's at stages=5
 MODES = ("none", "tma", "cpasync", "cpasync_ws")
+#: the poll instruction (``POLL``): the megakernel's acquire (Triton lowers an atomic add of 0 to an acquire
+#: load: LDG.E.STRONG.GPU + CCTL.IVALL on sm_90), and inline-PTX alternatives, each made by every thread
+POLLS = ("acquire", "relaxed", "volatile", "atom_or", "relaxed_fence")
+_POLL_ASM = {1: "ld.relaxed.gpu.global.b32 $0, [$1];", 2: "ld.volatile.global.b32 $0, [$1];",
+             3: "atom.relaxed.gpu.global.or.b32 $0, [$1], 0;",
+             4: "ld.relaxed.gpu.global.b32 $0, [$1];\n\tfence.acq_rel.gpu;"}
 BR, BC, NBLK = gl.constexpr(ROWS_), gl.constexpr(COLS_), gl.constexpr(NBLK_)
 CH = gl.constexpr(8)                    # cp.async: rows a chunk (8 x 256 = 2048 elements, 16 a thread)
 SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
 
+@triton.jit
+def _poll_asm(ptr, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, "=r,l", [ptr.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @gluon.jit
-def _timed_poll(flag_ptr):
-    # one acquire poll (the megakernel's), between two clock reads: the second once its value is in hand
+def _timed_poll(flag_ptr, POLL: gl.constexpr = 0, ASM: gl.constexpr = ""):
+    # one poll (POLL 0: the megakernel's acquire; else the inline PTX ASM, POLLS), between two clock
+    # reads: the second once its value is in hand
     t1 = clock_ns(False)
-    seen = gl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    if POLL == 0:
+        seen = gl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    else:
+        seen = _poll_asm(flag_ptr, ASM)
     t2 = t1
     if seen >= 0:
         t2 = clock_ns(False)
@@ -59,7 +75,8 @@ def _timed_poll(flag_ptr):
 
 
 @gluon.jit
-def poll_kernel(w_desc, w_ptr, flag_ptr, out_ptr, MODE: gl.constexpr):
+def poll_kernel(w_desc, w_ptr, flag_ptr, out_ptr, MODE: gl.constexpr, POLL: gl.constexpr = 0,
+                ASM: gl.constexpr = ""):
     pid = gl.program_id(0)
     bufs = gl.allocate_shared_memory(gl.bfloat16, [NBLK, BR, BC], SMEM)
     bars = gl.allocate_shared_memory(gl.int64, [NBLK, 1], mbarrier.MBarrierLayout())
@@ -81,7 +98,7 @@ def poll_kernel(w_desc, w_ptr, flag_ptr, out_ptr, MODE: gl.constexpr):
                 p = w_ptr + (row0 + b * BR + k * CH + r)[:, None].to(gl.int64) * BC + c[None, :]
                 async_copy.async_copy_global_to_shared(bufs.index(b).slice(k * CH, CH), p)
             async_copy.commit_group()
-    t1, t2, seen = _timed_poll(flag_ptr)
+    t1, t2, seen = _timed_poll(flag_ptr, POLL, ASM)
     if MODE == 1:
         for b in gl.static_range(NBLK):
             mbarrier.wait(bars.index(b), 0)
@@ -120,7 +137,7 @@ def _ws_loader(w_ptr, bufs, issued, out_ptr, row0):
 def _ws_poller(flag_ptr, issued, out_ptr):
     # the consumer warps: once the loader has issued its copies, one acquire poll, timed
     mbarrier.wait(issued, 0)
-    t1, t2, seen = _timed_poll(flag_ptr)
+    t1, t2, seen = _timed_poll(flag_ptr, 0, "")
     gl.store(out_ptr + 1, t2 - t1)
     gl.store(out_ptr + 3, seen.to(gl.int64))
 
@@ -139,7 +156,10 @@ def poll_ws_kernel(w_ptr, flag_ptr, out_ptr):
     mbarrier.invalidate(issued)
 
 
-def run(programs=(96, 128, 132), calls: int = 20, device="cuda") -> dict:
+def run(programs=(96, 128, 132), calls: int = 20, device="cuda", polls=None) -> dict:
+    """Per program count, each mode's issue / poll / landed times (us, median and max). ``polls``: indices
+    into POLLS; then modes none, cpasync and tma are timed with each of those poll instructions in turn
+    (cpasync_ws, whose poll is the acquire, is left out), keys ``mode/poll@programs``."""
     dev = torch.device(device)
     nsm = torch.cuda.get_device_properties(dev).multi_processor_count
     rows = max(programs) * NBLK_ * ROWS_
@@ -147,27 +167,34 @@ def run(programs=(96, 128, 132), calls: int = 20, device="cuda") -> dict:
     ws = [torch.randn(rows, COLS_, device=dev).to(torch.bfloat16) for _ in range(copies)]
     descs = [TensorDescriptor.from_tensor(w, [ROWS_, COLS_], SMEM) for w in ws]
     flag = torch.ones(1, dtype=torch.int32, device=dev)
+    if polls is None:
+        cases = [(m, 0) for m in (0, 1, 2, 3, 0)]
+    else:
+        cases = [(m, q) for m in (0, 2, 1) for q in polls] + [(2, polls[0])]
     res = {}
     for p in programs:
         if p > nsm:
             raise ValueError(f"{p} programs: more than the {nsm} SMs (one co-resident program each)")
-        for mode in (0, 1, 2, 3, 0):
+        for mode, poll in cases:
             out = torch.zeros(p, 4, dtype=torch.int64, device=dev)
             samples = []
             for c in range(calls + 2):
                 if mode == 3:
                     poll_ws_kernel[(p,)](ws[c % copies], flag, out, num_warps=4)
                 else:
-                    poll_kernel[(p,)](descs[c % copies], ws[c % copies], flag, out, MODE=mode, num_warps=4)
+                    poll_kernel[(p,)](descs[c % copies], ws[c % copies], flag, out, MODE=mode, POLL=poll,
+                                      ASM=_POLL_ASM.get(poll, ""), num_warps=4)
                 torch.cuda.synchronize()
                 if c >= 2:
                     samples.append(out[:, :3].cpu().clone())
+            if polls is not None and int(out[:, 3].min()) < 1:
+                raise RuntimeError(f"poll {POLLS[poll]} read {int(out[:, 3].min())}, not the flag's 1")
             t = torch.stack(samples).double() / 1e3          # [calls, p, 3] us
-            key = f"{MODES[mode]}@{p}"
+            key = f"{MODES[mode]}@{p}" if polls is None else f"{MODES[mode]}/{POLLS[poll]}@{p}"
             row = {q: (statistics.median(t[:, :, i].flatten().tolist()), float(t[:, :, i].max()))
                    for i, q in enumerate(("issue", "poll", "landed"))}
             res.setdefault(key, []).append(row)
-            print(f"{key:>12s}: " + "  ".join(f"{q} med {m:6.2f} max {x:6.2f} us" for q, (m, x) in row.items()),
+            print(f"{key:>24s}: " + "  ".join(f"{q} med {m:6.2f} max {x:6.2f} us" for q, (m, x) in row.items()),
                   flush=True)
     return res
 
@@ -181,7 +208,8 @@ def compile_sm90() -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
     desc = TensorDescriptor.from_tensor(torch.zeros(ROWS_ * 4, COLS_, dtype=torch.bfloat16), [ROWS_, COLS_], SMEM)
-    sig = {"w_desc": mangle_type(desc), "w_ptr": "*bf16", "flag_ptr": "*i32", "out_ptr": "*i64", "MODE": "constexpr"}
+    sig = {"w_desc": mangle_type(desc), "w_ptr": "*bf16", "flag_ptr": "*i32", "out_ptr": "*i64", "MODE": "constexpr",
+           "POLL": "constexpr", "ASM": "constexpr"}
 
     def facts(fn, **cx):
         names = fn.arg_names
@@ -192,8 +220,16 @@ def compile_sm90() -> dict:
         ptx = ck.asm["ptx"]
         return {"shared": ck.metadata.shared, "num_warps": ck.metadata.num_warps,
                 "cp.async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
-                "tma": ptx.count("cp.async.bulk.tensor")}
-    return {**{MODES[m]: facts(poll_kernel, MODE=m) for m in range(3)}, MODES[3]: facts(poll_ws_kernel)}
+                "tma": ptx.count("cp.async.bulk.tensor"), "ptx": ptx}
+    out = {**{MODES[m]: facts(poll_kernel, MODE=m, POLL=0, ASM="") for m in range(3)}, MODES[3]: facts(poll_ws_kernel)}
+    for q in range(1, len(POLLS)):
+        out[f"cpasync/{POLLS[q]}"] = facts(poll_kernel, MODE=2, POLL=q, ASM=_POLL_ASM[q])
+    for v in out.values():
+        # the poll's instructions, as PTX spells them: the acquire load, or the inline asm's
+        ptx = v.pop("ptx")
+        v["poll"] = sorted({k for k in ("ld.global.gpu.acquire", *(a.split(" $")[0] for a in _POLL_ASM.values()),
+                                        "fence.acq_rel.gpu") if k in ptx})
+    return out
 
 
 def main(argv=None) -> int:
@@ -201,12 +237,23 @@ def main(argv=None) -> int:
     if args[:1] == ["--compile"]:
         print(json.dumps(compile_sm90()))
         return 0
+    polls = None
+    if "--polls" in args:
+        i = args.index("--polls")
+        spec = args[i + 1] if i + 1 < len(args) else ""
+        names = [n for n in spec.split(",") if n]
+        unknown = [n for n in names if n not in POLLS]
+        if not names or unknown:
+            print(f"--polls {spec!r}: expected a comma-separated list of {', '.join(POLLS)}", file=sys.stderr)
+            return 2
+        polls = [POLLS.index(n) for n in names]
+        args = args[:i] + args[i + 2:]
     bad = [a for a in args if not a.isdigit() or int(a) < 1]
     if bad:
         print(f"{bad[0]!r}: a program count is an integer >= 1 (usage: python3 -m bench.probes.poll_probe "
-              "[programs...] | --compile)", file=sys.stderr)
+              "[programs...] [--polls NAME,...] | --compile)", file=sys.stderr)
         return 2
-    run(tuple(int(a) for a in args) or (96, 128, 132))
+    run(tuple(int(a) for a in args) or (96, 128, 132), polls=polls)
     return 0
 
 
