@@ -187,8 +187,6 @@ def run(programs=(96, 128, 132), calls: int = 20, device="cuda", polls=None) -> 
                 torch.cuda.synchronize()
                 if c >= 2:
                     samples.append(out[:, :3].cpu().clone())
-            if polls is not None and int(out[:, 3].min()) < 1:
-                raise RuntimeError(f"poll {POLLS[poll]} read {int(out[:, 3].min())}, not the flag's 1")
             t = torch.stack(samples).double() / 1e3          # [calls, p, 3] us
             key = f"{MODES[mode]}@{p}" if polls is None else f"{MODES[mode]}/{POLLS[poll]}@{p}"
             row = {q: (statistics.median(t[:, :, i].flatten().tolist()), float(t[:, :, i].max()))
