@@ -113,15 +113,11 @@ class Tiling:
     # 256 (Layout checks); one row a warp where a stage's rows are a multiple of num_warps (the 1B:
     # 4 gate/up rows, 8 LM head rows a stage on 4 warps), else a row's warps still share its sum
     warp_rows: int = 0
-    # bits, for measurement (session 30): 1 QKV reads its RoPE cos / sin, 2 O (one K chunk) reads its residual
-    # rows, at the tile's start (after its waits, before its weight loop) instead of after the loop: the L2
-    # read, issued ahead of the loop's copies, returns before them and is off the tile's tail
-    epi_early: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows", "epi_early") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -131,8 +127,6 @@ class Tiling:
             v = getattr(self, k)
             if v & (v - 1):
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
-        if self.epi_early not in (0, 1, 2, 3):
-            raise ValueError(f"Tiling.epi_early must be in 0..3 (bits: 1 QKV, 2 O), got {self.epi_early}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
         for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows"):

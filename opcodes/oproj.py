@@ -21,12 +21,11 @@ from .common import T_WO, gemv_stream, layer_rows, tab_offset
 
 
 @triton.jit
-def _o_store(y, xr, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr,
+def _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr,
              D: tl.constexpr, O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, DOWN_CHUNKS: tl.constexpr,
-             RES_FOLD: tl.constexpr, INTERP: tl.constexpr, O_EPI: tl.constexpr):
+             RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     if O_PART == 0:
-        if not O_EPI:
-            xr = layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, rows, rm, D, DOWN_CHUNKS, RES_FOLD, INTERP)
+        xr = layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, rows, rm, D, DOWN_CHUNKS, RES_FOLD, INTERP)
         tl.store(x1_ptr + layer * D + rows, xr + y, mask=rm)
     else:
         tl.store(opart_ptr + (layer * O_CHUNKS + oc) * D + rows, y, mask=rm)
@@ -36,19 +35,16 @@ def _o_store(y, xr, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpa
 def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_ptr, opart_ptr, dpart_ptr,
                  D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, O_ROWS: tl.constexpr, O_K: tl.constexpr,
                  O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, O_BK: tl.constexpr, STAGES: tl.constexpr,
-                 DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr, O_EPI: tl.constexpr):
+                 DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     QD: tl.constexpr = NQ * HD
     w_ptr = wo_ptr + tab_offset(wtab_ptr, layer, T_WO)
     rows = row0 + tl.arange(0, O_ROWS)
     rm = rows < D
-    xr = tl.zeros([O_ROWS], dtype=tl.float32)
-    if O_EPI and (O_PART == 0):
-        xr = layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, rows, rm, D, DOWN_CHUNKS, RES_FOLD, INTERP)
     acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, attn_ptr + layer * QD, attn_ptr, oc * O_K, QD, O_K,
                             O_ROWS, O_BK, STAGES, TWO=False, NORM=False,
                             EVEN=(QD % O_K == 0) and (O_K % O_BK == 0) and (D % O_ROWS == 0))
-    _o_store(tl.sum(acc, axis=1), xr, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr, D, O_CHUNKS,
-             O_PART, DOWN_CHUNKS, RES_FOLD, INTERP, (O_EPI and (O_PART == 0)))
+    _o_store(tl.sum(acc, axis=1), rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_ptr, D, O_CHUNKS,
+             O_PART, DOWN_CHUNKS, RES_FOLD, INTERP)
 
 
 @register
@@ -61,12 +57,10 @@ class OProj(Instruction):
     NAME = "oproj"
     STAGE = 3
     ARGS = ("x_ptr", "xout_ptr", "wtab_ptr", "wo_ptr", "attn_ptr", "x1_ptr", "opart_ptr", "dpart_ptr",
-            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "O_PART", "O_BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD", "INTERP",
-            "O_EPI")
+            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "O_PART", "O_BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD", "INTERP")
     CONSTEXPRS = {"O_ROWS": lambda lay: lay.tiling.o_rows, "O_K": lambda lay: lay.o_k,
                   "O_CHUNKS": lambda lay: lay.n_o_k, "O_PART": lambda lay: int(lay.o_partial),
-                  "O_BK": lambda lay: lay.tiling.o_bk or lay.tiling.bk,
-                  "O_EPI": lambda lay: (lay.tiling.epi_early >> 1) & 1}
+                  "O_BK": lambda lay: lay.tiling.o_bk or lay.tiling.bk}
     device = oproj_device
 
     # x1 = x + attn . Wo^T (written here, or by O_REDUCE from the per-chunk partials ``opart``)

@@ -37,22 +37,12 @@ def section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr):
 
 
 @triton.jit
-def _rope_load(pos, dims, cos_ptr, sin_ptr, HD: tl.constexpr):
-    """The tile's RoPE (cos, sin) at ``pos``, read before its weight loop: issued ahead of the loop's
-    copies, it returns before them, and nothing after the loop waits for L2."""
+def _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
+                NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr, INTERP: tl.constexpr):
+    """RoPE on (q, k) dims ``dims`` of both halves of the head, then q -> scratch, k / v -> cache row ``pos``."""
+    rot = sec < 2
     c = tl.load(cos_ptr + pos * (HD // 2) + dims)
     s = tl.load(sin_ptr + pos * (HD // 2) + dims)
-    return c, s
-
-
-@triton.jit
-def _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, c, s, q_ptr,
-                NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr, INTERP: tl.constexpr, LOADED: tl.constexpr):
-    """RoPE on (q, k) dims ``dims`` of both halves of the head, then q -> scratch, k / v -> cache row ``pos``.
-    ``LOADED``: (c, s) are the tile's cos / sin (:func:`_rope_load`), else they are read here."""
-    rot = sec < 2
-    if not LOADED:
-        c, s = _rope_load(pos, dims, cos_ptr, sin_ptr, HD)
     c = tl.where(rot, c, 1.0)
     s = tl.where(rot, s, 0.0)
     o1 = y1 * c - y2 * s
@@ -76,20 +66,19 @@ def qkv_device(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wta
                kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
                D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
                EPS: tl.constexpr, QKV_ROWS: tl.constexpr, KV_ROWS: tl.constexpr, BK: tl.constexpr,
-               STAGES: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr,
-               QKV_EPI: tl.constexpr):
+               STAGES: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     if KV_ROWS == QKV_ROWS:
         _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
                   wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, BK, STAGES,
-                  DOWN_CHUNKS, RES_FOLD, INTERP, QKV_EPI)
+                  DOWN_CHUNKS, RES_FOLD, INTERP)
     elif sec == 0:
         _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
                   wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, QKV_ROWS, BK, STAGES,
-                  DOWN_CHUNKS, RES_FOLD, INTERP, QKV_EPI)
+                  DOWN_CHUNKS, RES_FOLD, INTERP)
     else:
         _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr,
                   wv_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, D, NQ, HD, MAX_SEQ, EPS, KV_ROWS, BK, STAGES,
-                  DOWN_CHUNKS, RES_FOLD, INTERP, QKV_EPI)
+                  DOWN_CHUNKS, RES_FOLD, INTERP)
 
 
 @triton.jit
@@ -97,7 +86,7 @@ def _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab
               kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
               D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
               EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-              DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr, QKV_EPI: tl.constexpr):
+              DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     """One tile of ``QKV_ROWS`` rows (the Q tiles' ``Tiling.qkv_rows`` or the K/V tiles' ``kv_rows``)."""
     HALF: tl.constexpr = QKV_ROWS // 2
     w_ptr = section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr)
@@ -106,11 +95,6 @@ def _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab
     dims = j * HALF + tl.arange(0, HALF)                       # [HALF] in [0, HD/2)
     rows1 = head * HD + dims
     rows2 = rows1 + HD // 2
-    if QKV_EPI:
-        c, s = _rope_load(pos, dims, cos_ptr, sin_ptr, HD)
-    else:
-        c = tl.zeros([HALF], dtype=tl.float32)
-        s = c
     if RES_FOLD:
         if layer > 0:
             # the previous layer's RESIDUAL, folded in: x = bf16(x1 + dpart[0] + ...), as RESIDUAL rounds it
@@ -127,8 +111,8 @@ def _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab
     rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
     y1 = tl.sum(acc1, axis=1) * rstd
     y2 = tl.sum(acc2, axis=1) * rstd
-    _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, c, s, q_ptr,
-                NQ, HD, MAX_SEQ, INTERP, QKV_EPI)
+    _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
+                NQ, HD, MAX_SEQ, INTERP)
 
 
 @register
@@ -144,9 +128,8 @@ class QKV(Instruction):
     ARGS = ("pos", "x_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr",
             "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr", "q_ptr",
             "D", "NQ", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "KV_ROWS", "BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD",
-            "INTERP", "QKV_EPI")
-    CONSTEXPRS = {"QKV_ROWS": lambda lay: lay.tiling.qkv_rows, "KV_ROWS": lambda lay: lay.kv_rows,
-                  "QKV_EPI": lambda lay: lay.tiling.epi_early & 1}
+            "INTERP")
+    CONSTEXPRS = {"QKV_ROWS": lambda lay: lay.tiling.qkv_rows, "KV_ROWS": lambda lay: lay.kv_rows}
     TABLES = {"cos_ptr": "fp32", "sin_ptr": "fp32"}
     # the new K/V rows live in the caller's cache (row ``pos``): tracked by the verifier, not allocated
     VIRTUAL = ("kv_new_k", "kv_new_v")
