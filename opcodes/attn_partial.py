@@ -1,5 +1,5 @@
 """ATTN_PARTIAL: flash-decoding partial attention of one KV head's query group over one split
-of the key sequence.
+of the key sequence (with ``Tiling.attn_splits`` 1: over every key, writing the merged output).
 
 The cache prefix ``[0, pos)`` is cut into ``SPLITS - 1`` equal splits at run time (the tape is the
 same at every position): split ``s < SPLITS-1`` covers ``[s*c, min((s+1)*c, pos))`` with
@@ -41,14 +41,18 @@ def attention_latency(lay: Layout, keys: int, t0: float = ATTN_LATENCY_H200[0], 
 
 
 @triton.jit
-def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr,
+def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr, attn_ptr,
                         NQ: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                         MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, SPLITS: tl.constexpr, PART_SPLITS: tl.constexpr,
                         ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
-    last = s == SPLITS - 1
-    chunk = (pos + SPLITS - 2) // (SPLITS - 1)
-    start = tl.where(last, pos, s * chunk)
-    stop = tl.where(last, pos + 1, tl.minimum(s * chunk + chunk, pos))
+    if SPLITS == 1:         # the whole attention: every key [0, pos], the merged output to attn
+        start = pos * 0
+        stop = pos + 1
+    else:
+        last = s == SPLITS - 1
+        chunk = (pos + SPLITS - 2) // (SPLITS - 1)
+        start = tl.where(last, pos, s * chunk)
+        stop = tl.where(last, pos + 1, tl.minimum(s * chunk + chunk, pos))
     hq = tl.arange(0, GROUP_PAD)
     hm = hq < GROUP
     dcol = tl.arange(0, HD)
@@ -77,10 +81,14 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
         m_i = m_new
-    prow = (layer * NQ + qrow) * PART_SPLITS + s
-    tl.store(part_o_ptr + prow[:, None] * HD + dcol[None, :], acc, mask=hm[:, None])
-    tl.store(part_ml_ptr + prow * 2, m_i, mask=hm)
-    tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=hm)
+    if SPLITS == 1:
+        tl.store(attn_ptr + layer * (NQ * HD) + qrow[:, None] * HD + dcol[None, :], acc / l_i[:, None],
+                 mask=hm[:, None])
+    else:
+        prow = (layer * NQ + qrow) * PART_SPLITS + s
+        tl.store(part_o_ptr + prow[:, None] * HD + dcol[None, :], acc, mask=hm[:, None])
+        tl.store(part_ml_ptr + prow * 2, m_i, mask=hm)
+        tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=hm)
 
 
 @register
@@ -92,7 +100,7 @@ class AttnPartial(Instruction):
 
     NAME = "attn_partial"
     STAGE = 1
-    ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr",
+    ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr", "attn_ptr",
             "NQ", "HD", "GROUP", "GROUP_PAD", "MAX_SEQ", "QSCALE", "SPLITS", "PART_SPLITS", "ATTN_BLOCK", "INTERP",
             "ATTN_STAGES")
     CONSTEXPRS = {
@@ -108,12 +116,14 @@ class AttnPartial(Instruction):
     TORCH_RTOL = 1e-2         # the tensor-core dots take bf16 q and p; run_torch keeps them fp32
     device = attn_partial_device
 
-    SCRATCH = {"part_o": "fp32", "part_ml": "fp32"}
+    # attn: the merged output, written here with Tiling.attn_splits 1 (else by ATTN_REDUCE, which declares it alike)
+    SCRATCH = {"part_o": "fp32", "part_ml": "fp32", "attn": "fp32"}
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
-        c, ns = lay.cfg, lay.attn_instr_splits
-        return {"part_o": (c.layers, c.n_q, ns, c.hd), "part_ml": (c.layers, c.n_q, ns, 2)}
+        c = lay.cfg
+        ns = 0 if lay.attn_merged else lay.attn_instr_splits        # merged: no partials
+        return {"part_o": (c.layers, c.n_q, ns, c.hd), "part_ml": (c.layers, c.n_q, ns, 2), "attn": (c.layers, c.q_dim)}
 
     def latency_time(self, lay: Layout) -> float:
         """Seconds of this split at ``lay.max_seq`` keys on the H200: bound by loaded HBM round trips."""
@@ -135,12 +145,15 @@ class AttnPartial(Instruction):
         q0 = self.layer * c.q_dim + self.g * c.group * c.hd
         kv0 = self.layer * c.kv_dim + self.g * c.hd
         out = [Region("q", q0, q0 + c.group * c.hd)]
-        if self.s == lay.tiling.attn_splits - 1:      # only the last split reads the key at pos
+        if self.s == lay.tiling.attn_splits - 1:      # only the last split (or the only one) reads the key at pos
             out += [Region("kv_new_k", kv0, kv0 + c.hd), Region("kv_new_v", kv0, kv0 + c.hd)]
         return out
 
     def writes(self, lay: Layout) -> list[Region]:
         c, ns = lay.cfg, lay.attn_instr_splits
+        if lay.attn_merged:         # the group's heads' attention output, merged
+            a0 = self.layer * c.q_dim + self.g * c.group * c.hd
+            return [Region("attn", a0, a0 + c.group * c.hd)]
         out = []
         for h in range(self.g * c.group, (self.g + 1) * c.group):
             row = (self.layer * c.n_q + h) * ns + self.s
@@ -153,23 +166,29 @@ class AttnPartial(Instruction):
         n_keys = lay.max_seq if n_keys is None else n_keys
         ns = lay.tiling.attn_splits
         pre = max(0, n_keys - 1)                     # the prefix keys, split as the kernel does
-        chunk = cdiv(pre, ns - 1) if pre else 0
-        per = 1 if self.s == ns - 1 else max(0, min(chunk, pre - self.s * chunk))
+        chunk = cdiv(pre, ns - 1) if pre and ns > 1 else 0
+        if ns == 1:
+            per = n_keys                             # every key, the one at pos included
+        else:
+            per = 1 if self.s == ns - 1 else max(0, min(chunk, pre - self.s * chunk))
         return Cost(hbm_bytes=2 * 2 * per * c.hd, l2_bytes=4 * c.group * c.hd * 2,
                     flops=4 * c.group * per * c.hd)
 
     def run_torch(self, lay: Layout, st) -> None:
         c, ns = lay.cfg, lay.tiling.attn_splits
-        if self.s == ns - 1:
+        if ns == 1:
+            start, stop = 0, st.pos + 1
+        elif self.s == ns - 1:
             start, stop = st.pos, st.pos + 1
         else:
             chunk = cdiv(st.pos, ns - 1)
             start, stop = self.s * chunk, min((self.s + 1) * chunk, st.pos)
         q = st.buf["q"].view(c.layers, c.n_q, c.hd)[self.layer, self.g * c.group:(self.g + 1) * c.group]
-        po = st.buf["part_o"].view(c.layers, c.n_q, lay.attn_instr_splits, c.hd)
-        pml = st.buf["part_ml"].view(c.layers, c.n_q, lay.attn_instr_splits, 2)
         hs = slice(self.g * c.group, (self.g + 1) * c.group)
-        if start >= stop:
+        if ns > 1:
+            po = st.buf["part_o"].view(c.layers, c.n_q, lay.attn_instr_splits, c.hd)
+            pml = st.buf["part_ml"].view(c.layers, c.n_q, lay.attn_instr_splits, 2)
+        if start >= stop:                                        # (never with ns 1: the key at pos)
             po[self.layer, hs, self.s] = 0.0
             pml[self.layer, hs, self.s, 0] = float("-inf")
             pml[self.layer, hs, self.s, 1] = 0.0
@@ -180,6 +199,9 @@ class AttnPartial(Instruction):
         sc = qs @ k.T                                            # [G, T] base-2 scores
         m = sc.max(dim=1).values
         p = torch.exp2(sc - m[:, None])
+        if ns == 1:                                              # the merged output (ATTN_REDUCE's, one split)
+            st.buf["attn"].view(c.layers, c.n_q, c.hd)[self.layer, hs] = (p @ v) / p.sum(dim=1)[:, None]
+            return
         po[self.layer, hs, self.s] = p @ v
         pml[self.layer, hs, self.s, 0] = m
         pml[self.layer, hs, self.s, 1] = p.sum(dim=1)

@@ -74,7 +74,9 @@ class Tiling:
     down_bk: int = 0
     down_k: int = 7168      # ffn columns (K range) per down-projection tile
     red_rows: int = 1024    # rows per final residual reduction
-    attn_splits: int = 16   # splits of the key sequence per KV head
+    # splits of the key sequence per KV head; 1: one ATTN_PARTIAL a KV head attends to every key [0, pos] and
+    # writes the merged output itself (no ATTN_REDUCE: one dependency hop less, one longer instruction)
+    attn_splits: int = 16
     # 1: ATTN_REDUCE attends to the key at pos itself (the K/V tiles' new row) while it merges the
     # prefix splits; there is no last split, so the merge follows the K/V tiles directly instead of
     # a one-key split in between (the TP rank's K/V tail: run 79)
@@ -139,8 +141,9 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be 0 (bk) or >= 16, got {getattr(self, k)}")
         if self.kv_rows == 1:
             raise ValueError("Tiling.kv_rows must be 0 (qkv_rows) or >= 2 (RoPE pairs)")
-        if self.attn_splits < 2:
-            raise ValueError("Tiling.attn_splits must be >= 2 (the last split is the key at pos)")
+        if self.attn_splits == 1 and self.key_in_reduce:
+            raise ValueError("Tiling.attn_splits = 1 (one attention instruction a KV head, no merge) cannot take "
+                             "Tiling.key_in_reduce = 1 (the merge attends to the key at pos)")
         if self.attn_block < 16:
             raise ValueError("Tiling.attn_block must be >= 16 (tl.dot)")
 
@@ -311,8 +314,15 @@ class Layout:
     @property
     def prefix_splits(self) -> int:
         """Attention splits over the cache prefix ``[0, pos)``: ``attn_splits - 1``; the key at ``pos``
-        is the last split's, or with ``Tiling.key_in_reduce`` ATTN_REDUCE's."""
+        is the last split's, or with ``Tiling.key_in_reduce`` ATTN_REDUCE's. (0 with ``attn_splits`` 1: the
+        one split attends to the prefix and the key at pos.)"""
         return self.tiling.attn_splits - 1
+
+    @property
+    def attn_merged(self) -> bool:
+        """One attention instruction a KV head (``Tiling.attn_splits`` 1): it writes the merged output
+        and there is no ATTN_REDUCE."""
+        return self.tiling.attn_splits == 1
 
     @property
     def attn_instr_splits(self) -> int:

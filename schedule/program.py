@@ -9,6 +9,8 @@ Dependencies per layer ``l`` (one counter per arrow group):
     QKV(l, q heads of group g) --q[l,g]--> ATTN_PARTIAL(l, g, *)                  (the cache prefix)
     QKV(l, k/v head g) --kv[l,g]--> ATTN_PARTIAL(l, g, NS-1) (+ q[l,g])      (the key at pos)
     ATTN_PARTIAL(l, g, *) --part[l,g]--> ATTN_REDUCE(l, heads of g)
+    (with Tiling.attn_splits 1 one ATTN_PARTIAL(l, g, 0) waits on q[l,g] and kv[l,g], attends to every key
+    and signals attn[l] itself: no ATTN_REDUCE)
     (with Tiling.key_in_reduce there is no split NS-1: kv[l,g] --> ATTN_REDUCE(l, heads of g), + part[l,g])
     ATTN_REDUCE(l, *) --attn[l]--> OPROJ(l, *) --x1[l]--> GATE_UP(l, *)
     GATE_UP(l, rows in K chunk kc) --act[l,kc]--> DOWN(l, *, kc)
@@ -94,6 +96,10 @@ def check_layout(lay: Layout) -> None:
     if lay.o_partial and t.red_rows % t.o_rows and t.red_rows < lay.cfg.d:
         raise ValueError(f"Tiling.red_rows = {t.red_rows} must be a multiple of o_rows = {t.o_rows} "
                          "(a split O tile signals the counter of one O_REDUCE block)")
+    if lay.attn_merged and lay.n_o_k > 1 and lay.o_k % (lay.cfg.group * lay.cfg.hd):
+        raise ValueError(f"Tiling.attn_splits = 1 needs whole KV groups in each O K chunk: o_k = {t.o_k} is not a "
+                         f"multiple of group * hd = {lay.cfg.group * lay.cfg.hd} (an attention instruction signals "
+                         "the counter of one chunk)")
     if t.red_rows % t.down_rows and t.red_rows < lay.cfg.d:
         raise ValueError(f"Tiling.red_rows = {t.red_rows} must be a multiple of down_rows = {t.down_rows} "
                          "(a down tile signals the counter of one residual block)")
@@ -117,7 +123,7 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
     for l in range(c.layers):
         cq = [p.counter(f"q[{l},{g}]") for g in range(c.n_kv)]
         ckv = [p.counter(f"kv[{l},{g}]") for g in range(c.n_kv)]
-        cp = [p.counter(f"part[{l},{g}]") for g in range(c.n_kv)]
+        cp = [] if lay.attn_merged else [p.counter(f"part[{l},{g}]") for g in range(c.n_kv)]
         n_oc = lay.n_o_k
         ca = [p.counter(f"attn[{l},{oc}]" if n_oc > 1 else f"attn[{l}]") for oc in range(n_oc)]
         cx = p.counter(f"x1[{l}]")
@@ -139,13 +145,17 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
             for sec in (1, 2):
                 for j in range(lay.n_tiles_per_head(sec)):
                     p.add(QKV(l, sec, g, j), w_in, ckv[g])
-        for g in range(c.n_kv):
-            for s in range(lay.attn_instr_splits):
-                last = s == t.attn_splits - 1
-                p.add(AttnPartial(l, g, s), (cq[g], ckv[g]) if last else (cq[g],), cp[g])
-        for h in range(c.n_q):
-            g = h // c.group
-            p.add(AttnReduce(l, h), (cp[g], ckv[g]) if t.key_in_reduce else (cp[g],), ca[(h * c.hd) // lay.o_k])
+        if lay.attn_merged:         # one instruction a KV head, over every key, writing the merged output
+            for g in range(c.n_kv):
+                p.add(AttnPartial(l, g, 0), (cq[g], ckv[g]), ca[(g * c.group * c.hd) // lay.o_k])
+        else:
+            for g in range(c.n_kv):
+                for s in range(lay.attn_instr_splits):
+                    last = s == t.attn_splits - 1
+                    p.add(AttnPartial(l, g, s), (cq[g], ckv[g]) if last else (cq[g],), cp[g])
+            for h in range(c.n_q):
+                g = h // c.group
+                p.add(AttnReduce(l, h), (cp[g], ckv[g]) if t.key_in_reduce else (cp[g],), ca[(h * c.hd) // lay.o_k])
         if not lay.o_partial:
             for r in range(0, c.d, t.o_rows):
                 p.add(OProj(l, r, 0), (ca[0],), cx)
