@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, Timing, cdiv, register
-from .common import T_KC, T_VC, mma, tab_offset, to_bf16
+from .common import T_KC, T_VC, mma, tab_offset, tape_waits, to_bf16
 
 
 #: an attention split on the H200: (t0, per loaded HBM round trip, per key block) seconds, fitted
@@ -41,18 +41,85 @@ def attention_latency(lay: Layout, keys: int, t0: float = ATTN_LATENCY_H200[0], 
 
 
 @triton.jit
+def _attn_block(qs, k, v, km, m_i, l_i, acc, INTERP: tl.constexpr):
+    """One K/V block of the online softmax: (m, l, acc) updated with the block's keys ``km``."""
+    sc = mma(qs, tl.trans(k), INTERP)                           # [GROUP_PAD, ATTN_BLOCK] fp32
+    sc = tl.where(km[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    p = tl.exp2(sc - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _q_scaled(q_ptr, layer, qrow, hm, dcol, NQ: tl.constexpr, HD: tl.constexpr, QSCALE: tl.constexpr,
+              INTERP: tl.constexpr):
+    q = tl.load(q_ptr + layer * (NQ * HD) + qrow[:, None] * HD + dcol[None, :], mask=hm[:, None],
+                other=0.0, cache_modifier=".cg")
+    return to_bf16(q * QSCALE, INTERP)                        # scores come out in base 2
+
+
+@triton.jit
+def _attn_whole(layer, pos, kbase, vbase, q_ptr, attn_ptr, qrow, hm, dcol, ins, cnt_ptr, epoch, spin_limit,
+                NQ: tl.constexpr, HD: tl.constexpr, GROUP_PAD: tl.constexpr, QSCALE: tl.constexpr,
+                ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr, PROFILE: tl.constexpr):
+    # Tiling.attn_splits 1: every key of the group's heads, the merged output to attn. The prefix [0, pos)
+    # was written by earlier calls, so the key loop's prologue issues it before the instruction's waits,
+    # made in its first iteration with q's read; the key at pos (this call's K/V tiles') is attended to
+    # after the loop. With no prefix (pos 0) the waits come first
+    bad_c = tl.full([], -1, tl.int32)
+    bad_s = tl.full([], 0, tl.int32)
+    t_exec = tl.full([], 0, tl.int64)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HD], dtype=tl.float32)
+    qs = tl.zeros([GROUP_PAD, HD], dtype=tl.bfloat16)
+    if pos == 0:
+        bad_c, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE)
+        qs = _q_scaled(q_ptr, layer, qrow, hm, dcol, NQ, HD, QSCALE, INTERP)
+    for kb in tl.range(0, pos, ATTN_BLOCK, num_stages=ATTN_STAGES):
+        keys = kb + tl.arange(0, ATTN_BLOCK)
+        km = keys < pos
+        k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0, cache_modifier=".cg")
+        v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0, cache_modifier=".cg")
+        if kb == 0:
+            bad_c, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE)
+            qs = _q_scaled(q_ptr, layer, qrow, hm, dcol, NQ, HD, QSCALE, INTERP)
+        m_i, l_i, acc = _attn_block(qs, k, v, km, m_i, l_i, acc, INTERP)
+    # the key at pos, as the one-key split scores it (bf16 q * scale, fp32 sums)
+    kn = tl.load(kbase + pos * HD + dcol, cache_modifier=".cg").to(tl.float32)
+    vn = tl.load(vbase + pos * HD + dcol, cache_modifier=".cg").to(tl.float32)
+    s_new = tl.sum(qs.to(tl.float32) * kn[None, :], axis=1)
+    m_new = tl.maximum(m_i, s_new)
+    alpha = tl.exp2(m_i - m_new)
+    p_new = tl.exp2(s_new - m_new)
+    l_i = l_i * alpha + p_new
+    acc = acc * alpha[:, None] + p_new[:, None] * vn[None, :]
+    ok = bad_c < 0
+    tl.store(attn_ptr + layer * (NQ * HD) + qrow[:, None] * HD + dcol[None, :], acc / l_i[:, None],
+             mask=hm[:, None] & ok)
+    return bad_c, bad_s, t_exec
+
+
+@triton.jit
 def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_o_ptr, part_ml_ptr, attn_ptr,
                         NQ: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                         MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, SPLITS: tl.constexpr, PART_SPLITS: tl.constexpr,
-                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr):
-    if SPLITS == 1:         # the whole attention: every key [0, pos], the merged output to attn
-        start = pos * 0
-        stop = pos + 1
-    else:
-        last = s == SPLITS - 1
-        chunk = (pos + SPLITS - 2) // (SPLITS - 1)
-        start = tl.where(last, pos, s * chunk)
-        stop = tl.where(last, pos + 1, tl.minimum(s * chunk + chunk, pos))
+                        ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr,
+                        A_WAIT: tl.constexpr, ins, cnt_ptr, epoch, spin_limit, PROFILE: tl.constexpr):
+    if A_WAIT:          # Tiling.attn_splits 1 (SPLITS 1): the whole attention, waiting inside
+        hq = tl.arange(0, GROUP_PAD)
+        kbase = kc_ptr + tab_offset(wtab_ptr, layer, T_KC) + g * (MAX_SEQ * HD)
+        vbase = vc_ptr + tab_offset(wtab_ptr, layer, T_VC) + g * (MAX_SEQ * HD)
+        return _attn_whole(layer, pos, kbase, vbase, q_ptr, attn_ptr, g * GROUP + hq, hq < GROUP, tl.arange(0, HD),
+                           ins, cnt_ptr, epoch, spin_limit, NQ, HD, GROUP_PAD, QSCALE, ATTN_BLOCK, INTERP,
+                           ATTN_STAGES, PROFILE)
+    last = s == SPLITS - 1
+    chunk = (pos + SPLITS - 2) // (SPLITS - 1)
+    start = tl.where(last, pos, s * chunk)
+    stop = tl.where(last, pos + 1, tl.minimum(s * chunk + chunk, pos))
     hq = tl.arange(0, GROUP_PAD)
     hm = hq < GROUP
     dcol = tl.arange(0, HD)
@@ -81,14 +148,11 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
         m_i = m_new
-    if SPLITS == 1:
-        tl.store(attn_ptr + layer * (NQ * HD) + qrow[:, None] * HD + dcol[None, :], acc / l_i[:, None],
-                 mask=hm[:, None])
-    else:
-        prow = (layer * NQ + qrow) * PART_SPLITS + s
-        tl.store(part_o_ptr + prow[:, None] * HD + dcol[None, :], acc, mask=hm[:, None])
-        tl.store(part_ml_ptr + prow * 2, m_i, mask=hm)
-        tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=hm)
+    prow = (layer * NQ + qrow) * PART_SPLITS + s
+    tl.store(part_o_ptr + prow[:, None] * HD + dcol[None, :], acc, mask=hm[:, None])
+    tl.store(part_ml_ptr + prow * 2, m_i, mask=hm)
+    tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=hm)
+    return tl.full([], -1, tl.int32), tl.full([], 0, tl.int32), tl.full([], 0, tl.int64)
 
 
 @register
@@ -102,7 +166,7 @@ class AttnPartial(Instruction):
     STAGE = 1
     ARGS = ("pos", "wtab_ptr", "kc_ptr", "vc_ptr", "q_ptr", "part_o_ptr", "part_ml_ptr", "attn_ptr",
             "NQ", "HD", "GROUP", "GROUP_PAD", "MAX_SEQ", "QSCALE", "SPLITS", "PART_SPLITS", "ATTN_BLOCK", "INTERP",
-            "ATTN_STAGES")
+            "ATTN_STAGES", "A_WAIT")
     CONSTEXPRS = {
         "GROUP": lambda lay: lay.cfg.group,                                  # query heads per KV head
         "GROUP_PAD": lambda lay: max(16, triton.next_power_of_2(lay.cfg.group)),   # rows of tl.dot
@@ -111,7 +175,9 @@ class AttnPartial(Instruction):
         "ATTN_BLOCK": lambda lay: lay.tiling.attn_block,
         "ATTN_STAGES": lambda lay: lay.tiling.attn_stages,
         "QSCALE": lambda lay: float(1.4426950408889634 / math.sqrt(lay.cfg.hd)),   # log2(e) / sqrt(hd)
+        "A_WAIT": lambda lay: int(lay.attn_merged),         # the whole attention waits inside (_attn_whole)
     }
+    WAIT_INSIDE = "A_WAIT"
     TIMING = Timing.LATENCY
     TORCH_RTOL = 1e-2         # the tensor-core dots take bf16 q and p; run_torch keeps them fp32
     device = attn_partial_device

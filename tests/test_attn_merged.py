@@ -13,9 +13,10 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import clone_cache, decode_tokens, decoder_weights, require_interpreter
-from interp import build_model, model_step, teardown
-from opcodes import DecoderLayout, Layout, ModelConfig, Tiling
+import interp
+from conftest import bitwise_equal, check_message, clone_cache, decode_tokens, decoder_weights, require_interpreter
+from interp import build_layer, build_model, layer_step, model_step, teardown
+from opcodes import HEADER, DecoderLayout, Layout, ModelConfig, Tiling
 from opcodes.attn_partial import AttnPartial
 from opcodes.decoder import decoder_ref
 from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err
@@ -112,3 +113,31 @@ def test_tape_vm_runs_the_merged_attention():
         logits, _ = run_decoder_vm(tape, w, kv, t, p)
         assert rel_err(logits, decoder_ref(w, kv_ref, CFG, t, p)) <= 2e-2, p
     assert AttnPartial.CONSTEXPRS["SPLITS"](tape.lay) == 1
+
+
+@pytest.mark.parametrize("delta,names", [(1, ["after 2000 polls"]), (-1, ["past"])], ids=["short", "past"])
+@pytest.mark.parametrize("pos", [0, 21], ids=["no-prefix", "prefix"])
+def test_a_wait_inside_the_whole_attention_fails_as_the_kernels_own(delta, names, pos):
+    """The instruction makes its waits itself (after its prefix's K/V loads, or first with no prefix): a wait
+    that is short of its target or past it is the kernel's MegakernelError naming it, and the instruction
+    stores nothing (its heads' attention output as before the call)."""
+    cfg = dataclasses.replace(CFG, vocab=0)
+    tape = compile_model(cfg, 1, max_seq=MAX_SEQ, tiling=Tiling.for_config(cfg, **MERGED), sequential=True).tape
+    k = next(j for j in range(len(tape)) if int(tape.words[j, 0]) == AttnPartial.OPCODE and int(tape.words[j, 1]) >= 0)
+    w = tape.words.clone()
+    w[k, 2] += delta
+    broken = dataclasses.replace(tape, words=w)
+    kv = make_kv_cache(cfg, MAX_SEQ, pos, seed=4)
+    h = build_layer(make_weights(cfg, seed=3), kv, cfg.to_dict(), MAX_SEQ, tape=broken, verify_tape=False,
+                    spin_limit=2000)
+    out = h.buffers["attn_ptr"]
+    out.fill_(7.0)
+    x = torch.randn(1, cfg.d, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with pytest.raises(interp.MegakernelError) as ei:
+        layer_step(h, x, pos)
+    check_message(ei.value, [f"instruction {k}", "attn_partial", broken.counters[int(w[k, 1])]] + names)
+    assert [st[1] for st in ei.value.stuck] == [k]
+    ins = AttnPartial(*[int(v) for v in broken.words[k, HEADER:HEADER + 3]])
+    (region,) = ins.writes(h.lay)
+    assert bitwise_equal(out.view(-1)[region.lo:region.hi], torch.full((region.hi - region.lo,), 7.0))
+    teardown(h)
