@@ -224,7 +224,7 @@ def run(a, views=None) -> int:
     toks = torch.randint(0, cfg.vocab, (a.steps,), generator=g)
     t0 = time.perf_counter()
     from opcodes import Tiling
-    til = Tiling.from_spec(cfg, a.tiling) if getattr(a, "tiling", "") else None
+    til = Tiling.from_spec(cfg, a.tiling, max_seq=a.max_seq) if getattr(a, "tiling", "") else None
     dh = build_decoder(w, kv, cfg, a.max_seq, tiling=til)
     log(f"built in {time.perf_counter() - t0:.1f} s: {len(dh.layer.tape)} instructions on {dh.layer.num_sms} SMs")
     acc = check_steps(lambda tk, p: decode_step(dh, tk.to(torch.int32).to(dev), p), w, kv_ref, cfg, toks, a.prefill)
@@ -282,7 +282,7 @@ def run(a, views=None) -> int:
         teardown_decoder(hp)
     for v in filter(None, (x.strip() for x in a.variants.split(";"))):
         try:
-            vt, bkw = parse_variant(cfg, v)
+            vt, bkw = parse_variant(cfg, v, a.max_seq)
             hv = build_decoder(w, kv, cfg, a.max_seq, tiling=vt, **bkw)
             lg = decode_step(hv, toks[:1].to(torch.int32).to(dev), a.prefill)
             # the first step against the reference (its cache rows >= prefill hold the reference's

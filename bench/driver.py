@@ -133,9 +133,9 @@ INT_BUILD_KEYS = ("lm_rows", "emb_cols")
 MODEL_KEYS = {"attnmodel": CostModel, "bytesmodel": CostModel.bytes_only}
 
 
-def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:
+def parse_variant(cfg: ModelConfig, spec: str, max_seq: int | None = None) -> tuple[Tiling, dict]:
     """'bk=512,stages=3,coop=0,policy=round-robin' -> (Tiling with overrides, build_layer keyword
-    arguments)."""
+    arguments). ``max_seq``: the cache the build will have (``Tiling.for_config``'s)."""
     tiling, build = [], {}
     for kv in filter(None, spec.replace(" ", "").split(",")):
         k, _, v = kv.partition("=")
@@ -156,7 +156,7 @@ def parse_variant(cfg: ModelConfig, spec: str) -> tuple[Tiling, dict]:
             build[k] = int(v)
         else:
             tiling.append(kv)            # a Tiling field
-    return Tiling.from_spec(cfg, ",".join(tiling)), build
+    return Tiling.from_spec(cfg, ",".join(tiling), max_seq=max_seq), build
 
 
 def parse_tiling(cfg: ModelConfig, spec: str) -> Tiling:

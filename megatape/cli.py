@@ -423,7 +423,7 @@ def cmd_bench_decoder(a) -> int:
         from opcodes.decoder import DecoderLayout
         cfg = ModelConfig.from_name(a.preset)
         try:
-            DecoderLayout(cfg, Tiling.from_spec(cfg, a.tiling), a.max_seq)
+            DecoderLayout(cfg, Tiling.from_spec(cfg, a.tiling, max_seq=a.max_seq), a.max_seq)
         except (ValueError, TypeError) as e:
             msg = str(e)
             print(f"megatape bench-decoder: error: {msg if msg.startswith('--tiling') else '--tiling: ' + msg}",

@@ -76,21 +76,28 @@ def _attn_whole(layer, pos, kbase, vbase, q_ptr, attn_ptr, qrow, hm, dcol, ins, 
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HD], dtype=tl.float32)
     qs = tl.zeros([GROUP_PAD, HD], dtype=tl.bfloat16)
+    kn = tl.zeros([HD], dtype=tl.bfloat16)
+    vn = tl.zeros([HD], dtype=tl.bfloat16)
     if pos == 0:
         bad_c, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE)
         qs = _q_scaled(q_ptr, layer, qrow, hm, dcol, NQ, HD, QSCALE, INTERP)
+        kn = tl.load(kbase + pos * HD + dcol, cache_modifier=".cg")
+        vn = tl.load(vbase + pos * HD + dcol, cache_modifier=".cg")
     for kb in tl.range(0, pos, ATTN_BLOCK, num_stages=ATTN_STAGES):
         keys = kb + tl.arange(0, ATTN_BLOCK)
         km = keys < pos
         k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0, cache_modifier=".cg")
         v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0, cache_modifier=".cg")
         if kb == 0:
+            # after the waits: q and the key at pos (this call's), read together (one L2 round trip)
             bad_c, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE)
             qs = _q_scaled(q_ptr, layer, qrow, hm, dcol, NQ, HD, QSCALE, INTERP)
+            kn = tl.load(kbase + pos * HD + dcol, cache_modifier=".cg")
+            vn = tl.load(vbase + pos * HD + dcol, cache_modifier=".cg")
         m_i, l_i, acc = _attn_block(qs, k, v, km, m_i, l_i, acc, INTERP)
     # the key at pos, as the one-key split scores it (bf16 q * scale, fp32 sums)
-    kn = tl.load(kbase + pos * HD + dcol, cache_modifier=".cg").to(tl.float32)
-    vn = tl.load(vbase + pos * HD + dcol, cache_modifier=".cg").to(tl.float32)
+    kn = kn.to(tl.float32)
+    vn = vn.to(tl.float32)
     s_new = tl.sum(qs.to(tl.float32) * kn[None, :], axis=1)
     m_new = tl.maximum(m_i, s_new)
     alpha = tl.exp2(m_i - m_new)
@@ -178,6 +185,10 @@ class AttnPartial(Instruction):
         "A_WAIT": lambda lay: int(lay.attn_merged),         # the whole attention waits inside (_attn_whole)
     }
     WAIT_INSIDE = "A_WAIT"
+    #: the longest KV cache (positions) for which ``Tiling.for_config`` picks ``attn_splits`` 1 on its own
+    #: (d <= 2048): the 1B on the H200, one instruction a KV head against 16 splits and their merge,
+    #: alternated: -1.7% at pos 128, equal at 256, +2.3% at 384, +10.6% at 1024 (bench/NOTES.md v129-v131)
+    MERGED_MAX_SEQ = 256
     TIMING = Timing.LATENCY
     TORCH_RTOL = 1e-2         # the tensor-core dots take bf16 q and p; run_torch keeps them fp32
     device = attn_partial_device

@@ -165,10 +165,10 @@ class Tiling:
         return max(1, min(1 << (per.bit_length() - 1), next_pow2(rows)))
 
     @classmethod
-    def from_spec(cls, cfg: ModelConfig, spec: str) -> "Tiling":
+    def from_spec(cls, cfg: ModelConfig, spec: str, max_seq: int | None = None) -> "Tiling":
         """``for_config`` with the overrides of a ``"name=value,name=value"`` string (integers),
         as the command line's ``--tiling`` takes them."""
-        return cls.for_config(cfg, **cls.parse_spec(spec))
+        return cls.for_config(cfg, max_seq=max_seq, **cls.parse_spec(spec))
 
     @staticmethod
     def parse_spec(spec: str) -> dict:
@@ -186,8 +186,9 @@ class Tiling:
         return over
 
     @classmethod
-    def for_config(cls, cfg: ModelConfig, **overrides) -> "Tiling":
-        """The default tiling clamped to the model's dimensions; ``overrides`` win."""
+    def for_config(cls, cfg: ModelConfig, max_seq: int | None = None, **overrides) -> "Tiling":
+        """The default tiling clamped to the model's dimensions; ``overrides`` win. ``max_seq``: the KV
+        cache's positions, where a choice depends on them (the attention of short caches, below)."""
         base = cls()
         d, ffn = cfg.d, cfg.ffn
         clamped = dict(
@@ -243,6 +244,12 @@ class Tiling:
             raise ValueError(f"unknown Tiling fields {sorted(unknown)}")
         clamped.update(overrides)
         t = dataclasses.replace(base, **clamped)
+        if d <= 2048 and max_seq is not None and "attn_splits" not in overrides and not t.key_in_reduce:
+            # a cache of at most AttnPartial.MERGED_MAX_SEQ positions: one attention instruction a KV head
+            # over every key, no merge stage (it measured faster or equal at every such position)
+            from .attn_partial import AttnPartial   # (attn_partial imports this module: its fact, asked at call time)
+            if max_seq <= AttnPartial.MERGED_MAX_SEQ:
+                t = dataclasses.replace(t, attn_splits=1)
         if d <= 2048 and "gu_tiles" not in overrides:
             # gate/up on every SM of the H200 where ffn / gu_rows tiles would leave some idle (the 1B: 132
             # tiles of 64 and 60 rows, not 128 of 64): 910.4 -> 904.9 us at pos 128, -0.3..-0.4% at 1024

@@ -77,7 +77,7 @@ def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, ti
     t0 = time.perf_counter()
     if max_seq is None:
         max_seq = 4224 if cfg.d >= 1024 else 256
-    lay = Layout(cfg, tiling or Tiling.for_config(cfg), max_seq)
+    lay = Layout(cfg, tiling or Tiling.for_config(cfg, max_seq=max_seq), max_seq)
     return _compile_layout(lay, num_sms, policy, model, seed, sequential, lowering, pool_us, elide_waits, t0)
 
 

@@ -194,4 +194,4 @@ def _all_reduce(p: Program, l: int, stage: int, cpart: list[int], cdone: int, n_
 
 
 def make_layout(cfg: ModelConfig, max_seq: int, tiling: Tiling | None = None) -> Layout:
-    return Layout(cfg, tiling or Tiling.for_config(cfg), max_seq)
+    return Layout(cfg, tiling or Tiling.for_config(cfg, max_seq=max_seq), max_seq)
