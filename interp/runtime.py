@@ -227,7 +227,9 @@ class LayerHandle:
             if code == FAIL_POSITION:
                 continue
             cname = self.tape.counters[ctr] if 0 <= ctr < len(self.tape.counters) else str(ctr)
-            stuck.append((sm, slot, self.tape.describe(slot), f"{ctr} ({cname})", tgt, seen, ep, code))
+            # slot -1: the pool's ticket (interp.codegen's _ticket), taken before any instruction
+            desc = self.tape.describe(slot) if slot >= 0 else f"sm {sm} taking a pool ticket"
+            stuck.append((sm, slot, desc, f"{ctr} ({cname})", tgt, seen, ep, code))
         bad_pos = [r for r in rows if r[0] == FAIL_POSITION]
         written = self._kv_written(stuck[0][6]) if stuck else "was not written (the call ran nothing)"
         # reset so that the next launch starts clean

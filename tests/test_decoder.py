@@ -134,7 +134,7 @@ def test_decoder_program_structure():
     assert p.waits[idx["argmax"][0]] == (cl,) and p.signal[idx["argmax"][0]] == -1
     assert p.targets()[cl] == 13 and p.targets()[ce] == 4
     # the layers inside are exactly the layer lowering
-    plain = lower(make_layout(CFG, MAX_SEQ))
+    plain = lower(make_layout(CFG, MAX_SEQ, lay.tiling))
     assert [ins for ins in p.instrs if ins.NAME not in ("embed", "lm_head", "argmax")] == plain.instrs
     assert not any(ins.NAME in ("embed", "lm_head", "argmax") for ins in plain.instrs)
 

@@ -302,7 +302,8 @@ SPIN = 2000
 
 @pytest.fixture(scope="module")
 def valid_tape():
-    return compile_model(CFG, 1, max_seq=MAX_SEQ, sequential=True).tape
+    # the split attention: the merged default's shorter plan is all pool, and these tapes break a queued wait
+    return compile_model(CFG, 1, max_seq=MAX_SEQ, sequential=True, tiling=opcodes.Tiling.for_config(CFG)).tape
 
 
 def _bump_target(tape):
@@ -418,6 +419,31 @@ def test_broken_pool_raises_names_the_pool_and_resets_its_tickets(handles):
     assert int(h_good.counters[pooled.pool_counter]) == 2 * pooled.tickets_per_call()
 
 
+def test_a_pool_ticket_out_of_step_with_the_call_count_is_an_error(handles):
+    """An all-pool tape whose ticket counter is ahead of the call count (as if another launch of the
+    handle had run beside this one): every ticket falls past this call's range. The kernel must say so
+    (a counter past its target, the pool's), not run nothing and return a stale output; the next launch
+    starts clean."""
+    from interp.codegen import CTL_CALLS
+    pooled = compile_model(CFG, 1, max_seq=MAX_SEQ, sequential=True, pool_us=1e9).tape
+    assert pooled.pool_len == len(pooled)
+    i = Inputs.good()
+    h = handles.layer(i.weights, i.kv_cache, i.cfg, i.max_seq_len, tape=pooled, spin_limit=SPIN)
+    layer_step(h, _x(3), PREFILL)
+    layer_step(h, _x(3), PREFILL)
+    h.ctl[CTL_CALLS] = 0                                # the count falls behind the tickets
+    with pytest.raises(interp.MegakernelError) as ei:
+        layer_step(h, _x(3), PREFILL + 1)
+    check_message(ei.value, ["past its target", "pool ticket", pooled.counters[pooled.pool_counter]])
+    assert int(h.counters.abs().sum()) == 0
+    # the ticket's own row in the status block: no instruction (slot -1), the counter past this call's range
+    ((sm, slot, _, _, tgt, seen, ep, _),) = ei.value.stuck
+    assert (slot, ep) == (-1, 1) and seen >= tgt == pooled.tickets_per_call()
+    ref_kv = clone_cache(i.kv_cache)
+    out = layer_step(h, _x(4), PREFILL + 1)
+    assert rel_err(out, model_ref(i.weights, ref_kv, CFG, _x(4), PREFILL + 1)) <= 1.5e-2
+
+
 def test_megakernel_error_says_whether_pos_was_written(valid_tape, handles):
     broken, slot, counter = _bump_target(valid_tape)
     i = Inputs.good()
@@ -438,7 +464,8 @@ def test_broken_tape_default_spin_limit_raises(handles):
     """With the default spin limit (on the CPU: one poll decides, since the interpreter runs the
     programs one after another) a broken tape raises instead of waiting; on a GPU the default
     limit's time to fail is checked in tests/test_gpu.py."""
-    tape, slot, counter = _bump_target(compile_model(CFG, 1, max_seq=MAX_SEQ, sequential=True).tape)
+    tape, slot, counter = _bump_target(compile_model(CFG, 1, max_seq=MAX_SEQ, sequential=True,
+                                                     tiling=opcodes.Tiling.for_config(CFG)).tape)
     i = Inputs.good()
     h = handles.layer(i.weights, i.kv_cache, i.cfg, i.max_seq_len, tape=tape, verify_tape=False)
     assert h.spin_limit == INTERPRETER_SPIN_LIMIT

@@ -661,11 +661,12 @@ def test_repeated_waits_counts_waits_an_earlier_instruction_of_the_sm_made():
     only waits whose counter the same queue already waited on count."""
     from schedule.tape import decode
     cfg = ModelConfig.from_name("small-2layer")
-    one = compile_model(cfg, 1, max_seq=64, pool_us=0, elide_waits=False).tape
+    split = Tiling.for_config(cfg)      # the split attention (at 64 positions the default merges it: fewer waits)
+    one = compile_model(cfg, 1, max_seq=64, pool_us=0, elide_waits=False, tiling=split).tape
     waits = [c for d in decode(one) for c, _ in d.waits]
     assert one.repeated_waits() == (len(waits), len(waits) - len(set(waits)))
-    many = compile_model(cfg, 8, max_seq=64, pool_us=0, elide_waits=False).tape
-    assert compile_model(cfg, 8, max_seq=64, pool_us=0).tape.repeated_waits()[1] == 0   # the default elides
+    many = compile_model(cfg, 8, max_seq=64, pool_us=0, elide_waits=False, tiling=split).tape
+    assert compile_model(cfg, 8, max_seq=64, pool_us=0, tiling=split).tape.repeated_waits()[1] == 0   # the default elides
     per_sm = [[c for d in decode(many) if d.sm == s for c, _ in d.waits] for s in range(8)]
     assert many.repeated_waits() == (sum(map(len, per_sm)), sum(len(w) - len(set(w)) for w in per_sm))
     assert 0 < many.repeated_waits()[1] < one.repeated_waits()[1]
@@ -676,7 +677,8 @@ def test_elided_repeated_waits_verify_and_compute_the_same(name, sms):
     """Dropping the waits an earlier instruction of the same SM made leaves a tape the verifier
     proves (reading across the queue order) and, in the VM, bitwise the same results."""
     cfg = ModelConfig.from_name(name)
-    kw = dict(max_seq=64, pool_us=0) if cfg.d < 1024 else dict(max_seq=4224)   # (a small model's plan is all pool)
+    # (a small model's plan is all pool; the split attention, which the default merges at 64 positions)
+    kw = dict(max_seq=64, pool_us=0, tiling=Tiling.for_config(cfg)) if cfg.d < 1024 else dict(max_seq=4224)
     c = compile_model(cfg, sms, elide_waits=False, **kw)
     el = c.tape.elide_repeated_waits()
     total, repeated = c.tape.repeated_waits()

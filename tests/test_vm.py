@@ -147,10 +147,11 @@ def test_vm_rejects_bad_pos():
 
 # ---- what the VM catches -------------------------------------------------------------------------
 def test_vm_deadlock_raises():
-    """SM 1 runs an attention merge before the QKV tiles; SM 0's attention waits for them."""
+    """SM 1 runs an attention merge before the QKV tiles; SM 0's attention waits for them (the split
+    attention: the default merges it in the partials at this cache size)."""
     name = "tiny"
     cfg, w, kv0, x, _, _ = inputs(name)
-    prog = lower(make_layout(cfg, MAX_SEQ))
+    prog = lower(make_layout(cfg, MAX_SEQ, Tiling.for_config(cfg)))
     red = next(i for i, ins in enumerate(prog.instrs) if ins.NAME == "attn_reduce")
     sm1 = [red] + [i for i, ins in enumerate(prog.instrs) if ins.NAME == "qkv"]
     sm0 = [i for i in range(len(prog)) if i not in set(sm1)]
