@@ -147,14 +147,7 @@ def attn_partial_device(layer, g, s, pos, wtab_ptr, kc_ptr, vc_ptr, q_ptr, part_
                     cache_modifier=".cg")
         v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
                     cache_modifier=".cg")                      # issued with K: one round trip a block
-        sc = mma(qs, tl.trans(k), INTERP)                           # [GROUP_PAD, ATTN_BLOCK] fp32
-        sc = tl.where(km[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        p = tl.exp2(sc - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
-        m_i = m_new
+        m_i, l_i, acc = _attn_block(qs, k, v, km, m_i, l_i, acc, INTERP)
     prow = (layer * NQ + qrow) * PART_SPLITS + s
     tl.store(part_o_ptr + prow[:, None] * HD + dcol[None, :], acc, mask=hm[:, None])
     tl.store(part_ml_ptr + prow * 2, m_i, mask=hm)
