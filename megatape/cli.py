@@ -263,7 +263,7 @@ def cmd_compile(a, prog: str = "megatape compile") -> int:
         cfg = cfg.with_layers(a.layers)
     progress(f"{prog}: {cfg.name}, {cfg.layers} layer(s), {a.sms} SMs")
     try:
-        tiling = Tiling.from_spec(cfg, a.tiling) if a.tiling else None
+        tiling = Tiling.from_spec(cfg, a.tiling, max_seq=a.max_seq) if a.tiling else None
         comps = compile_both(cfg, a.sms, a.max_seq, progress, getattr(a, "pool_us", None), tiling)
     except TapeError as e:
         print(f"{prog}: the verifier rejected the tape (a compiler bug):\n{e}", file=sys.stderr)
@@ -371,7 +371,7 @@ def cmd_viz(a, prog: str = "megatape viz") -> int:
         cfg = ModelConfig.from_name(a.preset)
         if a.layers is not None:
             cfg = cfg.with_layers(a.layers)
-        tiling = Tiling.from_spec(cfg, a.tiling) if a.tiling else None
+        tiling = Tiling.from_spec(cfg, a.tiling, max_seq=a.max_seq) if a.tiling else None
         render(cfg, a.sms, a.out, max_seq=a.max_seq, policy=a.policy, stage=a.stage, layer=a.layer, sm=a.sm,
                max_nodes=a.max_nodes, aggregate=a.aggregate, svg=not a.no_svg, tiling=tiling)
     except ValueError as e:     # bad stage, SM, layer count...: a message, not a traceback
