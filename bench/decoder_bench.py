@@ -282,7 +282,8 @@ def run(a, views=None) -> int:
         teardown_decoder(hp)
     for v in filter(None, (x.strip() for x in a.variants.split(";"))):
         try:
-            vt, bkw = parse_variant(cfg, v, a.max_seq)
+            # 'default': the build's own choice, as the first row (no tiling: a second, short tape included)
+            vt, bkw = (til, {}) if v == "default" else parse_variant(cfg, v, a.max_seq)
             hv = build_decoder(w, kv, cfg, a.max_seq, tiling=vt, **bkw)
             lg = decode_step(hv, toks[:1].to(torch.int32).to(dev), a.prefill)
             # the first step against the reference (its cache rows >= prefill hold the reference's

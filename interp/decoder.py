@@ -25,26 +25,36 @@ counter-based generator seeded with (seed, position), from parameters in a devic
 The call count and the position live on the device (the kernel's control block), so on a GPU
 ``generate`` replays the tokens after the prompt as CUDA graphs of ``graph_block`` launches at the
 device's position, greedy or sampled; ``decode_step(h, tokens, None)`` steps there too.
+
+Two tapes: where the default tiling of a short cache is faster at short positions than the cache's
+own (``opcodes.Tiling.short_prefix``: the 1B shape's attention in one instruction a KV head below
+256 positions), a decoder built without ``tiling`` / ``tape`` holds a second tape of it
+(``DecoderHandle.short``) over the same weights, cache and buffers, and every launch at a position
+below ``short_until`` runs that one. Both are correct at every position; the choice is speed only.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
-from opcodes import DecoderLayout, ModelConfig
+from opcodes import DecoderLayout, ModelConfig, Tiling
 from opcodes.decoder import decoder_shapes
 from opcodes.sample import Sample, check_sampling
 from schedule.decoder_program import decoder_lowering
 
 from . import runtime
+from .codegen import CTL_POS
 from .runtime import LayerHandle, _check_tensor, _desc, _err
 
 
 @dataclass
 class DecoderHandle:
     """What ``build_decoder`` returns. ``layer`` is the kernel's :class:`LayerHandle` (tape,
-    counters, scratch); the rest are the decoder's device buffers."""
+    counters, scratch); the rest are the decoder's device buffers. ``short``: a second handle (its
+    own tape, counters and control block; ``layer``'s weights, cache and buffers) that the positions
+    below ``short_until`` run on, or None."""
 
     layer: LayerHandle
     cfg: ModelConfig
@@ -58,11 +68,23 @@ class DecoderHandle:
     weights: dict = field(repr=False, default=None)
     closed: bool = False
     sampling: bool = False       # the tape ends in SAMPLE (build_decoder(..., sampling=True)), not ARGMAX
-    graphs: dict = field(default_factory=dict, repr=False)   # K -> CUDA graph of K launches (generate)
+    graphs: dict = field(default_factory=dict, repr=False)   # (handle id, K) -> CUDA graph of K launches
+    short: LayerHandle | None = None
+    short_until: int = 0
+    # the handle whose control block holds the device's position (the last to launch), and the
+    # host's view of that position (which tape the next pos=None launch runs; the position itself is
+    # always the device's)
+    active: LayerHandle | None = field(default=None, repr=False)
+    next_pos: int = 0
 
     @property
     def tape(self):
         return self.layer.tape
+
+    @property
+    def handles(self) -> tuple:
+        """Every kernel handle of the decoder: ``layer``, then ``short`` if there is one."""
+        return (self.layer,) if self.short is None else (self.layer, self.short)
 
     @property
     def max_seq(self) -> int:
@@ -110,7 +132,9 @@ def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_
     drawn on the device; ``generate(..., temperature=...)``) instead of ARGMAX (greedy; the default,
     which ``generate`` needs for temperature 0). Other options go to ``build_layer`` (``num_sms``,
     ``tiling``, ``policy``, ``tape`` (a tape compiled with ``lower_decoder``), ``spin_limit``,
-    ``sync_check``, ``profile``, ...).
+    ``sync_check``, ``profile``, ...). Without ``tiling`` and ``tape``, where
+    ``Tiling.short_prefix(cfg, max_seq_len)`` is P > 0, a second tape of ``Tiling.for_config(cfg,
+    max_seq=P)`` runs the positions below P (``DecoderHandle.short``; a second kernel to compile).
 
     ``tp_group`` (a ``torch.distributed`` group of 2 processes, one GPU each): tensor parallel, this
     process's rank only: ``weights`` / ``kv_cache`` are its shard (``opcodes.tp.shard_weights`` /
@@ -144,10 +168,23 @@ def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_
         runtime.teardown(h)
         raise ValueError(f"tape: {'no' if sampling else 'a'} SAMPLE instruction, but sampling={sampling} (compile "
                          f"it with lowering=schedule.decoder_program.decoder_lowering(sample={sampling}))")
+    short, until = None, 0
+    if options.get("tiling") is None and options.get("tape") is None:
+        until = Tiling.short_prefix(cfg, max_seq_len)
+        if until:
+            try:
+                short = runtime.build_layer(weights, kv_cache, cfg, max_seq_len,
+                                            lowering=decoder_lowering(lm_rows, emb_cols, sample=sampling),
+                                            share_buffers=h,
+                                            **{**options, "tiling": Tiling.for_config(cfg, max_seq=until)})
+            except BaseException:
+                runtime.teardown(h)
+                raise
     hidden = torch.empty(1, cfg.d, dtype=torch.bfloat16, device=device)
     dh = DecoderHandle(layer=h, cfg=cfg, lay=lay, device=device, tok=h.state["tok"], toks=h.state["toks"],
                        x0=h.scratch["x0"].view(1, cfg.d), hidden=hidden,
-                       logits=h.scratch["logits"].view(1, cfg.vocab), weights=weights, sampling=sampling)
+                       logits=h.scratch["logits"].view(1, cfg.vocab), weights=weights, sampling=sampling,
+                       short=short, short_until=until if short is not None else 0, active=h)
     if sampling:
         set_sampling(dh)                 # temperature 1, no top-k / top-p, seed 0 until generate sets others
     return dh
@@ -184,30 +221,57 @@ def _check_token_range(what: str, t: torch.Tensor, vocab: int) -> None:
             raise _err(ValueError, what, f"token ids in [0, vocab={vocab})", f"ids in [{lo}, {hi}]")
 
 
+def _stepping(dh: DecoderHandle):
+    """``runtime.Stepping`` of every handle of the decoder (a failure of either's earlier launch is
+    reported; another thread stepping the decoder meanwhile gets a clear error)."""
+    stack = contextlib.ExitStack()
+    try:
+        for h in dh.handles:
+            stack.enter_context(runtime.Stepping(h))
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+
+
+def _pick(dh: DecoderHandle, pos: int) -> LayerHandle:
+    """The handle that runs a launch at ``pos`` (-1: the device's position, which the host tracks as
+    ``next_pos``). Switching hands the device's position over: the new handle's control block gets
+    the old one's (a device copy, in stream order; captured too), so a ``pos=None`` launch of either
+    tape continues where the other stopped."""
+    p = dh.next_pos if pos < 0 else pos
+    h = dh.short if dh.short is not None and p < dh.short_until else dh.layer
+    if h is not dh.active:
+        if pos < 0:
+            h.ctl[CTL_POS:CTL_POS + 1].copy_(dh.active.ctl[CTL_POS:CTL_POS + 1])
+        dh.active = h
+    return h
+
+
 def _launch(dh: DecoderHandle, pos: int) -> None:
-    """One launch (inside ``runtime.Stepping``); ``pos`` -1: the position held on the device."""
-    h = dh.layer
+    """One launch (inside ``_stepping``); ``pos`` -1: the position held on the device."""
+    h = _pick(dh, pos)
     if h.status_host and not h.in_capture:
         h.check(sync=False)      # a failure of an earlier launch that has finished since
     h.last_pos = pos
+    dh.next_pos = (dh.next_pos if pos < 0 else pos) + 1
     runtime.launch(h, dh.x0, pos, dh.hidden)
     if h.sync_check:
         h.check(sync=True)
 
 
-def _block_graph(dh: DecoderHandle, k: int):
-    """A CUDA graph of ``k`` launches at the device's position, captured once per handle and ``k``:
-    each launch embeds the token the previous one's ARGMAX / SAMPLE left and advances the position
-    (SAMPLE reads its parameters and the position from the device too), so a replay is ``k`` tokens
-    with no host work between them."""
-    g = dh.graphs.get(k)
+def _block_graph(dh: DecoderHandle, h: LayerHandle, k: int):
+    """A CUDA graph of ``k`` launches of ``h`` (one of ``dh.handles``) at the device's position,
+    captured once per handle and ``k``: each launch embeds the token the previous one's ARGMAX /
+    SAMPLE left and advances the position (SAMPLE reads its parameters and the position from the
+    device too), so a replay is ``k`` tokens with no host work between them."""
+    g = dh.graphs.get((id(h), k))
     if g is None:
-        h = dh.layer
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for _ in range(k):
                 runtime.launch(h, dh.x0, -1, dh.hidden)
-        dh.graphs[k] = g
+        dh.graphs[(id(h), k)] = g
     return g
 
 
@@ -246,7 +310,7 @@ def decode_step(handle: DecoderHandle, tokens, pos) -> torch.Tensor:
     if tokens.device != handle.device:
         raise _err(ValueError, "tokens", f"a tensor on {handle.device}", _desc(tokens))
     _check_token_range("tokens", tokens, handle.cfg.vocab)
-    with runtime.Stepping(handle.layer):
+    with _stepping(handle):
         handle.tok.copy_(tokens)
         _launch(handle, pos)
         return handle.logits.clone()
@@ -348,24 +412,34 @@ def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 
         toks = list(_stream(handle, prompt, P, start_pos, n_new, eos, (temperature, top_k, top_p, seed)))
         return torch.tensor(toks, dtype=torch.int64).to(handle.device)
     hist = torch.empty(n_new, handle.cfg.vocab, dtype=torch.float32, device=handle.device) if return_logits else None
-    with runtime.Stepping(handle.layer):
+    first = start_pos + P - 1          # the position whose step makes new token 0
+    with _stepping(handle):
         _run_prompt(handle, prompt, P, start_pos, temperature, top_k, top_p, seed)
-        # after the prompt: whole blocks as graph replays at the device's position (the last
-        # call's + 1), then the rest one launch each; EMBED reads the token the last ARGMAX / SAMPLE wrote
-        rest = max(0, n_new - 1)
-        blocks = rest // block if block else 0
-        for _ in range(blocks):
-            _block_graph(handle, block).replay()
-        if blocks:
-            handle.layer.last_pos = start_pos + P - 1 + blocks * block
-        for j in range(n_new):
-            if j and j <= blocks * block:
-                continue                                 # made by the graph replays
-            if j:
-                _launch(handle, start_pos + P - 1 + j)
+        if n_new and hist is not None:
+            hist[0].copy_(handle.logits[0])
+        # token j is made at position first + j: in each tape's run of positions, whole blocks as
+        # graph replays at the device's position (the last call's + 1), then the rest one launch
+        # each; EMBED reads the token the last ARGMAX / SAMPLE wrote
+        j = 1
+        while j < n_new:
+            p = first + j
+            end = first + n_new
+            if handle.short is not None and p < handle.short_until:
+                end = min(end, handle.short_until)
+            blocks = (end - p) // block if block else 0
+            if blocks:
+                h = _pick(handle, -1)
+                g = _block_graph(handle, h, block)
+                for _ in range(blocks):
+                    g.replay()
+                j += blocks * block
+                handle.next_pos = first + j
+                h.last_pos = first + j - 1
+                continue
+            _launch(handle, p)
             if hist is not None:
                 hist[j].copy_(handle.logits[0])
-    first = start_pos + P - 1
+            j += 1
     out = handle.toks[first:first + n_new].to(torch.int64)
     return (out, hist) if return_logits else out
 
@@ -401,7 +475,7 @@ def generate_stream(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos:
 
 def _stream(handle, prompt, P: int, start_pos: int, n_new: int, eos: frozenset, sampling: tuple):
     # the handle is held per launch, not across the yields (the caller may step other handles)
-    with runtime.Stepping(handle.layer):
+    with _stepping(handle):
         _run_prompt(handle, prompt, P, start_pos, *sampling)
     if n_new == 0:
         return
@@ -415,7 +489,7 @@ def _stream(handle, prompt, P: int, start_pos: int, n_new: int, eos: frozenset, 
         if cuda:
             ready.record()
         if j + 1 < n_new:
-            with runtime.Stepping(handle.layer):
+            with _stepping(handle):
                 _launch(handle, p + 1)              # token j + 1 is computed while the host reads token j
         if cuda:
             ready.synchronize()
@@ -432,7 +506,9 @@ def teardown_decoder(handle: DecoderHandle) -> None:
     if handle.closed:
         return
     handle.graphs.clear()
-    runtime.teardown(handle.layer)
+    for h in handle.handles:
+        runtime.teardown(h)
     handle.closed = True
+    handle.active = None
     handle.weights = None
     handle.tok = handle.toks = handle.x0 = handle.hidden = handle.logits = None

@@ -342,11 +342,16 @@ class Bindings:
     table: torch.Tensor       # int64 addresses of ``pointers``, what the kernel's ``ptab_ptr`` points at
 
 
-def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device) -> Bindings:
+def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device,
+                 share: Bindings | None = None) -> Bindings:
     """Allocate the scratch, state and tables of the tape's opcodes and bind every build-time
     pointer their device functions take to its tensor: the layout's per-layer tensors (layer 0's,
     with the offset table ``wtab`` for the others) and whole-model tensors, the opcodes' scratch,
-    state and tables. The caller's weights and KV cache are used in place (no repack)."""
+    state and tables. The caller's weights and KV cache are used in place (no repack).
+    ``share``: the bindings of another tape of the same model whose kernel never runs at the same
+    time as this one's (a decoder's second tape): its state buffers are this tape's too (the token,
+    the tokens made, the sampling parameters), and so is each scratch buffer of the same name, size
+    and dtype (the logits among them), so either tape's launch reads what the other's left."""
     lay, classes = tape.lay, tape.classes()
     cfg = lay.cfg
     layers = weights["layers"]
@@ -368,10 +373,20 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
     avail.update({ptr: ts[0] for ptr, (_, ts) in per_layer.items()})
     avail.update({ptr: weights[key] for key, ptr in lay.MODEL_TENSORS if key in weights})
     virtual = {n for cls in classes for n in cls.VIRTUAL}
-    scratch = {name: torch.empty(math.prod(shape), dtype=_TORCH_DTYPES[dt], device=device)
+    def _own(shared: dict, name: str, shape, dt, make):
+        t = shared.get(name)
+        if t is not None and t.numel() == math.prod(shape) and t.dtype == _TORCH_DTYPES[dt]:
+            return t
+        return make(math.prod(shape), dtype=_TORCH_DTYPES[dt], device=device)
+
+    scratch = {name: _own(share.scratch if share else {}, name, shape, dt, torch.empty)
                for name, (shape, dt) in tape.buffers().items() if name not in virtual}
-    state = {name: torch.zeros(math.prod(shape), dtype=_TORCH_DTYPES[dt], device=device)
+    state = {name: _own(share.state if share else {}, name, shape, dt, torch.zeros)
              for name, (shape, dt) in state_buffers(lay, classes).items()}
+    if share is not None:
+        apart = sorted(n for n in state if n in share.state and state[n] is not share.state[n])
+        if apart:
+            raise ValueError(f"share: state buffers {apart} differ in size or dtype between the two tapes")
     avail.update({f"{n}_ptr": t for n, t in {**scratch, **state}.items()})
     for cls in classes:
         avail.update(cls.tables(lay, device))
@@ -420,7 +435,8 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
                 policy: str = "cost", tape: Tape | None = None, verify_tape: bool = True,
                 spin_limit: int | None = None, sync_check: bool | None = None,
                 cost_model: CostModel | None = None, profile: bool = False, seed: int = 0,
-                cooperative: bool = True, lowering=None, pool_us: float | None = None, elide_waits: bool = True):
+                cooperative: bool = True, lowering=None, pool_us: float | None = None, elide_waits: bool = True,
+                share_buffers: LayerHandle | None = None):
     """Prepare one decoder layer (or ``cfg['layers']`` layers) for ``layer_step``. Untimed.
 
     weights  : {"layers": [ {in_norm, post_norm, q, k, v, o, gate, up, down} ]} bf16, row-major
@@ -435,7 +451,9 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     ``pool_us`` (the plan's last microseconds go to a pool the SMs take from at run time, see
     ``schedule.assign.with_pool``; 0: static queues only; None: ``schedule.compile.DEFAULT_POOL_US``),
     ``lowering`` (Layout -> Program, see ``schedule.program.lower``; whole-model decoders use it),
-    ``elide_waits`` (``compile_model``'s: drop the waits an earlier instruction of the SM made).
+    ``elide_waits`` (``compile_model``'s: drop the waits an earlier instruction of the SM made),
+    ``share_buffers`` (a handle of the same model and cache whose state and same-sized scratch this
+    one uses, :func:`bind_buffers`' ``share``: the two must never run at the same time).
 
     The steps: validate the inputs, compile and verify the tape, bind the buffers
     (:func:`bind_buffers`), generate and compile the kernel for the tape's opcodes, make the
@@ -453,7 +471,13 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
         raise _err(ValueError, "spin_limit", "a positive int", spin_limit)
     tape, predicted = _resolve_tape(cfg, max_seq_len, device, _device_sms(device), num_sms, tiling, policy, tape,
                                     verify_tape, cost_model, seed, lowering, pool_us, elide_waits)
-    b = bind_buffers(tape, weights, kv_cache, device)
+    if share_buffers is not None:
+        if not isinstance(share_buffers, LayerHandle) or share_buffers.closed:
+            raise _err(TypeError, "share_buffers", "an open handle of build_layer", _desc(share_buffers))
+        if share_buffers.kv_cache is not kv_cache or share_buffers.device != device:
+            raise ValueError("share_buffers: a handle of another KV cache or device (a second tape shares the "
+                             "first's cache)")
+    b = bind_buffers(tape, weights, kv_cache, device, share_buffers.bindings if share_buffers is not None else None)
     h = LayerHandle(cfg=cfg, lay=tape.lay, tape=tape, device=device, num_sms=tape.num_sms, spin_limit=spin_limit,
                     sync_check=(device.type == "cpu") if sync_check is None else bool(sync_check),
                     predicted_makespan_s=predicted, weights=weights, kv_cache=kv_cache, bindings=b)
@@ -600,14 +624,18 @@ class Stepping:
 def set_position(h, pos: int) -> None:
     """Set the position the next ``pos=None`` step of ``h`` (a handle of ``build_layer`` /
     ``build_model``, or a ``DecoderHandle``) takes: a device write, ordered on the current stream
-    (captured too, inside a CUDA graph)."""
+    (captured too, inside a CUDA graph). A decoder of two tapes: both."""
+    dh = h
     h = getattr(h, "layer", h)
     if not isinstance(h, LayerHandle):
         raise _err(TypeError, "handle", "a handle of build_layer / build_model / build_decoder", _desc(h))
     if h.closed:
         raise ValueError("handle: teardown() was already called on it")
     pos = _check_pos(h, pos)
-    h.ctl[CTL_POS].fill_(pos)
+    for k in getattr(dh, "handles", (h,)):
+        k.ctl[CTL_POS].fill_(pos)
+    if hasattr(dh, "next_pos"):
+        dh.next_pos = pos
 
 
 def launch(h: LayerHandle, x: torch.Tensor, pos: int, out: torch.Tensor) -> None:

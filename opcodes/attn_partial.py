@@ -180,7 +180,8 @@ class AttnPartial(Instruction):
     WAIT_INSIDE = "A_WAIT"
     #: the longest KV cache (positions) for which ``Tiling.for_config`` picks ``attn_splits`` 1 on its own
     #: (d <= 2048): the 1B on the H200, one instruction a KV head against 16 splits and their merge,
-    #: alternated: -1.7% at pos 128, equal at 256, +2.3% at 384, +10.6% at 1024 (bench/NOTES.md v129-v131)
+    #: alternated: -1.7% at pos 128, equal at 256, +2.3% at 384, +10.6% at 1024 (bench/NOTES.md v129-v131);
+    #: also the positions of a longer cache that a decoder runs on a second, merged tape (``Tiling.short_prefix``)
     MERGED_MAX_SEQ = 256
     TIMING = Timing.LATENCY
     TORCH_RTOL = 1e-2         # the tensor-core dots take bf16 q and p; run_torch keeps them fp32

@@ -260,6 +260,18 @@ class Tiling:
                 t = dataclasses.replace(t, gu_tiles=H200_SMS)
         return t
 
+    @classmethod
+    def short_prefix(cls, cfg: ModelConfig, max_seq: int) -> int:
+        """``P`` > 0 where the positions ``[0, P)`` of a cache of ``max_seq`` run faster on the default
+        tiling of a cache of ``P`` positions (``for_config(cfg, max_seq=P)``) than on the cache's own
+        (``for_config(cfg, max_seq=max_seq)``): a decoder may hold a second tape of it for them (both
+        tapes are correct at every position). 0 where the two tilings are the same."""
+        from .attn_partial import AttnPartial   # (attn_partial imports this module: its fact, asked at call time)
+        p = AttnPartial.MERGED_MAX_SEQ
+        if max_seq <= p or cls.for_config(cfg, max_seq=p) == cls.for_config(cfg, max_seq=max_seq):
+            return 0
+        return p
+
 
 #: element types of kernel pointers, as the tape and codegen name them
 DTYPES = ("bf16", "fp32", "i32", "i64")

@@ -130,12 +130,12 @@ class _PlainBlock:
     """What ``generate``'s CUDA graph of ``k`` launches replays, as plain launches at the device's
     position (no CUDA graphs on a CPU)."""
 
-    def __init__(self, dh, k):
-        self.dh, self.k = dh, k
+    def __init__(self, dh, h, k):
+        self.dh, self.h, self.k = dh, h, k
 
     def replay(self):
         for _ in range(self.k):
-            runtime.launch(self.dh.layer, self.dh.x0, -1, self.dh.hidden)
+            runtime.launch(self.h, self.dh.x0, -1, self.dh.hidden)
 
 
 @pytest.mark.parametrize("sampling", [False, True])

@@ -469,6 +469,30 @@ def test_generate_in_graph_blocks_equals_plain_launches(handles, sampling):
     assert stopped.tolist() == out[0][:first + 1].tolist()
 
 
+@pytest.mark.parametrize("sampling", [False, True])
+def test_generate_across_the_two_tapes_of_a_decoder(handles, monkeypatch, sampling):
+    """A decoder of two tapes (``AttnPartial.MERGED_MAX_SEQ`` lowered to 40: positions below 40 run the
+    merged attention's tape) generates in CUDA-graph blocks of 8 across the switch the tokens of one
+    host launch per token (each block's replays start at the position the other tape left)."""
+    from interp.codegen import CTL_POS
+    from opcodes.attn_partial import AttnPartial
+    monkeypatch.setattr(AttnPartial, "MERGED_MAX_SEQ", 40)
+    cfg = dataclasses.replace(PRESETS[SMALL], layers=2, vocab=1000)
+    w = decoder_weights(cfg, seed=5, device=_dev())
+    kw = dict(temperature=0.8, top_k=50, top_p=0.95, seed=3) if sampling else {}
+    out = []
+    for block in (0, 8):
+        h = handles.decoder(w, make_kv_cache(cfg, 128, 0, device=_dev()), cfg.to_dict(), 128, sampling=sampling)
+        assert h.short is not None and h.short_until == 40
+        out.append(generate(h, [5, 17, 3], 70, graph_block=block, **kw).cpu())
+        for k in h.handles:
+            k.check()
+        # the prompt at 0..2, new tokens made at 2..71: the long tape ran last and holds position 72
+        assert h.active is h.layer and int(h.layer.ctl[CTL_POS]) == 72 and h.next_pos == 72
+        assert int(h.short.ctl[CTL_POS]) == 40
+    assert torch.equal(out[0], out[1]), out
+
+
 def test_capture_misuse_is_refused(handles):
     """sync_check=True synchronises after every step: capturing it is refused with a clear error."""
     cfg, w, kv, ref, h = _small_model(handles, sync_check=True)
