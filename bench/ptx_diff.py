@@ -52,9 +52,6 @@ try:        # the opcodes of the program the benches build (some are only in the
         used = tuple(lower(lay).classes())
 except Exception:
     used = ()
-if getattr(til, "gu_l2", 0):                # the L2 prefetches a compiled tape adds (schedule.prefetch)
-    from opcodes import L2Prefetch
-    used += (L2Prefetch,)
 from interp.codegen import load_kernel
 try:        # trees before the registry owned the kernel's parameters
     from opcodes.common import constexpr_values

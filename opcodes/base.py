@@ -115,15 +115,11 @@ class Tiling:
     # 256 (Layout checks); one row a warp where a stage's rows are a multiple of num_warps (the 1B:
     # 4 gate/up rows, 8 LM head rows a stage on 4 warps), else a row's warps still share its sum
     warp_rows: int = 0
-    # > 0: bytes of gate and of up that each GATE_UP tile's SM asks the L2 for before its O tile's wait
-    # (an L2_PREFETCH before the O tile, schedule.prefetch), while the attention leaves the HBM idle; a
-    # multiple of 1024 (opcodes.l2_prefetch)
-    gu_l2: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows", "gu_l2") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -150,8 +146,6 @@ class Tiling:
                              "Tiling.key_in_reduce = 1 (the merge attends to the key at pos)")
         if self.attn_block < 16:
             raise ValueError("Tiling.attn_block must be >= 16 (tl.dot)")
-        if self.gu_l2 % 1024:
-            raise ValueError(f"Tiling.gu_l2 must be 0 or a multiple of 1024 bytes, got {self.gu_l2}")
 
     @staticmethod
     def warp_rows_fit(d: int) -> bool:
@@ -598,12 +592,6 @@ class Instruction:
         return []
 
     def writes(self, lay: Layout) -> list[Region]:
-        return []
-
-    def weight_spans(self, lay: Layout) -> list[tuple[str, int, int]]:
-        """The weights it streams, in the order it reads them: (per-layer tensor key of
-        ``Layout.TENSORS``, first element in the layer's tensor, bytes); ``[]``: none named
-        (what an L2_PREFETCH may ask for ahead of it)."""
         return []
 
     def cost(self, lay: Layout) -> Cost:
