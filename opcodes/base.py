@@ -110,11 +110,6 @@ class Tiling:
     # 1B decoder -0.8..-1.5%, runs 173-174); the 8B shape +5.5..+6.0%, and GATE_UP or O waiting inside
     # lost on the 1B alone and beside it (bench/NOTES.md v96-v102)
     down_wait: int = 0
-    # 1: each O tile makes its waits inside its pipelined loop, as DOWN's (down_wait): whole rows of Wo
-    # (Tiling.row_bytes, else ROW_BYTES, a stage), the tile's first blocks issued before the waits, the
-    # attention vector and the residual rows read after them. Only where O has one K chunk and writes
-    # x1 itself (no O_REDUCE); else the column loop (bench/NOTES.md v99, v134)
-    o_wait: int = 0
     # 1: the row loop (row_bytes) of GATE_UP and LM_HEAD sums each row inside one warp
     # (opcodes.common.warp_rows_dot) instead of across the CTA's warps: needs d a power of two times
     # 256 (Layout checks); one row a warp where a stage's rows are a multiple of num_warps (the 1B:
@@ -124,7 +119,7 @@ class Tiling:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "o_wait", "gu_tiles", "warp_rows") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -136,7 +131,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "down_wait", "o_wait", "warp_rows"):
+        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:

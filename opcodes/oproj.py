@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import ROW_BYTES, Cost, Instruction, Layout, Region, cdiv, in_range, next_pow2, register, tile_start
-from .common import T_WO, gemv_stream, layer_rows, rows_load, tab_offset, tape_waits
+from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
+from .common import T_WO, gemv_stream, layer_rows, tab_offset
 
 
 @triton.jit
@@ -32,51 +32,12 @@ def _o_store(y, rows, rm, layer, oc, x_ptr, xout_ptr, x1_ptr, opart_ptr, dpart_p
 
 
 @triton.jit
-def _o_rows_waiting(layer, row0, x_ptr, xout_ptr, w_ptr, av_ptr, x1_ptr, dpart_ptr, ins, cnt_ptr, epoch, spin_limit,
-                    D: tl.constexpr, QD: tl.constexpr, QDP: tl.constexpr, O_ROWS: tl.constexpr, O_RB: tl.constexpr,
-                    STAGES: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr,
-                    PROFILE: tl.constexpr):
-    # O_WAIT: whole rows of Wo, O_RB a pipeline stage; the loop's prologue (its first STAGES - 1 blocks: the
-    # 1B's whole tile, 2 blocks of 8 rows) issued before the waits, made in the first iteration with the
-    # reads they guard: the attention vector and the tile's residual rows ([blocks, O_RB], each block's
-    # picked out of them), never read before the waits
-    NB: tl.constexpr = O_ROWS // O_RB
-    EVEN: tl.constexpr = (QD == QDP) and (D % O_ROWS == 0)
-    bi = tl.arange(0, NB)
-    rows2 = row0 + bi[:, None] * O_RB + tl.arange(0, O_RB)[None, :]
-    hv = tl.zeros([1, QDP], dtype=tl.float32)
-    xr2 = tl.zeros([NB, O_RB], dtype=tl.float32)
-    bad_c = tl.full([], -1, tl.int32)
-    bad_s = tl.full([], 0, tl.int32)
-    t_exec = tl.full([], 0, tl.int64)
-    for b in tl.range(0, NB, num_stages=STAGES):
-        if b == 0:
-            bad_c, bad_s, t_exec = tape_waits(ins, cnt_ptr, epoch, spin_limit, PROFILE)
-            cols = tl.arange(0, QDP)
-            hv = tl.load(av_ptr + cols, mask=cols < QD, other=0.0, cache_modifier=".cg")[None, :]
-            xr2 = layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, rows2, rows2 < D, D, DOWN_CHUNKS, RES_FOLD,
-                             INTERP)
-        r = row0 + b * O_RB + tl.arange(0, O_RB)
-        rm = r < D
-        w = rows_load(w_ptr, r, rm, 0, QD, QD, QDP, EVEN)
-        y = tl.sum(w.to(tl.float32) * hv, axis=1)
-        xr = tl.sum(tl.where(bi[:, None] == b, xr2, 0.0), axis=0)
-        tl.store(x1_ptr + layer * D + r, xr + y, mask=rm & (bad_c < 0))
-    return bad_c, bad_s, t_exec
-
-
-@triton.jit
 def oproj_device(layer, row0, oc, x_ptr, xout_ptr, wtab_ptr, wo_ptr, attn_ptr, x1_ptr, opart_ptr, dpart_ptr,
                  D: tl.constexpr, NQ: tl.constexpr, HD: tl.constexpr, O_ROWS: tl.constexpr, O_K: tl.constexpr,
                  O_CHUNKS: tl.constexpr, O_PART: tl.constexpr, O_BK: tl.constexpr, STAGES: tl.constexpr,
-                 DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr, O_WAIT: tl.constexpr,
-                 O_RB: tl.constexpr, QDP: tl.constexpr, ins, cnt_ptr, epoch, spin_limit, PROFILE: tl.constexpr):
+                 DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
     QD: tl.constexpr = NQ * HD
     w_ptr = wo_ptr + tab_offset(wtab_ptr, layer, T_WO)
-    if O_WAIT:      # the row loop, waiting inside (OProj.WAIT_INSIDE)
-        return _o_rows_waiting(layer, row0, x_ptr, xout_ptr, w_ptr, attn_ptr + layer * QD, x1_ptr, dpart_ptr, ins,
-                               cnt_ptr, epoch, spin_limit, D, QD, QDP, O_ROWS, O_RB, STAGES, DOWN_CHUNKS, RES_FOLD,
-                               INTERP, PROFILE)
     rows = row0 + tl.arange(0, O_ROWS)
     rm = rows < D
     acc, _, _ = gemv_stream(w_ptr, rows, w_ptr, rows, rm, attn_ptr + layer * QD, attn_ptr, oc * O_K, QD, O_K,
@@ -96,18 +57,10 @@ class OProj(Instruction):
     NAME = "oproj"
     STAGE = 3
     ARGS = ("x_ptr", "xout_ptr", "wtab_ptr", "wo_ptr", "attn_ptr", "x1_ptr", "opart_ptr", "dpart_ptr",
-            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "O_PART", "O_BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD", "INTERP",
-            "O_WAIT", "O_RB", "QDP")
+            "D", "NQ", "HD", "O_ROWS", "O_K", "O_CHUNKS", "O_PART", "O_BK", "STAGES", "DOWN_CHUNKS", "RES_FOLD", "INTERP")
     CONSTEXPRS = {"O_ROWS": lambda lay: lay.tiling.o_rows, "O_K": lambda lay: lay.o_k,
                   "O_CHUNKS": lambda lay: lay.n_o_k, "O_PART": lambda lay: int(lay.o_partial),
-                  "O_BK": lambda lay: lay.tiling.o_bk or lay.tiling.bk,
-                  # the row loop waiting inside (Tiling.o_wait): one K chunk, x1 written here
-                  "O_WAIT": lambda lay: int(bool(lay.tiling.o_wait) and not lay.o_partial and lay.n_o_k == 1),
-                  # its rows a stage (Tiling.row_bytes, else ROW_BYTES) and its padded row
-                  "O_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.q_dim, 1, lay.tiling.o_rows,
-                                                                row_bytes=lay.tiling.row_bytes or ROW_BYTES),
-                  "QDP": lambda lay: next_pow2(lay.cfg.q_dim)}
-    WAIT_INSIDE = "O_WAIT"
+                  "O_BK": lambda lay: lay.tiling.o_bk or lay.tiling.bk}
     device = oproj_device
 
     # x1 = x + attn . Wo^T (written here, or by O_REDUCE from the per-chunk partials ``opart``)
