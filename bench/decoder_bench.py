@@ -223,9 +223,10 @@ def run(a, views=None) -> int:
     g = torch.Generator(device="cpu").manual_seed(a.seed + 3)
     toks = torch.randint(0, cfg.vocab, (a.steps,), generator=g)
     t0 = time.perf_counter()
-    from opcodes import Tiling
-    til = Tiling.from_spec(cfg, a.tiling, max_seq=a.max_seq) if getattr(a, "tiling", "") else None
-    dh = build_decoder(w, kv, cfg, a.max_seq, tiling=til)
+    from .driver import parse_variant
+    # --tiling takes what --variants takes: Tiling fields and build options (lm_rows, pool, ...)
+    til, bkw = parse_variant(cfg, getattr(a, "tiling", ""), a.max_seq, none_if_default=True)
+    dh = build_decoder(w, kv, cfg, a.max_seq, tiling=til, **bkw)
     log(f"built in {time.perf_counter() - t0:.1f} s: {len(dh.layer.tape)} instructions on {dh.layer.num_sms} SMs")
     acc = check_steps(lambda tk, p: decode_step(dh, tk.to(torch.int32).to(dev), p), w, kv_ref, cfg, toks, a.prefill)
     dh.layer.check()
@@ -260,12 +261,11 @@ def run(a, views=None) -> int:
     nk, dom, _ = count_kernels(decode_step, args[0])
     rows = [("floor", floor_us, None, None, None), ("megatape", ev, wall, nk, dom)]
     from interp.decoder import teardown_decoder
-    from .driver import parse_variant
     if a.profile:
         if views is None:
             raise ValueError("--profile needs the views: run it as 'megatape bench-decoder --profile'")
         from interp.runtime import profile_records
-        hp = build_decoder(w, kv, cfg, a.max_seq, tiling=til, profile=True)
+        hp = build_decoder(w, kv, cfg, a.max_seq, tiling=til, profile=True, **bkw)
         for i in range(3):
             decode_step(hp, toks[i:i + 1].to(torch.int32).to(dev), pos_last)
         summ = views.summarize(hp.layer.tape, profile_records(hp.layer), pos=pos_last, copy_Bps=bw)
@@ -283,8 +283,8 @@ def run(a, views=None) -> int:
     for v in filter(None, (x.strip() for x in a.variants.split(";"))):
         try:
             # 'default': the build's own choice, as the first row (no tiling: a second, short tape included)
-            vt, bkw = (til, {}) if v == "default" else parse_variant(cfg, v, a.max_seq)
-            hv = build_decoder(w, kv, cfg, a.max_seq, tiling=vt, **bkw)
+            vt, vkw = (til, bkw) if v == "default" else parse_variant(cfg, v, a.max_seq)
+            hv = build_decoder(w, kv, cfg, a.max_seq, tiling=vt, **vkw)
             lg = decode_step(hv, toks[:1].to(torch.int32).to(dev), a.prefill)
             # the first step against the reference (its cache rows >= prefill hold the reference's
             # own values from the check above; the step attends rows <= prefill only)

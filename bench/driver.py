@@ -133,14 +133,22 @@ INT_BUILD_KEYS = ("lm_rows", "emb_cols")
 MODEL_KEYS = {"attnmodel": CostModel, "bytesmodel": CostModel.bytes_only}
 
 
-def parse_variant(cfg: ModelConfig, spec: str, max_seq: int | None = None) -> tuple[Tiling, dict]:
+def parse_variant(cfg: ModelConfig, spec: str, max_seq: int | None = None,
+                  none_if_default: bool = False) -> tuple[Tiling | None, dict]:
     """'bk=512,stages=3,coop=0,policy=round-robin' -> (Tiling with overrides, build_layer keyword
-    arguments). ``max_seq``: the cache the build will have (``Tiling.for_config``'s)."""
+    arguments). ``max_seq``: the cache the build will have (``Tiling.for_config``'s).
+    ``none_if_default``: the tiling is None where ``spec`` names no Tiling field (build options only),
+    so a decoder build keeps its own choice (its second, short tape among it)."""
     tiling, build = [], {}
     for kv in filter(None, spec.replace(" ", "").split(",")):
         k, _, v = kv.partition("=")
         if not v:
             raise ValueError(f"--tiling/--variants: expected name=value, got {kv!r}")
+        if k in ("pool", *MODEL_KEYS, *BUILD_KEYS, *INT_BUILD_KEYS):
+            try:
+                float(v) if k == "pool" else int(v)
+            except ValueError:
+                raise ValueError(f"--tiling/--variants: {k} takes a number, got {v!r}") from None
         if k == "policy":
             if v not in POLICIES:
                 raise ValueError(f"--tiling/--variants: policy must be one of {', '.join(POLICIES)}, got {v!r}")
@@ -156,6 +164,8 @@ def parse_variant(cfg: ModelConfig, spec: str, max_seq: int | None = None) -> tu
             build[k] = int(v)
         else:
             tiling.append(kv)            # a Tiling field
+    if none_if_default and not tiling:
+        return None, build
     return Tiling.from_spec(cfg, ",".join(tiling), max_seq=max_seq), build
 
 

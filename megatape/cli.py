@@ -419,11 +419,13 @@ def cmd_bench_decoder(a) -> int:
     if a.tp == 2:
         return _bench_decoder_tp(a)
     if a.tiling.strip():        # a bad --tiling is named here, before any GPU work
-        from opcodes import ModelConfig, Tiling
+        from bench.driver import parse_variant
+        from opcodes import ModelConfig
         from opcodes.decoder import DecoderLayout
         cfg = ModelConfig.from_name(a.preset)
         try:
-            DecoderLayout(cfg, Tiling.from_spec(cfg, a.tiling, max_seq=a.max_seq), a.max_seq)
+            til, build = parse_variant(cfg, a.tiling, a.max_seq)     # Tiling fields and build options
+            DecoderLayout(cfg, til, a.max_seq, **{k: build[k] for k in ("lm_rows", "emb_cols") if k in build})
         except (ValueError, TypeError) as e:
             msg = str(e)
             print(f"megatape bench-decoder: error: {msg if msg.startswith('--tiling') else '--tiling: ' + msg}",
@@ -634,8 +636,9 @@ def _add_bench_decoder(sub, presets) -> None:
                    help="skip the baselines (torch.compile of a static-cache decoder, transformers' generate)")
     d.add_argument("--variants", default="", help="extra tilings/build options to time, ';'-separated "
                    "(as for megatape bench --variants)")
-    d.add_argument("--tiling", default="", metavar="SPEC", help="the main build's tiling overrides, "
-                   "'name=value,...' (default: the preset's Tiling.for_config); --profile profiles this build")
+    d.add_argument("--tiling", default="", metavar="SPEC", help="the main build's tiling overrides and build "
+                   "options, 'name=value,...' as one --variants entry (default: the preset's Tiling.for_config); "
+                   "--profile profiles this build")
     d.add_argument("--profile", action="store_true", help="profile the main build and summarise it")
     d.add_argument("--tp", type=int, choices=(1, 2), default=1,
                    help="2: tensor parallel over two GPUs, one process each (bench/tp_bench.py: smoke, peer-death, "

@@ -2,12 +2,13 @@
 interpreter (the numbers are meaningless here; the code paths and the checks are not)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bench.driver import _events_median, check_megatape, count_kernels, parse_variant
 from conftest import clone_cache, require_interpreter
 from interp import build_layer, layer_step, teardown
-from opcodes import PRESETS
+from opcodes import PRESETS, Tiling
 from opcodes.reference import make_kv_cache, make_weights
 
 require_interpreter()
@@ -55,6 +56,16 @@ def test_check_flags_a_corrupted_cache_row(monkeypatch):
 def test_parse_variant():
     t, b = parse_variant(PRESETS["llama70b-layer"], "bk=1024, coop=0 ,stages=2")
     assert (t.bk, t.stages, b) == (1024, 2, {"cooperative": False})
+    one_b = PRESETS["llama3.2-1b"]
+    # build options alone: a concrete default tiling, or None where the build is to keep its own choice
+    t, b = parse_variant(one_b, "lm_rows=512,pool=0", max_seq=256)
+    assert t == Tiling.for_config(one_b, max_seq=256) and b == {"lm_rows": 512, "pool_us": 0.0}
+    assert parse_variant(one_b, "lm_rows=512", max_seq=256, none_if_default=True) == (None, {"lm_rows": 512})
+    assert parse_variant(one_b, "", none_if_default=True) == (None, {})
+    t, _ = parse_variant(one_b, "lm_rows=512,stages=4", max_seq=256, none_if_default=True)
+    assert t.stages == 4
+    with pytest.raises(ValueError, match="lm_rows takes a number"):
+        parse_variant(one_b, "lm_rows=big")
 
 
 def test_decoder_bench_accuracy_criterion():

@@ -207,13 +207,16 @@ def test_bench_decoder_tiling(monkeypatch, capsys):
     seen = []
     monkeypatch.setattr(bench.decoder_bench, "run", lambda a, views=None: seen.append(a) or 0)
     assert main(["bench-decoder", "--tiling", "o_rows=32,stages=4"]) == 0 and seen[0].tiling == "o_rows=32,stages=4"
+    # build options as --variants takes them, alone or with Tiling fields
+    assert main(["bench-decoder", "--tiling", "lm_rows=512"]) == 0 and seen[1].tiling == "lm_rows=512"
+    assert main(["bench-decoder", "--tiling", "lm_rows=128,stages=4,pool=0"]) == 0
     for bad, what in (("o_rowz=32", "o_rowz"), ("stages", "name=value"), ("qkv_rows=48", "qkv_rows"),
-                      ("o_rows=3", "power of two")):
+                      ("o_rows=3", "power of two"), ("lm_rows=3", "lm_rows"), ("lm_rows=x", "lm_rows")):
         rc, out, err = run_main(capsys, "bench-decoder", "--tiling", bad)
         assert rc == 2 and len(err.strip().splitlines()) == 1 and "--tiling" in err and what in err, err
     rc, out, err = run_main(capsys, "bench-decoder", "--tp", "2", "--tiling", "stages=4")
     assert rc == 2 and "--tiling" in err
-    assert len(seen) == 1
+    assert len(seen) == 3
 
 
 def test_bench_decoder_report_format(tmp_path):
