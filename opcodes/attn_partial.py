@@ -62,16 +62,13 @@ def _q_scaled(q_ptr, layer, qrow, hm, dcol, NQ: tl.constexpr, HD: tl.constexpr, 
 
 
 @triton.jit
-def attn_whole_out(layer, pos, kbase, vbase, q_ptr, qrow, hm, dcol, ins, cnt_ptr, epoch, spin_limit,
-                   NQ: tl.constexpr, HD: tl.constexpr, GROUP_PAD: tl.constexpr, QSCALE: tl.constexpr,
-                   ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr, PROFILE: tl.constexpr):
-    """Tiling.attn_splits 1: every key of the group's heads ``qrow``; returns the merged output's
-    numerator and denominator (``acc / l[:, None]``: [GROUP_PAD, HD] fp32, rows ``hm`` valid) and the
-    waits' (counter, seen, time) as
-    :func:`opcodes.common.tape_waits`. The prefix [0, pos) was written by earlier calls, so the key
-    loop's prologue issues it before the instruction's waits, made in its first iteration with q's
-    read; the key at pos (this call's K/V tiles') is attended to after the loop. With no prefix (pos 0)
-    the waits come first. (ATTN_O computes the same output, then its part of the O projection.)"""
+def _attn_whole(layer, pos, kbase, vbase, q_ptr, attn_ptr, qrow, hm, dcol, ins, cnt_ptr, epoch, spin_limit,
+                NQ: tl.constexpr, HD: tl.constexpr, GROUP_PAD: tl.constexpr, QSCALE: tl.constexpr,
+                ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr, PROFILE: tl.constexpr):
+    # Tiling.attn_splits 1: every key of the group's heads, the merged output to attn. The prefix [0, pos)
+    # was written by earlier calls, so the key loop's prologue issues it before the instruction's waits,
+    # made in its first iteration with q's read; the key at pos (this call's K/V tiles') is attended to
+    # after the loop. With no prefix (pos 0) the waits come first
     bad_c = tl.full([], -1, tl.int32)
     bad_s = tl.full([], 0, tl.int32)
     t_exec = tl.full([], 0, tl.int64)
@@ -107,17 +104,6 @@ def attn_whole_out(layer, pos, kbase, vbase, q_ptr, qrow, hm, dcol, ins, cnt_ptr
     p_new = tl.exp2(s_new - m_new)
     l_i = l_i * alpha + p_new
     acc = acc * alpha[:, None] + p_new[:, None] * vn[None, :]
-    return acc, l_i, bad_c, bad_s, t_exec
-
-
-@triton.jit
-def _attn_whole(layer, pos, kbase, vbase, q_ptr, attn_ptr, qrow, hm, dcol, ins, cnt_ptr, epoch, spin_limit,
-                NQ: tl.constexpr, HD: tl.constexpr, GROUP_PAD: tl.constexpr, QSCALE: tl.constexpr,
-                ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr, PROFILE: tl.constexpr):
-    # the merged output to attn
-    acc, l_i, bad_c, bad_s, t_exec = attn_whole_out(layer, pos, kbase, vbase, q_ptr, qrow, hm, dcol, ins, cnt_ptr, epoch,
-                                                    spin_limit, NQ, HD, GROUP_PAD, QSCALE, ATTN_BLOCK, INTERP,
-                                                    ATTN_STAGES, PROFILE)
     ok = bad_c < 0
     tl.store(attn_ptr + layer * (NQ * HD) + qrow[:, None] * HD + dcol[None, :], acc / l_i[:, None],
              mask=hm[:, None] & ok)

@@ -110,12 +110,6 @@ class Tiling:
     # 1B decoder -0.8..-1.5%, runs 173-174); the 8B shape +5.5..+6.0%, and GATE_UP or O waiting inside
     # lost on the 1B alone and beside it (bench/NOTES.md v96-v102)
     down_wait: int = 0
-    # 1: no O stage: ATTN_O tiles (opcodes/attn_o.py) each compute one KV group's merged attention and its
-    # part of the O projection for ``ao_rows`` rows (a partial of x1), and GATE_UP sums the layer input and
-    # the groups' partials into x1 itself (four stages a layer). Needs attn_splits 1, one O K chunk, the
-    # row loop (row_bytes) and no tensor parallelism (bench/NOTES.md v137)
-    attn_o: int = 0
-    ao_rows: int = 128      # rows of the O projection per ATTN_O tile
     # 1: the row loop (row_bytes) of GATE_UP and LM_HEAD sums each row inside one warp
     # (opcodes.common.warp_rows_dot) instead of across the CTA's warps: needs d a power of two times
     # 256 (Layout checks); one row a warp where a stage's rows are a multiple of num_warps (the 1B:
@@ -125,19 +119,19 @@ class Tiling:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "attn_o", "gu_tiles", "warp_rows") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Tiling.{f.name} must be a positive int, got {v!r}")
         for k in ("qkv_rows", "kv_rows", "o_rows", "gu_rows", "down_rows", "red_rows", "attn_block", "bk", "num_warps",
-                  "o_bk", "down_bk", "ao_rows"):
+                  "o_bk", "down_bk"):
             v = getattr(self, k)
             if v & (v - 1):
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "down_wait", "attn_o", "warp_rows"):
+        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -405,12 +399,6 @@ class Layout:
         n = self.n_down_k
         return [Region("x1", L * d + lo, L * d + hi)] + \
             [Region("dpart", (L * n + k) * d + lo, (L * n + k) * d + hi) for k in range(n)]
-
-    @property
-    def attn_o(self) -> bool:
-        """No O stage (``Tiling.attn_o``): ATTN_O tiles write per-group partials of the O projection and
-        GATE_UP sums x1 from them."""
-        return bool(self.tiling.attn_o)
 
     @property
     def o_partial(self) -> bool:

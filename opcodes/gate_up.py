@@ -15,46 +15,18 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
-from .common import (T_N2, T_WG, T_WU, gemv_stream, layer_rows, row_loop_dot, row_loop_store, row_loop_vec,
-                     tab_offset)
+from .common import T_N2, T_WG, T_WU, gemv_stream, row_loop_dot, row_loop_store, row_loop_vec, tab_offset
 
 
 @triton.jit
-def _ao_vec(layer, row0, x_ptr, xout_ptr, x1_ptr, dpart_ptr, opart_ptr, nw_ptr, D: tl.constexpr, DP: tl.constexpr,
-            EPS: tl.constexpr, AO_FOLD: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr,
-            WARP_ROWS: tl.constexpr, INTERP: tl.constexpr):
-    # Tiling.attn_o: x1 = the layer's input + the AO_FOLD groups' ATTN_O partials (``opart``, in group
-    # order), as O's epilogue would have written it; the tile at row 0 writes it for the next layer's
-    # readers. Summed spread over the CTA's threads, then laid out as the row loop's vector (with
-    # WARP_ROWS a [D / 256, 256] block, which every warp holds whole: summed there, it spills)
-    offs = tl.arange(0, DP)
-    m = offs < D
-    y = tl.load(opart_ptr + layer * AO_FOLD * D + offs, mask=m, other=0.0, cache_modifier=".cg")
-    for g in tl.static_range(1, AO_FOLD):
-        y += tl.load(opart_ptr + (layer * AO_FOLD + g) * D + offs, mask=m, other=0.0, cache_modifier=".cg")
-    x1 = layer_rows(x_ptr, xout_ptr, x1_ptr, dpart_ptr, layer, offs, m, D, DOWN_CHUNKS, RES_FOLD, INTERP) + y
-    if row0 == 0:
-        tl.store(x1_ptr + layer * D + offs, x1, mask=m)
-    ss = tl.sum(x1 * x1, axis=0)
-    hv = x1 * tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if WARP_ROWS:
-        hv = tl.reshape(hv, [D // 256, 256])        # (WARP_ROWS: D is 256 times a power of two, DP == D)
-    return hv, 1.0 / tl.sqrt(ss / D + EPS)
-
-
-@triton.jit
-def _gu_rows(layer, row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out, x_ptr, xout_ptr, x1_ptr, dpart_ptr, opart_ptr,
+def _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out,
              D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
              GU_RB: tl.constexpr, STAGES: tl.constexpr, GU_SPAN: tl.constexpr, WARP_ROWS: tl.constexpr,
-             AO_FOLD: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
+             INTERP: tl.constexpr):
     # whole rows, GU_RB of gate and of up per pipeline stage (Tiling.row_bytes); GU_SPAN: the tile's
     # rows are its operand ``nrows`` (a multiple of GU_RB, Tiling.gu_tiles), else GU_ROWS. WARP_ROWS:
-    # each row summed inside one warp (Tiling.warp_rows). AO_FOLD: x1 summed here (_ao_vec)
-    if AO_FOLD > 0:
-        hv, rstd = _ao_vec(layer, row0, x_ptr, xout_ptr, x1_ptr, dpart_ptr, opart_ptr, nw_ptr, D, DP, EPS, AO_FOLD,
-                           DOWN_CHUNKS, RES_FOLD, WARP_ROWS, INTERP)
-    else:
-        hv, rstd = row_loop_vec(xin, nw_ptr, D, DP, EPS, WARP_ROWS)
+    # each row summed inside one warp (Tiling.warp_rows)
+    hv, rstd = row_loop_vec(xin, nw_ptr, D, DP, EPS, WARP_ROWS)
     EVEN: tl.constexpr = (D == DP) and (FFN % GU_ROWS == 0) and not GU_SPAN
     if GU_SPAN:
         nb = nrows // GU_RB
@@ -69,11 +41,10 @@ def _gu_rows(layer, row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_out, x_ptr, xout
 
 
 @triton.jit
-def gate_up_device(layer, row0, nrows, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr, x_ptr, xout_ptr, dpart_ptr,
-                   opart_ptr, D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr,
-                   GU_ROWS: tl.constexpr, GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                   GU_SPAN: tl.constexpr, WARP_ROWS: tl.constexpr, INTERP: tl.constexpr, AO_FOLD: tl.constexpr,
-                   DOWN_CHUNKS: tl.constexpr, RES_FOLD: tl.constexpr):
+def gate_up_device(layer, row0, nrows, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr, act_ptr,
+                   D: tl.constexpr, DP: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr,
+                   GU_RB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GU_SPAN: tl.constexpr,
+                   WARP_ROWS: tl.constexpr, INTERP: tl.constexpr):
     g_ptr = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     u_ptr = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     nw_ptr = n2_ptr + tab_offset(wtab_ptr, layer, T_N2)
@@ -89,9 +60,8 @@ def gate_up_device(layer, row0, nrows, wtab_ptr, n2_ptr, wg_ptr, wu_ptr, x1_ptr,
         act = gv / (1.0 + tl.exp(-gv)) * uv
         tl.store(act_ptr + layer * FFN + rows, act, mask=rm)
     else:
-        _gu_rows(layer, row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, x_ptr, xout_ptr, x1_ptr,
-                 dpart_ptr, opart_ptr, D, DP, FFN, EPS, GU_ROWS, GU_RB, STAGES, GU_SPAN, WARP_ROWS, AO_FOLD,
-                 DOWN_CHUNKS, RES_FOLD, INTERP)
+        _gu_rows(row0, nrows, g_ptr, u_ptr, nw_ptr, xin, act_ptr + layer * FFN, D, DP, FFN, EPS, GU_ROWS,
+                 GU_RB, STAGES, GU_SPAN, WARP_ROWS, INTERP)
 
 
 @register
@@ -103,23 +73,18 @@ class GateUp(Instruction):
 
     NAME = "gate_up"
     STAGE = 4
-    ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "x_ptr", "xout_ptr", "dpart_ptr",
-            "opart_ptr", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB", "BK", "STAGES", "GU_SPAN", "WARP_ROWS", "INTERP",
-            "AO_FOLD", "DOWN_CHUNKS", "RES_FOLD")
+    ARGS = ("wtab_ptr", "n2_ptr", "wg_ptr", "wu_ptr", "x1_ptr", "act_ptr", "D", "DP", "FFN", "EPS", "GU_ROWS", "GU_RB",
+            "BK", "STAGES", "GU_SPAN", "WARP_ROWS", "INTERP")
     CONSTEXPRS = {"GU_ROWS": lambda lay: lay.tiling.gu_rows,
                   "GU_RB": lambda lay: lay.tiling.rows_per_block(lay.cfg.d, 2, lay.tiling.gu_rows),
-                  "GU_SPAN": lambda lay: int(lay.tiling.gu_tiles > 0),
-                  # Tiling.attn_o: the ATTN_O partials a tile sums into x1 (one a KV group), else 0
-                  "AO_FOLD": lambda lay: lay.cfg.n_kv if lay.attn_o else 0}
+                  "GU_SPAN": lambda lay: int(lay.tiling.gu_tiles > 0)}
     device = gate_up_device
 
-    # x1: OPROJ's, which GATE_UP writes itself under Tiling.attn_o (declared alike; it reads ATTN_O's
-    # partials from OPROJ's ``opart``, which every kernel has)
-    SCRATCH = {"act": "fp32", "x1": "fp32"}
+    SCRATCH = {"act": "fp32"}
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
-        return {"act": (lay.cfg.layers, lay.cfg.ffn), "x1": (lay.cfg.layers, lay.cfg.d)}
+        return {"act": (lay.cfg.layers, lay.cfg.ffn)}
 
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:
@@ -180,19 +145,13 @@ class GateUp(Instruction):
         return self.row0, min(self.row0 + (self.rows or lay.tiling.gu_rows), lay.cfg.ffn)
 
     def reads(self, lay: Layout) -> list[Region]:
-        c = lay.cfg
-        if lay.attn_o:      # the layer's input and every group's partial
-            base = self.layer * c.n_kv * c.d
-            return lay.input_regions(self.layer, 0, c.d) + [Region("opart", base, base + c.n_kv * c.d)]
-        return [Region("x1", self.layer * c.d, (self.layer + 1) * c.d)]
+        d = lay.cfg.d
+        return [Region("x1", self.layer * d, (self.layer + 1) * d)]
 
     def writes(self, lay: Layout) -> list[Region]:
         lo, hi = self._rows(lay)
         base = self.layer * lay.cfg.ffn
-        out = [Region("act", base + lo, base + hi)]
-        if lay.attn_o and self.row0 == 0:       # x1, for the next layer's readers
-            out.append(Region("x1", self.layer * lay.cfg.d, (self.layer + 1) * lay.cfg.d))
-        return out
+        return [Region("act", base + lo, base + hi)]
 
     def cost(self, lay: Layout) -> Cost:
         d = lay.cfg.d
@@ -203,16 +162,7 @@ class GateUp(Instruction):
     def run_torch(self, lay: Layout, st) -> None:
         c = lay.cfg
         lo, hi = self._rows(lay)
-        if lay.attn_o:
-            y = st.buf["opart"].view(c.layers, c.n_kv, c.d)[self.layer]
-            part = y[0].clone()
-            for g in range(1, c.n_kv):          # in group order, as the kernel sums them
-                part += y[g]
-            x = st.layer_input(self.layer).float() + part
-            if self.row0 == 0:
-                st.buf["x1"].view(c.layers, c.d)[self.layer] = x
-        else:
-            x = st.buf["x1"].view(c.layers, c.d)[self.layer]
+        x = st.buf["x1"].view(c.layers, c.d)[self.layer]
         nw = st.weights[self.layer]["post_norm"].float()
         rstd = torch.rsqrt((x * x).sum() / c.d + c.eps)
         h = x * nw

@@ -69,9 +69,7 @@ class OProj(Instruction):
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
         c = lay.cfg
-        # opart: the K chunks' partials, or under Tiling.attn_o the KV groups' (written by ATTN_O)
-        n = lay.n_o_k if lay.o_partial else (c.n_kv if lay.attn_o else 0)
-        return {"x1": (c.layers, c.d), "opart": (c.layers, n, c.d)}
+        return {"x1": (c.layers, c.d), "opart": (c.layers, lay.n_o_k if lay.o_partial else 0, c.d)}
 
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:

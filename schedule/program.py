@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from opcodes import (QKV, AttnO, AttnPartial, AttnReduce, Down, GateUp, Instruction, Layout, ModelConfig, OProj,
+from opcodes import (QKV, AttnPartial, AttnReduce, Down, GateUp, Instruction, Layout, ModelConfig, OProj,
                      OReduce, Residual, Tiling, TPPush, TPReduce, cdiv)
 from opcodes.base import NO_COUNTER, scratch_buffers
 
@@ -100,13 +100,6 @@ def check_layout(lay: Layout) -> None:
         raise ValueError(f"Tiling.attn_splits = 1 needs whole KV groups in each O K chunk: o_k = {t.o_k} is not a "
                          f"multiple of group * hd = {lay.cfg.group * lay.cfg.hd} (an attention instruction signals "
                          "the counter of one chunk)")
-    if lay.attn_o:
-        why = [w for w, bad in (("Tiling.attn_splits = 1 (the merged attention)", not lay.attn_merged),
-                                ("one O K chunk (o_k 0)", lay.n_o_k > 1 or lay.o_partial),
-                                ("GATE_UP's row loop (row_bytes > 0)", not t.row_bytes),
-                                ("a single GPU", getattr(lay, "tp_size", 1) > 1)) if bad]
-        if why:
-            raise ValueError(f"Tiling.attn_o = 1 needs {', '.join(why)}")
     if t.red_rows % t.down_rows and t.red_rows < lay.cfg.d:
         raise ValueError(f"Tiling.red_rows = {t.red_rows} must be a multiple of down_rows = {t.down_rows} "
                          "(a down tile signals the counter of one residual block)")
@@ -152,11 +145,7 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
             for sec in (1, 2):
                 for j in range(lay.n_tiles_per_head(sec)):
                     p.add(QKV(l, sec, g, j), w_in, ckv[g])
-        if lay.attn_o:              # each KV group's attention and its part of O, a partial of x1 a tile
-            for g in range(c.n_kv):
-                for r in range(0, c.d, t.ao_rows):
-                    p.add(AttnO(l, g, r), (cq[g], ckv[g]), cx)
-        elif lay.attn_merged:       # one instruction a KV head, over every key, writing the merged output
+        if lay.attn_merged:         # one instruction a KV head, over every key, writing the merged output
             for g in range(c.n_kv):
                 p.add(AttnPartial(l, g, 0), (cq[g], ckv[g]), ca[(g * c.group * c.hd) // lay.o_k])
         else:
@@ -167,9 +156,7 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
             for h in range(c.n_q):
                 g = h // c.group
                 p.add(AttnReduce(l, h), (cp[g], ckv[g]) if t.key_in_reduce else (cp[g],), ca[(h * c.hd) // lay.o_k])
-        if lay.attn_o:
-            pass                    # GATE_UP sums x1 from the ATTN_O partials
-        elif not lay.o_partial:
+        if not lay.o_partial:
             for r in range(0, c.d, t.o_rows):
                 p.add(OProj(l, r, 0), (ca[0],), cx)
         else:
