@@ -510,3 +510,22 @@ def test_gu8_probe_loaders_compute_the_stage():
     for name, (call, check) in cs.items():
         call(fresh=True)
         assert check() < 1e-4, name
+
+
+# ---- bench/probes/launch_gap_probe.py: an empty persistent grid's launch cost ------------------------------
+def test_launch_gap_probe_kernel_runs_its_loop_only_when_asked(capsys):
+    """The timed launches run no iteration (each program writes 0); with n iterations the loop sums its
+    blocks, so the loop (and the shared memory it is given) is in the kernel, not folded away."""
+    from bench.probes import launch_gap_probe as lp
+    buf = torch.arange(8 * 16384, dtype=torch.float32).remainder(7).to(torch.bfloat16)
+    for mode in lp.MODES:
+        out = torch.full((3,), -1.0)
+        lp.launch(mode, 3, buf, out)
+        assert torch.equal(out, torch.zeros(3))
+        lp.launch(mode, 3, buf, out, n=2)
+        want = float(buf[:2 * 16384].float().sum())
+        torch.testing.assert_close(out, torch.full((3,), want))
+    for bad in (["0"], ["x"]):
+        assert lp.main(bad) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "launches" in err, err

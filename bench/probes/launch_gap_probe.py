@@ -1,0 +1,99 @@
+"""What a launch of a persistent grid costs in CUDA-event time, with no work in it.
+    python3 -m bench.probes.launch_gap_probe [launches]     (a GPU (H200); default 200)
+
+The 1B decoder's step measures ~873 us in events while its instructions span ~859 us (the profile's
+makespan, first start to last end): ~14 us a step is outside every instruction. This probe times kernels
+that do nothing, launched back to back as `bench.baselines.time_step` launches decode steps (each call
+between two events), on one program an SM of the device (132 on the H200) with 4 warps:
+
+    smem0   : no shared memory
+    smem128 : 128 KB of shared memory a program (a pipelined loop of 32 KB stages that runs no iteration),
+              as the megakernel's ~132 KB, so that a program of the next launch cannot share an SM with
+              one of this launch
+
+Reports the median us a launch for each mode, and the same launches timed as one span (two events
+around all of them, divided by their number): the first is what a step's events see, the second what a
+stream of steps costs a step. The difference between the megakernel's event time and its makespan minus
+this probe's is what its own preamble and ending take.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+MODES = {"smem0": 1, "smem128": 5}      # the loop's stages: (stages - 1) x 32 KB of shared memory
+
+
+@triton.jit
+def _empty(buf, out, n, STAGES: tl.constexpr):
+    """``n`` iterations (0 when timed) of a pipelined [32, 512] bf16 load loop: its shared memory is
+    allocated whatever ``n`` is. Writes one value a program."""
+    offs = tl.arange(0, 32)[:, None] * 512 + tl.arange(0, 512)[None, :]
+    acc = tl.zeros([32, 512], dtype=tl.float32)
+    for i in tl.range(0, n, num_stages=STAGES):
+        acc += tl.load(buf + i * 16384 + offs).to(tl.float32)
+    tl.store(out + tl.program_id(0), tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+def launch(mode: str, programs: int, buf, out, n: int = 0):
+    return _empty[(programs,)](buf, out, n, STAGES=MODES[mode], num_warps=4)
+
+
+def shared_bytes(mode: str, programs: int, buf, out) -> int:
+    """The compiled kernel's shared memory a program."""
+    return int(launch(mode, programs, buf, out).metadata.shared)
+
+
+def time_mode(mode: str, programs: int, launches: int, buf, out) -> tuple[float, float]:
+    """(median us between a launch's two events, us a launch over one span of all of them)."""
+    for _ in range(10):
+        launch(mode, programs, buf, out)
+    torch.cuda.synchronize()
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(launches)]
+    for s, e in evs:
+        s.record()
+        launch(mode, programs, buf, out)
+        e.record()
+    torch.cuda.synchronize()
+    each = statistics.median(s.elapsed_time(e) * 1e3 for s, e in evs)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(launches):
+        launch(mode, programs, buf, out)
+    e.record()
+    torch.cuda.synchronize()
+    return each, s.elapsed_time(e) * 1e3 / launches
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        launches = int(argv[0]) if argv else 200
+        if launches < 1:
+            raise ValueError
+    except ValueError:
+        print(f"launch_gap_probe: launches must be a positive int, got {argv[0]!r}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("launch_gap_probe: needs a GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    programs = torch.cuda.get_device_properties(dev).multi_processor_count
+    buf = torch.zeros(8 * 16384, dtype=torch.bfloat16, device=dev)
+    out = torch.zeros(programs, dtype=torch.float32, device=dev)
+    print(f"{torch.cuda.get_device_name(dev)}: {programs} programs of 4 warps, {launches} launches a mode")
+    print("| mode | shared bytes a program | us a launch (its own events, median) | us a launch (one span) |")
+    print("|---|---|---|---|")
+    for mode in MODES:
+        smem = shared_bytes(mode, programs, buf, out)
+        each, span = time_mode(mode, programs, launches, buf, out)
+        print(f"| {mode} | {smem} | {each:.2f} | {span:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
