@@ -522,7 +522,7 @@ def test_launch_gap_probe_kernel_runs_its_loop_only_when_asked(capsys):
         out = torch.full((3,), -1.0)
         lp.launch(mode, 3, buf, out)
         assert torch.equal(out, torch.zeros(3))
-        lp.launch(mode, 3, buf, out, n=2)
+        lp.launch(mode, 3, buf, out, n=2, spin_ns=20000)        # the spin ends (20 us of the host's clock here)
         want = float(buf[:2 * 16384].float().sum())
         torch.testing.assert_close(out, torch.full((3,), want))
     for bad in (["0"], ["x"]):

@@ -11,13 +11,15 @@ between two events), on one program an SM of the device (132 on the H200) with 4
               as the megakernel's ~132 KB, so that a program of the next launch cannot share an SM with
               one of this launch
 
-Reports the median us a launch for each mode, and the same launches timed as one span (two events
-around all of them, divided by their number): the first is what a step's events see, the second what a
-stream of steps costs a step. The difference between the megakernel's event time and its makespan minus
+Each program also spins 100 us of the GPU's clock, so that the host's launches (~12-20 us each through
+Triton's launcher) queue ahead of the GPU as a step's do; the spin is subtracted. Reports the median us a
+launch for each mode, and the same launches timed as one span (two events around all of them, divided by
+their number): the first is what a step's events see, the second what a stream of steps costs a step. The difference between the megakernel's event time and its makespan minus
 this probe's is what its own preamble and ending take.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 
@@ -25,22 +27,32 @@ import torch
 import triton
 import triton.language as tl
 
+from interp.sync import clock_ns
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+SPIN_US = 100       # each program's spin: longer than a host launch, so the GPU's queue never drains
 MODES = {"smem0": 1, "smem128": 5}      # the loop's stages: (stages - 1) x 32 KB of shared memory
 
 
 @triton.jit
-def _empty(buf, out, n, STAGES: tl.constexpr):
+def _empty(buf, out, n, spin_ns, STAGES: tl.constexpr, INTERP: tl.constexpr):
     """``n`` iterations (0 when timed) of a pipelined [32, 512] bf16 load loop: its shared memory is
-    allocated whatever ``n`` is. Writes one value a program."""
+    allocated whatever ``n`` is; then each program spins ``spin_ns`` of the GPU's clock from its start, so
+    that the host's launches run ahead of the GPU's (a launch through Triton's launcher takes the host
+    ~12-20 us: run 247). Writes one value a program."""
+    t0 = clock_ns(INTERP)
     offs = tl.arange(0, 32)[:, None] * 512 + tl.arange(0, 512)[None, :]
     acc = tl.zeros([32, 512], dtype=tl.float32)
     for i in tl.range(0, n, num_stages=STAGES):
         acc += tl.load(buf + i * 16384 + offs).to(tl.float32)
+    t = clock_ns(INTERP)
+    while t - t0 < spin_ns:
+        t = clock_ns(INTERP)
     tl.store(out + tl.program_id(0), tl.sum(tl.sum(acc, axis=1), axis=0))
 
 
-def launch(mode: str, programs: int, buf, out, n: int = 0):
-    return _empty[(programs,)](buf, out, n, STAGES=MODES[mode], num_warps=4)
+def launch(mode: str, programs: int, buf, out, n: int = 0, spin_ns: int = 0):
+    return _empty[(programs,)](buf, out, n, spin_ns, STAGES=MODES[mode], INTERP=INTERP, num_warps=4)
 
 
 def shared_bytes(mode: str, programs: int, buf, out) -> int:
@@ -48,25 +60,26 @@ def shared_bytes(mode: str, programs: int, buf, out) -> int:
     return int(launch(mode, programs, buf, out).metadata.shared)
 
 
-def time_mode(mode: str, programs: int, launches: int, buf, out) -> tuple[float, float]:
-    """(median us between a launch's two events, us a launch over one span of all of them)."""
+def time_mode(mode: str, programs: int, launches: int, buf, out, spin_ns: int) -> tuple[float, float]:
+    """(median us between a launch's two events, us a launch over one span of all of them), each less
+    the programs' spin."""
     for _ in range(10):
-        launch(mode, programs, buf, out)
+        launch(mode, programs, buf, out, spin_ns=spin_ns)
     torch.cuda.synchronize()
     evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(launches)]
     for s, e in evs:
         s.record()
-        launch(mode, programs, buf, out)
+        launch(mode, programs, buf, out, spin_ns=spin_ns)
         e.record()
     torch.cuda.synchronize()
     each = statistics.median(s.elapsed_time(e) * 1e3 for s, e in evs)
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
     for _ in range(launches):
-        launch(mode, programs, buf, out)
+        launch(mode, programs, buf, out, spin_ns=spin_ns)
     e.record()
     torch.cuda.synchronize()
-    return each, s.elapsed_time(e) * 1e3 / launches
+    return each - spin_ns / 1e3, s.elapsed_time(e) * 1e3 / launches - spin_ns / 1e3
 
 
 def main(argv=None) -> int:
@@ -85,13 +98,15 @@ def main(argv=None) -> int:
     programs = torch.cuda.get_device_properties(dev).multi_processor_count
     buf = torch.zeros(8 * 16384, dtype=torch.bfloat16, device=dev)
     out = torch.zeros(programs, dtype=torch.float32, device=dev)
-    print(f"{torch.cuda.get_device_name(dev)}: {programs} programs of 4 warps, {launches} launches a mode")
-    print("| mode | shared bytes a program | us a launch (its own events, median) | us a launch (one span) |")
-    print("|---|---|---|---|")
+    print(f"{torch.cuda.get_device_name(dev)}: {programs} programs of 4 warps, {launches} launches a mode; us a "
+          f"launch less each program's spin of {SPIN_US} us (0 spin: the host's launch rate)")
+    print("| mode | shared bytes a program | spin us | us a launch (its own events, median) | us a launch (one span) |")
+    print("|---|---|---|---|---|")
     for mode in MODES:
         smem = shared_bytes(mode, programs, buf, out)
-        each, span = time_mode(mode, programs, launches, buf, out)
-        print(f"| {mode} | {smem} | {each:.2f} | {span:.2f} |", flush=True)
+        for spin in (0, SPIN_US):
+            each, span = time_mode(mode, programs, launches, buf, out, spin * 1000)
+            print(f"| {mode} | {smem} | {spin} | {each:.2f} | {span:.2f} |", flush=True)
     return 0
 
 
