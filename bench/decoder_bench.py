@@ -264,11 +264,16 @@ def run(a, views=None) -> int:
     if a.profile:
         if views is None:
             raise ValueError("--profile needs the views: run it as 'megatape bench-decoder --profile'")
-        from interp.runtime import profile_records
+        from interp.profile import format_kernel_span, kernel_span
+        from interp.runtime import profile_records, profile_sm_records
         hp = build_decoder(w, kv, cfg, a.max_seq, tiling=til, profile=True, **bkw)
         for i in range(3):
             decode_step(hp, toks[i:i + 1].to(torch.int32).to(dev), pos_last)
-        summ = views.summarize(hp.layer.tape, profile_records(hp.layer), pos=pos_last, copy_Bps=bw)
+        # the tape that ran at pos_last (a decoder of two runs its short one below short_until)
+        ph = hp.short if hp.short is not None and pos_last < hp.short_until else hp.layer
+        summ = views.summarize(ph.tape, profile_records(ph), pos=pos_last, copy_Bps=bw)
+        span = kernel_span(profile_records(ph), profile_sm_records(ph))
+        print(format_kernel_span(span, ev), flush=True)
         # every instruction's record, for offline critical-path analysis (the Markdown table is
         # medians only)
         from interp.profile import instruction_rows
@@ -276,9 +281,9 @@ def run(a, views=None) -> int:
         out = pathlib.Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         with gzip.open(out / f"records-{a.preset}-pos{pos_last}.json.gz", "wt") as f:
-            json.dump(instruction_rows(hp.layer.tape, recs), f)
+            json.dump(instruction_rows(ph.tape, recs), f)
         print(views.format_summary(summ), flush=True)
-        rep["profile"] = summ
+        rep["profile"] = dict(summ, kernel_span=span)
         teardown_decoder(hp)
     for v in filter(None, (x.strip() for x in a.variants.split(";"))):
         try:

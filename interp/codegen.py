@@ -40,7 +40,7 @@ _TL_TYPES = {"bf16": "tl.bfloat16", "fp32": "tl.float32", "i64": "tl.int64", "i3
 #: compile-time switches of the kernel itself
 SWITCHES = ("PROFILE",)
 STATUS_WORDS = 8     # per SM: [code, sm, slot, opcode, counter, target, seen, epoch]; row 0: any failed
-PROF_WORDS = 4       # per slot (int64): [wait start, exec start, end, sm]
+PROF_WORDS = 4       # per slot (int64): [wait start, exec start, end, sm]; then per SM: [entry, queue done, exit, sm]
 
 
 def _check_args(classes, pointers: dict, constexprs) -> None:
@@ -257,6 +257,7 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
         [f"{c}: tl.constexpr" for c in constexprs] + [f"{s}: tl.constexpr" for s in SWITCHES]
     w("def megakernel(" + ", ".join(params) + "):")
     w("    sm = tl.program_id(0)")
+    w("    t_entry = _now(PROFILE)")
     w("    # build-time buffers: addresses from the table (16-byte aligned, checked by the host)")
     for k, (name, dt) in enumerate(pointers.items()):
         ty = _TL_TYPES[dt]
@@ -308,7 +309,14 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     w("            i, stop, in_pool = _ticket(qoff_ptr, cnt_ptr, epoch, i, stop, in_pool)")
     w("    if in_pool == 2:")
     w("        _ticket_fail(qoff_ptr, cnt_ptr, status_ptr, sm, epoch)")
+    w("    t_done = _now(PROFILE)")
     w("    _end_of_call(ctl_ptr, cnt_ptr, qoff_ptr, epoch, pos)")
+    w("    if PROFILE:      # this SM's row after the tape's: [kernel entry, queue done, exit, sm]")
+    w(f"        pe = prof_ptr + (tl.load(qoff_ptr + tl.num_programs(0) + 1) + sm) * {PROF_WORDS}")
+    w("        tl.store(pe, t_entry)")
+    w("        tl.store(pe + 1, t_done)")
+    w("        tl.store(pe + 2, _now(PROFILE))")
+    w("        tl.store(pe + 3, sm.to(tl.int64))")
     w("")
     return "\n".join(L) + "\n"
 

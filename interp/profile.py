@@ -38,3 +38,31 @@ def instruction_rows(tape: Tape, recs: list[tuple]) -> list[list]:
         ins = BY_OPCODE[int(tape.words[slot, 0])].decode(tape.words[slot, 6:].tolist())
         rows.append([int(slot), name, int(getattr(ins, "layer", -1)), int(sm), int(tw), int(te), int(tend), str(ins)])
     return rows
+
+
+def kernel_span(prof: torch.Tensor, sm_prof: torch.Tensor) -> dict:
+    """Where a launch's time goes outside its instructions, in us, from the tape's rows ``prof`` and the
+    SMs' rows ``sm_prof`` (``interp.runtime.profile_sm_records``: kernel entry, queue done, exit):
+    ``entry_spread`` the first to the last SM's entry; ``to_first`` the first entry to the first
+    instruction's wait start; ``instructions`` the first wait start to the last instruction's end;
+    ``from_last`` that end to the last SM's exit (the end-of-call bookkeeping among it); ``resident`` the
+    first entry to the last exit."""
+    p = prof.view(-1, 4).tolist()
+    s = sm_prof.view(-1, 4).tolist()
+    entry0, entry1 = min(r[0] for r in s), max(r[0] for r in s)
+    first, last = min(r[0] for r in p), max(r[2] for r in p)
+    exit1 = max(r[2] for r in s)
+    us = 1e-3
+    return {"entry_spread": (entry1 - entry0) * us, "to_first": (first - entry0) * us,
+            "instructions": (last - first) * us, "from_last": (exit1 - last) * us, "resident": (exit1 - entry0) * us}
+
+
+def format_kernel_span(span: dict, event_us: float | None = None) -> str:
+    """One line of :func:`kernel_span` (with the launch's event time, the part outside the kernel's
+    residency: the launch itself)."""
+    line = (f"kernel: SMs enter over {span['entry_spread']:.2f} us; first entry to first instruction "
+            f"{span['to_first']:.2f} us; instructions {span['instructions']:.1f} us; last instruction's end to "
+            f"last exit {span['from_last']:.2f} us; resident {span['resident']:.1f} us")
+    if event_us is not None:
+        line += f" (events {event_us:.1f} us: {event_us - span['resident']:.1f} us outside)"
+    return line

@@ -501,7 +501,8 @@ def _make_control(h: "LayerHandle", profile: bool) -> None:
             pass
     if h.status is None:
         h.status = torch.zeros(h.num_sms + 1, STATUS_WORDS, dtype=torch.int32, device=device)
-    h.prof = torch.zeros(max(1, len(tape)) * PROF_WORDS if profile else 1, dtype=torch.int64, device=device)
+    # profiled: a row a tape slot, then a row an SM (kernel entry, queue done, exit)
+    h.prof = torch.zeros((len(tape) + h.num_sms) * PROF_WORDS if profile else 1, dtype=torch.int64, device=device)
     h.tape_dev = tape.words.reshape(-1).to(device, copy=True)      # never an alias of the host tape
     targets = [int(t) for t in tape.words[:, 2].tolist() + tape.words[:, 4].tolist()] if len(tape) else [1]
     targets.append(tape.tickets_per_call())      # the pool's ticket counter grows by this per call
@@ -693,6 +694,16 @@ def teardown(h: LayerHandle) -> None:
 
 def profile_records(h: LayerHandle):
     """Per tape slot: (wait start, exec start, end, sm) in ns, from the last profiled launch."""
+    return _prof_rows(h)[:len(h.tape)]
+
+
+def profile_sm_records(h: LayerHandle):
+    """Per SM: (kernel entry, its queue and pool done, exit after the end-of-call bookkeeping, sm) in ns,
+    from the last profiled launch."""
+    return _prof_rows(h)[len(h.tape):]
+
+
+def _prof_rows(h: LayerHandle):
     if not h.constexprs.get("PROFILE"):
         raise ValueError("handle: build_layer(..., profile=True) on a GPU is needed for profile records")
     torch.cuda.synchronize(h.device)

@@ -191,3 +191,17 @@ def test_records_per_sm_separates_slow_sms_from_noise():
     assert lines[gu + 1].split("fastest")[1].split()[0].startswith("0:")
     with pytest.raises(ValueError, match="no per-layer"):
         R.per_sm_table([[0, "embed", -1, 0, 0, 0, 10, "embed col0=0"]])
+
+
+def test_kernel_span_splits_a_launch_around_its_instructions():
+    """interp.profile.kernel_span: SM rows (entry, queue done, exit) around tape rows (wait, exec, end)."""
+    import torch
+
+    from interp.profile import format_kernel_span, kernel_span
+    prof = torch.tensor([[3000, 3500, 9000, 0], [2500, 2600, 12000, 1]], dtype=torch.int64)
+    sm = torch.tensor([[1000, 9100, 9900, 0], [1400, 12100, 13500, 1]], dtype=torch.int64)
+    got = kernel_span(prof, sm)
+    want = {"entry_spread": 0.4, "to_first": 1.5, "instructions": 9.5, "from_last": 1.5, "resident": 12.5}
+    assert got.keys() == want.keys() and all(abs(got[k] - v) < 1e-9 for k, v in want.items())
+    line = format_kernel_span(got, 16.0)
+    assert "resident 12.5 us" in line and "3.5 us outside" in line
