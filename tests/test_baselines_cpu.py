@@ -141,3 +141,14 @@ def test_hf_generate_baseline_times_new_tokens():
     cfg = dataclasses.replace(PRESETS["small-2layer"], vocab=96)
     us = B.hf_generate_us(cfg, "cpu", pos=8, n_new=8, compile=False)
     assert 0 < us < 5e6
+
+
+def test_hf_generate_baseline_refuses_a_difference_it_cannot_resolve(monkeypatch):
+    """Where 2n new tokens time no slower than n (a clock that does not move, as a very busy host can
+    look), the baseline raises instead of reporting 0 us a token."""
+    pytest.importorskip("transformers")
+    import dataclasses
+    monkeypatch.setattr(B.time, "perf_counter", lambda: 1.0)
+    cfg = dataclasses.replace(PRESETS["small-2layer"], vocab=96)
+    with pytest.raises(RuntimeError, match="too busy to time 4 tokens"):
+        B.hf_generate_us(cfg, "cpu", pos=8, n_new=4, compile=False, reps=2)
