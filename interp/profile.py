@@ -58,8 +58,8 @@ def kernel_span(prof: torch.Tensor, sm_prof: torch.Tensor) -> dict:
 
 
 def format_kernel_span(span: dict, event_us: float | None = None) -> str:
-    """One line of :func:`kernel_span` (with the launch's event time, the part outside the kernel's
-    residency: the launch itself)."""
+    """One line of :func:`kernel_span`; with the event time of the same build's launches, the part
+    outside the kernel's residency (the launch itself)."""
     line = (f"kernel: SMs enter over {span['entry_spread']:.2f} us; first entry to first instruction "
             f"{span['to_first']:.2f} us; instructions {span['instructions']:.1f} us; last instruction's end to "
             f"last exit {span['from_last']:.2f} us; resident {span['resident']:.1f} us")
