@@ -275,8 +275,9 @@ def run(a, views=None) -> int:
         ev_p, _, _ = _events_median(decode_step, pargs)
         # the tape that ran at pos_last (a decoder of two runs its short one below short_until)
         ph = hp.short if hp.short is not None and pos_last < hp.short_until else hp.layer
-        summ = views.summarize(ph.tape, profile_records(ph), pos=pos_last, copy_Bps=bw)
-        span = dict(kernel_span(profile_records(ph), profile_sm_records(ph)), events=ev_p)
+        prof = profile_records(ph)
+        summ = views.summarize(ph.tape, prof, pos=pos_last, copy_Bps=bw)
+        span = dict(kernel_span(prof, profile_sm_records(ph)), events=ev_p)
         print(format_kernel_span(span, ev_p), flush=True)
         # every instruction's record, for offline critical-path analysis (the Markdown table is
         # medians only)

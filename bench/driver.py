@@ -133,6 +133,13 @@ INT_BUILD_KEYS = ("lm_rows", "emb_cols")
 MODEL_KEYS = {"attnmodel": CostModel, "bytesmodel": CostModel.bytes_only}
 
 
+def _number(key: str, v: str, conv=int):
+    try:
+        return conv(v)
+    except ValueError:
+        raise ValueError(f"--tiling/--variants: {key} takes a number, got {v!r}") from None
+
+
 def parse_variant(cfg: ModelConfig, spec: str, max_seq: int | None = None,
                   none_if_default: bool = False) -> tuple[Tiling | None, dict]:
     """'bk=512,stages=3,coop=0,policy=round-robin' -> (Tiling with overrides, build_layer keyword
@@ -144,24 +151,19 @@ def parse_variant(cfg: ModelConfig, spec: str, max_seq: int | None = None,
         k, _, v = kv.partition("=")
         if not v:
             raise ValueError(f"--tiling/--variants: expected name=value, got {kv!r}")
-        if k in ("pool", *MODEL_KEYS, *BUILD_KEYS, *INT_BUILD_KEYS):
-            try:
-                float(v) if k == "pool" else int(v)
-            except ValueError:
-                raise ValueError(f"--tiling/--variants: {k} takes a number, got {v!r}") from None
         if k == "policy":
             if v not in POLICIES:
                 raise ValueError(f"--tiling/--variants: policy must be one of {', '.join(POLICIES)}, got {v!r}")
             build["policy"] = v
         elif k == "pool":
-            build["pool_us"] = float(v)
+            build["pool_us"] = _number(k, v, float)
         elif k in MODEL_KEYS:
-            if int(v):
+            if _number(k, v):
                 build["cost_model"] = MODEL_KEYS[k]()
         elif k in BUILD_KEYS:
-            build[BUILD_KEYS[k]] = bool(int(v))
+            build[BUILD_KEYS[k]] = bool(_number(k, v))
         elif k in INT_BUILD_KEYS:
-            build[k] = int(v)
+            build[k] = _number(k, v)
         else:
             tiling.append(kv)            # a Tiling field
     if none_if_default and not tiling:

@@ -419,13 +419,13 @@ def cmd_bench_decoder(a) -> int:
     if a.tp == 2:
         return _bench_decoder_tp(a)
     if a.tiling.strip():        # a bad --tiling is named here, before any GPU work
-        from bench.driver import parse_variant
+        from bench.driver import INT_BUILD_KEYS, parse_variant
         from opcodes import ModelConfig
         from opcodes.decoder import DecoderLayout
         cfg = ModelConfig.from_name(a.preset)
         try:
             til, build = parse_variant(cfg, a.tiling, a.max_seq)     # Tiling fields and build options
-            DecoderLayout(cfg, til, a.max_seq, **{k: build[k] for k in ("lm_rows", "emb_cols") if k in build})
+            DecoderLayout(cfg, til, a.max_seq, **{k: v for k, v in build.items() if k in INT_BUILD_KEYS})
         except (ValueError, TypeError) as e:
             msg = str(e)
             print(f"megatape bench-decoder: error: {msg if msg.startswith('--tiling') else '--tiling: ' + msg}",

@@ -1,10 +1,8 @@
 """What a launch of a persistent grid costs in CUDA-event time, with no work in it.
     python3 -m bench.probes.launch_gap_probe [launches]     (a GPU (H200); default 200)
 
-The 1B decoder's step measures ~873 us in events while its instructions span ~859 us (the profile's
-makespan, first start to last end): ~14 us a step is outside every instruction. This probe times kernels
-that do nothing, launched back to back as `bench.baselines.time_step` launches decode steps (each call
-between two events), on one program an SM of the device (132 on the H200) with 4 warps:
+Kernels that do nothing are launched back to back as `bench.baselines.time_step` launches decode steps
+(each call between two events), one program an SM of the device (132 on the H200), 4 warps:
 
     smem0   : no shared memory
     smem128 : 128 KB of shared memory a program (a pipelined loop of 32 KB stages that runs no iteration),
@@ -12,21 +10,21 @@ between two events), on one program an SM of the device (132 on the H200) with 4
               one of this launch
 
 Each program also spins 100 us of the GPU's clock, so that the host's launches (~12-20 us each through
-Triton's launcher) queue ahead of the GPU as a step's do; the spin is subtracted. Reports the median us a
-launch for each mode, and the same launches timed as one span (two events around all of them, divided by
-their number): the first is what a step's events see, the second what a stream of steps costs a step. The difference between the megakernel's event time and its makespan minus
-this probe's is what its own preamble and ending take.
+Triton's launcher) queue ahead of the GPU as a step's do; the spin is subtracted (a row without it times
+the host). Reports the median us a launch (what a step's events see) and the us a launch over one span of
+all of them (what a stream of steps costs a step). Run 247: ~4.3 and ~2.5 us; the megakernel's own launch,
+start and end come from `bench-decoder --profile` (`interp.profile.kernel_span`; run 251: ~6 us of launch).
 """
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
+from bench.baselines import time_step
 from interp.sync import clock_ns
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -63,16 +61,8 @@ def shared_bytes(mode: str, programs: int, buf, out) -> int:
 def time_mode(mode: str, programs: int, launches: int, buf, out, spin_ns: int) -> tuple[float, float]:
     """(median us between a launch's two events, us a launch over one span of all of them), each less
     the programs' spin."""
-    for _ in range(10):
-        launch(mode, programs, buf, out, spin_ns=spin_ns)
-    torch.cuda.synchronize()
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(launches)]
-    for s, e in evs:
-        s.record()
-        launch(mode, programs, buf, out, spin_ns=spin_ns)
-        e.record()
-    torch.cuda.synchronize()
-    each = statistics.median(s.elapsed_time(e) * 1e3 for s, e in evs)
+    each = time_step(lambda: launch(mode, programs, buf, out, spin_ns=spin_ns), [()] * launches, warmup=10,
+                     device="cuda")["us_event"]
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
     for _ in range(launches):
