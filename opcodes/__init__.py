@@ -26,7 +26,6 @@ from .tp_push import TPPush
 from .tp_reduce import TPReduce
 from .tp_argmax import TPArgmaxPush, TPArgmax
 from .sample_mass import SampleMass          # after the TP opcodes: the numbers before it stay as measured
-from .l2_prefetch import L2Prefetch          # last: the numbers before it stay as measured
 from .decoder import DecoderLayout
 from .tp import TPDecoderLayout, TPLayout
 
@@ -35,5 +34,5 @@ __all__ = ["BY_OPCODE", "HEADER", "LAYOUTS", "MAX_OPERANDS", "MAX_WAITS", "NO_CO
            "layout_from_json", "next_pow2", "register", "register_layout", "scratch_buffers", "state_buffers",
            "unregister", "PRESETS",
            "ModelConfig", "QKV", "AttnPartial", "AttnReduce", "OProj", "GateUp", "Down", "Residual", "OReduce",
-           "Embed", "LMHead", "Argmax", "Sample", "TPPush", "TPReduce", "TPArgmaxPush", "TPArgmax", "SampleMass", "L2Prefetch", "DecoderLayout",
+           "Embed", "LMHead", "Argmax", "Sample", "TPPush", "TPReduce", "TPArgmaxPush", "TPArgmax", "SampleMass", "DecoderLayout",
            "TPLayout", "TPDecoderLayout"]

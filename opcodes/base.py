@@ -115,18 +115,11 @@ class Tiling:
     # 256 (Layout checks); one row a warp where a stage's rows are a multiple of num_warps (the 1B:
     # 4 gate/up rows, 8 LM head rows a stage on 4 warps), else a row's warps still share its sum
     warp_rows: int = 0
-    # 1: the SMs with neither a QKV tile nor the attention of a layer ask the L2 for that layer's whole
-    # Wo when its QKV stage starts (L2_PREFETCH instructions waiting as QKV waits, schedule.prefetch):
-    # QKV on 96 of the 1B's 132 SMs leaves the HBM half idle, and O then reads Wo from the L2
-    wo_l2: int = 0
-    # > 0: the same SMs also ask for the first that many bytes of gate and of up of each of the layer's
-    # GATE_UP tiles (a multiple of 1024)
-    gu_l2: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows", "wo_l2", "gu_l2") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -138,7 +131,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows", "wo_l2"):
+        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -153,8 +146,6 @@ class Tiling:
                              "Tiling.key_in_reduce = 1 (the merge attends to the key at pos)")
         if self.attn_block < 16:
             raise ValueError("Tiling.attn_block must be >= 16 (tl.dot)")
-        if self.gu_l2 % 1024:
-            raise ValueError(f"Tiling.gu_l2 must be 0 or a multiple of 1024 bytes, got {self.gu_l2}")
 
     @staticmethod
     def warp_rows_fit(d: int) -> bool:
@@ -601,12 +592,6 @@ class Instruction:
         return []
 
     def writes(self, lay: Layout) -> list[Region]:
-        return []
-
-    def weight_spans(self, lay: Layout) -> list[tuple[str, int, int]]:
-        """The weights it streams, in the order it reads them: (per-layer tensor key of
-        ``Layout.TENSORS``, first element in the layer's tensor, bytes); ``[]``: none named
-        (what an L2_PREFETCH may ask for ahead of it)."""
         return []
 
     def cost(self, lay: Layout) -> Cost:

@@ -153,11 +153,6 @@ class GateUp(Instruction):
         base = self.layer * lay.cfg.ffn
         return [Region("act", base + lo, base + hi)]
 
-    def weight_spans(self, lay: Layout) -> list[tuple[str, int, int]]:
-        d = lay.cfg.d
-        lo, hi = self._rows(lay)
-        return [("gate", lo * d, 2 * (hi - lo) * d), ("up", lo * d, 2 * (hi - lo) * d)]
-
     def cost(self, lay: Layout) -> Cost:
         d = lay.cfg.d
         lo, hi = self._rows(lay)

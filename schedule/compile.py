@@ -8,7 +8,6 @@ from opcodes import Layout, ModelConfig, Tiling
 
 from .assign import CostModel, Schedule, list_schedule, random_schedule, round_robin, simulate, with_pool
 from .fluid import FluidModel, expected_makespan
-from .prefetch import with_l2_prefetch
 from .program import Program, lower
 from .tape import Tape, encode
 from .verify import Report, TPReport, verify
@@ -107,7 +106,7 @@ def _compile_layout(lay: Layout, num_sms: int, policy: str, model: CostModel | N
         sched = simulate(random_schedule(prog, num_sms, seed), model)
     else:
         raise ValueError(f"policy must be one of {POLICIES + ('random',)}, got {policy!r}")
-    sched = with_l2_prefetch(with_pool(sched, model, pool_us * 1e-6))
+    sched = with_pool(sched, model, pool_us * 1e-6)
     tape = encode(sched)
     if elide_waits:
         tape = tape.elide_repeated_waits()
