@@ -1,0 +1,195 @@
+"""Where the merged attention's time goes once its wait is met: loads, dots, the new key, the signal.
+    python3 -m bench.probes.attn_probe [calls]      (a GPU (H200); default 50)
+
+The 1B decoder's short-context attention (`Tiling.attn_splits=1`, `opcodes.attn_partial._attn_whole`)
+takes ~3.5 us from its wait met to its signal at pos 128 (runs 237-253), for 32 KB of K/V a KV group
+that were loaded before the wait, 4 query rows and one new key. bench/NOTES.md v93-v94 called it a
+chain of round trips without timing the links. This probe runs the same code for the 1B's 8 KV groups
+(8 programs, one an SM), with a 9th program that releases their counter `DELAY_NS` after it starts (so
+the prefix has landed, as in the decoder) and then polls until all 8 have signalled. Each attention
+program stamps `%globaltimer`:
+    t0  its wait met (the kernel's acquire poll, `opcodes.common.poll_counter`)
+    t1  q, the new key and value in its registers                    (stamps: MODE 1 only)
+    t2  the prefix block's online softmax done (`_attn_block`)       (MODE 1 only)
+    t3  the new key merged, before the store                        (MODE 1 only)
+    t4  after its store, the CTA barrier and the release atomic (the kernel's signal)
+and the releaser stamps its release and when it saw all 8 signals. A stamp "once x is in registers" is
+a clock read that takes x as an operand (it issues when x is ready); its max over the CTA is the stamp.
+MODE 0 has only t0 and t4, to show what the stamps themselves cost.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import globaltimer
+
+from opcodes.attn_partial import _attn_block, _q_scaled
+from opcodes.common import poll_counter, to_bf16
+
+GROUPS, GROUP, GROUP_PAD, HD = 8, 4, 16, 64            # the 1B: 8 KV heads, 4 query heads each
+MAX_SEQ, ATTN_BLOCK, ATTN_STAGES = 256, 128, 3          # bench-decoder's cache at pos 128; the 1B tiling
+QSCALE = 1.0 / math.sqrt(HD) * math.log2(math.e)
+DELAY_NS = 5000
+SPIN = 1 << 22
+
+
+@triton.jit
+def _stamp(x):
+    """The clock once every element of fp32 ``x`` ([m, n]) is in its thread's registers (the latest thread)."""
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x.to(tl.int32, bitcast=True)],
+                                  dtype=tl.int64, is_pure=False, pack=1)
+    return tl.max(tl.max(t, axis=1), axis=0)
+
+
+@triton.jit
+def _attn_timed(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, pos, NQ: tl.constexpr, HD: tl.constexpr,
+                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr,
+                ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, DELAY: tl.constexpr, MODE: tl.constexpr):
+    g = tl.program_id(0)
+    if g == NQ // GROUP:
+        # the releaser: the attention's wait is met DELAY ns after it starts; then it sees their signals
+        t = globaltimer()
+        t_start = t
+        while t - t_start < DELAY:
+            t = globaltimer()
+        tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+        t_rel = globaltimer()
+        seen = poll_counter(cnt_ptr + 1, NQ // GROUP, 1 << 22)
+        t_seen = globaltimer()
+        tl.store(times_ptr + g * 8 + 0, t_rel)
+        tl.store(times_ptr + g * 8 + 1, t_seen)
+        tl.store(times_ptr + g * 8 + 2, seen.to(tl.int64))
+    else:
+        hq = tl.arange(0, GROUP_PAD)
+        hm = hq < GROUP
+        qrow = g * GROUP + hq
+        dcol = tl.arange(0, HD)
+        kbase = kc + g * (MAX_SEQ * HD)
+        vbase = vc + g * (MAX_SEQ * HD)
+        m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, HD], dtype=tl.float32)
+        qs = tl.zeros([GROUP_PAD, HD], dtype=tl.bfloat16)
+        kn = tl.zeros([HD], dtype=tl.bfloat16)
+        vn = tl.zeros([HD], dtype=tl.bfloat16)
+        t0 = tl.full([], 0, tl.int64)
+        t1 = t0
+        t2 = t0
+        for kb in tl.range(0, pos, ATTN_BLOCK, num_stages=ATTN_STAGES):
+            keys = kb + tl.arange(0, ATTN_BLOCK)
+            km = keys < pos
+            k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0, cache_modifier=".cg")
+            v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0, cache_modifier=".cg")
+            if kb == 0:
+                poll_counter(cnt_ptr, 1, 1 << 22)
+                t0 = globaltimer()
+                qs = _q_scaled(q_ptr, 0, qrow, hm, dcol, NQ, HD, QSCALE, False)
+                kn = tl.load(kbase + pos * HD + dcol, cache_modifier=".cg")
+                vn = tl.load(vbase + pos * HD + dcol, cache_modifier=".cg")
+                if MODE == 1:
+                    t1 = tl.maximum(_stamp(qs.to(tl.float32)), _stamp((kn.to(tl.float32) + vn.to(tl.float32))[None, :]))
+            m_i, l_i, acc = _attn_block(qs, k, v, km, m_i, l_i, acc, False)
+            if MODE == 1:
+                t2 = _stamp(acc)
+        kn = kn.to(tl.float32)
+        vn = vn.to(tl.float32)
+        s_new = tl.sum(qs.to(tl.float32) * kn[None, :], axis=1)
+        m_new = tl.maximum(m_i, s_new)
+        alpha = tl.exp2(m_i - m_new)
+        p_new = tl.exp2(s_new - m_new)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * vn[None, :]
+        res = acc / l_i[:, None]
+        t3 = t0
+        if MODE == 1:
+            t3 = _stamp(res)
+        tl.store(out_ptr + qrow[:, None] * HD + dcol[None, :], res, mask=hm[:, None])
+        tl.debug_barrier()
+        tl.atomic_add(cnt_ptr + 1, 1, sem="release", scope="gpu")
+        t4 = globaltimer()
+        tl.store(times_ptr + g * 8 + 0, t0)
+        tl.store(times_ptr + g * 8 + 1, t1)
+        tl.store(times_ptr + g * 8 + 2, t2)
+        tl.store(times_ptr + g * 8 + 3, t3)
+        tl.store(times_ptr + g * 8 + 4, t4)
+
+
+def reference(kc, vc, q, pos):
+    """The attention of every query head over keys [0, pos], fp32 (what the probe's output must be)."""
+    out = torch.empty(GROUPS * GROUP, HD, device=q.device)
+    for g in range(GROUPS):
+        k = kc[g, :pos + 1].float()
+        v = vc[g, :pos + 1].float()
+        qq = q[g * GROUP:(g + 1) * GROUP]
+        s = (qq @ k.T) / math.sqrt(HD)
+        out[g * GROUP:(g + 1) * GROUP] = torch.softmax(s, dim=1) @ v
+    return out
+
+
+def run(calls: int = 50, pos: int = 128, mode: int = 0):
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    kc = torch.randn(GROUPS, MAX_SEQ, HD, device=dev).to(torch.bfloat16)
+    vc = torch.randn(GROUPS, MAX_SEQ, HD, device=dev).to(torch.bfloat16)
+    q = torch.randn(GROUPS * GROUP, HD, device=dev)
+    out = torch.zeros(GROUPS * GROUP, HD, device=dev)
+    cnt = torch.zeros(2, dtype=torch.int32, device=dev)
+    times = torch.zeros(GROUPS + 1, 8, dtype=torch.int64, device=dev)
+    rows = []
+    for c in range(calls + 3):
+        cnt.zero_()
+        _attn_timed[(GROUPS + 1,)](kc, vc, q, out, cnt, times, pos, NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP,
+                                   GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE, ATTN_BLOCK=ATTN_BLOCK,
+                                   ATTN_STAGES=ATTN_STAGES, DELAY=DELAY_NS, MODE=mode, num_warps=4)
+        torch.cuda.synchronize()
+        if c < 3:
+            continue
+        t = times.cpu().tolist()
+        rel, seen = t[GROUPS][0], t[GROUPS][1]
+        if t[GROUPS][2] != GROUPS:
+            raise RuntimeError(f"the releaser saw {t[GROUPS][2]} of {GROUPS} signals")
+        for g in range(GROUPS):
+            t0, t1, t2, t3, t4 = t[g][:5]
+            rows.append({"poll": t0 - rel, "qkv": t1 - t0, "block": t2 - t1, "newkey": t3 - t2,
+                         "store_signal": t4 - t3, "exec": t4 - t0, "seen": seen - max(x[4] for x in t[:GROUPS])})
+    err = (out - reference(kc, vc, q, pos)).abs().max().item()
+    if err > 5e-2:
+        raise RuntimeError(f"the probe's attention is {err:.3g} from the reference")
+    return rows, err
+
+
+def compile_sm90(mode: int = 1):
+    """The probe kernel compiled for sm_90 (no GPU): its shared memory and PTX lines."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {"kc": "*bf16", "vc": "*bf16", "q_ptr": "*fp32", "out_ptr": "*fp32", "cnt_ptr": "*i32", "times_ptr": "*i64",
+           "pos": "i32"}
+    consts = dict(NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP, GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE,
+                  ATTN_BLOCK=ATTN_BLOCK, ATTN_STAGES=ATTN_STAGES, DELAY=DELAY_NS, MODE=mode)
+    sig.update({k: "constexpr" for k in consts})
+    src = ASTSource(fn=_attn_timed, signature=sig, constexprs=consts)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    return {"shared": ck.metadata.shared, "ptx_lines": len(ck.asm["ptx"].splitlines())}
+
+
+def main(argv):
+    if argv[:1] == ["--compile"]:
+        print([compile_sm90(m) for m in (0, 1)])
+        return
+    calls = int(argv[0]) if argv else 50
+    print(torch.cuda.get_device_name(), f"pos 128, 8 groups, {calls} calls; us, median / max over calls and groups")
+    for mode in (0, 1, 0, 1):
+        rows, err = run(calls, 128, mode)
+        keys = ("poll", "exec", "seen") if mode == 0 else ("poll", "qkv", "block", "newkey", "store_signal", "exec", "seen")
+        cells = [f"{k} {statistics.median(r[k] for r in rows) / 1e3:.2f} / {max(r[k] for r in rows) / 1e3:.2f}"
+                 for k in keys]
+        print(f"MODE {mode} (max err {err:.1e}): " + "; ".join(cells))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
