@@ -15,7 +15,9 @@ program stamps `%globaltimer`:
     t4  after its store, the CTA barrier and the release atomic (the kernel's signal)
 and the releaser stamps its release and when it saw all 8 signals. A stamp "once x is in registers" is
 a clock read that takes x as an operand (it issues when x is ready); its max over the CTA is the stamp.
-MODE 0 has only t0 and t4, to show what the stamps themselves cost.
+MODE 0 has only t0 and t4, to show what the stamps themselves cost. With `pollers` > 0 that many more
+programs poll the attention's counter until all 8 have signalled, as the decoder's O tiles do (back to
+back, or `sleep_ns` apart with `nanosleep`), and stamp when they see it.
 """
 from __future__ import annotations
 
@@ -49,9 +51,22 @@ def _stamp(x):
 @triton.jit
 def _attn_timed(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, pos, NQ: tl.constexpr, HD: tl.constexpr,
                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr,
-                ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, DELAY: tl.constexpr, MODE: tl.constexpr):
+                ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, DELAY: tl.constexpr, MODE: tl.constexpr,
+                SLEEP: tl.constexpr = 0):
     g = tl.program_id(0)
-    if g == NQ // GROUP:
+    if g > NQ // GROUP:
+        # a poller, as the decoder's O tiles wait on the attention's counter: acquire reads until all 8
+        # groups have signalled, SLEEP ns apart (0: back to back, the kernel's poll)
+        seen = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire", scope="gpu")
+        n = 0
+        while (seen < NQ // GROUP) & (n < (1 << 22)):
+            if SLEEP > 0:
+                tl.inline_asm_elementwise(f"nanosleep.u32 {SLEEP};\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+            seen = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire", scope="gpu")
+            n += 1
+        tl.store(times_ptr + (NQ // GROUP + 1) * 8 + g, globaltimer())
+    elif g == NQ // GROUP:
         # the releaser: the attention's wait is met DELAY ns after it starts; then it sees their signals
         t = globaltimer()
         t_start = t
@@ -131,7 +146,7 @@ def reference(kc, vc, q, pos):
     return out
 
 
-def run(calls: int = 50, pos: int = 128, mode: int = 0):
+def run(calls: int = 50, pos: int = 128, mode: int = 0, pollers: int = 0, sleep_ns: int = 0):
     dev = torch.device("cuda")
     torch.manual_seed(0)
     kc = torch.randn(GROUPS, MAX_SEQ, HD, device=dev).to(torch.bfloat16)
@@ -139,13 +154,14 @@ def run(calls: int = 50, pos: int = 128, mode: int = 0):
     q = torch.randn(GROUPS * GROUP, HD, device=dev)
     out = torch.zeros(GROUPS * GROUP, HD, device=dev)
     cnt = torch.zeros(2, dtype=torch.int32, device=dev)
-    times = torch.zeros(GROUPS + 1, 8, dtype=torch.int64, device=dev)
+    times = torch.zeros(GROUPS + 2 + (pollers + 7) // 8, 8, dtype=torch.int64, device=dev)
     rows = []
     for c in range(calls + 3):
         cnt.zero_()
-        _attn_timed[(GROUPS + 1,)](kc, vc, q, out, cnt, times, pos, NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP,
+        _attn_timed[(GROUPS + 1 + pollers,)](kc, vc, q, out, cnt, times, pos, NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP,
                                    GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE, ATTN_BLOCK=ATTN_BLOCK,
-                                   ATTN_STAGES=ATTN_STAGES, DELAY=DELAY_NS, MODE=mode, num_warps=4)
+                                   ATTN_STAGES=ATTN_STAGES, DELAY=DELAY_NS, MODE=mode, SLEEP=sleep_ns,
+                                   num_warps=4)
         torch.cuda.synchronize()
         if c < 3:
             continue
@@ -155,8 +171,11 @@ def run(calls: int = 50, pos: int = 128, mode: int = 0):
             raise RuntimeError(f"the releaser saw {t[GROUPS][2]} of {GROUPS} signals")
         for g in range(GROUPS):
             t0, t1, t2, t3, t4 = t[g][:5]
+            last = max(x[4] for x in t[:GROUPS])
+            flat = [v for r in t[GROUPS + 1:] for v in r][:pollers]
             rows.append({"poll": t0 - rel, "qkv": t1 - t0, "block": t2 - t1, "newkey": t3 - t2,
-                         "store_signal": t4 - t3, "exec": t4 - t0, "seen": seen - max(x[4] for x in t[:GROUPS])})
+                         "store_signal": t4 - t3, "exec": t4 - t0, "seen": seen - last,
+                         "pollers_seen": (statistics.median(flat) - last) if flat else 0})
     err = (out - reference(kc, vc, q, pos)).abs().max().item()
     if err > 5e-2:
         raise RuntimeError(f"the probe's attention is {err:.3g} from the reference")
@@ -171,6 +190,7 @@ def compile_sm90(mode: int = 1):
            "pos": "i32"}
     consts = dict(NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP, GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE,
                   ATTN_BLOCK=ATTN_BLOCK, ATTN_STAGES=ATTN_STAGES, DELAY=DELAY_NS, MODE=mode)
+    consts["SLEEP"] = 100
     sig.update({k: "constexpr" for k in consts})
     src = ASTSource(fn=_attn_timed, signature=sig, constexprs=consts)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
@@ -183,12 +203,14 @@ def main(argv):
         return
     calls = int(argv[0]) if argv else 50
     print(torch.cuda.get_device_name(), f"pos 128, 8 groups, {calls} calls; us, median / max over calls and groups")
-    for mode in (0, 1, 0, 1):
-        rows, err = run(calls, 128, mode)
-        keys = ("poll", "exec", "seen") if mode == 0 else ("poll", "qkv", "block", "newkey", "store_signal", "exec", "seen")
+    for mode, pollers, sleep_ns in ((0, 0, 0), (1, 0, 0), (0, 123, 0), (1, 123, 0), (0, 123, 100), (1, 123, 100),
+                                    (0, 123, 400), (0, 123, 0), (0, 123, 100)):
+        rows, err = run(calls, 128, mode, pollers, sleep_ns)
+        keys = ("poll", "exec", "seen", "pollers_seen") if mode == 0 else \
+            ("poll", "qkv", "block", "newkey", "store_signal", "exec", "seen", "pollers_seen")
         cells = [f"{k} {statistics.median(r[k] for r in rows) / 1e3:.2f} / {max(r[k] for r in rows) / 1e3:.2f}"
                  for k in keys]
-        print(f"MODE {mode} (max err {err:.1e}): " + "; ".join(cells))
+        print(f"MODE {mode}, {pollers} pollers {sleep_ns} ns apart (max err {err:.1e}): " + "; ".join(cells))
 
 
 if __name__ == "__main__":
