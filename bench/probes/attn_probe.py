@@ -15,7 +15,8 @@ program stamps `%globaltimer`:
     t4  after its store, the CTA barrier and the release atomic (the kernel's signal)
 and the releaser stamps its release and when it saw all 8 signals. A stamp "once x is in registers" is
 a clock read that takes x as an operand (it issues when x is ready); its max over the CTA is the stamp.
-MODE 0 has only t0 and t4, to show what the stamps themselves cost. With `pollers` > 0 that many more
+MODE 0 has only t0 and t4, to show what the stamps themselves cost; MODE 2 stamps t1 once the prefix block's
+K and V are in registers too (so t2 - t1 is the block's arithmetic alone). With `pollers` > 0 that many more
 programs poll the attention's counter until all 8 have signalled, as the decoder's O tiles do (back to
 back, or `sleep_ns` apart with `nanosleep`), and stamp when they see it.
 """
@@ -108,8 +109,10 @@ def _attn_timed(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, pos, NQ: tl.constexp
                 vn = tl.load(vbase + pos * HD + dcol, cache_modifier=".cg")
                 if MODE == 1:
                     t1 = tl.maximum(_stamp(qs.to(tl.float32)), _stamp((kn.to(tl.float32) + vn.to(tl.float32))[None, :]))
+                if MODE == 2:       # t1 once the prefix block (K and V) is in registers too
+                    t1 = tl.maximum(_stamp(qs.to(tl.float32)), _stamp(k.to(tl.float32) + v.to(tl.float32)))
             m_i, l_i, acc = _attn_block(qs, k, v, km, m_i, l_i, acc, False)
-            if MODE == 1:
+            if MODE >= 1:
                 t2 = _stamp(acc)
         kn = kn.to(tl.float32)
         vn = vn.to(tl.float32)
@@ -121,7 +124,7 @@ def _attn_timed(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, pos, NQ: tl.constexp
         acc = acc * alpha[:, None] + p_new[:, None] * vn[None, :]
         res = acc / l_i[:, None]
         t3 = t0
-        if MODE == 1:
+        if MODE >= 1:
             t3 = _stamp(res)
         tl.store(out_ptr + qrow[:, None] * HD + dcol[None, :], res, mask=hm[:, None])
         tl.debug_barrier()
@@ -203,8 +206,8 @@ def main(argv):
         return
     calls = int(argv[0]) if argv else 50
     print(torch.cuda.get_device_name(), f"pos 128, 8 groups, {calls} calls; us, median / max over calls and groups")
-    for mode, pollers, sleep_ns in ((0, 0, 0), (1, 0, 0), (0, 123, 0), (1, 123, 0), (0, 123, 100), (1, 123, 100),
-                                    (0, 123, 400), (0, 123, 0), (0, 123, 100)):
+    for mode, pollers, sleep_ns in ((0, 0, 0), (1, 0, 0), (2, 0, 0), (0, 123, 0), (1, 123, 0), (0, 123, 100),
+                                    (0, 123, 400)):
         rows, err = run(calls, 128, mode, pollers, sleep_ns)
         keys = ("poll", "exec", "seen", "pollers_seen") if mode == 0 else \
             ("poll", "qkv", "block", "newkey", "store_signal", "exec", "seen", "pollers_seen")
