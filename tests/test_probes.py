@@ -529,3 +529,30 @@ def test_launch_gap_probe_kernel_runs_its_loop_only_when_asked(capsys):
         assert lp.main(bad) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "launches" in err, err
+
+
+# ---- bench/probes/attn_probe.py: the merged attention's links, timed after its wait ------------------------
+def test_attn_probe_compiles_for_sm90(tmp_path):
+    """The attention probe's kernel (sm_90, no GPU): each mode reads the clock more than the one before it
+    (its stamps), the pollers sleep only when asked to, and every mode polls with acquire loads."""
+    got = _compile_probe(tmp_path, "attn_probe")
+    clocks = [got[f"mode{m}"]["clock_reads"] for m in (0, 1, 2)]
+    assert clocks == sorted(clocks) and len(set(clocks)) == 3, clocks
+    assert got["mode0/sleep100"]["nanosleep"] >= 1 and all(got[f"mode{m}"]["nanosleep"] == 0 for m in (0, 1, 2))
+    assert all(v["acquire"] >= 2 for v in got.values())
+    assert all(0 < v["shared"] <= H200_SMEM_PER_BLOCK for v in got.values())
+
+
+def test_attn_probe_reference_is_softmax_attention_over_keys_0_to_pos():
+    import math
+    import torch
+    from bench.probes import attn_probe as a
+    torch.manual_seed(1)
+    kc = torch.randn(a.GROUPS, a.MAX_SEQ, a.HD).to(torch.bfloat16)
+    vc = torch.randn(a.GROUPS, a.MAX_SEQ, a.HD).to(torch.bfloat16)
+    q = torch.randn(a.GROUPS * a.GROUP, a.HD)
+    out = a.reference(kc, vc, q, 5)
+    h = 2 * a.GROUP + 1                                   # a query head of group 2
+    w = torch.softmax(kc[2, :6].float() @ q[h] / math.sqrt(a.HD), dim=0)
+    assert torch.allclose(out[h], w @ vc[2, :6].float(), atol=1e-5)
+    assert not torch.allclose(a.reference(kc, vc, q, 6)[h], out[h])       # the key at pos counts

@@ -1,5 +1,6 @@
 """Where the merged attention's time goes once its wait is met: loads, dots, the new key, the signal.
     python3 -m bench.probes.attn_probe [calls]      (a GPU (H200); default 50)
+    python3 -m bench.probes.attn_probe --compile    (no GPU: its kernels compiled for sm_90)
 
 The 1B decoder's short-context attention (`Tiling.attn_splits=1`, `opcodes.attn_partial._attn_whole`)
 takes ~3.5 us from its wait met to its signal at pos 128 (runs 237-253), for 32 KB of K/V a KV group
@@ -185,24 +186,30 @@ def run(calls: int = 50, pos: int = 128, mode: int = 0, pollers: int = 0, sleep_
     return rows, err
 
 
-def compile_sm90(mode: int = 1):
-    """The probe kernel compiled for sm_90 (no GPU): its shared memory and PTX lines."""
+def compile_sm90(mode: int = 1, sleep_ns: int = 0) -> dict:
+    """The probe kernel compiled for sm_90 (no GPU): its shared memory, and in its PTX the clock reads, the
+    async copies (the prefix's pipelined prologue, as in the decoder's loop), acquire polls and nanosleeps."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     sig = {"kc": "*bf16", "vc": "*bf16", "q_ptr": "*fp32", "out_ptr": "*fp32", "cnt_ptr": "*i32", "times_ptr": "*i64",
            "pos": "i32"}
     consts = dict(NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP, GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE,
-                  ATTN_BLOCK=ATTN_BLOCK, ATTN_STAGES=ATTN_STAGES, DELAY=DELAY_NS, MODE=mode)
-    consts["SLEEP"] = 100
+                  ATTN_BLOCK=ATTN_BLOCK, ATTN_STAGES=ATTN_STAGES, DELAY=DELAY_NS, MODE=mode, SLEEP=sleep_ns)
     sig.update({k: "constexpr" for k in consts})
-    src = ASTSource(fn=_attn_timed, signature=sig, constexprs=consts)
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    return {"shared": ck.metadata.shared, "ptx_lines": len(ck.asm["ptx"].splitlines())}
+    ck = triton.compile(ASTSource(fn=_attn_timed, signature=sig, constexprs=consts),
+                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    ptx = ck.asm["ptx"]
+    return {"shared": ck.metadata.shared, "clock_reads": ptx.count("%globaltimer"),
+            "cp.async": ptx.count("cp.async.cg.shared.global") + ptx.count("cp.async.ca.shared.global"),
+            "acquire": ptx.count("ld.global.gpu.acquire") + ptx.count("ld.global.acquire.gpu"),
+            "nanosleep": ptx.count("nanosleep")}
 
 
 def main(argv):
     if argv[:1] == ["--compile"]:
-        print([compile_sm90(m) for m in (0, 1)])
+        import json
+        print(json.dumps({f"mode{m}" + (f"/sleep{z}" if z else ""): compile_sm90(m, z)
+                          for m, z in ((0, 0), (1, 0), (2, 0), (0, 100))}))
         return
     calls = int(argv[0]) if argv else 50
     print(torch.cuda.get_device_name(), f"pos 128, 8 groups, {calls} calls; us, median / max over calls and groups")
