@@ -1,6 +1,7 @@
 """Where the merged attention's time goes once its wait is met: loads, dots, the new key, the signal.
     python3 -m bench.probes.attn_probe [calls]      (a GPU (H200); default 50)
     python3 -m bench.probes.attn_probe --cold       (the attention twice a launch, with other code between)
+    python3 -m bench.probes.attn_probe --opcode     (ATTN_PARTIAL's own device function, compiled alone)
     python3 -m bench.probes.attn_probe --compile    (no GPU: its kernels compiled for sm_90)
 
 The 1B decoder's short-context attention (`Tiling.attn_splits=1`, `opcodes.attn_partial._attn_whole`)
@@ -33,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from opcodes.attn_partial import _attn_block, _q_scaled
+from opcodes.attn_partial import _attn_block, _q_scaled, attn_partial_device
 from opcodes.common import poll_counter, to_bf16
 
 GROUPS, GROUP, GROUP_PAD, HD = 8, 4, 16, 64            # the 1B: 8 KV heads, 4 query heads each
@@ -238,6 +239,68 @@ def run_twice(calls: int = 30, blob: int = 0):
     return first, second
 
 
+@triton.jit
+def _attn_opcode(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, wtab_ptr, ins_ptr, pos, NQ: tl.constexpr,
+                 HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MAX_SEQ: tl.constexpr,
+                 QSCALE: tl.constexpr, ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, DELAY: tl.constexpr):
+    # the opcode's own device function (ATTN_PARTIAL with A_WAIT: `_attn_whole`, its waits read from a tape
+    # header at ins_ptr, made by `tape_waits`), compiled alone: is the decoder's 3.5 us the code or its kernel?
+    g = tl.program_id(0)
+    NG: tl.constexpr = NQ // GROUP
+    if g == NG:
+        t = globaltimer()
+        t_start = t
+        while t - t_start < DELAY:
+            t = globaltimer()
+        tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+        poll_counter(cnt_ptr + 1, NG, 1 << 22)
+    else:
+        bad_c, bad_s, t0 = attn_partial_device(0, g, 0, pos, wtab_ptr, kc, vc, q_ptr, out_ptr, out_ptr, out_ptr,
+                                               NQ, HD, GROUP, GROUP_PAD, MAX_SEQ, QSCALE, 1, 0, ATTN_BLOCK, False,
+                                               ATTN_STAGES, 1, ins_ptr, cnt_ptr, 1, 1 << 22, True)
+        tl.debug_barrier()
+        tl.atomic_add(cnt_ptr + 1, 1, sem="release", scope="gpu")
+        t4 = globaltimer()
+        tl.store(times_ptr + g * 8, t0)
+        tl.store(times_ptr + g * 8 + 1, t4)
+        tl.store(times_ptr + g * 8 + 2, bad_c.to(tl.int64))
+
+
+def run_opcode(calls: int = 30):
+    """Exec (wait met -> signal) of the opcode's device function compiled alone, us, over calls x groups."""
+    from opcodes import HEADER, MAX_WAITS, Layout
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    kc = torch.randn(GROUPS, MAX_SEQ, HD, device=dev).to(torch.bfloat16)
+    vc = torch.randn(GROUPS, MAX_SEQ, HD, device=dev).to(torch.bfloat16)
+    q = torch.randn(GROUPS * GROUP, HD, device=dev)
+    out = torch.zeros(GROUPS * GROUP, HD, device=dev)
+    cnt = torch.zeros(2, dtype=torch.int32, device=dev)
+    times = torch.zeros(GROUPS + 1, 8, dtype=torch.int64, device=dev)
+    wtab = torch.zeros(len(Layout.TENSORS), dtype=torch.int64, device=dev)
+    words = [0] * (1 + 2 * MAX_WAITS)
+    words[1:3] = [0, 1]                                   # counter 0, one producer a call
+    for k in range(1, MAX_WAITS):
+        words[1 + 2 * k:3 + 2 * k] = [-1, 0]
+    ins = torch.tensor(words + [0] * max(0, HEADER - len(words)), dtype=torch.int32, device=dev)
+    execs = []
+    for c in range(calls + 3):
+        cnt.zero_()
+        _attn_opcode[(GROUPS + 1,)](kc, vc, q, out, cnt, times, wtab, ins, 128, NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP,
+                                    GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE, ATTN_BLOCK=ATTN_BLOCK,
+                                    ATTN_STAGES=ATTN_STAGES, DELAY=DELAY_NS, num_warps=4)
+        torch.cuda.synchronize()
+        t = times.cpu().tolist()
+        if any(t[g][2] != -1 for g in range(GROUPS)):
+            raise RuntimeError(f"a wait failed: {[t[g][2] for g in range(GROUPS)]}")
+        if c >= 3:
+            execs += [(t[g][1] - t[g][0]) / 1e3 for g in range(GROUPS)]
+    err = (out - reference(kc, vc, q, 128)).abs().max().item()
+    if err > 5e-2:
+        raise RuntimeError(f"the opcode's attention is {err:.3g} from the reference")
+    return execs
+
+
 def reference(kc, vc, q, pos):
     """The attention of every query head over keys [0, pos], fp32 (what the probe's output must be)."""
     out = torch.empty(GROUPS * GROUP, HD, device=q.device)
@@ -306,6 +369,12 @@ def compile_sm90(mode: int = 1, sleep_ns: int = 0) -> dict:
 
 
 def main(argv):
+    if argv[:1] == ["--opcode"]:
+        print(torch.cuda.get_device_name(), "the opcode's own device function alone, exec (wait met -> signal) us")
+        for _ in range(2):
+            ex = run_opcode(30)
+            print(f"opcode: {statistics.median(ex):.2f} / {max(ex):.2f}")
+        return
     if argv[:1] == ["--cold"]:
         print(torch.cuda.get_device_name(), "the attention twice a launch, exec (wait met -> signal) us, median / max")
         for blob in (0, 1200, 0, 1200):
