@@ -266,8 +266,10 @@ def _attn_opcode(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, wtab_ptr, ins_ptr, 
         tl.store(times_ptr + g * 8 + 2, bad_c.to(tl.int64))
 
 
-def run_opcode(calls: int = 30):
-    """Exec (wait met -> signal) of the opcode's device function compiled alone, us, over calls x groups."""
+def run_opcode(calls: int = 30, delay_ns: int = DELAY_NS, flush: bool = False):
+    """Exec (wait met -> signal) of the opcode's device function compiled alone, us, over calls x groups.
+    ``delay_ns``: how long the releaser waits (the attention program idles that long before its wait is met);
+    ``flush``: 256 MB written before each launch, so that the K/V prefix comes from the HBM, not the L2."""
     from opcodes import HEADER, MAX_WAITS, Layout
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -284,11 +286,14 @@ def run_opcode(calls: int = 30):
         words[1 + 2 * k:3 + 2 * k] = [-1, 0]
     ins = torch.tensor(words + [0] * max(0, HEADER - len(words)), dtype=torch.int32, device=dev)
     execs = []
+    junk = torch.empty(64 << 20, dtype=torch.float32, device=dev) if flush else None
     for c in range(calls + 3):
+        if flush:
+            junk.fill_(float(c))
         cnt.zero_()
         _attn_opcode[(GROUPS + 1,)](kc, vc, q, out, cnt, times, wtab, ins, 128, NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP,
                                     GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE, ATTN_BLOCK=ATTN_BLOCK,
-                                    ATTN_STAGES=ATTN_STAGES, DELAY=DELAY_NS, num_warps=4)
+                                    ATTN_STAGES=ATTN_STAGES, DELAY=delay_ns, num_warps=4)
         torch.cuda.synchronize()
         t = times.cpu().tolist()
         if any(t[g][2] != -1 for g in range(GROUPS)):
@@ -371,9 +376,10 @@ def compile_sm90(mode: int = 1, sleep_ns: int = 0) -> dict:
 def main(argv):
     if argv[:1] == ["--opcode"]:
         print(torch.cuda.get_device_name(), "the opcode's own device function alone, exec (wait met -> signal) us")
-        for _ in range(2):
-            ex = run_opcode(30)
-            print(f"opcode: {statistics.median(ex):.2f} / {max(ex):.2f}")
+        for delay_ns, flush in ((5000, False), (45000, False), (5000, True), (45000, True), (5000, False)):
+            ex = run_opcode(30, delay_ns, flush)
+            print(f"opcode, idle {delay_ns / 1e3:.0f} us before its wait met, prefix from "
+                  f"{'the HBM' if flush else 'the L2'}: {statistics.median(ex):.2f} / {max(ex):.2f}")
         return
     if argv[:1] == ["--cold"]:
         print(torch.cuda.get_device_name(), "the attention twice a launch, exec (wait met -> signal) us, median / max")
