@@ -541,6 +541,9 @@ def test_attn_probe_compiles_for_sm90(tmp_path):
     assert got["mode0/sleep100"]["nanosleep"] >= 1 and all(got[f"mode{m}"]["nanosleep"] == 0 for m in (0, 1, 2))
     assert all(v["acquire"] >= 2 for v in got.values())
     assert all(0 < v["shared"] <= H200_SMEM_PER_BLOCK for v in got.values())
+    # --cold's blob is 8 FFMA a step (16 steps here) on top of the attention's; --opcode polls through tape_waits
+    assert got["twice"]["fma"] - got["twice/noblob"]["fma"] == 8 * 16, (got["twice"], got["twice/noblob"])
+    assert got["opcode"]["acquire"] > got["mode0"]["acquire"]        # tape_waits' two polls beside the releaser's
 
 
 def test_attn_probe_reference_is_softmax_attention_over_keys_0_to_pos():

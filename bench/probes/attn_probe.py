@@ -373,6 +373,28 @@ def compile_sm90(mode: int = 1, sleep_ns: int = 0) -> dict:
             "nanosleep": ptx.count("nanosleep")}
 
 
+def compile_others(blob: int = 16) -> dict:
+    """`--cold`'s kernel (with a ``blob`` of other code) and `--opcode`'s, compiled for sm_90 (no GPU): the FFMA
+    of the blob and the acquire polls (the releaser's and the attention's own, `tape_waits` in `--opcode`)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    base = {"kc": "*bf16", "vc": "*bf16", "q_ptr": "*fp32", "out_ptr": "*fp32", "cnt_ptr": "*i32", "times_ptr": "*i64"}
+    consts = dict(NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP, GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE,
+                  ATTN_BLOCK=ATTN_BLOCK, ATTN_STAGES=ATTN_STAGES, DELAY=DELAY_NS)
+    out = {}
+    for name, fn, extra, more in (("twice", _attn_twice, {}, {"BLOB": blob}), ("twice/noblob", _attn_twice, {}, {"BLOB": 0}),
+                                  ("opcode", _attn_opcode, {"wtab_ptr": "*i64", "ins_ptr": "*i32"}, {})):
+        sig = dict(base, **extra, pos="i32")
+        c = dict(consts, **more)
+        sig.update({k: "constexpr" for k in c})
+        ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=4))
+        ptx = ck.asm["ptx"]
+        out[name] = {"shared": ck.metadata.shared, "fma": ptx.count("fma.rn.f32"),
+                     "acquire": ptx.count("ld.global.gpu.acquire") + ptx.count("ld.global.acquire.gpu")}
+    return out
+
+
 def main(argv):
     if argv[:1] == ["--opcode"]:
         print(torch.cuda.get_device_name(), "the opcode's own device function alone, exec (wait met -> signal) us")
@@ -390,8 +412,9 @@ def main(argv):
         return
     if argv[:1] == ["--compile"]:
         import json
-        print(json.dumps({f"mode{m}" + (f"/sleep{z}" if z else ""): compile_sm90(m, z)
-                          for m, z in ((0, 0), (1, 0), (2, 0), (0, 100))}))
+        got = {f"mode{m}" + (f"/sleep{z}" if z else ""): compile_sm90(m, z) for m, z in ((0, 0), (1, 0), (2, 0), (0, 100))}
+        got.update(compile_others())
+        print(json.dumps(got))
         return
     calls = int(argv[0]) if argv else 50
     print(torch.cuda.get_device_name(), f"pos 128, 8 groups, {calls} calls; us, median / max over calls and groups")
