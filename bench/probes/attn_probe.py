@@ -141,13 +141,15 @@ def _attn_timed(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, pos, NQ: tl.constexp
 
 
 @triton.jit
-def _attn_twice(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, pos, NQ: tl.constexpr, HD: tl.constexpr,
-                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr,
-                ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, DELAY: tl.constexpr, BLOB: tl.constexpr):
-    # Is the attention's code cold after other code? Each attention program runs the attention twice in one
-    # launch (a loop the compiler keeps: the same machine code both times), rep r waiting for the releaser's
-    # r-th release; with BLOB > 0 it first runs BLOB distinct straight-line steps (8 FFMA, 128 B of code each) before
-    # each rep's key loop, as the decoder's SMs run O, GATE_UP and DOWN between two attentions
+def _attn_twice(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, wtab_ptr, ins_ptr, pos, NQ: tl.constexpr,
+                HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MAX_SEQ: tl.constexpr,
+                QSCALE: tl.constexpr, ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, DELAY: tl.constexpr,
+                BLOB: tl.constexpr):
+    # Is the attention's code cold after other code? Each attention program runs the opcode's device function
+    # twice in one launch (a loop the compiler keeps: the same machine code both times), rep r as call r + 1
+    # (its wait's target r + 1: the releaser's r-th release); with BLOB > 0 it first runs BLOB distinct
+    # straight-line steps (8 FFMA, 128 B of code each), as the decoder's SMs run O, GATE_UP and DOWN between
+    # two attentions
     g = tl.program_id(0)
     NG: tl.constexpr = NQ // GROUP
     if g == NG:
@@ -160,79 +162,69 @@ def _attn_twice(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, pos, NQ: tl.constexp
             poll_counter(cnt_ptr + 1, NG * (rep + 1), 1 << 22)
     else:
         hq = tl.arange(0, GROUP_PAD)
-        hm = hq < GROUP
-        qrow = g * GROUP + hq
+        rows = g * GROUP + hq
         dcol = tl.arange(0, HD)
-        kbase = kc + g * (MAX_SEQ * HD)
-        vbase = vc + g * (MAX_SEQ * HD)
         for rep in tl.range(0, 2, loop_unroll_factor=1):
             if BLOB > 0:
                 x = tl.zeros([GROUP_PAD, HD], dtype=tl.float32) + (dcol[None, :] + hq[:, None] * HD + rep).to(tl.float32)
                 for i in tl.static_range(BLOB):
                     x = x * (1.0 + (i + 1) * 1e-6) + (i + 1) * 1e-3
-                tl.store(out_ptr + qrow[:, None] * HD + dcol[None, :], x, mask=hm[:, None] & (pos < 0))
-            m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-            acc = tl.zeros([GROUP_PAD, HD], dtype=tl.float32)
-            qs = tl.zeros([GROUP_PAD, HD], dtype=tl.bfloat16)
-            kn = tl.zeros([HD], dtype=tl.bfloat16)
-            vn = tl.zeros([HD], dtype=tl.bfloat16)
-            t0 = tl.full([], 0, tl.int64)
-            for kb in tl.range(0, pos, ATTN_BLOCK, num_stages=ATTN_STAGES):
-                keys = kb + tl.arange(0, ATTN_BLOCK)
-                km = keys < pos
-                k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
-                            cache_modifier=".cg")
-                v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0,
-                            cache_modifier=".cg")
-                if kb == 0:
-                    poll_counter(cnt_ptr, rep + 1, 1 << 22)
-                    t0 = globaltimer()
-                    qs = _q_scaled(q_ptr, 0, qrow, hm, dcol, NQ, HD, QSCALE, False)
-                    kn = tl.load(kbase + pos * HD + dcol, cache_modifier=".cg")
-                    vn = tl.load(vbase + pos * HD + dcol, cache_modifier=".cg")
-                m_i, l_i, acc = _attn_block(qs, k, v, km, m_i, l_i, acc, False)
-            kn = kn.to(tl.float32)
-            vn = vn.to(tl.float32)
-            s_new = tl.sum(qs.to(tl.float32) * kn[None, :], axis=1)
-            m_new = tl.maximum(m_i, s_new)
-            alpha = tl.exp2(m_i - m_new)
-            p_new = tl.exp2(s_new - m_new)
-            l_i = l_i * alpha + p_new
-            acc = acc * alpha[:, None] + p_new[:, None] * vn[None, :]
-            tl.store(out_ptr + qrow[:, None] * HD + dcol[None, :], acc / l_i[:, None], mask=hm[:, None])
+                tl.store(out_ptr + rows[:, None] * HD + dcol[None, :], x, mask=(hq < GROUP)[:, None] & (pos < 0))
+            bad_c, bad_s, t0 = attn_partial_device(0, g, 0, pos, wtab_ptr, kc, vc, q_ptr, out_ptr, out_ptr, out_ptr,
+                                                   NQ, HD, GROUP, GROUP_PAD, MAX_SEQ, QSCALE, 1, 0, ATTN_BLOCK, False,
+                                                   ATTN_STAGES, 1, ins_ptr, cnt_ptr, rep + 1, 1 << 22, True)
             tl.debug_barrier()
             tl.atomic_add(cnt_ptr + 1, 1, sem="release", scope="gpu")
             t4 = globaltimer()
-            tl.store(times_ptr + g * 8 + 2 * rep, t0)
-            tl.store(times_ptr + g * 8 + 2 * rep + 1, t4)
+            tl.store(times_ptr + g * 8 + 3 * rep, t0)
+            tl.store(times_ptr + g * 8 + 3 * rep + 1, t4)
+            tl.store(times_ptr + g * 8 + 3 * rep + 2, bad_c.to(tl.int64))
 
 
-def run_twice(calls: int = 30, blob: int = 0):
-    """Exec (wait met -> signal) of the first and the second attention of each launch, us: lists over calls x groups."""
-    dev = torch.device("cuda")
+def _tape_header(dev):
+    """The attention's two-wait tape header for ``tape_waits``: counter 0, one producer a call; no second wait."""
+    from opcodes import HEADER, MAX_WAITS
+    words = [0] * (1 + 2 * MAX_WAITS)
+    words[1:3] = [0, 1]
+    for k in range(1, MAX_WAITS):
+        words[1 + 2 * k:3 + 2 * k] = [-1, 0]
+    return torch.tensor(words + [0] * max(0, HEADER - len(words)), dtype=torch.int32, device=dev)
+
+
+def _inputs(dev):
+    """The probe's K/V caches, q, output, counters and (zero) offset table."""
+    from opcodes import Layout
     torch.manual_seed(0)
     kc = torch.randn(GROUPS, MAX_SEQ, HD, device=dev).to(torch.bfloat16)
     vc = torch.randn(GROUPS, MAX_SEQ, HD, device=dev).to(torch.bfloat16)
     q = torch.randn(GROUPS * GROUP, HD, device=dev)
     out = torch.zeros(GROUPS * GROUP, HD, device=dev)
     cnt = torch.zeros(2, dtype=torch.int32, device=dev)
+    wtab = torch.zeros(len(Layout.TENSORS), dtype=torch.int64, device=dev)
+    return kc, vc, q, out, cnt, wtab
+
+
+def run_twice(calls: int = 30, blob: int = 0):
+    """Exec (wait met -> signal) of the first and the second attention of each launch, us: lists over calls x groups."""
+    dev = torch.device("cuda")
+    kc, vc, q, out, cnt, wtab = _inputs(dev)
+    ins = _tape_header(dev)
     times = torch.zeros(GROUPS + 1, 8, dtype=torch.int64, device=dev)
     first, second = [], []
     for c in range(calls + 3):
         cnt.zero_()
-        _attn_twice[(GROUPS + 1,)](kc, vc, q, out, cnt, times, 128, NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP,
+        _attn_twice[(GROUPS + 1,)](kc, vc, q, out, cnt, times, wtab, ins, 128, NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP,
                                    GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE, ATTN_BLOCK=ATTN_BLOCK,
                                    ATTN_STAGES=ATTN_STAGES, DELAY=DELAY_NS, BLOB=blob, num_warps=4)
         torch.cuda.synchronize()
-        if int(cnt[1]) != 2 * GROUPS:
-            raise RuntimeError(f"{int(cnt[1])} of {2 * GROUPS} signals")
+        t = times.cpu().tolist()
+        if int(cnt[1]) != 2 * GROUPS or any(t[g][2] != -1 or t[g][5] != -1 for g in range(GROUPS)):
+            raise RuntimeError(f"{int(cnt[1])} of {2 * GROUPS} signals; waits {[(t[g][2], t[g][5]) for g in range(GROUPS)]}")
         if c < 3:
             continue
-        t = times.cpu().tolist()
         for g in range(GROUPS):
             first.append((t[g][1] - t[g][0]) / 1e3)
-            second.append((t[g][3] - t[g][2]) / 1e3)
+            second.append((t[g][4] - t[g][3]) / 1e3)
     err = (out - reference(kc, vc, q, 128)).abs().max().item()
     if err > 5e-2:
         raise RuntimeError(f"the probe's attention is {err:.3g} from the reference")
@@ -270,21 +262,10 @@ def run_opcode(calls: int = 30, delay_ns: int = DELAY_NS, flush: bool = False):
     """Exec (wait met -> signal) of the opcode's device function compiled alone, us, over calls x groups.
     ``delay_ns``: how long the releaser waits (the attention program idles that long before its wait is met);
     ``flush``: 256 MB written before each launch, so that the K/V prefix comes from the HBM, not the L2."""
-    from opcodes import HEADER, MAX_WAITS, Layout
     dev = torch.device("cuda")
-    torch.manual_seed(0)
-    kc = torch.randn(GROUPS, MAX_SEQ, HD, device=dev).to(torch.bfloat16)
-    vc = torch.randn(GROUPS, MAX_SEQ, HD, device=dev).to(torch.bfloat16)
-    q = torch.randn(GROUPS * GROUP, HD, device=dev)
-    out = torch.zeros(GROUPS * GROUP, HD, device=dev)
-    cnt = torch.zeros(2, dtype=torch.int32, device=dev)
+    kc, vc, q, out, cnt, wtab = _inputs(dev)
+    ins = _tape_header(dev)
     times = torch.zeros(GROUPS + 1, 8, dtype=torch.int64, device=dev)
-    wtab = torch.zeros(len(Layout.TENSORS), dtype=torch.int64, device=dev)
-    words = [0] * (1 + 2 * MAX_WAITS)
-    words[1:3] = [0, 1]                                   # counter 0, one producer a call
-    for k in range(1, MAX_WAITS):
-        words[1 + 2 * k:3 + 2 * k] = [-1, 0]
-    ins = torch.tensor(words + [0] * max(0, HEADER - len(words)), dtype=torch.int32, device=dev)
     execs = []
     junk = torch.empty(64 << 20, dtype=torch.float32, device=dev) if flush else None
     for c in range(calls + 3):
@@ -320,12 +301,7 @@ def reference(kc, vc, q, pos):
 
 def run(calls: int = 50, pos: int = 128, mode: int = 0, pollers: int = 0, sleep_ns: int = 0):
     dev = torch.device("cuda")
-    torch.manual_seed(0)
-    kc = torch.randn(GROUPS, MAX_SEQ, HD, device=dev).to(torch.bfloat16)
-    vc = torch.randn(GROUPS, MAX_SEQ, HD, device=dev).to(torch.bfloat16)
-    q = torch.randn(GROUPS * GROUP, HD, device=dev)
-    out = torch.zeros(GROUPS * GROUP, HD, device=dev)
-    cnt = torch.zeros(2, dtype=torch.int32, device=dev)
+    kc, vc, q, out, cnt, _ = _inputs(dev)
     times = torch.zeros(GROUPS + 2 + (pollers + 7) // 8, 8, dtype=torch.int64, device=dev)
     rows = []
     for c in range(calls + 3):
@@ -382,8 +358,10 @@ def compile_others(blob: int = 16) -> dict:
     consts = dict(NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP, GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE,
                   ATTN_BLOCK=ATTN_BLOCK, ATTN_STAGES=ATTN_STAGES, DELAY=DELAY_NS)
     out = {}
-    for name, fn, extra, more in (("twice", _attn_twice, {}, {"BLOB": blob}), ("twice/noblob", _attn_twice, {}, {"BLOB": 0}),
-                                  ("opcode", _attn_opcode, {"wtab_ptr": "*i64", "ins_ptr": "*i32"}, {})):
+    tables = {"wtab_ptr": "*i64", "ins_ptr": "*i32"}
+    for name, fn, extra, more in (("twice", _attn_twice, tables, {"BLOB": blob}),
+                                  ("twice/noblob", _attn_twice, tables, {"BLOB": 0}),
+                                  ("opcode", _attn_opcode, tables, {})):
         sig = dict(base, **extra, pos="i32")
         c = dict(consts, **more)
         sig.update({k: "constexpr" for k in c})
