@@ -533,8 +533,9 @@ def test_launch_gap_probe_kernel_runs_its_loop_only_when_asked(capsys):
 
 # ---- bench/probes/attn_probe.py: the merged attention's links, timed after its wait ------------------------
 def test_attn_probe_compiles_for_sm90(tmp_path):
-    """The attention probe's kernel (sm_90, no GPU): each mode reads the clock more than the one before it
-    (its stamps), the pollers sleep only when asked to, and every mode polls with acquire loads."""
+    """The attention probe's kernels (sm_90, no GPU, pointers aligned as at a launch): each mode reads the clock
+    more than the one before it (its stamps), the pollers sleep only when asked to, every mode polls with
+    acquire loads, and the key loop's prefix is async copies, as in the decoder's kernel."""
     got = _compile_probe(tmp_path, "attn_probe")
     clocks = [got[f"mode{m}"]["clock_reads"] for m in (0, 1, 2)]
     assert clocks == sorted(clocks) and len(set(clocks)) == 3, clocks
@@ -544,6 +545,7 @@ def test_attn_probe_compiles_for_sm90(tmp_path):
     # --cold's blob is 8 FFMA a step (16 steps here) on top of the attention's; --opcode polls through tape_waits
     assert got["twice"]["fma"] - got["twice/noblob"]["fma"] == 8 * 16, (got["twice"], got["twice/noblob"])
     assert got["opcode"]["acquire"] > got["mode0"]["acquire"]        # tape_waits' two polls beside the releaser's
+    assert all(v["cp.async"] > 0 for v in got.values()), {k: v["cp.async"] for k, v in got.items()}
 
 
 def test_attn_probe_reference_is_softmax_attention_over_keys_0_to_pos():

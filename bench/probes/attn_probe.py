@@ -330,6 +330,13 @@ def run(calls: int = 50, pos: int = 128, mode: int = 0, pollers: int = 0, sleep_
     return rows, err
 
 
+def _aligned(sig: dict) -> dict:
+    """The pointer arguments of ``sig`` 16-byte aligned, as Triton's JIT specializes them when a launch passes
+    aligned tensors (without it the key loop's loads cannot be async copies, and the compile would not be the
+    kernel that runs)."""
+    return {(k,): [["tt.divisibility", 16]] for k, (n, t) in enumerate(sig.items()) if t.startswith("*")}
+
+
 def compile_sm90(mode: int = 1, sleep_ns: int = 0) -> dict:
     """The probe kernel compiled for sm_90 (no GPU): its shared memory, and in its PTX the clock reads, the
     async copies (the prefix's pipelined prologue, as in the decoder's loop), acquire polls and nanosleeps."""
@@ -340,7 +347,7 @@ def compile_sm90(mode: int = 1, sleep_ns: int = 0) -> dict:
     consts = dict(NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP, GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE,
                   ATTN_BLOCK=ATTN_BLOCK, ATTN_STAGES=ATTN_STAGES, DELAY=DELAY_NS, MODE=mode, SLEEP=sleep_ns)
     sig.update({k: "constexpr" for k in consts})
-    ck = triton.compile(ASTSource(fn=_attn_timed, signature=sig, constexprs=consts),
+    ck = triton.compile(ASTSource(fn=_attn_timed, signature=sig, constexprs=consts, attrs=_aligned(sig)),
                         target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ptx = ck.asm["ptx"]
     return {"shared": ck.metadata.shared, "clock_reads": ptx.count("%globaltimer"),
@@ -365,10 +372,11 @@ def compile_others(blob: int = 16) -> dict:
         sig = dict(base, **extra, pos="i32")
         c = dict(consts, **more)
         sig.update({k: "constexpr" for k in c})
-        ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=4))
+        ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c, attrs=_aligned(sig)),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
         ptx = ck.asm["ptx"]
         out[name] = {"shared": ck.metadata.shared, "fma": ptx.count("fma.rn.f32"),
+                     "cp.async": ptx.count("cp.async.cg.shared.global") + ptx.count("cp.async.ca.shared.global"),
                      "acquire": ptx.count("ld.global.gpu.acquire") + ptx.count("ld.global.acquire.gpu")}
     return out
 
