@@ -258,13 +258,16 @@ def _attn_opcode(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, wtab_ptr, ins_ptr, 
         tl.store(times_ptr + g * 8 + 2, bad_c.to(tl.int64))
 
 
-def run_opcode(calls: int = 30, delay_ns: int = DELAY_NS, flush: bool = False):
+def run_opcode(calls: int = 30, delay_ns: int = DELAY_NS, flush: bool = False, maxnreg: int | None = None):
     """Exec (wait met -> signal) of the opcode's device function compiled alone, us, over calls x groups.
     ``delay_ns``: how long the releaser waits (the attention program idles that long before its wait is met);
-    ``flush``: 256 MB written before each launch, so that the K/V prefix comes from the HBM, not the L2."""
+    ``flush``: 256 MB written before each launch, so that the K/V prefix comes from the HBM, not the L2.
+    ``maxnreg``: the registers a thread may use (ptxas's limit), as the 255-register megakernel leaves its
+    branches fewer than a kernel of their own has."""
     dev = torch.device("cuda")
     kc, vc, q, out, cnt, wtab = _inputs(dev)
     ins = _tape_header(dev)
+    regs = {"maxnreg": maxnreg} if maxnreg else {}
     times = torch.zeros(GROUPS + 1, 8, dtype=torch.int64, device=dev)
     execs = []
     junk = torch.empty(64 << 20, dtype=torch.float32, device=dev) if flush else None
@@ -274,7 +277,7 @@ def run_opcode(calls: int = 30, delay_ns: int = DELAY_NS, flush: bool = False):
         cnt.zero_()
         _attn_opcode[(GROUPS + 1,)](kc, vc, q, out, cnt, times, wtab, ins, 128, NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP,
                                     GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE, ATTN_BLOCK=ATTN_BLOCK,
-                                    ATTN_STAGES=ATTN_STAGES, DELAY=delay_ns, num_warps=4)
+                                    ATTN_STAGES=ATTN_STAGES, DELAY=delay_ns, num_warps=4, **regs)
         torch.cuda.synchronize()
         t = times.cpu().tolist()
         if any(t[g][2] != -1 for g in range(GROUPS)):
@@ -384,10 +387,13 @@ def compile_others(blob: int = 16) -> dict:
 def main(argv):
     if argv[:1] == ["--opcode"]:
         print(torch.cuda.get_device_name(), "the opcode's own device function alone, exec (wait met -> signal) us")
-        for delay_ns, flush in ((5000, False), (45000, False), (5000, True), (45000, True), (5000, False)):
-            ex = run_opcode(30, delay_ns, flush)
+        for delay_ns, flush, regs in ((5000, False, None), (45000, False, None), (5000, True, None),
+                                      (45000, True, None), (5000, False, 128), (5000, False, 96), (5000, False, 64),
+                                      (5000, False, None)):
+            ex = run_opcode(30, delay_ns, flush, regs)
             print(f"opcode, idle {delay_ns / 1e3:.0f} us before its wait met, prefix from "
-                  f"{'the HBM' if flush else 'the L2'}: {statistics.median(ex):.2f} / {max(ex):.2f}")
+                  f"{'the HBM' if flush else 'the L2'}, registers {regs or 'unlimited'}: "
+                  f"{statistics.median(ex):.2f} / {max(ex):.2f}")
         return
     if argv[:1] == ["--cold"]:
         print(torch.cuda.get_device_name(), "the attention twice a launch, exec (wait met -> signal) us, median / max")
