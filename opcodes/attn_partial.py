@@ -62,6 +62,19 @@ def _q_scaled(q_ptr, layer, qrow, hm, dcol, NQ: tl.constexpr, HD: tl.constexpr, 
 
 
 @triton.jit
+def _merge_key(qs, kn, vn, m_i, l_i, acc):
+    """The online softmax's (l, acc) with one more key, ``kn`` / ``vn`` (bf16, [HD]): the key at pos,
+    scored as the one-key split scores it (bf16 q * scale, fp32 sums)."""
+    kn = kn.to(tl.float32)
+    vn = vn.to(tl.float32)
+    s_new = tl.sum(qs.to(tl.float32) * kn[None, :], axis=1)
+    m_new = tl.maximum(m_i, s_new)
+    alpha = tl.exp2(m_i - m_new)
+    p_new = tl.exp2(s_new - m_new)
+    return l_i * alpha + p_new, acc * alpha[:, None] + p_new[:, None] * vn[None, :]
+
+
+@triton.jit
 def _attn_whole(layer, pos, kbase, vbase, q_ptr, attn_ptr, qrow, hm, dcol, ins, cnt_ptr, epoch, spin_limit,
                 NQ: tl.constexpr, HD: tl.constexpr, GROUP_PAD: tl.constexpr, QSCALE: tl.constexpr,
                 ATTN_BLOCK: tl.constexpr, INTERP: tl.constexpr, ATTN_STAGES: tl.constexpr, PROFILE: tl.constexpr):
@@ -95,15 +108,7 @@ def _attn_whole(layer, pos, kbase, vbase, q_ptr, attn_ptr, qrow, hm, dcol, ins, 
             kn = tl.load(kbase + pos * HD + dcol, cache_modifier=".cg")
             vn = tl.load(vbase + pos * HD + dcol, cache_modifier=".cg")
         m_i, l_i, acc = _attn_block(qs, k, v, km, m_i, l_i, acc, INTERP)
-    # the key at pos, as the one-key split scores it (bf16 q * scale, fp32 sums)
-    kn = kn.to(tl.float32)
-    vn = vn.to(tl.float32)
-    s_new = tl.sum(qs.to(tl.float32) * kn[None, :], axis=1)
-    m_new = tl.maximum(m_i, s_new)
-    alpha = tl.exp2(m_i - m_new)
-    p_new = tl.exp2(s_new - m_new)
-    l_i = l_i * alpha + p_new
-    acc = acc * alpha[:, None] + p_new[:, None] * vn[None, :]
+    l_i, acc = _merge_key(qs, kn, vn, m_i, l_i, acc)
     ok = bad_c < 0
     tl.store(attn_ptr + layer * (NQ * HD) + qrow[:, None] * HD + dcol[None, :], acc / l_i[:, None],
              mask=hm[:, None] & ok)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from opcodes.attn_partial import _attn_block, _q_scaled, attn_partial_device
+from opcodes.attn_partial import _attn_block, _merge_key, _q_scaled, attn_partial_device
 from opcodes.common import poll_counter, to_bf16
 
 GROUPS, GROUP, GROUP_PAD, HD = 8, 4, 16, 64            # the 1B: 8 KV heads, 4 query heads each
@@ -57,6 +57,8 @@ def _attn_timed(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, pos, NQ: tl.constexp
                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr,
                 ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, DELAY: tl.constexpr, MODE: tl.constexpr,
                 SLEEP: tl.constexpr = 0):
+    # `_attn_whole`'s key loop written out (its stamps go between the loop's steps); its pieces are the opcode's
+    # (`_q_scaled`, `_attn_block`, `_merge_key`), and `--opcode` / `--cold` run the opcode's function itself
     g = tl.program_id(0)
     if g > NQ // GROUP:
         # a poller, as the decoder's O tiles wait on the attention's counter: acquire reads until all 8
@@ -117,14 +119,7 @@ def _attn_timed(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, pos, NQ: tl.constexp
             m_i, l_i, acc = _attn_block(qs, k, v, km, m_i, l_i, acc, False)
             if MODE >= 1:
                 t2 = _stamp(acc)
-        kn = kn.to(tl.float32)
-        vn = vn.to(tl.float32)
-        s_new = tl.sum(qs.to(tl.float32) * kn[None, :], axis=1)
-        m_new = tl.maximum(m_i, s_new)
-        alpha = tl.exp2(m_i - m_new)
-        p_new = tl.exp2(s_new - m_new)
-        l_i = l_i * alpha + p_new
-        acc = acc * alpha[:, None] + p_new[:, None] * vn[None, :]
+        l_i, acc = _merge_key(qs, kn, vn, m_i, l_i, acc)
         res = acc / l_i[:, None]
         t3 = t0
         if MODE >= 1:
