@@ -546,6 +546,8 @@ def test_attn_probe_compiles_for_sm90(tmp_path):
     assert got["twice"]["fma"] - got["twice/noblob"]["fma"] == 8 * 16, (got["twice"], got["twice/noblob"])
     assert got["opcode"]["acquire"] > got["mode0"]["acquire"]        # tape_waits' two polls beside the releaser's
     assert all(v["cp.async"] > 0 for v in got.values()), {k: v["cp.async"] for k, v in got.items()}
+    # --fresh: the releaser writes q and the new key and value before its release
+    assert got["opcode/fresh"]["stores"] > got["opcode"]["stores"], (got["opcode"], got["opcode/fresh"])
 
 
 def test_attn_probe_reference_is_softmax_attention_over_keys_0_to_pos():

@@ -2,6 +2,7 @@
     python3 -m bench.probes.attn_probe [calls]      (a GPU (H200); default 50)
     python3 -m bench.probes.attn_probe --cold       (the attention twice a launch, with other code between)
     python3 -m bench.probes.attn_probe --opcode     (ATTN_PARTIAL's own device function, compiled alone)
+    python3 -m bench.probes.attn_probe --fresh      (the same, with q and the new key written just before the release)
     python3 -m bench.probes.attn_probe --compile    (no GPU: its kernels compiled for sm_90)
 
 The 1B decoder's short-context attention (`Tiling.attn_splits=1`, `opcodes.attn_partial._attn_whole`)
@@ -227,11 +228,15 @@ def run_twice(calls: int = 30, blob: int = 0):
 
 
 @triton.jit
-def _attn_opcode(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, wtab_ptr, ins_ptr, pos, NQ: tl.constexpr,
+def _attn_opcode(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, wtab_ptr, ins_ptr, src_ptr, pos, NQ: tl.constexpr,
                  HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MAX_SEQ: tl.constexpr,
-                 QSCALE: tl.constexpr, ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, DELAY: tl.constexpr):
+                 QSCALE: tl.constexpr, ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, DELAY: tl.constexpr,
+                 FRESH: tl.constexpr = 0):
     # the opcode's own device function (ATTN_PARTIAL with A_WAIT: `_attn_whole`, its waits read from a tape
     # header at ins_ptr, made by `tape_waits`), compiled alone: is the decoder's 3.5 us the code or its kernel?
+    # FRESH: the releaser writes (bit 1) q and (bit 2) each group's key and value at pos (from src_ptr: q, then
+    # the keys, then the values, fp32) just before it releases, as the decoder's QKV tiles write them before
+    # their signal
     g = tl.program_id(0)
     NG: tl.constexpr = NQ // GROUP
     if g == NG:
@@ -239,6 +244,16 @@ def _attn_opcode(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, wtab_ptr, ins_ptr, 
         t_start = t
         while t - t_start < DELAY:
             t = globaltimer()
+        d = tl.arange(0, HD)[None, :]
+        if FRESH & 1:
+            r = tl.arange(0, NQ)[:, None]
+            tl.store(q_ptr + r * HD + d, tl.load(src_ptr + r * HD + d))
+        if FRESH & 2:
+            gg = tl.arange(0, NG)[:, None]
+            kn = tl.load(src_ptr + NQ * HD + gg * HD + d)
+            vn = tl.load(src_ptr + (NQ + NG) * HD + gg * HD + d)
+            tl.store(kc + gg * (MAX_SEQ * HD) + pos * HD + d, kn.to(tl.bfloat16))
+            tl.store(vc + gg * (MAX_SEQ * HD) + pos * HD + d, vn.to(tl.bfloat16))
         tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
         poll_counter(cnt_ptr + 1, NG, 1 << 22)
     else:
@@ -253,14 +268,18 @@ def _attn_opcode(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, wtab_ptr, ins_ptr, 
         tl.store(times_ptr + g * 8 + 2, bad_c.to(tl.int64))
 
 
-def run_opcode(calls: int = 30, delay_ns: int = DELAY_NS, flush: bool = False, maxnreg: int | None = None):
+def run_opcode(calls: int = 30, delay_ns: int = DELAY_NS, flush: bool = False, maxnreg: int | None = None,
+               fresh: int = 0):
     """Exec (wait met -> signal) of the opcode's device function compiled alone, us, over calls x groups.
     ``delay_ns``: how long the releaser waits (the attention program idles that long before its wait is met);
     ``flush``: 256 MB written before each launch, so that the K/V prefix comes from the HBM, not the L2.
     ``maxnreg``: the registers a thread may use (ptxas's limit), as the 255-register megakernel leaves its
-    branches fewer than a kernel of their own has."""
+    branches fewer than a kernel of their own has. ``fresh``: q (bit 1) and the key and value at pos (bit 2)
+    written by the releaser just before its release (the same values), as in the decoder, where other SMs
+    wrote them."""
     dev = torch.device("cuda")
     kc, vc, q, out, cnt, wtab = _inputs(dev)
+    src = torch.cat([q.flatten(), kc[:, 128].float().flatten(), vc[:, 128].float().flatten()])
     ins = _tape_header(dev)
     regs = {"maxnreg": maxnreg} if maxnreg else {}
     times = torch.zeros(GROUPS + 1, 8, dtype=torch.int64, device=dev)
@@ -270,9 +289,15 @@ def run_opcode(calls: int = 30, delay_ns: int = DELAY_NS, flush: bool = False, m
         if flush:
             junk.fill_(float(c))
         cnt.zero_()
-        _attn_opcode[(GROUPS + 1,)](kc, vc, q, out, cnt, times, wtab, ins, 128, NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP,
-                                    GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE, ATTN_BLOCK=ATTN_BLOCK,
-                                    ATTN_STAGES=ATTN_STAGES, DELAY=delay_ns, num_warps=4, **regs)
+        if fresh & 1:       # what the releaser writes again: stale values until it does
+            q.zero_()
+        if fresh & 2:
+            kc[:, 128].zero_()
+            vc[:, 128].zero_()
+        _attn_opcode[(GROUPS + 1,)](kc, vc, q, out, cnt, times, wtab, ins, src, 128, NQ=GROUPS * GROUP, HD=HD,
+                                    GROUP=GROUP, GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE,
+                                    ATTN_BLOCK=ATTN_BLOCK, ATTN_STAGES=ATTN_STAGES, DELAY=delay_ns, FRESH=fresh,
+                                    num_warps=4, **regs)
         torch.cuda.synchronize()
         t = times.cpu().tolist()
         if any(t[g][2] != -1 for g in range(GROUPS)):
@@ -366,7 +391,8 @@ def compile_others(blob: int = 16) -> dict:
     tables = {"wtab_ptr": "*i64", "ins_ptr": "*i32"}
     for name, fn, extra, more in (("twice", _attn_twice, tables, {"BLOB": blob}),
                                   ("twice/noblob", _attn_twice, tables, {"BLOB": 0}),
-                                  ("opcode", _attn_opcode, tables, {})):
+                                  ("opcode", _attn_opcode, dict(tables, src_ptr="*fp32"), {"FRESH": 0}),
+                                  ("opcode/fresh", _attn_opcode, dict(tables, src_ptr="*fp32"), {"FRESH": 3})):
         sig = dict(base, **extra, pos="i32")
         c = dict(consts, **more)
         sig.update({k: "constexpr" for k in c})
@@ -375,7 +401,8 @@ def compile_others(blob: int = 16) -> dict:
         ptx = ck.asm["ptx"]
         out[name] = {"shared": ck.metadata.shared, "fma": ptx.count("fma.rn.f32"),
                      "cp.async": ptx.count("cp.async.cg.shared.global") + ptx.count("cp.async.ca.shared.global"),
-                     "acquire": ptx.count("ld.global.gpu.acquire") + ptx.count("ld.global.acquire.gpu")}
+                     "acquire": ptx.count("ld.global.gpu.acquire") + ptx.count("ld.global.acquire.gpu"),
+                     "stores": ptx.count("st.global")}
     return out
 
 
@@ -389,6 +416,14 @@ def main(argv):
             print(f"opcode, idle {delay_ns / 1e3:.0f} us before its wait met, prefix from "
                   f"{'the HBM' if flush else 'the L2'}, registers {regs or 'unlimited'}: "
                   f"{statistics.median(ex):.2f} / {max(ex):.2f}")
+        return
+    if argv[:1] == ["--fresh"]:
+        print(torch.cuda.get_device_name(), "the opcode alone; q and the new key written by another SM just before "
+              "the release, or long before; exec (wait met -> signal) us, median / max")
+        for fresh in (0, 3, 1, 2, 0, 3, 1, 2):
+            ex = run_opcode(30, 5000, False, None, fresh)
+            what = {0: "nothing", 1: "q", 2: "the new key and value", 3: "q, the new key and value"}[fresh]
+            print(f"written just before the release: {what}: {statistics.median(ex):.2f} / {max(ex):.2f}")
         return
     if argv[:1] == ["--cold"]:
         print(torch.cuda.get_device_name(), "the attention twice a launch, exec (wait met -> signal) us, median / max")
