@@ -548,6 +548,8 @@ def test_attn_probe_compiles_for_sm90(tmp_path):
     assert all(v["cp.async"] > 0 for v in got.values()), {k: v["cp.async"] for k, v in got.items()}
     # --fresh: the releaser writes q and the new key and value before its release
     assert got["opcode/fresh"]["stores"] > got["opcode"]["stores"], (got["opcode"], got["opcode/fresh"])
+    # --fresh's streamers: 123 programs reading the HBM before they poll
+    assert got["opcode/busy"]["loads"] > got["opcode"]["loads"], (got["opcode"], got["opcode/busy"])
 
 
 def test_attn_probe_reference_is_softmax_attention_over_keys_0_to_pos():

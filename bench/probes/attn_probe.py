@@ -228,18 +228,35 @@ def run_twice(calls: int = 30, blob: int = 0):
 
 
 @triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+@triton.jit
 def _attn_opcode(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, wtab_ptr, ins_ptr, src_ptr, pos, NQ: tl.constexpr,
                  HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MAX_SEQ: tl.constexpr,
                  QSCALE: tl.constexpr, ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, DELAY: tl.constexpr,
-                 FRESH: tl.constexpr = 0):
+                 FRESH: tl.constexpr = 0, BUSY: tl.constexpr = 0, junk_ptr=None, sink_ptr=None):
     # the opcode's own device function (ATTN_PARTIAL with A_WAIT: `_attn_whole`, its waits read from a tape
     # header at ins_ptr, made by `tape_waits`), compiled alone: is the decoder's 3.5 us the code or its kernel?
     # FRESH: the releaser writes (bit 1) q and (bit 2) each group's key and value at pos (from src_ptr: q, then
     # the keys, then the values, fp32) just before it releases, as the decoder's QKV tiles write them before
-    # their signal
+    # their signal. BUSY: the programs after the releaser each first stream BUSY KB from junk_ptr (the HBM, as
+    # the decoder's QKV tiles stream Wqkv until just before the attention's wait is met), then poll the
+    # attention's signals, as the O tiles do
     g = tl.program_id(0)
     NG: tl.constexpr = NQ // GROUP
-    if g == NG:
+    if g > NG:
+        offs = tl.arange(0, 8192)
+        x = tl.zeros([8192], dtype=tl.int32)
+        base = junk_ptr + (g - NG - 1).to(tl.int64) * (BUSY * 256)
+        for i in tl.range(0, BUSY * 256, 16384, loop_unroll_factor=1):
+            a = tl.load(base + i + offs, cache_modifier=".cg")
+            b = tl.load(base + i + 8192 + offs, cache_modifier=".cg")
+            x = x ^ a ^ b
+        tl.store(sink_ptr + g, tl.reduce(x, 0, _xor))
+        poll_counter(cnt_ptr + 1, NG, 1 << 22)
+    elif g == NG:
         t = globaltimer()
         t_start = t
         while t - t_start < DELAY:
@@ -269,14 +286,15 @@ def _attn_opcode(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, wtab_ptr, ins_ptr, 
 
 
 def run_opcode(calls: int = 30, delay_ns: int = DELAY_NS, flush: bool = False, maxnreg: int | None = None,
-               fresh: int = 0):
+               fresh: int = 0, busy_kb: int = 0):
     """Exec (wait met -> signal) of the opcode's device function compiled alone, us, over calls x groups.
     ``delay_ns``: how long the releaser waits (the attention program idles that long before its wait is met);
     ``flush``: 256 MB written before each launch, so that the K/V prefix comes from the HBM, not the L2.
     ``maxnreg``: the registers a thread may use (ptxas's limit), as the 255-register megakernel leaves its
     branches fewer than a kernel of their own has. ``fresh``: q (bit 1) and the key and value at pos (bit 2)
     written by the releaser just before its release (the same values), as in the decoder, where other SMs
-    wrote them."""
+    wrote them. ``busy_kb``: 123 more programs each stream that many KB from the HBM (a different part of a 1 GB
+    buffer each call), then poll the attention's signals."""
     dev = torch.device("cuda")
     kc, vc, q, out, cnt, wtab = _inputs(dev)
     src = torch.cat([q.flatten(), kc[:, 128].float().flatten(), vc[:, 128].float().flatten()])
@@ -285,6 +303,10 @@ def run_opcode(calls: int = 30, delay_ns: int = DELAY_NS, flush: bool = False, m
     times = torch.zeros(GROUPS + 1, 8, dtype=torch.int64, device=dev)
     execs = []
     junk = torch.empty(64 << 20, dtype=torch.float32, device=dev) if flush else None
+    streamers = 123 if busy_kb else 0
+    big = torch.ones(256 << 20, dtype=torch.int32, device=dev) if busy_kb else None
+    sink = torch.zeros(GROUPS + 1 + streamers, dtype=torch.int32, device=dev)
+    span = streamers * busy_kb * 256
     for c in range(calls + 3):
         if flush:
             junk.fill_(float(c))
@@ -294,10 +316,12 @@ def run_opcode(calls: int = 30, delay_ns: int = DELAY_NS, flush: bool = False, m
         if fresh & 2:
             kc[:, 128].zero_()
             vc[:, 128].zero_()
-        _attn_opcode[(GROUPS + 1,)](kc, vc, q, out, cnt, times, wtab, ins, src, 128, NQ=GROUPS * GROUP, HD=HD,
-                                    GROUP=GROUP, GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE,
-                                    ATTN_BLOCK=ATTN_BLOCK, ATTN_STAGES=ATTN_STAGES, DELAY=delay_ns, FRESH=fresh,
-                                    num_warps=4, **regs)
+        part = big[(c * span) % (big.numel() - span):][:span] if busy_kb else sink
+        _attn_opcode[(GROUPS + 1 + streamers,)](kc, vc, q, out, cnt, times, wtab, ins, src, 128, NQ=GROUPS * GROUP,
+                                                HD=HD, GROUP=GROUP, GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ,
+                                                QSCALE=QSCALE, ATTN_BLOCK=ATTN_BLOCK, ATTN_STAGES=ATTN_STAGES,
+                                                DELAY=delay_ns, FRESH=fresh, BUSY=busy_kb, junk_ptr=part,
+                                                sink_ptr=sink, num_warps=4, **regs)
         torch.cuda.synchronize()
         t = times.cpu().tolist()
         if any(t[g][2] != -1 for g in range(GROUPS)):
@@ -391,18 +415,21 @@ def compile_others(blob: int = 16) -> dict:
     tables = {"wtab_ptr": "*i64", "ins_ptr": "*i32"}
     for name, fn, extra, more in (("twice", _attn_twice, tables, {"BLOB": blob}),
                                   ("twice/noblob", _attn_twice, tables, {"BLOB": 0}),
-                                  ("opcode", _attn_opcode, dict(tables, src_ptr="*fp32"), {"FRESH": 0}),
-                                  ("opcode/fresh", _attn_opcode, dict(tables, src_ptr="*fp32"), {"FRESH": 3})):
+                                  ("opcode", _attn_opcode, dict(tables, src_ptr="*fp32"), {"FRESH": 0, "BUSY": 0}),
+                                  ("opcode/fresh", _attn_opcode, dict(tables, src_ptr="*fp32"), {"FRESH": 3, "BUSY": 0}),
+                                  ("opcode/busy", _attn_opcode, dict(tables, src_ptr="*fp32"), {"FRESH": 0, "BUSY": 192})):
         sig = dict(base, **extra, pos="i32")
         c = dict(consts, **more)
         sig.update({k: "constexpr" for k in c})
+        if fn is _attn_opcode:
+            sig.update(junk_ptr="*i32", sink_ptr="*i32")
         ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c, attrs=_aligned(sig)),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
         ptx = ck.asm["ptx"]
         out[name] = {"shared": ck.metadata.shared, "fma": ptx.count("fma.rn.f32"),
                      "cp.async": ptx.count("cp.async.cg.shared.global") + ptx.count("cp.async.ca.shared.global"),
                      "acquire": ptx.count("ld.global.gpu.acquire") + ptx.count("ld.global.acquire.gpu"),
-                     "stores": ptx.count("st.global")}
+                     "stores": ptx.count("st.global"), "loads": ptx.count("ld.global")}
     return out
 
 
@@ -424,6 +451,10 @@ def main(argv):
             ex = run_opcode(30, 5000, False, None, fresh)
             what = {0: "nothing", 1: "q", 2: "the new key and value", 3: "q, the new key and value"}[fresh]
             print(f"written just before the release: {what}: {statistics.median(ex):.2f} / {max(ex):.2f}")
+        for busy_kb, fresh in ((0, 0), (192, 0), (1024, 0), (192, 3), (0, 0), (192, 0), (1024, 0), (192, 3)):
+            ex = run_opcode(30, 5000, False, None, fresh, busy_kb)
+            print(f"123 programs streaming {busy_kb} KB each from the launch, then polling; fresh {fresh}: "
+                  f"{statistics.median(ex):.2f} / {max(ex):.2f}")
         return
     if argv[:1] == ["--cold"]:
         print(torch.cuda.get_device_name(), "the attention twice a launch, exec (wait met -> signal) us, median / max")
