@@ -550,6 +550,7 @@ def test_attn_probe_compiles_for_sm90(tmp_path):
     assert got["opcode/fresh"]["stores"] > got["opcode"]["stores"], (got["opcode"], got["opcode/fresh"])
     # --fresh's streamers: 123 programs reading the HBM before they poll
     assert got["opcode/busy"]["loads"] > got["opcode"]["loads"], (got["opcode"], got["opcode/busy"])
+    assert got["opcode/pages"]["loads"] > got["opcode"]["loads"], (got["opcode"], got["opcode/pages"])
 
 
 def test_attn_probe_reference_is_softmax_attention_over_keys_0_to_pos():

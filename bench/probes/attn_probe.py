@@ -236,14 +236,17 @@ def _xor(a, b):
 def _attn_opcode(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, wtab_ptr, ins_ptr, src_ptr, pos, NQ: tl.constexpr,
                  HD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MAX_SEQ: tl.constexpr,
                  QSCALE: tl.constexpr, ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, DELAY: tl.constexpr,
-                 FRESH: tl.constexpr = 0, BUSY: tl.constexpr = 0, junk_ptr=None, sink_ptr=None):
+                 FRESH: tl.constexpr = 0, BUSY: tl.constexpr = 0, junk_ptr=None, sink_ptr=None,
+                 PAGES: tl.constexpr = 0):
     # the opcode's own device function (ATTN_PARTIAL with A_WAIT: `_attn_whole`, its waits read from a tape
     # header at ins_ptr, made by `tape_waits`), compiled alone: is the decoder's 3.5 us the code or its kernel?
     # FRESH: the releaser writes (bit 1) q and (bit 2) each group's key and value at pos (from src_ptr: q, then
     # the keys, then the values, fp32) just before it releases, as the decoder's QKV tiles write them before
     # their signal. BUSY: the programs after the releaser each first stream BUSY KB from junk_ptr (the HBM, as
     # the decoder's QKV tiles stream Wqkv until just before the attention's wait is met), then poll the
-    # attention's signals, as the O tiles do
+    # attention's signals, as the O tiles do. PAGES: each attention program first reads one word from each of
+    # PAGES 2 MB pages of junk_ptr (a cold address-translation cache for what it reads after its wait, as the
+    # decoder's SMs touch other pages between two attentions)
     g = tl.program_id(0)
     NG: tl.constexpr = NQ // GROUP
     if g > NG:
@@ -274,6 +277,10 @@ def _attn_opcode(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, wtab_ptr, ins_ptr, 
         tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
         poll_counter(cnt_ptr + 1, NG, 1 << 22)
     else:
+        if PAGES > 0:
+            w = tl.load(junk_ptr + tl.arange(0, PAGES).to(tl.int64) * (1 << 19) + g * 64, cache_modifier=".cg")
+            tl.store(sink_ptr + g, tl.reduce(w, 0, _xor))
+            tl.debug_barrier()
         bad_c, bad_s, t0 = attn_partial_device(0, g, 0, pos, wtab_ptr, kc, vc, q_ptr, out_ptr, out_ptr, out_ptr,
                                                NQ, HD, GROUP, GROUP_PAD, MAX_SEQ, QSCALE, 1, 0, ATTN_BLOCK, False,
                                                ATTN_STAGES, 1, ins_ptr, cnt_ptr, 1, 1 << 22, True)
@@ -286,7 +293,7 @@ def _attn_opcode(kc, vc, q_ptr, out_ptr, cnt_ptr, times_ptr, wtab_ptr, ins_ptr, 
 
 
 def run_opcode(calls: int = 30, delay_ns: int = DELAY_NS, flush: bool = False, maxnreg: int | None = None,
-               fresh: int = 0, busy_kb: int = 0):
+               fresh: int = 0, busy_kb: int = 0, pages: int = 0):
     """Exec (wait met -> signal) of the opcode's device function compiled alone, us, over calls x groups.
     ``delay_ns``: how long the releaser waits (the attention program idles that long before its wait is met);
     ``flush``: 256 MB written before each launch, so that the K/V prefix comes from the HBM, not the L2.
@@ -294,7 +301,8 @@ def run_opcode(calls: int = 30, delay_ns: int = DELAY_NS, flush: bool = False, m
     branches fewer than a kernel of their own has. ``fresh``: q (bit 1) and the key and value at pos (bit 2)
     written by the releaser just before its release (the same values), as in the decoder, where other SMs
     wrote them. ``busy_kb``: 123 more programs each stream that many KB from the HBM (a different part of a 1 GB
-    buffer each call), then poll the attention's signals."""
+    buffer each call), then poll the attention's signals. ``pages``: each attention program first reads one
+    word from each of that many 2 MB pages of that buffer."""
     dev = torch.device("cuda")
     kc, vc, q, out, cnt, wtab = _inputs(dev)
     src = torch.cat([q.flatten(), kc[:, 128].float().flatten(), vc[:, 128].float().flatten()])
@@ -304,7 +312,7 @@ def run_opcode(calls: int = 30, delay_ns: int = DELAY_NS, flush: bool = False, m
     execs = []
     junk = torch.empty(64 << 20, dtype=torch.float32, device=dev) if flush else None
     streamers = 123 if busy_kb else 0
-    big = torch.ones(256 << 20, dtype=torch.int32, device=dev) if busy_kb else None
+    big = torch.ones(256 << 20, dtype=torch.int32, device=dev) if busy_kb or pages else None
     sink = torch.zeros(GROUPS + 1 + streamers, dtype=torch.int32, device=dev)
     span = streamers * busy_kb * 256
     for c in range(calls + 3):
@@ -316,12 +324,12 @@ def run_opcode(calls: int = 30, delay_ns: int = DELAY_NS, flush: bool = False, m
         if fresh & 2:
             kc[:, 128].zero_()
             vc[:, 128].zero_()
-        part = big[(c * span) % (big.numel() - span):][:span] if busy_kb else sink
+        part = big if pages else big[(c * span) % (big.numel() - span):][:span] if busy_kb else sink
         _attn_opcode[(GROUPS + 1 + streamers,)](kc, vc, q, out, cnt, times, wtab, ins, src, 128, NQ=GROUPS * GROUP,
                                                 HD=HD, GROUP=GROUP, GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ,
                                                 QSCALE=QSCALE, ATTN_BLOCK=ATTN_BLOCK, ATTN_STAGES=ATTN_STAGES,
                                                 DELAY=delay_ns, FRESH=fresh, BUSY=busy_kb, junk_ptr=part,
-                                                sink_ptr=sink, num_warps=4, **regs)
+                                                sink_ptr=sink, PAGES=pages, num_warps=4, **regs)
         torch.cuda.synchronize()
         t = times.cpu().tolist()
         if any(t[g][2] != -1 for g in range(GROUPS)):
@@ -417,12 +425,14 @@ def compile_others(blob: int = 16) -> dict:
                                   ("twice/noblob", _attn_twice, tables, {"BLOB": 0}),
                                   ("opcode", _attn_opcode, dict(tables, src_ptr="*fp32"), {"FRESH": 0, "BUSY": 0}),
                                   ("opcode/fresh", _attn_opcode, dict(tables, src_ptr="*fp32"), {"FRESH": 3, "BUSY": 0}),
-                                  ("opcode/busy", _attn_opcode, dict(tables, src_ptr="*fp32"), {"FRESH": 0, "BUSY": 192})):
+                                  ("opcode/busy", _attn_opcode, dict(tables, src_ptr="*fp32"), {"FRESH": 0, "BUSY": 192}),
+                                  ("opcode/pages", _attn_opcode, dict(tables, src_ptr="*fp32"), {"FRESH": 0, "BUSY": 0})):
         sig = dict(base, **extra, pos="i32")
         c = dict(consts, **more)
         sig.update({k: "constexpr" for k in c})
         if fn is _attn_opcode:
-            sig.update(junk_ptr="*i32", sink_ptr="*i32")
+            sig.update(junk_ptr="*i32", sink_ptr="*i32", PAGES="constexpr")
+            c["PAGES"] = 256 if name == "opcode/pages" else 0
         ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c, attrs=_aligned(sig)),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
         ptx = ck.asm["ptx"]
@@ -454,6 +464,10 @@ def main(argv):
         for busy_kb, fresh in ((0, 0), (192, 0), (1024, 0), (192, 3), (0, 0), (192, 0), (1024, 0), (192, 3)):
             ex = run_opcode(30, 5000, False, None, fresh, busy_kb)
             print(f"123 programs streaming {busy_kb} KB each from the launch, then polling; fresh {fresh}: "
+                  f"{statistics.median(ex):.2f} / {max(ex):.2f}")
+        for pages in (0, 128, 512, 0, 128, 512):
+            ex = run_opcode(30, 5000, False, None, 3, 0, pages)
+            print(f"fresh 3, a word of each of {pages} 2 MB pages read before the wait: "
                   f"{statistics.median(ex):.2f} / {max(ex):.2f}")
         return
     if argv[:1] == ["--cold"]:
