@@ -115,11 +115,17 @@ class Tiling:
     # 256 (Layout checks); one row a warp where a stage's rows are a multiple of num_warps (the 1B:
     # 4 gate/up rows, 8 LM head rows a stage on 4 warps), else a row's warps still share its sum
     warp_rows: int = 0
+    # 1: every 16-byte async copy (the weight streams' cp.async, the attention's K/V prefix) carries an L2
+    # evict_first policy (interp.l2policy: Triton 3.6 drops a load's eviction_policy when it pipelines it
+    # into cp.async), so the ~120 MB a layer streams stop evicting from the L2 what is read again: the
+    # kernel's code and constants, the activations and the counters. A measured variant (bench/NOTES.md
+    # v142); the Triton interpreter runs the kernel without it
+    l2_first: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows") and isinstance(v, int) and not isinstance(v, bool) \
+            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows", "l2_first") and isinstance(v, int) and not isinstance(v, bool) \
                     and v == 0:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -131,7 +137,7 @@ class Tiling:
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
         if self.o_k < 0:
             raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows"):
+        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows", "l2_first"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
         if self.qkv_rows < 2:
@@ -414,7 +420,8 @@ class Layout:
         return dict(LAYERS=c.layers, D=c.d, DP=next_pow2(c.d), FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd,
                     MAX_SEQ=self.max_seq,
                     EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp), WARP_ROWS=bool(t.warp_rows),
-                    RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k)
+                    RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k,
+                    L2_FIRST=bool(t.l2_first) and not interp)
 
     # ---- serialisation --------------------------------------------------------------
     def extra(self) -> dict:

@@ -1,6 +1,7 @@
 """Where the merged attention's time goes once its wait is met: loads, dots, the new key, the signal.
     python3 -m bench.probes.attn_probe [calls]      (a GPU (H200); default 50)
     python3 -m bench.probes.attn_probe --cold       (the attention twice a launch, with other code between)
+    python3 -m bench.probes.attn_probe --cold --flush   (... the L2 flushed before each launch: its code from the HBM)
     python3 -m bench.probes.attn_probe --opcode     (ATTN_PARTIAL's own device function, compiled alone)
     python3 -m bench.probes.attn_probe --fresh      (the same, with q and the new key written just before the release)
     python3 -m bench.probes.attn_probe --compile    (no GPU: its kernels compiled for sm_90)
@@ -200,14 +201,21 @@ def _inputs(dev):
     return kc, vc, q, out, cnt, wtab
 
 
-def run_twice(calls: int = 30, blob: int = 0):
-    """Exec (wait met -> signal) of the first and the second attention of each launch, us: lists over calls x groups."""
+def run_twice(calls: int = 30, blob: int = 0, flush: bool = False):
+    """Exec (wait met -> signal) of the first and the second attention of each launch, us: lists over calls x groups.
+    ``flush``: 256 MB written before each launch, so that what the first attention reads after its wait, its
+    code among it (not fetched since the last launch; with ``blob``, not in its SM's instruction cache
+    either), comes from the HBM, as in the decoder if the ~120 MB a layer streams evict it from the L2; the
+    second reads it from the L2."""
     dev = torch.device("cuda")
     kc, vc, q, out, cnt, wtab = _inputs(dev)
     ins = _tape_header(dev)
     times = torch.zeros(GROUPS + 1, 8, dtype=torch.int64, device=dev)
+    junk = torch.empty(64 << 20, dtype=torch.float32, device=dev) if flush else None
     first, second = [], []
     for c in range(calls + 3):
+        if flush:
+            junk.fill_(float(c))
         cnt.zero_()
         _attn_twice[(GROUPS + 1,)](kc, vc, q, out, cnt, times, wtab, ins, 128, NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP,
                                    GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE, ATTN_BLOCK=ATTN_BLOCK,
@@ -471,9 +479,11 @@ def main(argv):
                   f"{statistics.median(ex):.2f} / {max(ex):.2f}")
         return
     if argv[:1] == ["--cold"]:
-        print(torch.cuda.get_device_name(), "the attention twice a launch, exec (wait met -> signal) us, median / max")
+        flush = argv[1:2] == ["--flush"]
+        print(torch.cuda.get_device_name(), "the attention twice a launch, exec (wait met -> signal) us, median / max"
+              + ("; the L2 flushed before each launch" if flush else ""))
         for blob in (0, 1200, 0, 1200):
-            first, second = run_twice(30, blob)
+            first, second = run_twice(30, blob, flush)
             print(f"blob {blob} (~{blob * 128 // 1024} KB of other code before each): first {statistics.median(first):.2f} / "
                   f"{max(first):.2f}; second {statistics.median(second):.2f} / {max(second):.2f}")
         return
