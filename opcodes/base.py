@@ -118,8 +118,8 @@ class Tiling:
     # 1: every 16-byte async copy (the weight streams' cp.async, the attention's K/V prefix) carries an L2
     # evict_first policy (interp.l2policy: Triton 3.6 drops a load's eviction_policy when it pipelines it
     # into cp.async), so the ~120 MB a layer streams stop evicting from the L2 what is read again: the
-    # kernel's code and constants, the activations and the counters. A measured variant (bench/NOTES.md
-    # v142); the Triton interpreter runs the kernel without it
+    # kernel's code and constants, the activations and the counters. A variant not yet measured on a GPU
+    # (bench/NOTES.md v142); the Triton interpreter runs the kernel without it
     l2_first: int = 0
 
     def __post_init__(self):
