@@ -452,6 +452,9 @@ def test_icache_probe_compiles_every_block_for_sm90(tmp_path):
     from bench.probes import icache_probe as ip
     got = _compile_probe(tmp_path, "icache_probe", 48)
     assert got["fma"] == got["blocks"] * 48 and got["blocks"] >= max(ip.ROTATIONS)
+    # --stream's programs: 16-byte loads of the buffer, a relaxed look at the visitors' count each pass, which
+    # the visitor releases once
+    assert got["streamer_loads"] > 0 and got["relaxed_polls"] == 1 and got["release"] == 1
 
 
 def test_icache_probe_orders_and_arguments(capsys, monkeypatch):
@@ -461,8 +464,13 @@ def test_icache_probe_orders_and_arguments(capsys, monkeypatch):
     for k in ip.ROTATIONS:       # rotK: every one of K blocks equally often, never the same twice running
         s = seqs[f"rot{k}"]
         assert sorted(set(s)) == list(range(k)) and all(a != b for a, b in zip(s, s[1:]))
+    assert ip.STREAMERS + 1 == 132 and ip.STREAM_WORDS % ip.PASS_WORDS == 0 and ip.PASS_WORDS % 8192 == 0
+    ran = []
+    monkeypatch.setattr(ip, "run", lambda fmas, stream=False: ran.append((fmas, stream)))
+    assert ip.main(["--stream", "512"]) == 0 and ip.main([]) == 0
+    assert ran == [((512,), True), ((256, 512, 1024, 2048), False)]
     monkeypatch.setattr(ip, "run", lambda *a, **kw: pytest.fail("icache_probe ran"))
-    for bad in (["0"], ["x"], ["512", "-3"]):
+    for bad in (["0"], ["x"], ["512", "-3"], ["--stream", "x"]):
         assert ip.main(bad) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "FMAs" in err, err
