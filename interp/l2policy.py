@@ -2,7 +2,8 @@
 
 The GEMV loops load their weights with ``tl.load(..., eviction_policy="evict_first")``, and the TTGIR
 keeps the policy on the ``async_copy_global_to_local`` ops the pipeliner makes of them; Triton 3.6's
-lowering of those ops drops it (the PTX's ``cp.async`` carry no cache policy). So every byte a layer
+lowering of those ops drops it (the PTX's ``cp.async`` carry no cache policy), though it gives a load it
+leaves unpipelined its policy (``createpolicy`` and ``ld.global...L2::cache_hint``). So every byte a layer
 streams (~120 MB on the 1B, against an L2 of ~50 MB) enters the L2 at normal priority and evicts
 whatever else is there: the kernel's code and constants (which an SM's instruction cache, ~128 KB
 against a ~125 KB kernel, refetches), the activations one stage writes and a later one reads, the

@@ -93,8 +93,10 @@ def _main(preset: str, max_seq: int, what: str) -> None:
     ck = compile_sm90(tape, profile=(what == "profile"))
     cubin, ptx = ck.asm.get("cubin", b""), ck.asm["ptx"]
     print(json.dumps({"shared": ck.metadata.shared, "cubin_bytes": len(cubin), "code_bytes": code_bytes(cubin),
-                      "copies16": ptx.count("cp.async.cg.shared.global"), "hinted": ptx.count(".L2::cache_hint"),
-                      "policies": ptx.count("createpolicy.fractional.L2::evict_first")}))
+                      # (Triton gives a plain load's evict_first its own createpolicy and L2::cache_hint: not counted)
+                      "copies16": ptx.count("cp.async.cg.shared.global"),
+                      "hinted": ptx.count("cp.async.cg.shared.global.L2::cache_hint"),
+                      "policies": ptx.count("createpolicy.fractional.L2::evict_first.b64 %mt_l2p, 1.0;")}))
 
 
 @pytest.mark.parametrize("preset,max_seq,what", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
