@@ -26,7 +26,8 @@ import re
 MARK = "megatape:l2-evict-first:v1"
 
 _COPY = re.compile(r"cp\.async\.cg\.shared\.global (\[[^\]]*\]), (\[[^\]]*\]), (0x10|16)((?:, %r\d+)?);")
-_POLICY = "createpolicy.fractional.L2::evict_first.b64 %mt_l2p, 1.0;"
+#: the policy each rewritten copy makes (in a block of its own; ptxas keeps one in a uniform register)
+POLICY = "createpolicy.fractional.L2::evict_first.b64 %mt_l2p, 1.0;"
 
 
 def mark_asm() -> str:
@@ -40,7 +41,7 @@ def rewrite_ptx(ptx: str) -> str:
     not know (a Triton that emits another form would otherwise lose the policy silently)."""
     if MARK not in ptx:
         return ptx
-    out, n = _COPY.subn(lambda m: "{ .reg .b64 %mt_l2p; " + _POLICY + " cp.async.cg.shared.global.L2::cache_hint "
+    out, n = _COPY.subn(lambda m: "{ .reg .b64 %mt_l2p; " + POLICY + " cp.async.cg.shared.global.L2::cache_hint "
                         f"{m.group(1)}, {m.group(2)}, {m.group(3)}{m.group(4)}, %mt_l2p; }}", ptx)
     left = out.count("cp.async.cg.shared.global ")
     if left:

@@ -78,6 +78,7 @@ def code_bytes(cubin: bytes) -> int:
 
 
 def _main(preset: str, max_seq: int, what: str) -> None:
+    from interp import l2policy
     from opcodes import PRESETS
     from schedule import compile_model
     from schedule.decoder_program import decoder_lowering
@@ -96,7 +97,7 @@ def _main(preset: str, max_seq: int, what: str) -> None:
                       # (Triton gives a plain load's evict_first its own createpolicy and L2::cache_hint: not counted)
                       "copies16": ptx.count("cp.async.cg.shared.global"),
                       "hinted": ptx.count("cp.async.cg.shared.global.L2::cache_hint"),
-                      "policies": ptx.count("createpolicy.fractional.L2::evict_first.b64 %mt_l2p, 1.0;")}))
+                      "policies": ptx.count(l2policy.POLICY)}))
 
 
 @pytest.mark.parametrize("preset,max_seq,what", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])

@@ -201,6 +201,14 @@ def _inputs(dev):
     return kc, vc, q, out, cnt, wtab
 
 
+def _l2_flusher(dev, flush: bool):
+    """A function of the call number that writes 256 MB (evicting the L2) if ``flush``, else does nothing."""
+    if not flush:
+        return lambda c: None
+    junk = torch.empty(64 << 20, dtype=torch.float32, device=dev)
+    return lambda c: junk.fill_(float(c))
+
+
 def run_twice(calls: int = 30, blob: int = 0, flush: bool = False):
     """Exec (wait met -> signal) of the first and the second attention of each launch, us: lists over calls x groups.
     ``flush``: 256 MB written before each launch, so that what the first attention reads after its wait, its
@@ -211,11 +219,10 @@ def run_twice(calls: int = 30, blob: int = 0, flush: bool = False):
     kc, vc, q, out, cnt, wtab = _inputs(dev)
     ins = _tape_header(dev)
     times = torch.zeros(GROUPS + 1, 8, dtype=torch.int64, device=dev)
-    junk = torch.empty(64 << 20, dtype=torch.float32, device=dev) if flush else None
+    flush_l2 = _l2_flusher(dev, flush)
     first, second = [], []
     for c in range(calls + 3):
-        if flush:
-            junk.fill_(float(c))
+        flush_l2(c)
         cnt.zero_()
         _attn_twice[(GROUPS + 1,)](kc, vc, q, out, cnt, times, wtab, ins, 128, NQ=GROUPS * GROUP, HD=HD, GROUP=GROUP,
                                    GROUP_PAD=GROUP_PAD, MAX_SEQ=MAX_SEQ, QSCALE=QSCALE, ATTN_BLOCK=ATTN_BLOCK,
@@ -318,14 +325,13 @@ def run_opcode(calls: int = 30, delay_ns: int = DELAY_NS, flush: bool = False, m
     regs = {"maxnreg": maxnreg} if maxnreg else {}
     times = torch.zeros(GROUPS + 1, 8, dtype=torch.int64, device=dev)
     execs = []
-    junk = torch.empty(64 << 20, dtype=torch.float32, device=dev) if flush else None
+    flush_l2 = _l2_flusher(dev, flush)
     streamers = 123 if busy_kb else 0
     big = torch.ones(256 << 20, dtype=torch.int32, device=dev) if busy_kb or pages else None
     sink = torch.zeros(GROUPS + 1 + streamers, dtype=torch.int32, device=dev)
     span = streamers * busy_kb * 256
     for c in range(calls + 3):
-        if flush:
-            junk.fill_(float(c))
+        flush_l2(c)
         cnt.zero_()
         if fresh & 1:       # what the releaser writes again: stale values until it does
             q.zero_()
