@@ -12,6 +12,7 @@ Rows this module can produce (see ``bench_table``):
 * ``cublas_gemv_graph``: the seven weight GEMVs of every layer alone in one CUDA graph.
 
 Timing helpers: ``time_step`` (CUDA-event and synchronised wall-clock medians) and
+``stream_copy_bandwidth`` come from the product (``megatape.measure``, re-exported here);
 ``count_kernels`` (GPU kernels per call and the largest kernel's share, via torch.profiler).
 
 Works on torch 2.11 (the GPU box) and 2.13; Python 3.11+.
@@ -19,7 +20,6 @@ Works on torch 2.11 (the GPU box) and 2.13; Python 3.11+.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 import warnings
 from typing import Any, Callable, Sequence
@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from megatape.measure import stream_copy_bandwidth, time_step
 from opcodes.config import ModelConfig
 from opcodes.reference import LAYER_KEYS, model_ref, rope_tables
 
@@ -45,129 +46,8 @@ def _cfg(cfg) -> ModelConfig:
     return cfg if isinstance(cfg, ModelConfig) else ModelConfig.from_dict(dict(cfg))
 
 
-def _is_cuda(device) -> bool:
-    return torch.device(device).type == "cuda"
-
-
-def _median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs)) if len(xs) else float("nan")
-
-
 # ---------------------------------------------------------------------------------------
-# 1. stream-copy bandwidth
-# ---------------------------------------------------------------------------------------
-def stream_copy_bandwidth(device, nbytes: int = 2 * 1024**3, iters: int = 20, warmup: int = 3) -> float:
-    """Bytes/s of a large device-to-device ``dst.copy_(src)``, counting bytes read + written
-    (2 * nbytes per copy). Median over ``iters`` timed copies after ``warmup`` untimed ones.
-    CUDA: each copy timed with a pair of CUDA events. CPU: ``time.perf_counter``."""
-    device = torch.device(device)
-    n = max(1, nbytes // 4)
-    nb = n * 4
-    src = torch.empty(n, dtype=torch.float32, device=device)
-    src.fill_(1.0)
-    dst = torch.empty_like(src)
-    times: list[float] = []
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            for _ in range(warmup):
-                dst.copy_(src)
-            torch.cuda.synchronize()
-            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                   for _ in range(iters)]
-            for s, e in evs:
-                s.record()
-                dst.copy_(src)
-                e.record()
-            torch.cuda.synchronize()
-            times = [s.elapsed_time(e) * 1e-3 for s, e in evs]   # ms -> s
-    else:
-        for _ in range(warmup):
-            dst.copy_(src)
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-    del src, dst
-    return 2.0 * nb / _median(times)
-
-
-# ---------------------------------------------------------------------------------------
-# 2. timing a decode step
-# ---------------------------------------------------------------------------------------
-def _sync(device_is_cuda: bool) -> None:
-    if device_is_cuda:
-        torch.cuda.synchronize()
-
-
-def time_step(fn: Callable, steps_args: Sequence[tuple], sync_each: bool = False, warmup: int = 0,
-              device=None) -> dict:
-    """Time ``fn(*args)`` for each ``args`` in ``steps_args`` (e.g. the spec's 32 decode steps,
-    pos 4096..4127).
-
-    Two passes over ``steps_args``:
-
-    * event pass: each call bracketed by two CUDA events, calls issued back to back (or with a
-      ``torch.cuda.synchronize()`` after each when ``sync_each``); ``us_event`` is the median.
-    * wall pass: ``time.perf_counter`` around each call with ``torch.cuda.synchronize()`` after it
-      (and before it); ``us_wall`` is the median (includes host launch overhead).
-
-    ``warmup`` untimed calls (cycling through ``steps_args``) run first; otherwise the caller must
-    warm up (compile, autotune, capture graphs) beforehand. Because the KV cache is updated in
-    place at ``pos``, repeating a step rewrites the same slot with the same values.
-
-    On CPU (no CUDA available or ``device`` is a CPU device) both passes use ``perf_counter``.
-    Returns ``{"us_event", "us_wall", "all_event", "all_wall"}``.
-    """
-    if not steps_args:
-        raise ValueError("time_step needs at least one step's arguments")
-    if device is None:
-        cuda = torch.cuda.is_available()
-        if cuda:  # infer from the first tensor argument, if any
-            for a in steps_args[0]:
-                if isinstance(a, torch.Tensor):
-                    cuda = a.is_cuda
-                    break
-    else:
-        cuda = _is_cuda(device)
-    steps_args = [tuple(a) for a in steps_args]
-    for i in range(warmup):
-        fn(*steps_args[i % len(steps_args)])
-    _sync(cuda)
-
-    # event pass
-    all_event: list[float] = []
-    if cuda:
-        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-               for _ in steps_args]
-        for (s, e), args in zip(evs, steps_args):
-            s.record()
-            fn(*args)
-            e.record()
-            if sync_each:
-                torch.cuda.synchronize()
-        torch.cuda.synchronize()
-        all_event = [s.elapsed_time(e) * 1e3 for s, e in evs]   # ms -> us
-    else:
-        for args in steps_args:
-            t0 = time.perf_counter()
-            fn(*args)
-            all_event.append((time.perf_counter() - t0) * 1e6)
-
-    # wall pass
-    all_wall: list[float] = []
-    for args in steps_args:
-        _sync(cuda)
-        t0 = time.perf_counter()
-        fn(*args)
-        _sync(cuda)
-        all_wall.append((time.perf_counter() - t0) * 1e6)
-
-    return {"us_event": _median(all_event), "us_wall": _median(all_wall),
-            "all_event": all_event, "all_wall": all_wall}
-
-
-# ---------------------------------------------------------------------------------------
-# 3. counting kernels
+# counting kernels
 # ---------------------------------------------------------------------------------------
 _NON_KERNEL_PREFIXES = ("memcpy", "memset", "cudamemcpy", "cudamemset")
 
@@ -501,15 +381,17 @@ def hf_generate_us(cfg, device, pos: int, n_new: int = 32, compile: bool = True,
     if compile:
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     ids = torch.randint(0, cfg.vocab, (1, pos), generator=torch.Generator().manual_seed(seed + 1)).to(device)
-    cuda = _is_cuda(device)
+    cuda = torch.device(device).type == "cuda"
 
     def run(n: int) -> float:
-        _sync(cuda)
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                  do_sample=False, cache_implementation="static", pad_token_id=0, eos_token_id=None)
-        _sync(cuda)
+        if cuda:
+            torch.cuda.synchronize()
         assert out.shape[1] == pos + n, f"generate made {out.shape[1] - pos} tokens, not {n}"
         return time.perf_counter() - t0
 

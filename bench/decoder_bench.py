@@ -27,7 +27,9 @@ import torch.nn.functional as F
 from opcodes import ModelConfig
 from opcodes.reference import make_kv_cache, make_weights, rel_err, rmsnorm
 
-from .driver import ACC_RATIO, CRITERION, _events_median, count_kernels, log, stream_copy_bw
+from megatape.measure import ACC_RATIO, CRITERION, log
+
+from .driver import _events_median, count_kernels, stream_copy_bw
 
 
 #: presets whose checkpoints have an LM head of their own (config.json: tie_word_embeddings false);

@@ -20,27 +20,17 @@ import time
 
 import torch
 
+from megatape.measure import check_megatape, log, setup, stream_copy_bandwidth, time_step
 from opcodes import ModelConfig, Tiling
-from opcodes.reference import make_kv_cache, make_weights, model_ref, model_ref_fp32, rel_err
 from schedule import CostModel
-
+from schedule.compile import POLICIES
 
 from .baselines import count_kernels as _count_kernels
-from .baselines import stream_copy_bandwidth, time_step
-
-TOL = 1.5e-2
-ACC_RATIO = 1.1     # multi-layer: error vs fp32 <= ACC_RATIO x the bf16 reference's own, at every step
-CRITERION = f"vs fp32 <= {ACC_RATIO} x the bf16 reference's own error, every step"
-POLICIES = ("cost", "round-robin")
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def _events_median(fn, args_list, warmup: int = 3):
     """(median CUDA-event us, median wall-clock us with a host sync per call, all event us) of
-    fn(*args) over args_list (``bench.baselines.time_step``)."""
+    fn(*args) over args_list (``megatape.measure.time_step``)."""
     r = time_step(fn, args_list, warmup=warmup)
     return r["us_event"], r["us_wall"], r["all_event"]
 
@@ -54,76 +44,6 @@ def count_kernels(fn, args) -> tuple[int, float, list]:
 def stream_copy_bw() -> float:
     """Bytes/s of a large device-to-device copy, read + write counted (median)."""
     return stream_copy_bandwidth(torch.device("cuda"))
-
-
-def setup(cfg: ModelConfig, prefill: int, steps: int, max_seq: int, seed: int):
-    """Weights, a prefilled cache, an untouched copy of it and the per-step inputs, on the GPU."""
-    dev = torch.device("cuda")
-    weights = make_weights(cfg, seed=seed, device=dev)
-    kv = make_kv_cache(cfg, max_seq, prefill, seed=seed + 1, device=dev)
-    kv_before = [tuple(t.clone() for t in p) for p in kv]
-    g = torch.Generator(device=dev).manual_seed(seed + 2)
-    xs = [torch.randn(1, cfg.d, generator=g, device=dev).to(torch.bfloat16) for _ in range(steps)]
-    return weights, kv, kv_before, xs
-
-
-def check_megatape(cfg: ModelConfig, h, weights, kv, kv_before, xs, prefill: int, report: dict,
-                   fp32_ref: bool = False) -> None:
-    """The spec's correctness protocol for one handle (the cache is reset to ``kv_before`` first)."""
-    from interp import layer_step
-    for p, b in zip(kv, kv_before):
-        p[0].copy_(b[0])
-        p[1].copy_(b[1])
-    kv_ref = [tuple(t.clone() for t in p) for p in kv_before]
-    kv32 = [tuple(t.float() for t in p) for p in kv_before] if fp32_ref else None
-    steps = len(xs)
-    errs, errs32, ref32 = [], [], []
-    for i in range(steps):
-        pos = prefill + i
-        out = layer_step(h, xs[i], pos)
-        ref = model_ref(weights, kv_ref, cfg, xs[i], pos)
-        errs.append(rel_err(out, ref))
-        if fp32_ref:
-            r32 = model_ref_fp32(weights, kv32, cfg, xs[i], pos)
-            errs32.append(rel_err(out, r32))
-            ref32.append(rel_err(ref, r32))
-    h.check()
-    if fp32_ref:
-        report["rel_err_vs_fp32_max"] = max(errs32)
-        report["bf16_ref_vs_fp32_max"] = max(ref32)
-        log(f"vs an all-fp32 reference: megatape max rel err {max(errs32):.2e}, the bf16 reference itself "
-            f"{max(ref32):.2e}")
-    report["rel_err_max"] = max(errs)
-    report["rel_err_all"] = errs
-    untouched, row_err = True, 0.0
-    rows = slice(prefill, prefill + steps)
-    for l in range(cfg.layers):
-        for j in range(2):
-            a, b, r = kv[l][j], kv_before[l][j], kv_ref[l][j]
-            mask = torch.ones(a.shape[2], dtype=torch.bool, device=a.device)
-            mask[rows] = False
-            untouched &= bool(torch.equal(a[:, :, mask], b[:, :, mask]))
-            row_err = max(row_err, rel_err(a[:, :, rows], r[:, :, rows]))
-    report["kv_untouched_bitwise"] = untouched
-    report["kv_rows_rel_err"] = row_err
-    if cfg.layers > 1 and fp32_ref:
-        # several layers: the bf16 reference is not reproducible to TOL (bench/NOTES.md, "The 16-layer
-        # accuracy gate"); at every step the error against the all-fp32 reference is at most
-        # ACC_RATIO x the bf16 reference's own, and so are the written KV rows'
-        row32 = max(rel_err(kv[l][j][:, :, rows], kv32[l][j][:, :, rows])
-                    for l in range(cfg.layers) for j in range(2))
-        ref_row32 = max(rel_err(kv_ref[l][j][:, :, rows], kv32[l][j][:, :, rows])
-                        for l in range(cfg.layers) for j in range(2))
-        steps_ok = all(e <= ACC_RATIO * r for e, r in zip(errs32, ref32))
-        report.update(kv_rows_rel_err_vs_fp32=row32, bf16_ref_kv_rows_vs_fp32=ref_row32, criterion=CRITERION)
-        report["correct"] = bool(steps_ok and untouched and row32 <= ACC_RATIO * ref_row32)
-        log(f"check: vs fp32 at every step <= {ACC_RATIO} x the bf16 reference's: {steps_ok}; KV rows vs fp32 "
-            f"{row32:.2e} (bf16 reference {ref_row32:.2e}); other rows untouched: {untouched}")
-        del kv32
-        return
-    report["correct"] = bool(max(errs) <= TOL and untouched and row_err <= TOL)
-    log(f"check: max rel err {max(errs):.2e} over {steps} steps; KV rows rel err {row_err:.2e}; "
-        f"other rows untouched: {untouched}")
 
 
 BUILD_KEYS = {"coop": "cooperative", "elide": "elide_waits"}

@@ -841,7 +841,7 @@ def stage_speed(c: Ctx) -> None:
     from opcodes.reference import make_kv_cache, rel_err
     from opcodes.tp import shard_config
 
-    from .baselines import stream_copy_bandwidth
+    from megatape.measure import stream_copy_bandwidth
     from .tp_baseline import TPTorchDecoder, capture_step, nccl_collectives
     a, r, dev, log = c.a, c.rank, c.dev, c.log
     cfg = _speed_cfg(a)

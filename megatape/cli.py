@@ -536,7 +536,7 @@ def cmd_generate(a, prog: str = "megatape generate") -> int:
     lines.append(f"  decode {tps:.2f} tokens/s" + (f" ({1e3 * per_token:.2f} ms/token over {st.new_tokens - 1} "
                                                   "tokens)" if st.new_tokens > 1 else " (n/a: fewer than 2 tokens)"))
     if cuda and st.new_tokens > 1:
-        from bench.baselines import stream_copy_bandwidth
+        from megatape.measure import stream_copy_bandwidth
         bw = stream_copy_bandwidth(h.device, nbytes=1 << 30)
         fl = floor_seconds(ck.cfg, st.last_pos, bw)
         lines.append(f"  x floor {per_token / fl:.3f} (floor {fl * 1e6:.1f} us/step at position {st.last_pos}: "
