@@ -1,6 +1,6 @@
 """One table from the result files of an alternated A/B (``bench/gpu_run.sh tpab``: one process per
-variant per round, each writing ``decoder-*.json`` into a folder of its own; or ``megatape
-bench-decoder --variants`` runs, whose variants are rows of the same file).
+variant per round, each writing ``decoder-*.json`` into a folder of its own; or ``python -m bench
+decoder --variants`` runs, whose variants are rows of the same file).
 
     python3 -m bench.ab_table DIR [DIR ...]       (folders or files; e.g. "$RES"/tpab-*)
     python3 -m bench.ab_table --clocks smi.csv DIR ...   (and each process beside the GPUs' clocks)
@@ -39,7 +39,7 @@ def _natural(p: pathlib.Path):
 def load(paths) -> list[dict]:
     """Every result file under ``paths`` (folders searched for ``decoder-*.json``), as one
     ``{"variant", "us", "x_floor", "file", "windows"}`` per megatape row: the row "megatape ..." is the
-    file's ``tiling`` ("default" where none), a row "megatape [SPEC]" (``bench-decoder --variants``,
+    file's ``tiling`` ("default" where none), a row "megatape [SPEC]" (``bench decoder --variants``,
     timed in the same process) is SPEC. A file without a megatape row is an error."""
     files: list[pathlib.Path] = []
     for p in map(pathlib.Path, paths):

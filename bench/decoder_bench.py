@@ -1,4 +1,4 @@
-"""``megatape bench-decoder``: a whole model (embedding, layers, final norm, LM head) on the GPU.
+"""``python -m bench decoder``: a whole model (embedding, layers, final norm, LM head) on the GPU.
 
 Random weights in a real shape (default: Llama-3.2-1B; tied embeddings where the checkpoint ties them,
 an LM head of its own where it does not: :data:`UNTIED`), KV cache prefilled with
@@ -7,7 +7,7 @@ tokens of ``generate`` (one launch per token, no host round trip) against the re
 times megatape's decode step and ``torch.compile`` (CUDA graphs) of the same model, and reports
 tokens/s and x floor (bytes per step over the stream-copy bandwidth measured in the same run).
 
-The arguments are parsed by ``megatape.cli`` (``megatape bench-decoder --help``), which calls
+The arguments are parsed by ``bench.cli`` (``python -m bench decoder --help``), which calls
 :func:`run`. Results go to ``<out>/decoder-<preset>.json`` and ``.md`` (default
 ``bench/results/latest/``).
 """
@@ -38,7 +38,7 @@ UNTIED = frozenset({"llama3.1-8b", "llama3.1-70b"})
 
 
 #: the greedy check: ``generate`` from ``--pos`` on a prompt of GREEDY_PROMPT tokens, GREEDY_NEW new ones
-#: (``megatape bench-decoder`` sizes the KV cache for them)
+#: (``python -m bench decoder`` sizes the KV cache for them)
 GREEDY_PROMPT, GREEDY_NEW = 4, 16
 
 
@@ -199,10 +199,10 @@ def write_report(rep: dict, rows: list, out: pathlib.Path) -> tuple[pathlib.Path
 
 
 def run(a, views=None) -> int:
-    """``megatape bench-decoder`` after argument parsing (``a``: the namespace of ``megatape.cli``;
+    """``python -m bench decoder`` after argument parsing (``a``: the namespace of ``bench.cli``;
     ``views``: ``megatape.views``, for ``--profile``)."""
     if not torch.cuda.is_available():
-        print("megatape bench-decoder needs a CUDA GPU", file=sys.stderr)
+        print("python -m bench decoder needs a CUDA GPU", file=sys.stderr)
         return 2
     from interp.decoder import build_decoder, decode_step, generate
     from opcodes.decoder import decoder_ref
@@ -265,7 +265,7 @@ def run(a, views=None) -> int:
     from interp.decoder import teardown_decoder
     if a.profile:
         if views is None:
-            raise ValueError("--profile needs the views: run it as 'megatape bench-decoder --profile'")
+            raise ValueError("--profile needs the views: run it as 'python -m bench decoder --profile'")
         from interp.profile import format_kernel_span, kernel_span
         from interp.runtime import profile_records, profile_sm_records
         hp = build_decoder(w, kv, cfg, a.max_seq, tiling=til, profile=True, **bkw)

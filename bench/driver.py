@@ -1,12 +1,13 @@
-"""``megatape bench``: build, check and time everything in one process on the GPU.
+"""``python -m bench layer``: build, check and time everything in one process on the GPU.
 
 Follows the spec's protocol: KV cache prefilled with ``prefill`` positions; ``steps`` decode steps at
 pos = prefill .. prefill+steps-1, a fresh x each step; every step compared with the eager reference
 running on its own copy of the cache; the cache compared after the run (written rows close to the
-reference's, every other row bitwise untouched); kernels per step counted with torch.profiler; the
-floor is bytes per step over the stream-copy bandwidth measured in the same run.
+reference's, every other row bitwise untouched: ``megatape.measure.check_megatape``); kernels per
+step counted with torch.profiler; the floor is bytes per step over the stream-copy bandwidth
+measured in the same run (``megatape.measure.stream_copy_bandwidth``).
 
-The arguments are parsed by ``megatape.cli`` (``megatape bench --help``), which calls :func:`run`.
+The arguments are parsed by ``bench.cli`` (``python -m bench layer --help``), which calls :func:`run`.
 Results go to ``<out>/<preset>[-<tag>].json`` and ``.md`` (default ``bench/results/latest/``).
 """
 from __future__ import annotations
@@ -129,13 +130,13 @@ def host_us(fn, args_list) -> float:
 
 
 def run(a, views=None) -> int:
-    """``megatape bench`` after argument parsing (``a``: the namespace of ``megatape.cli``).
+    """``python -m bench layer`` after argument parsing (``a``: the namespace of ``bench.cli``).
     ``views``: what turns a profiling launch into summaries and pictures (``megatape.views``,
     passed in by the command line; needed for ``--profile`` / ``--profile-variants``)."""
     if (a.profile or a.profile_variants) and views is None:
-        raise ValueError("--profile needs the views: run it as 'megatape bench --profile'")
+        raise ValueError("--profile needs the views: run it as 'python -m bench layer --profile'")
     if not torch.cuda.is_available():
-        print("megatape bench needs a CUDA GPU (none visible)", file=sys.stderr)
+        print("python -m bench layer needs a CUDA GPU (none visible)", file=sys.stderr)
         return 2
     cfg = ModelConfig.from_name(a.preset)
     if a.layers:

@@ -40,8 +40,8 @@
 3. In this process, the same checkpoint through the same path the CLI takes
    (``interp.textgen.Checkpoint``: ``load_hf_llama`` weights, ``Checkpoint.build`` with the CLI's
    ``max_seq`` and ``sampling``), the prompt run with ``generate(h, ids, 0, ...)`` (which also
-   writes the sampling parameters), then ``decode_step`` at positions P..P+N-2 timed as ``megatape
-   bench-decoder`` does (``bench.driver._events_median``: 3 warm-up calls, the median of CUDA-event
+   writes the sampling parameters), then ``decode_step`` at positions P..P+N-2 timed as ``python -m bench
+   decoder`` does (``bench.driver._events_median``: 3 warm-up calls, the median of CUDA-event
    times; on a CPU the wall clock).
 
 Prints a Markdown table (setting, CLI decode tokens/s, bench-decoder tokens/s at those positions,
@@ -202,7 +202,7 @@ def run_cli(ckpt: pathlib.Path, prompt: str, n_new: int, kw: dict) -> dict:
     return res
 
 
-# ---- 3. decode_step timed as bench-decoder times it --------------------------------------------
+# ---- 3. decode_step timed as bench decoder times it- --------------------------------------------
 def cli_max_seq(ck, n_prompt: int, n_new: int) -> int:
     """The KV cache length ``megatape generate`` builds (cmd_generate, no --max-seq)."""
     ctx = ck.context or n_prompt + n_new

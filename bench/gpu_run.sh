@@ -3,7 +3,7 @@
 # a short table last.   usage: bash bench/gpu_run.sh PART...   (default: confirm)
 #   explore : launch-path probe + megatape variants ($VARIANTS, ';'-separated; each checked, timed
 #             and profiled), no baselines
-#   bench   : the five-row `megatape bench --profile` (eager, torch.compile, cuBLAS, megatape)
+#   bench   : the five-row `python3 -m bench layer --profile` (eager, torch.compile, cuBLAS, megatape)
 #   variants: megatape ($TILING) and its variants ($VARIANTS), each checked, timed and profiled,
 #             beside cuBLAS in the same run (no launch probe, no eager / torch.compile)
 #   checks  : pytest -m gpu tests/test_gpu.py (broken tapes, pools, random schedules, repeatability,
@@ -46,7 +46,9 @@ nvidia-smi --query-gpu=$SMI_FIELDS --format=csv,noheader,nounits -lms 20 > "$RES
 SMI_PID=$!
 trap 'kill $SMI_PID 2>/dev/null' EXIT
 if [ -n "${OLD:-}" ]; then
-  if [ -f "$OLD/megatape/cli.py" ]; then
+  if [ -f "$OLD/bench/cli.py" ]; then
+    old=(python3 -m bench layer); old_dec=(python3 -m bench decoder)
+  elif [ -f "$OLD/megatape/cli.py" ]; then      # a tree from before bench/cli.py
     old=(python3 -m megatape.cli bench); old_dec=(python3 -m megatape.cli bench-decoder)
   else
     old=(python3 -m bench.driver); old_dec=(python3 -m bench.decoder_bench)
@@ -60,26 +62,26 @@ run_part() {
   case "$1" in
   explore)
     python3 -m bench.launch_probe
-    python3 -m megatape.cli bench --baselines "" --profile-variants --out "$RES/explore" --tag explore \
+    python3 -m bench layer --baselines "" --profile-variants --out "$RES/explore" --tag explore \
       --tiling "${TILING:-}" --variants "${VARIANTS:-policy=round-robin}" ;;
   variants)
-    python3 -m megatape.cli bench --baselines cublas --profile --profile-variants --out "$RES/variants" --tag variants \
+    python3 -m bench layer --baselines cublas --profile --profile-variants --out "$RES/variants" --tag variants \
       --tiling "${TILING:-}" --variants "${VARIANTS:-}" ;;
   bench)
-    python3 -m megatape.cli bench --profile --profile-variants --out "$RES/bench" --tiling "${TILING:-}" --variants "${VARIANTS:-}" ;;
+    python3 -m bench layer --profile --profile-variants --out "$RES/bench" --tiling "${TILING:-}" --variants "${VARIANTS:-}" ;;
   ab)
     [ -n "${OLD:-}" ] || { echo "ab needs OLD=DIR" >&2; exit 2; }
     for k in 1 2; do
       echo "=== A/B round $k: old tree $OLD"
       (cd "$OLD" && PYTHONPATH=$PWD "${old[@]}" --baselines "" --out "$RES/ab" --tag old$k)
       echo "=== A/B round $k: this tree"
-      python3 -m megatape.cli bench --baselines "" --out "$RES/ab" --tag new$k
+      python3 -m bench layer --baselines "" --out "$RES/ab" --tag new$k
     done
-    python3 -m megatape.cli bench --baselines cublas --out "$RES/ab" --tag new-cublas
+    python3 -m bench layer --baselines cublas --out "$RES/ab" --tag new-cublas
     echo "=== 1B decoder: old tree $OLD"
     (cd "$OLD" && PYTHONPATH=$PWD "${old_dec[@]}" --no-compile --out "$RES/ab-old")
     echo "=== 1B decoder: this tree"
-    python3 -m megatape.cli bench-decoder --no-compile --out "$RES/ab-new" ;;
+    python3 -m bench decoder --no-compile --out "$RES/ab-new" ;;
   abdec)
     [ -n "${OLD:-}" ] || { echo "abdec needs OLD=DIR" >&2; exit 2; }
     mkdir -p "$RES/abdec"
@@ -87,25 +89,25 @@ run_part() {
       echo "=== abdec round $k: 1B decoder, old tree $OLD"
       (cd "$OLD" && PYTHONPATH=$PWD "${old_dec[@]}" --no-compile --out "$RES/abdec/old$k")
       echo "=== abdec round $k: 1B decoder, this tree"
-      python3 -m megatape.cli bench-decoder --no-compile --out "$RES/abdec/new$k"
+      python3 -m bench decoder --no-compile --out "$RES/abdec/new$k"
     done
-    python3 -m megatape.cli bench-decoder --no-compile --profile --out "$RES/abdec/profile" --variants "${DVARIANTS:-}"
-    python3 -m megatape.cli bench-decoder --pos 128 --out "$RES/abdec/pos128"
+    python3 -m bench decoder --no-compile --profile --out "$RES/abdec/profile" --variants "${DVARIANTS:-}"
+    python3 -m bench decoder --pos 128 --out "$RES/abdec/pos128"
     python3 -m bench.generate_bench | tee "$RES/abdec/generate_bench.md"
     python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu_checks.txt" ;;
   checks)
     MEGATAPE_SLOW=1 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu_checks.txt" ;;
   multi)
-    python3 -m megatape.cli bench --preset llama70b-16 --baselines cublas,compile --out "$RES/multi"
-    python3 -m megatape.cli bench-decoder --out "$RES/multi" --variants "${DVARIANTS:-}" ;;
+    python3 -m bench layer --preset llama70b-16 --baselines cublas,compile --out "$RES/multi"
+    python3 -m bench decoder --out "$RES/multi" --variants "${DVARIANTS:-}" ;;
   decoder)
     # $PREFILLS: positions to time at (default 1024); $NOCOMPILE=1 skips the torch.compile row
     for p in ${PREFILLS:-1024}; do
-      python3 -m megatape.cli bench-decoder --prefill "$p" --out "$RES/decoder-pos$p" --variants "${DVARIANTS:-}" \
+      python3 -m bench decoder --prefill "$p" --out "$RES/decoder-pos$p" --variants "${DVARIANTS:-}" \
         ${NOCOMPILE:+--no-compile}
     done ;;
   layers16)
-    python3 -m megatape.cli bench --preset llama70b-16 --baselines "" --out "$RES/layers16" --variants "${MVARIANTS:-}" ;;
+    python3 -m bench layer --preset llama70b-16 --baselines "" --out "$RES/layers16" --variants "${MVARIANTS:-}" ;;
   refsens)
     python3 -m bench.ref_sensitivity --preset llama70b-layer --layers 16 | tee "$RES/refsens-70b.md"
     python3 -m bench.ref_sensitivity --preset llama3.2-1b --layers 16 --prefill 1024 | tee "$RES/refsens-1b.md" ;;

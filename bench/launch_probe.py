@@ -3,7 +3,7 @@
     python3 -m bench.launch_probe
 
 A trivial kernel with one program per SM, launched four ways, each call followed by
-``torch.cuda.synchronize()`` (the wall-clock protocol of ``megatape bench``): Triton's launcher,
+``torch.cuda.synchronize()`` (the wall-clock protocol of ``python -m bench layer``): Triton's launcher,
 the driver's ``cuLaunchKernel`` and ``cuLaunchCooperativeKernel`` through a prepared parameter
 block (interp/fastlaunch.py), and a CUDA graph replay of the same kernel. Prints the median
 microseconds per call of each, and of a bare ``torch.cuda.synchronize()``.

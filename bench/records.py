@@ -4,7 +4,7 @@
     python3 -m bench.records tp-records-rank0.json.gz --layer 40
     python3 -m bench.records records-llama3.2-1b-pos1055.json.gz --per-sm    (every layer, per SM)
 
-The file is what ``megatape bench-decoder --profile`` or ``python3 -m bench.tp_bench --profile``
+The file is what ``python -m bench decoder --profile`` or ``python3 -m bench.tp_bench --profile``
 writes (``interp.profile.instruction_rows``: one row per tape slot, ``[slot, opcode, layer, sm,
 wait start, exec start, end (ns), instruction]``). Per opcode of the layer, in the order they start:
 the instructions and SMs, when they begin waiting, start and end (us from the layer's first wait:

@@ -1,5 +1,5 @@
 """Tensor parallelism on two GPUs, in one call: ``python3 -m bench.tp_bench [--out DIR]`` (also
-``megatape bench-decoder --preset llama3.1-70b --tp 2``).
+``python -m bench decoder --preset llama3.1-70b --tp 2``).
 
 This process is only the launcher: it starts one worker process per GPU (ranks 0 and 1, NCCL and a
 gloo group for host-side barriers) and a CPU process that compiles the large tapes meanwhile,

@@ -4,8 +4,6 @@
                      [--listing] [-o tape.json]
     megatape run     [--sms N] [-o tape.json] [--no-gpu]
     megatape viz     --preset NAME --sms N --out DIR ...   (pictures: megatape.views.viz)
-    megatape bench   ...      (bench/driver.py, needs a CUDA GPU)
-    megatape bench-decoder ...   (bench/decoder_bench.py, needs a CUDA GPU; --tp 2: bench/tp_bench.py, two GPUs)
     megatape generate --model DIR [--prompt TEXT | --prompt-file PATH] [--chat] [--max-new-tokens N]
                      [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop STRING] [--max-seq N]
 
@@ -13,7 +11,9 @@
 (list scheduling) and with round-robin, encodes and verifies both tapes, and prints what the
 tapes hold and how far each predicted makespan is from the bandwidth lower bound. ``run`` is the
 README's main job: the 70B layer's tape and schedule summary on the CPU, a tape-VM check against
-the torch reference on a tiny config, and, when a CUDA device is visible, the GPU benchmark.
+the torch reference on a tiny config, and, when a CUDA device is visible, the layer on the GPU:
+every step checked against the torch reference and timed beside the stream-copy floor
+(``megatape.measure``).
 ``generate`` is text in, text out from a Hugging Face Llama checkpoint directory
 (``interp.textgen``): the text streams to stdout, the counts and timings go to stderr.
 
@@ -232,7 +232,7 @@ def summary_lines(comps: dict, selected: str) -> list[str]:
     lines.append(f"expected makespan (H200 shared-bandwidth model: chip {fm.hbm_bw / 1e12:.2f} TB/s of reads, an SM "
                  f"streams <= {'/'.join(map(str, caps))} GB/s with {t.stages - 1} blocks in flight, {fm.noise:.0%} "
                  f"jitter, {fm.ticket * 1e6:.1f} us a ticket;")
-    lines.append(f"  fitted to H200 runs of the 70B layer, bench/NOTES.md v15) vs its bandwidth lower bound "
+    lines.append(f"  fitted to H200 runs of the 70B layer) vs its bandwidth lower bound "
                  f"({total_hbm:,} HBM bytes / {fm.hbm_bw / 1e12:.2f} TB/s = {flb * 1e6:.1f} us):")
     for pol, c in comps.items():
         mark = "  <- tape" if pol == selected else ""
@@ -351,13 +351,33 @@ def cmd_run(a) -> int:
         return 1
     if not cuda:
         why = "--no-gpu given" if a.no_gpu else "no CUDA device visible"
-        print(f"GPU benchmark not run ({why}); on a GPU machine: megatape bench --preset {MAIN_PRESET}")
+        print(f"GPU benchmark not run ({why})")
         return 0
-    print(f"\nGPU benchmark: megatape bench --preset {MAIN_PRESET} --baselines ''", flush=True)
-    return main(["bench", "--preset", MAIN_PRESET, "--baselines", ""])
+    return gpu_benchmark(MAIN_PRESET)
 
 
-# ---- viz, bench, bench-decoder --------------------------------------------------------------------
+def gpu_benchmark(preset: str, prefill: int = 4096, steps: int = 32) -> int:
+    """``preset``'s default build on the GPU (``megatape.measure.measure_layer``): ``steps`` decode
+    steps from position ``prefill`` checked against the torch reference, then timed; printed beside
+    the floor. Exit status 1 if a check fails."""
+    from megatape import measure
+    from opcodes import ModelConfig
+
+    cfg = ModelConfig.from_name(preset)
+    print(f"\nGPU benchmark: {cfg.name}, {steps} decode steps from position {prefill}", flush=True)
+    r = measure.measure_layer(cfg, prefill=prefill, steps=steps)
+    ok = bool(r["correct"])
+    print(f"{r['device']}: {r['instructions']} instructions on {r['num_sms']} SMs; stream copy "
+          f"{r['stream_copy_Bps'] / 1e12:.3f} TB/s; {r['bytes_per_step']:,} bytes/step; floor {r['floor_us']:.1f} us")
+    print(f"check: max rel err {r['rel_err_max']:.2e} vs the torch reference, written KV rows "
+          f"{r['kv_rows_rel_err']:.2e} (tolerance {measure.TOL:g}), other rows untouched: "
+          f"{r['kv_untouched_bitwise']}: {'PASS' if ok else 'FAIL'}")
+    print(f"time: {r['us_event']:.1f} us/step (median of CUDA events), {r['us_wall']:.1f} us with a host sync; "
+          f"{1e6 / r['us_event']:.0f} tokens/s; x floor {r['x_floor']:.3f}")
+    return 0 if ok else 1
+
+
+# ---- viz -----------------------------------------------------------------------------------------
 def cmd_viz(a, prog: str = "megatape viz") -> int:
     from opcodes import ModelConfig, Tiling
     try:
@@ -378,75 +398,6 @@ def cmd_viz(a, prog: str = "megatape viz") -> int:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-def _views():
-    import megatape.views
-    return megatape.views
-
-
-def _bench_max_seq(a, prog: str, flag: str, extra: int = 0) -> bool:
-    """``--pos`` / ``--prefill`` (``flag``: the command's name for it) and ``--max-seq`` of a bench:
-    the positions a run writes are ``prefill .. prefill + max(steps, extra) - 1`` (``extra``: how many
-    it decodes outside its timed steps). Without ``--max-seq`` the cache is sized for them (the next
-    multiple of 128 at least 64 rows past the last: 1152 and 4224 at the defaults, as before); a
-    given one too small, or a negative position, is one line naming the argument. False: the error
-    is printed."""
-    last = a.prefill + max(a.steps, extra)
-    if a.prefill < 0:
-        print(f"{prog}: error: {flag} {a.prefill}: a position is >= 0", file=sys.stderr)
-        return False
-    if a.max_seq is None:
-        a.max_seq = -(-(last + 64) // 128) * 128
-    elif a.max_seq < last:
-        print(f"{prog}: error: --max-seq {a.max_seq}: the run writes positions up to {last - 1} "
-              f"({flag} {a.prefill} and its steps); give --max-seq >= {last} or leave it out", file=sys.stderr)
-        return False
-    return True
-
-
-def cmd_bench(a) -> int:
-    if not _bench_max_seq(a, "megatape bench", "--prefill"):
-        return 2
-    from bench.driver import run
-    return int(run(a, views=_views()) or 0)
-
-
-def cmd_bench_decoder(a) -> int:
-    from bench.decoder_bench import GREEDY_NEW, GREEDY_PROMPT     # its greedy check also decodes from --pos
-    if not _bench_max_seq(a, "megatape bench-decoder", "--pos", extra=GREEDY_PROMPT + GREEDY_NEW):
-        return 2
-    if a.tp == 2:
-        return _bench_decoder_tp(a)
-    if a.tiling.strip():        # a bad --tiling is named here, before any GPU work
-        from bench.driver import INT_BUILD_KEYS, parse_variant
-        from opcodes import ModelConfig
-        from opcodes.decoder import DecoderLayout
-        cfg = ModelConfig.from_name(a.preset)
-        try:
-            til, build = parse_variant(cfg, a.tiling, a.max_seq)     # Tiling fields and build options
-            DecoderLayout(cfg, til, a.max_seq, **{k: v for k, v in build.items() if k in INT_BUILD_KEYS})
-        except (ValueError, TypeError) as e:
-            msg = str(e)
-            print(f"megatape bench-decoder: error: {msg if msg.startswith('--tiling') else '--tiling: ' + msg}",
-                  file=sys.stderr)
-            return 2
-    from bench.decoder_bench import run
-    return int(run(a, views=_views()) or 0)
-
-
-def _bench_decoder_tp(a, prog: str = "megatape bench-decoder") -> int:
-    """``--tp 2``: bench/tp_bench.py's launcher (two GPUs, one process each; it sets the NCCL /
-    symmetric-memory switches that keep NVLink multicast off for itself and its children)."""
-    bad = [f for f, on in (("--variants", bool(a.variants.strip())), ("--tiling", bool(a.tiling.strip())),
-                           ("--profile", a.profile)) if on]
-    if bad:
-        print(f"{prog}: error: {', '.join(bad)} are not supported with --tp 2", file=sys.stderr)
-        return 2
-    from bench import tp_bench            # sets NCCL_NVLS_ENABLE=0 / TORCH_SYMM_MEM_DISABLE_MULTICAST=1 first
-    argv = ["--out", a.out, "--preset", a.preset, "--pos", str(a.prefill), "--steps", str(a.steps),
-            "--max-seq", str(a.max_seq), "--seed", str(a.seed)] + (["--no-baseline"] if a.no_compile else [])
-    return int(tp_bench.main(argv) or 0)
 
 
 # ---- generate ------------------------------------------------------------------------------------
@@ -547,8 +498,7 @@ def cmd_generate(a, prog: str = "megatape generate") -> int:
     return 0
 
 
-COMMANDS = {"compile": cmd_compile, "run": cmd_run, "viz": cmd_viz, "bench": cmd_bench,
-            "bench-decoder": cmd_bench_decoder, "generate": cmd_generate}
+COMMANDS = {"compile": cmd_compile, "run": cmd_run, "viz": cmd_viz, "generate": cmd_generate}
 
 
 def _add_tape_args(p, presets) -> None:
@@ -580,71 +530,6 @@ def _add_viz(sub, presets) -> None:
     v.add_argument("--aggregate", default="auto", choices=("auto", "signal", "opcode"),
                    help="aggregate DAG: group tiles by (layer, opcode, counter signalled) or (layer, opcode)")
     v.add_argument("--no-svg", action="store_true", help="skip the SVGs")
-
-
-def _add_bench(sub, presets) -> None:
-    from bench import RESULTS
-    b = sub.add_parser("bench", help="GPU benchmark of a layer or a stack: correctness, timing, baselines",
-                       description="Build, check and time megatape on the GPU beside eager torch, torch.compile "
-                       "and cuBLAS (bench/driver.py): every step against the eager reference, the KV rows "
-                       "other than the written ones bitwise untouched, CUDA-event medians, kernels per step, "
-                       f"x the stream-copy floor. Writes <out>/<preset>[-<tag>].json and .md (default {RESULTS}).")
-    b.add_argument("--preset", default=MAIN_PRESET, choices=list(presets), metavar="NAME",
-                   help=f"one of {', '.join(presets)} (default {MAIN_PRESET})")
-    b.add_argument("--layers", type=_positive_int, default=None, metavar="N", help="override the preset's layer count")
-    b.add_argument("--prefill", type=int, default=4096)
-    b.add_argument("--steps", type=_positive_int, default=32)
-    b.add_argument("--max-seq", type=_positive_int, default=None,
-                   help="KV cache length (default: the next multiple of 128 at least 64 past the last position)")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--baselines", default="eager,compile,cublas",
-                   help="comma list of eager, compile, cublas (empty: megatape only)")
-    b.add_argument("--tiling", default="", help="Tiling overrides of the main row, e.g. gu_rows=16,bk=1024")
-    b.add_argument("--variants", default="", help=(
-        "extra builds to check and time, ';'-separated, each a ','-list of Tiling fields (attn_stages=4) and "
-        "build options: policy=cost|round-robin, bytesmodel=1 / attnmodel=1 (the cost model that orders the "
-        "queues), pool=US (the plan's last US microseconds taken by ticket at run time), coop=0 (plain "
-        "launch), fast=0 (Triton's launcher)"))
-    b.add_argument("--profile", action="store_true", help="also run the profiling kernel and summarise it")
-    b.add_argument("--policy", default="cost", choices=POLICIES)
-    b.add_argument("--profile-variants", action="store_true",
-                   help="profile every variant too and print one line of its measured timeline")
-    b.add_argument("--fp32-ref", action="store_true",
-                   help="also compare with an all-fp32 reference (always on for more than one layer)")
-    b.add_argument("--out", default=RESULTS, metavar="DIR", help=f"results directory (default {RESULTS})")
-    b.add_argument("--tag", default="", help="appended to the result files' name: <preset>-<tag>.json")
-
-
-def _add_bench_decoder(sub, presets) -> None:
-    from bench import RESULTS
-    whole = [n for n, c in presets.items() if c.vocab]
-    d = sub.add_parser("bench-decoder", help="whole-model GPU benchmark: logits, greedy tokens, timing",
-                       description="A whole model (embedding, layers, final norm, LM head) on the GPU "
-                       "(bench/decoder_bench.py): logits against the eager reference, greedy tokens of "
-                       "generate, timing beside torch.compile. Writes <out>/decoder-<preset>-pos<P>.json and .md "
-                       f"(default {RESULTS}).")
-    d.add_argument("--preset", default="llama3.2-1b", choices=whole, metavar="NAME",
-                   help=f"a whole-model preset, one of: {', '.join(whole)} (default llama3.2-1b)")
-    d.add_argument("--pos", "--prefill", dest="prefill", type=int, default=1024, metavar="P",
-                   help="the first decode position (the KV cache holds P random rows; default 1024)")
-    d.add_argument("--steps", type=_positive_int, default=32)
-    d.add_argument("--max-seq", type=_positive_int, default=None,
-                   help="KV cache length (default: the next multiple of 128 at least 64 past the last position "
-                   "written: 1152 at the default --pos)")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--no-compile", action="store_true",
-                   help="skip the baselines (torch.compile of a static-cache decoder, transformers' generate)")
-    d.add_argument("--variants", default="", help="extra tilings/build options to time, ';'-separated "
-                   "(as for megatape bench --variants)")
-    d.add_argument("--tiling", default="", metavar="SPEC", help="the main build's tiling overrides and build "
-                   "options, 'name=value,...' as one --variants entry (default: the preset's Tiling.for_config); "
-                   "--profile profiles this build")
-    d.add_argument("--profile", action="store_true", help="profile the main build and summarise it")
-    d.add_argument("--tp", type=int, choices=(1, 2), default=1,
-                   help="2: tensor parallel over two GPUs, one process each (bench/tp_bench.py: smoke, peer-death, "
-                   "correctness and speed stages; writes <out>/decoder-<preset>-tp2.json and .md; --no-compile "
-                   "skips the NCCL baseline)")
-    d.add_argument("--out", default=RESULTS, metavar="DIR", help=f"results directory (default {RESULTS})")
 
 
 def _add_generate(sub) -> None:
@@ -698,14 +583,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--listing", action="store_true", help="print the human-readable tape")
     c.add_argument("-o", "--output", metavar="PATH", help="write the tape with its metadata as JSON")
     r = sub.add_parser("run", help=f"the main job: compile {MAIN_PRESET} and summarise it on the CPU, check "
-                       "the tape VM, and benchmark on the GPU when one is visible")
+                       "the tape VM, and check and time the layer on the GPU when one is visible")
     r.add_argument("--sms", type=_positive_int, metavar="N",
                    help=f"SMs to compile for (default: the GPU's, or {DEFAULT_SMS} without one)")
     r.add_argument("-o", "--output", metavar="PATH", help="write the tape with its metadata as JSON")
-    r.add_argument("--no-gpu", action="store_true", help="do not run the GPU benchmark even if a GPU is visible")
+    r.add_argument("--no-gpu", action="store_true", help="do not check and time the layer on the GPU even if one "
+                   "is visible")
     _add_viz(sub, PRESETS)
-    _add_bench(sub, PRESETS)
-    _add_bench_decoder(sub, PRESETS)
     _add_generate(sub)
     return ap
 

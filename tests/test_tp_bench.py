@@ -424,16 +424,17 @@ def test_a_failure_on_one_rank_raises_on_both_and_both_reset(tmp_path):
 
 # ---- the CLI and the results file ---------------------------------------------------------------------
 def test_bench_decoder_tp2_calls_the_launcher(monkeypatch, capsys):
+    """``python -m bench decoder --tp 2`` (bench/cli.py) hands its arguments to the launcher."""
     import bench.tp_bench
-    from megatape.cli import main
+    from bench.cli import main
     seen = []
     monkeypatch.setattr(bench.tp_bench, "main", lambda argv: seen.append(argv) or 0)
-    assert main(["bench-decoder", "--preset", "llama3.1-70b", "--tp", "2", "--out", "x", "--steps", "16"]) == 0
+    assert main(["decoder", "--preset", "llama3.1-70b", "--tp", "2", "--out", "x", "--steps", "16"]) == 0
     a = bench.tp_bench.parse_args(seen[0])
     assert (a.preset, a.out, a.steps, a.prefill, a.max_seq, a.no_baseline) == ("llama3.1-70b", "x", 16, 1024, 1152, False)
-    assert main(["bench-decoder", "--preset", "llama3.1-70b", "--tp", "2", "--no-compile"]) == 0
+    assert main(["decoder", "--preset", "llama3.1-70b", "--tp", "2", "--no-compile"]) == 0
     assert bench.tp_bench.parse_args(seen[1]).no_baseline
-    assert main(["bench-decoder", "--preset", "llama3.1-70b", "--tp", "2", "--profile"]) == 2
+    assert main(["decoder", "--preset", "llama3.1-70b", "--tp", "2", "--profile"]) == 2
     assert "--profile" in capsys.readouterr().err and len(seen) == 2
     assert os.environ["NCCL_NVLS_ENABLE"] == "0" and os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
 
