@@ -1,8 +1,10 @@
-"""The ``megatape`` command line and the views of compiled tapes.
+"""The ``megatape`` command line, the views of compiled tapes, and measuring on a device.
 
-    megatape.cli      every ``megatape`` subcommand (compile, run, viz, bench, bench-decoder)
+    megatape.cli      every ``megatape`` subcommand (compile, run, viz, generate)
     megatape.views    pictures, traces and measured-profile views (matplotlib only for the pictures)
+    megatape.measure  stream-copy bandwidth, step timing, the correctness check against the reference
 
 The layers underneath, one way: ``opcodes`` <- ``schedule`` (compile time) <- ``interp`` (the
-kernel and its runtime) <- ``bench`` and ``megatape``.
+kernel and its runtime) <- ``megatape``. The benchmarks (``bench/``, ``python -m bench``) import
+these; none of them imports ``bench`` (tests/test_wall.py).
 """

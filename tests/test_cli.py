@@ -200,20 +200,6 @@ def test_help_from_a_clone():
     assert "bench" not in p.stdout
 
 
-def test_layering_of_the_packages():
-    """opcodes <- schedule <- interp <- (bench, megatape): schedule has no argparse and imports no
-    matplotlib; interp imports nothing from bench or megatape."""
-    import ast
-    for pkg, banned in (("schedule", ("argparse", "matplotlib", "interp", "bench", "megatape")),
-                        ("interp", ("bench", "megatape")), ("opcodes", ("schedule", "interp", "bench", "megatape"))):
-        for f in (ROOT / pkg).glob("*.py"):
-            for node in ast.walk(ast.parse(f.read_text())):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                         [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
-                for n in names:
-                    assert n.split(".")[0] not in banned, f"{f.relative_to(ROOT)} imports {n}"
-
-
 def test_run_on_cpu(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "_gpu_available", lambda: False)
     path = tmp_path / "main.json"
