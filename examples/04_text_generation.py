@@ -13,9 +13,10 @@ tutorial you will learn how to:
   temperature, top-k, top-p, Philox seeded by the seed and the position), from the command line;
 * do the same from Python with ``interp.textgen``: the streamed pieces, a stop string, the timings.
 
-Run it with ``python examples/04_text_generation.py --out DIR`` (CPU: the Triton interpreter, about
+Run it with ``python examples/04_text_generation.py [--out DIR]`` (CPU: the Triton interpreter, about
 half a minute; needs ``transformers``, ``tokenizers`` and ``safetensors``: ``pip install
-'megatape[test]'``). ``DIR`` keeps the checkpoint for ``megatape generate --model DIR``.
+'megatape[test]'``). ``DIR`` (default: a temporary directory, printed) keeps the checkpoint for
+``megatape generate --model DIR``.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import os
 import pathlib
 import shlex
 import sys
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))                      # run from a clone: no install needed
@@ -109,10 +111,10 @@ def python_api(out: pathlib.Path, n: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    ap.add_argument("--out", required=True, help="directory for the tiny checkpoint (created)")
+    ap.add_argument("--out", default=None, help="directory for the tiny checkpoint (created; default: a temporary directory)")
     ap.add_argument("--new-tokens", type=int, default=8)
     a = ap.parse_args()
-    out = pathlib.Path(a.out)
+    out = pathlib.Path(a.out or tempfile.mkdtemp(prefix="megatape-04-"))
     out.mkdir(parents=True, exist_ok=True)
     make_checkpoint(out)
     command_line(out, a.new_tokens)

@@ -1,4 +1,5 @@
-"""A few decode steps of a small config, for compute-sanitizer (memcheck / racecheck) on a GPU:
+"""A few decode steps of a small config, for compute-sanitizer (memcheck / racecheck). Needs an NVIDIA GPU
+(CUDA): it does not run on a CPU, not even in the Triton interpreter (compute-sanitizer checks GPU code):
 
     compute-sanitizer --tool memcheck python3 examples/sanitize_small.py
     compute-sanitizer --tool racecheck python3 examples/sanitize_small.py
@@ -19,6 +20,10 @@ from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err  #
 
 def main() -> int:
     name = sys.argv[1] if len(sys.argv) > 1 else "small-2layer"
+    if not torch.cuda.is_available():
+        print("examples/sanitize_small.py needs an NVIDIA GPU (CUDA): torch sees none here. It is what "
+              "compute-sanitizer runs; on a CPU run examples/01_compile_a_layer.py instead.", file=sys.stderr)
+        return 2
     cfg = PRESETS[name]
     dev = torch.device("cuda")
     w = make_weights(cfg, device=dev)
