@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, Timing, cdiv, register
+from .base import Cost, Instruction, Layout, Region, Timing, register
+from .tiling import cdiv
 from .common import T_KC, T_VC, mma, tab_offset, tape_waits, to_bf16
 
 
