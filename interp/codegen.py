@@ -69,7 +69,7 @@ def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True", inside=()) 
 
     ``tp`` (a tensor-parallel kernel): a counter the peer signals (``peer_sig_ptr[wc] == 1``) may be
     past this call's target, since the peer may already be in its next call
-    (``schedule.verify.verify_tp`` point 6), so there ``seen > wt`` passes; a counter of this rank
+    (``schedule.verify``: why two parity slots suffice), so there ``seen > wt`` passes; a counter of this rank
     alone still fails past its target. The polls of a counter the peer signals are system-scope
     acquires (the peer is another GPU); those of the rank's own counters gpu-scope ones.
     Every wait of a tensor-parallel kernel is also bounded in time: from its first unmet poll, at

@@ -19,7 +19,7 @@ the address table (``PEER_POINTERS`` of the opcodes: the peer's ``tp_recv`` / ``
 ``peer_cnt_ptr``, the peer's counters), a ``SIGNALS_PEER`` instruction's signal on the peer's
 counter (system-scope release), and waits on the counters the peer signals (``peer_sig_ptr``)
 accepting a count past this call's target: the peer may be a call ahead
-(``schedule.verify.verify_tp`` point 6). Such waits stay bounded (``spin_limit`` polls) and a
+(``schedule.verify``: why two parity slots suffice). Such waits stay bounded (``spin_limit`` polls) and a
 timeout raises :class:`interp.runtime.MegakernelError` naming the rank and the counter.
 
 Where the ranks run:

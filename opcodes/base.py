@@ -448,7 +448,7 @@ def kernel_constexprs(lay: Layout, interp: bool = False, used=()) -> dict:
 PER_CALL_POINTERS = {"x_ptr": "bf16", "out_ptr": "bf16"}
 #: tensor parallel: the pointers of a kernel that holds a ``SIGNALS_PEER`` opcode: the peer's counters
 #: (where such an opcode's signal goes), per counter of this rank 1 if the peer signals it (a wait
-#: on it may find the counter past its target: the peer may be a call ahead, ``schedule.verify.verify_tp``),
+#: on it may find the counter past its target: the peer may be a call ahead, ``schedule.verify``),
 #: and the time bound of every wait (one int64, nanoseconds; ``interp.tp`` sets it)
 TP_POINTERS = {"peer_cnt_ptr": "i32", "peer_sig_ptr": "i32", "tp_wait_ptr": "i64"}
 

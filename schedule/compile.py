@@ -10,7 +10,7 @@ from .assign import CostModel, Schedule, list_schedule, random_schedule, round_r
 from .fluid import FluidModel, expected_makespan
 from .program import Program, lower
 from .tape import Tape, encode
-from .verify import Report, TPReport, verify
+from .verify import Report, verify, verify_tp
 
 POLICIES = ("cost", "round-robin")
 #: microseconds of the plan's tail taken by ticket at run time (H200, bench/NOTES.md v13: 60 us
@@ -120,7 +120,7 @@ class CompiledTP:
     tape and per-rank report), ``report`` the cross-rank verification of both tapes together."""
 
     ranks: list[Compiled]
-    report: "TPReport"
+    report: Report
     seconds: float
 
     @property
@@ -131,7 +131,6 @@ class CompiledTP:
 def _compile_tp(cfg, num_sms, max_seq, tiling, policy, model, seed, sequential, lowering, pool_us, decoder,
                 elide_waits, tp) -> CompiledTP:
     from opcodes.tp import TPLayout, shard_config
-    from .verify import verify_tp
     if isinstance(tp, bool) or tp != 2:
         raise ValueError(f"tp must be None, 1 or 2 (tensor-parallel tapes exist for two ranks), got {tp!r}")
     if lowering is None and (cfg.vocab > 0 if decoder is None else decoder):
