@@ -6,7 +6,8 @@ take, :func:`opcodes.kernel_pointers`, and the constexprs of :func:`opcodes.kern
 its operand decoding and its dispatch are written from the opcode classes, so no opcode number,
 pointer or constexpr is listed by hand here: a new opcode module is in the next kernel generated.
 (A kernel of only the tape's opcodes measured 1.0-1.5% slower on the H200: the branches it drops
-change the register allocation of the whole loop; bench/NOTES.md v21.) The source goes to a cache folder (Triton's JIT reads kernels from source files).
+change the register allocation of the whole loop.) The source goes to a cache folder (Triton's JIT
+reads kernels from source files).
 """
 from __future__ import annotations
 

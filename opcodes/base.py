@@ -259,7 +259,7 @@ class Instruction:
     TIMING: ClassVar[str] = Timing.STREAM
     #: True: the opcode's branch is in every interpreter kernel; False: only in the kernels of
     #: tapes that hold it (every branch changes the register allocation of the whole loop, so a
-    #: rarely used opcode should not tax the kernels that never run it; bench/NOTES.md v21, v25)
+    #: rarely used opcode should not tax the kernels that never run it)
     IN_EVERY_KERNEL: ClassVar[bool] = True
     #: True: the opcode belongs to whole-model programs (it embeds tokens or reads the logits) and
     #: applies only to a layout with ``Layout.WHOLE_MODEL``
