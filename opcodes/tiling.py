@@ -243,7 +243,7 @@ DEFAULTS: tuple[Default, ...] = (
                  bk=lambda s: max(16, min(s.t.bk, next_pow2(min(s.d, s.ffn, s.cfg.q_dim))))),
             "no tile larger than the dimension it cuts; equal down K chunks (28672 = 4 x 7168), multiples of 512"),
     Default(lambda s: s.d > 2048, dict(key_in_reduce=1),
-            "the merge takes the key at pos, no one-key split: 8B -1.3%, TP 70B -1.1%; 1B +2.4% (QKV is one wave there)"),
+            "the merge takes the key at pos, no one-key split: 8B -1.3%, TP 70B -1.1%; 1B +2.4% (one QKV wave there)"),
     Default(lambda s: 2048 < s.d <= 4096, dict(attn_splits=8),
             "8B: 64 prefix partials, one round on the SMs QKV's second wave leaves idle: -1.6..-1.8%; the 1B +1.0%"),
     Default(lambda s: cdiv(s.d, 2 * s.t.o_rows) >= 128,
@@ -268,7 +268,7 @@ DEFAULTS: tuple[Default, ...] = (
             "TP 70B: down in half the tiles at half the width (32 KB a stage): 20 layers -1.2%; one GPU's 70B: equal"),
     # -- the final rows: they read the tiling after the caller's overrides ------------------------------------------
     Default(lambda s: s.tp, dict(kv_rows=lambda s: max(2, s.t.qkv_rows // 2)),
-            "TP: the K/V tiles, scheduled last, are a tail wave; half their rows spread it: 70B -0.8%; one GPU's 8B +2.1%",
+            "TP: K/V tiles, scheduled last, are a tail wave; halved, they spread it: 70B -0.8%; one GPU's 8B +2.1%",
             final=True),
     Default(lambda s: s.d <= 2048 and s.max_seq is not None and not s.t.key_in_reduce
             and s.max_seq <= _merged_max_seq(), dict(attn_splits=1),
