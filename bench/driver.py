@@ -99,8 +99,9 @@ def parse_tiling(cfg: ModelConfig, spec: str) -> Tiling:
 def host_breakdown(h, x, pos, n: int = 20) -> dict:
     """Median host microseconds of the pieces of layer_step (argument checks, output allocation,
     the launch itself)."""
-    from interp.runtime import _check_step_args, launch
-    parts = {"checks": lambda: _check_step_args(h, x, pos),
+    from interp.common import check_step_args
+    from interp.runtime import launch
+    parts = {"checks": lambda: check_step_args(h, x, pos),
              "status": lambda: h.check(sync=False),
              "alloc (after the launch)": lambda: torch.empty(1, h.cfg.d, dtype=torch.bfloat16, device=h.device),
              "launch": lambda: launch(h, x, pos, torch.empty(1, h.cfg.d, dtype=torch.bfloat16, device=h.device))}

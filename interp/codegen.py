@@ -6,7 +6,8 @@ take, :func:`opcodes.kernel_pointers`, and the constexprs of :func:`opcodes.kern
 its operand decoding and its dispatch are written from the opcode classes, so no opcode number,
 pointer or constexpr is listed by hand here: a new opcode module is in the next kernel generated.
 (A kernel of only the tape's opcodes measured 1.0-1.5% slower on the H200: the branches it drops
-change the register allocation of the whole loop; bench/NOTES.md v21.) The source goes to a cache folder (Triton's JIT reads kernels from source files).
+change the register allocation of the whole loop.) The source goes to a cache folder (Triton's JIT
+reads kernels from source files).
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def _emit_waits(w, ind: str, tp: bool = False, interp: str = "True", inside=()) 
 
     ``tp`` (a tensor-parallel kernel): a counter the peer signals (``peer_sig_ptr[wc] == 1``) may be
     past this call's target, since the peer may already be in its next call
-    (``schedule.verify.verify_tp`` point 6), so there ``seen > wt`` passes; a counter of this rank
+    (``schedule.verify``: why two parity slots suffice), so there ``seen > wt`` passes; a counter of this rank
     alone still fails past its target. The polls of a counter the peer signals are system-scope
     acquires (the peer is another GPU); those of the rank's own counters gpu-scope ones.
     Every wait of a tensor-parallel kernel is also bounded in time: from its first unmet poll, at

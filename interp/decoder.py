@@ -46,7 +46,8 @@ from schedule.decoder_program import decoder_lowering
 
 from . import runtime
 from .codegen import CTL_POS
-from .runtime import LayerHandle, _check_tensor, _desc, _err
+from .common import arg_error, check_model_tensors, check_open, check_pos, describe, parse_cfg, validate_inputs
+from .runtime import LayerHandle
 
 
 @dataclass
@@ -91,34 +92,6 @@ class DecoderHandle:
         return self.lay.max_seq
 
 
-def _model_cfg(cfg) -> ModelConfig:
-    cfg = runtime.parse_cfg(cfg)
-    if not cfg.vocab:
-        raise ValueError("cfg['vocab']: expected the vocabulary size (> 0) for a whole-model decoder, got "
-                         f"{cfg.vocab} (build_layer / build_model run the layers alone)")
-    return cfg
-
-
-def _check_decoder_weights(weights, kv_cache, cfg: ModelConfig, device: torch.device) -> None:
-    """The whole-model tensors (``build_layer``'s checks cover the layers and the cache)."""
-    missing = [k for k in ("embed", "final_norm", "lm_head") if k not in weights]
-    if missing:
-        raise _err(ValueError, "weights", "keys 'embed', 'layers', 'final_norm', 'lm_head'", f"missing {missing}")
-    for k, shape in decoder_shapes(cfg).items():
-        _check_tensor(f"weights[{k!r}]", weights[k], shape, torch.bfloat16, device)
-    # the KV cache is written in place: it must not share memory with the read-only tensors
-    for k in decoder_shapes(cfg):
-        t = weights[k]
-        a0, a1 = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-        for l, pair in enumerate(kv_cache):
-            for j, name in enumerate("kv"):
-                c = pair[j]
-                b0, b1 = c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()
-                if a0 < b1 and b0 < a1:
-                    raise ValueError(f"kv_cache[{l}][{j}] ({name}): shares memory with weights[{k!r}]; the KV "
-                                     "cache is written in place, so each K and V tensor needs memory of its own")
-
-
 def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_cols: int = 0, sampling: bool = False,
                   tp_group=None, **options):
     """Prepare a whole Llama-family model for ``decode_step`` / ``generate``. Untimed.
@@ -145,20 +118,20 @@ def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_
     """
     if tp_group is not None:
         if sampling:
-            raise _err(ValueError, "sampling", "False with tp_group (tensor-parallel decoders are greedy: TP_ARGMAX)",
-                       sampling)
+            raise arg_error(ValueError, "sampling",
+                            "False with tp_group (tensor-parallel decoders are greedy: TP_ARGMAX)", sampling)
         from .tp import build_tp_decoder
         return build_tp_decoder(weights, kv_cache, cfg, max_seq_len, lm_rows=lm_rows, emb_cols=emb_cols,
                                 tp_group=tp_group, **options)
     if "lowering" in options:
         raise TypeError("build_decoder: lowering= is set by the decoder itself")
     if not isinstance(sampling, bool):
-        raise _err(TypeError, "sampling", "a bool", _desc(sampling))
-    cfg = _model_cfg(cfg)
-    _, device = runtime.validate_inputs(weights, kv_cache, cfg, max_seq_len)
-    _check_decoder_weights(weights, kv_cache, cfg, device)
-    h = runtime.build_layer(weights, kv_cache, cfg, max_seq_len,
-                            lowering=decoder_lowering(lm_rows, emb_cols, sample=sampling), **options)
+        raise arg_error(TypeError, "sampling", "a bool", describe(sampling))
+    cfg = parse_cfg(cfg, decoder=True)
+    device = validate_inputs(weights, kv_cache, cfg, max_seq_len)
+    check_model_tensors("weights", weights, decoder_shapes(cfg), kv_cache, device)
+    h = runtime.build_validated(weights, kv_cache, cfg, device, max_seq_len,
+                                lowering=decoder_lowering(lm_rows, emb_cols, sample=sampling), **options)
     lay = h.tape.lay
     if not isinstance(lay, DecoderLayout):
         runtime.teardown(h)
@@ -173,10 +146,10 @@ def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_
         until = Tiling.short_prefix(cfg, max_seq_len)
         if until:
             try:
-                short = runtime.build_layer(weights, kv_cache, cfg, max_seq_len,
-                                            lowering=decoder_lowering(lm_rows, emb_cols, sample=sampling),
-                                            share_buffers=h,
-                                            **{**options, "tiling": Tiling.for_config(cfg, max_seq=until)})
+                short = runtime.build_validated(weights, kv_cache, cfg, device, max_seq_len,
+                                                lowering=decoder_lowering(lm_rows, emb_cols, sample=sampling),
+                                                share_buffers=h,
+                                                **{**options, "tiling": Tiling.for_config(cfg, max_seq=until)})
             except BaseException:
                 runtime.teardown(h)
                 raise
@@ -203,14 +176,8 @@ def set_sampling(handle, temperature: float = 1.0, top_k: int = 0, top_p: float 
 
 def _check_handle(dh) -> None:
     if not isinstance(dh, DecoderHandle):
-        raise _err(TypeError, "handle", "a DecoderHandle from build_decoder", _desc(dh))
-    if dh.closed:
-        raise ValueError("handle: teardown() was already called on it")
-
-
-def _check_pos(dh: DecoderHandle, pos, what: str = "pos") -> int:
-    """``pos`` in the cache, or -1 for None (the position held on the device)."""
-    return runtime._check_pos(dh.layer, pos, what)
+        raise arg_error(TypeError, "handle", "a DecoderHandle from build_decoder", describe(dh))
+    check_open(dh)
 
 
 def _check_token_range(what: str, t: torch.Tensor, vocab: int) -> None:
@@ -218,7 +185,7 @@ def _check_token_range(what: str, t: torch.Tensor, vocab: int) -> None:
     if t.device.type == "cpu" and t.numel():
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or hi >= vocab:
-            raise _err(ValueError, what, f"token ids in [0, vocab={vocab})", f"ids in [{lo}, {hi}]")
+            raise arg_error(ValueError, what, f"token ids in [0, vocab={vocab})", f"ids in [{lo}, {hi}]")
 
 
 def _stepping(dh: DecoderHandle):
@@ -296,19 +263,19 @@ def decode_step(handle: DecoderHandle, tokens, pos) -> torch.Tensor:
                 tokens = int(tokens.reshape(-1)[0])
             return tp_decode_step(handle, tokens, pos)
     _check_handle(handle)
-    pos = _check_pos(handle, pos)
+    pos = check_pos(handle.layer, pos)
     if isinstance(tokens, int) and not isinstance(tokens, bool):
         tokens = torch.tensor([tokens], dtype=torch.int32)
         _check_token_range("tokens", tokens, handle.cfg.vocab)
         tokens = tokens.to(handle.device)
     if not isinstance(tokens, torch.Tensor):
-        raise _err(TypeError, "tokens", "a (1,) integer tensor", _desc(tokens))
+        raise arg_error(TypeError, "tokens", "a (1,) integer tensor", describe(tokens))
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-        raise _err(TypeError, "tokens", "an integer dtype", _desc(tokens))
+        raise arg_error(TypeError, "tokens", "an integer dtype", describe(tokens))
     if tuple(tokens.shape) != (1,):
-        raise _err(ValueError, "tokens", "shape (1,) (megatape decodes batch 1)", _desc(tokens))
+        raise arg_error(ValueError, "tokens", "shape (1,) (megatape decodes batch 1)", describe(tokens))
     if tokens.device != handle.device:
-        raise _err(ValueError, "tokens", f"a tensor on {handle.device}", _desc(tokens))
+        raise arg_error(ValueError, "tokens", f"a tensor on {handle.device}", describe(tokens))
     _check_token_range("tokens", tokens, handle.cfg.vocab)
     with _stepping(handle):
         handle.tok.copy_(tokens)
@@ -324,9 +291,9 @@ def _eos_ids(eos_token_ids) -> frozenset:
     try:
         ids = list(eos_token_ids)
     except TypeError:
-        raise _err(TypeError, "eos_token_ids", "an int, a list of ints or None", _desc(eos_token_ids)) from None
+        raise arg_error(TypeError, "eos_token_ids", "an int, a list of ints or None", describe(eos_token_ids)) from None
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise _err(TypeError, "eos_token_ids", "an int, a list of ints or None", _desc(eos_token_ids))
+        raise arg_error(TypeError, "eos_token_ids", "an int, a list of ints or None", describe(eos_token_ids))
     return frozenset(ids)
 
 
@@ -336,25 +303,24 @@ def _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, 
     _check_handle(handle)
     if isinstance(prompt_tokens, (list, tuple)):
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_tokens):
-            raise _err(TypeError, "prompt_tokens", "a list of python ints or a 1-D integer tensor", _desc(prompt_tokens))
+            raise arg_error(TypeError, "prompt_tokens", "a list of python ints or a 1-D integer tensor",
+                            describe(prompt_tokens))
         prompt_tokens = torch.tensor(list(prompt_tokens), dtype=torch.int32)
     if not isinstance(prompt_tokens, torch.Tensor):
-        raise _err(TypeError, "prompt_tokens", "a 1-D integer tensor or a list of ints", _desc(prompt_tokens))
+        raise arg_error(TypeError, "prompt_tokens", "a 1-D integer tensor or a list of ints", describe(prompt_tokens))
     if prompt_tokens.dtype.is_floating_point or prompt_tokens.dtype.is_complex or prompt_tokens.dtype == torch.bool:
-        raise _err(TypeError, "prompt_tokens", "an integer dtype", _desc(prompt_tokens))
+        raise arg_error(TypeError, "prompt_tokens", "an integer dtype", describe(prompt_tokens))
     if prompt_tokens.dim() != 1 or prompt_tokens.numel() == 0:
-        raise _err(ValueError, "prompt_tokens", "a non-empty 1-D tensor (batch 1)", _desc(prompt_tokens))
+        raise arg_error(ValueError, "prompt_tokens", "a non-empty 1-D tensor (batch 1)", describe(prompt_tokens))
     if isinstance(n_new, bool) or not isinstance(n_new, int) or n_new < 0:
-        raise _err(ValueError if isinstance(n_new, int) and not isinstance(n_new, bool) else TypeError,
-                   "n_new", "an int >= 0", _desc(n_new))
-    if start_pos is None:
-        raise _err(TypeError, "start_pos", "a python int", _desc(start_pos))
-    start_pos = _check_pos(handle, start_pos, "start_pos")
+        raise arg_error(ValueError if isinstance(n_new, int) and not isinstance(n_new, bool) else TypeError,
+                        "n_new", "an int >= 0", describe(n_new))
+    start_pos = check_pos(handle.layer, start_pos, "start_pos", held=False)
     P = int(prompt_tokens.numel())
     last = start_pos + P - 1 + max(0, n_new - 1)
     if last >= handle.max_seq:
-        raise _err(ValueError, "prompt_tokens / n_new", f"positions up to max_seq_len - 1 = {handle.max_seq - 1} "
-                   f"(start_pos {start_pos} + {P} prompt tokens + {n_new} new - 1)", f"position {last}")
+        raise arg_error(ValueError, "prompt_tokens / n_new", f"positions up to max_seq_len - 1 = {handle.max_seq - 1} "
+                        f"(start_pos {start_pos} + {P} prompt tokens + {n_new} new - 1)", f"position {last}")
     _check_token_range("prompt_tokens", prompt_tokens, handle.cfg.vocab)
     check_sampling(temperature, top_k, top_p, seed)
     if temperature == 0 and handle.sampling:
@@ -406,7 +372,7 @@ def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 
     prompt, P, start_pos, eos = _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, top_p,
                                                seed, eos_token_ids)
     if eos and return_logits:
-        raise _err(ValueError, "return_logits", "False when eos_token_ids is given", return_logits)
+        raise arg_error(ValueError, "return_logits", "False when eos_token_ids is given", return_logits)
     block = _graph_block(handle, graph_block, bool(return_logits), bool(eos))
     if eos:
         toks = list(_stream(handle, prompt, P, start_pos, n_new, eos, (temperature, top_k, top_p, seed)))
@@ -450,11 +416,11 @@ def _graph_block(handle: DecoderHandle, graph_block, return_logits: bool, eos: b
     if graph_block is None:
         return 0 if off else 32
     if isinstance(graph_block, bool) or not isinstance(graph_block, int) or graph_block < 0:
-        raise _err(ValueError if isinstance(graph_block, int) and not isinstance(graph_block, bool) else TypeError,
-                   "graph_block", "an int >= 0 or None", _desc(graph_block))
+        raise arg_error(ValueError if isinstance(graph_block, int) and not isinstance(graph_block, bool) else TypeError,
+                        "graph_block", "an int >= 0 or None", describe(graph_block))
     if graph_block and off:
-        raise _err(ValueError, "graph_block", "0 or None on a CPU, with return_logits, with eos_token_ids or with "
-                   "sync_check=True (a CUDA graph replays launches with no host work between them)", graph_block)
+        raise arg_error(ValueError, "graph_block", "0 or None on a CPU, with return_logits, with eos_token_ids or with "
+                        "sync_check=True (a CUDA graph replays launches with no host work between them)", graph_block)
     return graph_block
 
 
@@ -502,7 +468,7 @@ def _stream(handle, prompt, P: int, start_pos: int, n_new: int, eos: frozenset, 
 def teardown_decoder(handle: DecoderHandle) -> None:
     """Release the decoder's device buffers (idempotent)."""
     if not isinstance(handle, DecoderHandle):
-        raise _err(TypeError, "handle", "a DecoderHandle from build_decoder", _desc(handle))
+        raise arg_error(TypeError, "handle", "a DecoderHandle from build_decoder", describe(handle))
     if handle.closed:
         return
     handle.graphs.clear()

@@ -270,6 +270,20 @@ def hf_config_kwargs(cfg: ModelConfig) -> dict:
     return kw
 
 
+def read_checkpoint_config(path) -> tuple[pathlib.Path, dict, dict]:
+    """(the directory, its config.json, the spec's cfg of it) of the checkpoint directory ``path``;
+    FileNotFoundError / ValueError name the file."""
+    root = pathlib.Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: not a checkpoint directory (no such directory)")
+    cpath = root / CONFIG
+    if not cpath.is_file():
+        raise FileNotFoundError(f"{cpath}: missing (a Hugging Face checkpoint directory has config.json beside "
+                                "its *.safetensors)")
+    conf = read_json(cpath)
+    return root, conf, config_from_hf(conf, str(cpath))
+
+
 def read_json(path: pathlib.Path) -> dict:
     """A JSON object from ``path``; errors name the file."""
     try:
@@ -333,15 +347,7 @@ def load_hf_llama(path, device="cpu", tp_rank: int = 0, tp_size: int = 1) -> tup
     With ``tie_word_embeddings`` (config.json) ``weights["lm_head"] is weights["embed"]`` (with ``tp_size`` > 1,
     a copy of the rank's vocabulary slice of it).
     """
-    root = pathlib.Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root}: not a checkpoint directory (no such directory)")
-    cpath = root / CONFIG
-    if not cpath.is_file():
-        raise FileNotFoundError(f"{cpath}: missing (a Hugging Face checkpoint directory has config.json beside "
-                                "its *.safetensors)")
-    conf = read_json(cpath)
-    cfg = config_from_hf(conf, str(cpath))
+    root, conf, cfg = read_checkpoint_config(path)
     mc, sh = check_tp(cfg, tp_rank, tp_size)        # errors name tp_rank / tp_size
     device = torch.device(device)
     rd = _Reader(root)

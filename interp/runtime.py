@@ -14,16 +14,16 @@ by the kernel after ``epoch_limit`` calls (int32 range) or by the host after a f
 from __future__ import annotations
 
 import math
-import os
 import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from opcodes import Layout, ModelConfig, Tiling, kernel_constexprs, kernel_pointers, state_buffers
-from opcodes.reference import layer_shapes
 from schedule import CostModel, Tape, compile_model, verify
 
+from .common import (TORCH_DTYPES, arg_error, check_open, check_pos, check_spin_limit, check_step_args, describe,
+                     device_sms, epoch_limit, kernel_args, parse_cfg, validate_inputs)
 from .codegen import (CTL_POS, CTL_WORDS, FAIL_PAST_TARGET, FAIL_POSITION, FAIL_TIME, PROF_WORDS, STATUS_WORDS,
                       SWITCHES, load_kernel)
 
@@ -41,118 +41,6 @@ class MegakernelError(RuntimeError):
         self.stuck = stuck
 
 
-def interpreter_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _err(cls, arg: str, expected: str, got) -> Exception:
-    return cls(f"{arg}: expected {expected}, got {got}")
-
-
-def _desc(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"{tuple(t.shape)} {t.dtype} on {t.device}" + ("" if t.is_contiguous() else " (non-contiguous)")
-    return f"{type(t).__name__} {t!r}"[:120]
-
-
-def _check_tensor(arg: str, t, shape, dtype, device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise _err(TypeError, arg, f"a torch.Tensor of shape {shape}", _desc(t))
-    if t.dtype != dtype:
-        raise _err(TypeError, arg, f"dtype {dtype}", _desc(t))
-    if tuple(t.shape) != tuple(shape):
-        raise _err(ValueError, arg, f"shape {tuple(shape)}", _desc(t))
-    if t.device != device:
-        raise _err(ValueError, arg, f"a tensor on {device} (the device of weights['layers'][0]['q'])", _desc(t))
-    if not t.is_contiguous():
-        raise _err(ValueError, arg, "a contiguous tensor", _desc(t))
-    if t.data_ptr() % 16:
-        raise _err(ValueError, arg, "a 16-byte aligned tensor (the kernel loads 16 bytes at a time)",
-                   f"data_ptr % 16 = {t.data_ptr() % 16}")
-
-
-def parse_cfg(cfg) -> ModelConfig:
-    """The spec's cfg dict (or a ModelConfig) as a validated ModelConfig; errors name ``cfg``."""
-    if isinstance(cfg, ModelConfig):
-        return cfg
-    if isinstance(cfg, dict):
-        try:
-            return ModelConfig.from_dict(cfg)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"cfg: {e}") from None
-    raise _err(TypeError, "cfg", "a dict (the spec's cfg) or a ModelConfig", _desc(cfg))
-
-
-def validate_inputs(weights, kv_cache, cfg, max_seq_len):
-    """Check everything ``build_layer`` is handed; return (ModelConfig, device)."""
-    cfg = parse_cfg(cfg)
-    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
-        raise _err(TypeError, "max_seq_len", "a python int", _desc(max_seq_len))
-    if max_seq_len <= 0:
-        raise _err(ValueError, "max_seq_len", "a positive int", max_seq_len)
-    if not isinstance(weights, dict) or "layers" not in weights:
-        raise _err(TypeError, "weights", "a dict with key 'layers'", _desc(weights))
-    layers = weights["layers"]
-    if not isinstance(layers, (list, tuple)):
-        raise _err(TypeError, "weights['layers']", "a list of per-layer dicts", _desc(layers))
-    if len(layers) != cfg.layers:
-        raise _err(ValueError, "weights['layers']", f"{cfg.layers} layer dicts (cfg['layers'])", len(layers))
-    if not isinstance(kv_cache, (list, tuple)):
-        raise _err(TypeError, "kv_cache", "a list of (k, v) pairs", _desc(kv_cache))
-    if len(kv_cache) != cfg.layers:
-        raise _err(ValueError, "kv_cache", f"{cfg.layers} (k, v) pairs (cfg['layers'])", f"{len(kv_cache)} pairs")
-    first = layers[0].get("q") if isinstance(layers[0], dict) else None
-    if not isinstance(first, torch.Tensor):
-        raise _err(TypeError, "weights['layers'][0]['q']", "a torch.Tensor", _desc(first))
-    device = first.device
-    shapes = layer_shapes(cfg)
-    for l, lw in enumerate(layers):
-        if not isinstance(lw, dict):
-            raise _err(TypeError, f"weights['layers'][{l}]", "a dict", _desc(lw))
-        missing = [k for k in shapes if k not in lw]
-        if missing:
-            raise _err(ValueError, f"weights['layers'][{l}]", f"keys {list(shapes)}", f"missing {missing}")
-        for k, shape in shapes.items():
-            _check_tensor(f"weights['layers'][{l}][{k!r}]", lw[k], shape, torch.bfloat16, device)
-    kv_shape = (1, cfg.n_kv, max_seq_len, cfg.hd)
-    for l, pair in enumerate(kv_cache):
-        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise _err(TypeError, f"kv_cache[{l}]", "a (k, v) pair", _desc(pair))
-        for j, name in enumerate("kv"):
-            t = pair[j]
-            if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[0] != 1:
-                raise _err(ValueError, f"kv_cache[{l}][{j}] ({name})", "batch 1 (megatape decodes batch 1)", _desc(t))
-            _check_tensor(f"kv_cache[{l}][{j}] ({name})", t, kv_shape, torch.bfloat16, device)
-    # the cache is written in place: no K/V tensor may share memory with any other tensor handed in
-    spans = []
-    for l, lw in enumerate(layers):
-        for k in shapes:
-            t = lw[k]
-            spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), f"weights['layers'][{l}][{k!r}]", False))
-    for l, pair in enumerate(kv_cache):
-        for j, name in enumerate("kv"):
-            t = pair[j]
-            spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), f"kv_cache[{l}][{j}] ({name})", True))
-    spans.sort()
-    for (a0, a1, an, aw), (b0, b1, bn, bw) in zip(spans, spans[1:]):
-        if b0 < a1 and (aw or bw):
-            raise ValueError(f"{bn if bw else an}: shares memory with {an if bw else bn} (bytes "
-                             f"[{b0:#x}, {min(a1, b1):#x}) overlap); the KV cache is written in place, so each K "
-                             "and V tensor must have memory of its own")
-    running_end = 0
-    for a0, a1, an, aw in spans:         # catch overlaps that are not between neighbours, too
-        if a0 < running_end and aw:
-            raise ValueError(f"{an}: shares memory with another tensor handed in; the KV cache is written in "
-                             "place, so each K and V tensor must have memory of its own")
-        running_end = max(running_end, a1)
-    if device.type == "cpu" and not interpreter_mode():
-        raise ValueError("weights are on the CPU: set TRITON_INTERPRET=1 before triton is imported to run the "
-                         "kernel through the Triton interpreter, or move the tensors to a GPU")
-    if device.type == "cuda" and interpreter_mode():
-        raise ValueError("TRITON_INTERPRET=1 is set but the tensors are on the GPU: unset it to run on the GPU")
-    return cfg, device
-
-
 @dataclass
 class LayerHandle:
     """What ``build_layer`` returns: everything a step needs, prepared once."""
@@ -168,7 +56,7 @@ class LayerHandle:
     weights: dict = field(repr=False, default=None)
     kv_cache: list = field(repr=False, default=None)
     predicted_makespan_s: float | None = None
-    # set by _make_control: the tape on the device, counters, status block, profile buffer
+    # set by make_control: the tape on the device, counters, status block, profile buffer
     tape_dev: torch.Tensor = field(repr=False, default=None)
     qoff_dev: torch.Tensor = field(repr=False, default=None)
     counters: torch.Tensor = field(repr=False, default=None)
@@ -176,7 +64,7 @@ class LayerHandle:
     prof: torch.Tensor = field(repr=False, default=None)
     ctl: torch.Tensor = field(repr=False, default=None)       # the control block (codegen.CTL_*)
     status_flag: object = field(default=None, repr=False)   # the pinned status word, when it is host memory
-    # set by _compile_kernel
+    # set by compile_kernel
     kernel: object = field(default=None, repr=False)        # the generated JITFunction
     constexprs: dict = field(default_factory=dict, repr=False)
     launch_opts: dict = field(default_factory=dict, repr=False)
@@ -232,10 +120,7 @@ class LayerHandle:
             stuck.append((sm, slot, desc, f"{ctr} ({cname})", tgt, seen, ep, code))
         bad_pos = [r for r in rows if r[0] == FAIL_POSITION]
         written = self._kv_written(stuck[0][6]) if stuck else "was not written (the call ran nothing)"
-        # reset so that the next launch starts clean
-        self.status.zero_()
-        self.counters.zero_()
-        self.ctl.zero_()
+        reset_counters(self)            # the next launch starts clean
         if bad_pos:
             raise MegakernelError(
                 f"megakernel stopped: the position taken from the device ({bad_pos[0][6]}) is outside the KV "
@@ -293,22 +178,14 @@ class LayerHandle:
                 f"({', '.join(partial[:4])}{', ...' if len(partial) > 4 else ''})")
 
 
-def _device_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1       # the Triton interpreter runs programs one after another
-
-
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "i32": torch.int32, "i64": torch.int64}
-
-
 def _resolve_tape(cfg: ModelConfig, max_seq_len: int, device: torch.device, dev_sms: int, num_sms, tiling,
                   policy, tape, verify_tape, cost_model, seed, lowering, pool_us, elide_waits=True):
     """The verified tape for this device (compiled here unless given) and its predicted makespan."""
     if num_sms is None:
         num_sms = dev_sms
     if isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 1 <= num_sms <= dev_sms:
-        raise _err(ValueError, "num_sms", f"an int in [1, {dev_sms}] (SMs that can be co-resident on {device})", num_sms)
+        raise arg_error(ValueError, "num_sms", f"an int in [1, {dev_sms}] (SMs that can be co-resident on {device})",
+                        num_sms)
     if tape is None:
         comp = compile_model(cfg, num_sms, max_seq=max_seq_len, tiling=tiling, policy=policy, model=cost_model,
                              seed=seed, sequential=(device.type == "cpu"), lowering=lowering, pool_us=pool_us,
@@ -317,7 +194,7 @@ def _resolve_tape(cfg: ModelConfig, max_seq_len: int, device: torch.device, dev_
     if tape.lay.cfg.to_dict() != cfg.to_dict() or tape.lay.max_seq != max_seq_len:
         raise ValueError("tape: compiled for a different cfg or max_seq_len than the one given")
     if tape.num_sms > dev_sms:
-        raise _err(ValueError, "tape", f"at most {dev_sms} SM queues", tape.num_sms)
+        raise arg_error(ValueError, "tape", f"at most {dev_sms} SM queues", tape.num_sms)
     if verify_tape:
         verify(tape, sequential=(device.type == "cpu"))
     return tape, None
@@ -375,9 +252,9 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
     virtual = {n for cls in classes for n in cls.VIRTUAL}
     def _own(shared: dict, name: str, shape, dt, make):
         t = shared.get(name)
-        if t is not None and t.numel() == math.prod(shape) and t.dtype == _TORCH_DTYPES[dt]:
+        if t is not None and t.numel() == math.prod(shape) and t.dtype == TORCH_DTYPES[dt]:
             return t
-        return make(math.prod(shape), dtype=_TORCH_DTYPES[dt], device=device)
+        return make(math.prod(shape), dtype=TORCH_DTYPES[dt], device=device)
 
     scratch = {name: _own(share.scratch if share else {}, name, shape, dt, torch.empty)
                for name, (shape, dt) in tape.buffers().items() if name not in virtual}
@@ -408,7 +285,7 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
         # every wait's time bound in ns (interp.tp sets it; until then 10 minutes)
         avail["tp_wait_ptr"] = torch.full((2,), 600 * 10**9, dtype=torch.int64, device=device)
         types = kernel_pointers(lay, classes)
-        avail.update({n: torch.zeros(16, dtype=_TORCH_DTYPES[types[n]], device=device) for n in peer_names})
+        avail.update({n: torch.zeros(16, dtype=TORCH_DTYPES[types[n]], device=device) for n in peer_names})
         on_tape |= set(peer_names)
     model = {ptr: key for key, ptr in lay.MODEL_TENSORS}
     pointers = {}
@@ -416,13 +293,13 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
         t = avail.get(name)
         if t is None:
             if name in on_tape and name in model:
-                raise _err(ValueError, "weights", f"key {model[name]!r} (the tape's opcodes read it)",
-                           f"keys {sorted(weights)}")
+                raise arg_error(ValueError, "weights", f"key {model[name]!r} (the tape's opcodes read it)",
+                                f"keys {sorted(weights)}")
             if name in on_tape:
                 raise ValueError(f"{name}: an opcode on the tape takes it, but no buffer of this layout provides it")
             pointers[name] = unused
             continue
-        if t.dtype != _TORCH_DTYPES[dt]:
+        if t.dtype != TORCH_DTYPES[dt]:
             raise TypeError(f"{name}: the kernel reads {dt}, the tensor bound to it is {t.dtype}")
         if t.data_ptr() % 16:
             raise ValueError(f"{name}: buffer not 16-byte aligned")
@@ -431,12 +308,7 @@ def bind_buffers(tape: Tape, weights: dict, kv_cache: list, device: torch.device
     return Bindings(pointers, scratch, state, table)
 
 
-def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = None, tiling: Tiling | None = None,
-                policy: str = "cost", tape: Tape | None = None, verify_tape: bool = True,
-                spin_limit: int | None = None, sync_check: bool | None = None,
-                cost_model: CostModel | None = None, profile: bool = False, seed: int = 0,
-                cooperative: bool = True, lowering=None, pool_us: float | None = None, elide_waits: bool = True,
-                share_buffers: LayerHandle | None = None):
+def build_layer(weights, kv_cache, cfg, max_seq_len, **options) -> LayerHandle:
     """Prepare one decoder layer (or ``cfg['layers']`` layers) for ``layer_step``. Untimed.
 
     weights  : {"layers": [ {in_norm, post_norm, q, k, v, o, gate, up, down} ]} bf16, row-major
@@ -459,21 +331,33 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     (:func:`bind_buffers`), generate and compile the kernel for the tape's opcodes, make the
     launcher (a direct driver launch on a GPU, Triton's JIT launch under the interpreter).
     """
+    cfg = parse_cfg(cfg)
+    return build_validated(weights, kv_cache, cfg, validate_inputs(weights, kv_cache, cfg, max_seq_len), max_seq_len,
+                           **options)
+
+
+def build_validated(weights, kv_cache, cfg: ModelConfig, device: torch.device, max_seq_len: int, *,
+                    num_sms: int | None = None, tiling: Tiling | None = None, policy: str = "cost",
+                    tape: Tape | None = None, verify_tape: bool = True, spin_limit: int | None = None,
+                    sync_check: bool | None = None, cost_model: CostModel | None = None, profile: bool = False,
+                    seed: int = 0, cooperative: bool = True, lowering=None, pool_us: float | None = None,
+                    elide_waits: bool = True, share_buffers: LayerHandle | None = None) -> LayerHandle:
+    """:func:`build_layer` after its checks of the inputs: ``cfg`` parsed (``common.parse_cfg``), the
+    weights and cache checked on ``device`` (``common.validate_inputs``), for a caller that has done
+    both (the decoder, whose two tapes share the inputs). The options are :func:`build_layer`'s."""
     if tape is not None and peer_pointers(tape.classes()):
         raise ValueError("tape: a tensor-parallel rank's tape (it signals its peer); build both ranks with "
                          "interp.tp.build_tp_layers / build_tp_decoder")
-    cfg, device = validate_inputs(weights, kv_cache, cfg, max_seq_len)
     if spin_limit is None:
         # NOTE: the Triton interpreter runs programs one after another, so a counter cannot move
         # while a program waits on it: one poll decides. On a GPU, 2^20 polls are 0.2-1 s.
         spin_limit = INTERPRETER_SPIN_LIMIT if device.type == "cpu" else DEFAULT_SPIN_LIMIT
-    if isinstance(spin_limit, bool) or not isinstance(spin_limit, int) or spin_limit <= 0:
-        raise _err(ValueError, "spin_limit", "a positive int", spin_limit)
-    tape, predicted = _resolve_tape(cfg, max_seq_len, device, _device_sms(device), num_sms, tiling, policy, tape,
+    check_spin_limit(spin_limit)
+    tape, predicted = _resolve_tape(cfg, max_seq_len, device, device_sms(device), num_sms, tiling, policy, tape,
                                     verify_tape, cost_model, seed, lowering, pool_us, elide_waits)
     if share_buffers is not None:
         if not isinstance(share_buffers, LayerHandle) or share_buffers.closed:
-            raise _err(TypeError, "share_buffers", "an open handle of build_layer", _desc(share_buffers))
+            raise arg_error(TypeError, "share_buffers", "an open handle of build_layer", describe(share_buffers))
         if share_buffers.kv_cache is not kv_cache or share_buffers.device != device:
             raise ValueError("share_buffers: a handle of another KV cache or device (a second tape shares the "
                              "first's cache)")
@@ -481,15 +365,15 @@ def build_layer(weights, kv_cache, cfg, max_seq_len, *, num_sms: int | None = No
     h = LayerHandle(cfg=cfg, lay=tape.lay, tape=tape, device=device, num_sms=tape.num_sms, spin_limit=spin_limit,
                     sync_check=(device.type == "cpu") if sync_check is None else bool(sync_check),
                     predicted_makespan_s=predicted, weights=weights, kv_cache=kv_cache, bindings=b)
-    _make_control(h, profile)
-    _compile_kernel(h, profile, cooperative)
+    make_control(h, profile)
+    compile_kernel(h, profile, cooperative)
     if h.status.device.type == "cpu" and device.type == "cuda":
         import ctypes
         h.status_flag = ctypes.c_int32.from_address(h.status.data_ptr())
     return h
 
 
-def _make_control(h: "LayerHandle", profile: bool) -> None:
+def make_control(h: "LayerHandle", profile: bool) -> None:
     """The tape on the device, its counters, the status block and the profile buffer."""
     tape, device = h.tape, h.device
     h.counters = torch.zeros(max(1, tape.n_counters), dtype=torch.int32, device=device)
@@ -504,13 +388,18 @@ def _make_control(h: "LayerHandle", profile: bool) -> None:
     # profiled: a row a tape slot, then a row an SM (kernel entry, queue done, exit)
     h.prof = torch.zeros((len(tape) + h.num_sms) * PROF_WORDS if profile else 1, dtype=torch.int64, device=device)
     h.tape_dev = tape.words.reshape(-1).to(device, copy=True)      # never an alias of the host tape
-    targets = [int(t) for t in tape.words[:, 2].tolist() + tape.words[:, 4].tolist()] if len(tape) else [1]
-    targets.append(tape.tickets_per_call())      # the pool's ticket counter grows by this per call
     # counters reach target x calls: after epoch_limit calls the kernel zeroes them (int32 range)
-    epoch_limit = (2**31 - 1) // max(1, max(targets)) - 1
-    extra = torch.tensor([tape.pool_counter, max(1, tape.n_counters), epoch_limit], dtype=torch.int32)
+    extra = torch.tensor([tape.pool_counter, max(1, tape.n_counters), epoch_limit([tape])], dtype=torch.int32)
     h.qoff_dev = torch.cat([tape.offsets, extra]).to(device)
     h.ctl = torch.zeros(CTL_WORDS, dtype=torch.int32, device=device)
+
+
+def reset_counters(h) -> None:
+    """Zero a kernel handle's counters, status block and control block (the call count and the
+    position): after a failed call, so that the next launch starts clean."""
+    h.status.zero_()
+    h.counters.zero_()
+    h.ctl.zero_()
 
 
 def make_kernel(lay: Layout, used, interp: bool, profile: bool = False):
@@ -522,7 +411,7 @@ def make_kernel(lay: Layout, used, interp: bool, profile: bool = False):
     return load_kernel(kernel_pointers(lay, used), [k for k in cx if k not in SWITCHES], used), cx
 
 
-def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
+def compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
     """Generate the interpreter kernel; on a GPU compile it now (build is untimed) and make the
     direct launcher."""
     lay, device = h.lay, h.device
@@ -534,8 +423,8 @@ def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
         return
     h.launch_opts["launch_cooperative_grid"] = bool(cooperative)
     x0 = torch.zeros(1, h.cfg.d, dtype=torch.bfloat16, device=device)
-    ck = h.kernel.warmup(h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.ctl,
-                         h.spin_limit, 0, x0, x0, grid=(h.num_sms,), **cx, **h.launch_opts)
+    args, kw = kernel_args(h, x0, 0, x0)
+    ck = h.kernel.warmup(*args, grid=(h.num_sms,), **kw)
     ck._init_handles()
     h.resources = {"n_regs": ck.n_regs, "n_spills": ck.n_spills, "shared": ck.metadata.shared}
     from .fastlaunch import FastLauncher
@@ -548,36 +437,6 @@ def _compile_kernel(h: "LayerHandle", profile: bool, cooperative: bool) -> None:
     except (OSError, NotImplementedError, ValueError, AttributeError) as e:
         # Triton's JIT launch below still works; it costs tens of microseconds of host time more
         h.resources["fast_launch"] = f"off: {e!r}"
-
-
-def _check_pos(h: LayerHandle, pos, what: str = "pos") -> int:
-    """``pos`` as an int in the cache, or -1 for None (the position the device holds: the last
-    call's position + 1, or what the host set with :func:`set_position`)."""
-    if pos is None:
-        return -1
-    if isinstance(pos, torch.Tensor) and pos.numel() == 1 and not pos.dtype.is_floating_point \
-            and pos.dtype != torch.bool:
-        pos = int(pos)
-    if isinstance(pos, bool) or not isinstance(pos, int):
-        raise _err(TypeError, what, "a python int (or None: the position held on the device)", _desc(pos))
-    if not 0 <= pos < h.lay.max_seq:
-        raise _err(ValueError, what, f"an int in [0, max_seq_len={h.lay.max_seq})", pos)
-    return pos
-
-
-def _check_step_args(h: LayerHandle, x, pos) -> int:
-    if h.closed:
-        raise ValueError("handle: teardown() was already called on it")
-    pos = _check_pos(h, pos)
-    if not isinstance(x, torch.Tensor):
-        raise _err(TypeError, "x", f"a (1, {h.cfg.d}) bfloat16 tensor", _desc(x))
-    if x.dtype != torch.bfloat16 or tuple(x.shape) != (1, h.cfg.d) or x.device != h.device:
-        raise _err(ValueError, "x", f"a (1, {h.cfg.d}) bfloat16 tensor on {h.device}", _desc(x))
-    if not x.is_contiguous():
-        raise _err(ValueError, "x", "a contiguous tensor", _desc(x))
-    if x.data_ptr() % 16:
-        raise _err(ValueError, "x", "a 16-byte aligned tensor", f"data_ptr % 16 = {x.data_ptr() % 16}")
-    return pos
 
 
 def capturing(h: LayerHandle) -> bool:
@@ -629,10 +488,9 @@ def set_position(h, pos: int) -> None:
     dh = h
     h = getattr(h, "layer", h)
     if not isinstance(h, LayerHandle):
-        raise _err(TypeError, "handle", "a handle of build_layer / build_model / build_decoder", _desc(h))
-    if h.closed:
-        raise ValueError("handle: teardown() was already called on it")
-    pos = _check_pos(h, pos)
+        raise arg_error(TypeError, "handle", "a handle of build_layer / build_model / build_decoder", describe(h))
+    check_open(h)
+    pos = check_pos(h, pos)
     for k in getattr(dh, "handles", (h,)):
         k.ctl[CTL_POS].fill_(pos)
     if hasattr(dh, "next_pos"):
@@ -647,8 +505,8 @@ def launch(h: LayerHandle, x: torch.Tensor, pos: int, out: torch.Tensor) -> None
         h.launcher(torch._C._cuda_getCurrentRawStream(h.device.index), pos_arg=pos,
                    x_ptr=x.data_ptr(), out_ptr=out.data_ptr())
     else:
-        h.kernel[(h.num_sms,)](h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.ctl,
-                               h.spin_limit, pos, x, out, **h.constexprs, **h.launch_opts)
+        args, kw = kernel_args(h, x, pos, out)
+        h.kernel[(h.num_sms,)](*args, **kw)
 
 
 def layer_step(h: LayerHandle, x: torch.Tensor, pos) -> torch.Tensor:
@@ -661,7 +519,7 @@ def layer_step(h: LayerHandle, x: torch.Tensor, pos) -> torch.Tensor:
     returns a fresh (1, d) bf16 tensor: the residual stream after the layer(s) (under CUDA-graph
     capture: the graph's output tensor, which every replay rewrites)
     """
-    pos = _check_step_args(h, x, pos)
+    pos = check_step_args(h, x, pos)
     with Stepping(h) as capture:
         # NOTE: the output was allocated after the previous launch, while the GPU ran: the
         # allocation (~4 us of host time on the lent VM) stays off the launch path. Each call still

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .decoder import DecoderHandle, build_decoder, generate_stream
-from .hf import CONFIG, config_from_hf, load_hf_llama, read_json
+from .hf import load_hf_llama, read_checkpoint_config, read_json
 
 TOKENIZER_FILE = "tokenizer.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -78,14 +78,7 @@ class Checkpoint:
     def open(cls, path) -> "Checkpoint":
         """Check the directory, config.json (a Llama megatape runs) and the tokenizer; no weights
         are read yet. FileNotFoundError / ValueError name the file."""
-        root = pathlib.Path(path)
-        if not root.is_dir():
-            raise FileNotFoundError(f"{root}: not a checkpoint directory (no such directory)")
-        cpath = root / CONFIG
-        if not cpath.is_file():
-            raise FileNotFoundError(f"{cpath}: missing (a Hugging Face checkpoint directory has config.json)")
-        conf = read_json(cpath)
-        cfg = config_from_hf(conf, str(cpath))
+        root, conf, cfg = read_checkpoint_config(path)
         tok = load_tokenizer(root)
         eos: list[int] = []
         gpath = root / GENERATION_CONFIG

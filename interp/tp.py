@@ -19,7 +19,7 @@ the address table (``PEER_POINTERS`` of the opcodes: the peer's ``tp_recv`` / ``
 ``peer_cnt_ptr``, the peer's counters), a ``SIGNALS_PEER`` instruction's signal on the peer's
 counter (system-scope release), and waits on the counters the peer signals (``peer_sig_ptr``)
 accepting a count past this call's target: the peer may be a call ahead
-(``schedule.verify.verify_tp`` point 6). Such waits stay bounded (``spin_limit`` polls) and a
+(``schedule.verify``: why two parity slots suffice). Such waits stay bounded (``spin_limit`` polls) and a
 timeout raises :class:`interp.runtime.MegakernelError` naming the rank and the counter.
 
 Where the ranks run:
@@ -72,7 +72,10 @@ from schedule import compile_model
 from schedule.verify import verify_tp
 
 from . import runtime
-from .runtime import LayerHandle, MegakernelError, _check_tensor, _desc, _err
+from .common import (TORCH_DTYPES, arg_error, check_model_tensors, check_open, check_pos, check_spin_limit,
+                     check_step_args, describe, device_sms, epoch_limit, interpreter_mode, kernel_args, parse_cfg,
+                     validate_inputs)
+from .runtime import LayerHandle, MegakernelError
 
 #: polls before a wait gives up in the CPU loopback: both ranks share one interpreter (the GIL), so
 #: a wait may poll while its peer interprets a whole stage (seconds); a poll is ~0.1-0.5 ms of
@@ -121,27 +124,46 @@ class TPHandle:
 
 
 # ---- build -----------------------------------------------------------------------------------------
-def _check_ranks(rank_weights, rank_kv, cfg) -> ModelConfig:
-    full, _ = check_tp(cfg, 0, 2)
+def _check_ranks(rank_weights, rank_kv, full: ModelConfig) -> None:
+    """Both ranks' shards and caches are lists of two (the CPU loopback), each shard of its rank."""
+    check_tp(full, 0, 2)
     for name, v in (("rank_weights", rank_weights), ("rank_kv", rank_kv)):
         if not isinstance(v, (list, tuple)) or len(v) != 2:
-            raise _err(TypeError, name, "a list of the 2 ranks' shards", _desc(v))
+            raise arg_error(TypeError, name, "a list of the 2 ranks' shards", describe(v))
     for r, w in enumerate(rank_weights):
-        if not isinstance(w, dict) or not isinstance(w.get("layers"), (list, tuple)) or not w["layers"]:
-            raise _err(TypeError, f"rank_weights[{r}]", "a dict with key 'layers' (opcodes.tp.shard_weights)", _desc(w))
-        tp = w.get("tp")
-        if tp is not None and (tp.get("rank"), tp.get("size")) != (r, 2):
-            raise _err(ValueError, f"rank_weights[{r}]", f"rank {r} of 2 (weights['tp'])", tp)
-    return full
+        _check_shard(f"rank_weights[{r}]", w, r)
 
 
-def _build_rank(weights, kv, full: ModelConfig, r: int, tape, max_seq_len: int, spin_limit, sync_check,
-                wait_ns: int, place=None, profile: bool = False) -> LayerHandle:
-    """Rank r's kernel handle: ``build_layer``'s steps for a given TP tape (the peer pointers are
+def _check_shard(arg: str, w, r: int) -> None:
+    """``w`` (the argument ``arg``) is a shard of rank ``r`` of 2: a dict of its layers
+    (``opcodes.tp.shard_weights``), whose ``tp`` entry, if any, names that rank."""
+    if not isinstance(w, dict) or not isinstance(w.get("layers"), (list, tuple)) or not w["layers"]:
+        raise arg_error(TypeError, arg, f"rank {r}'s shard: a dict with key 'layers' (opcodes.tp.shard_weights)",
+                        describe(w))
+    tp = w.get("tp")
+    if tp is not None and (tp.get("rank"), tp.get("size")) != (r, 2):
+        raise arg_error(ValueError, arg, f"the shard of rank {r} of 2 (weights['tp'])", tp)
+
+
+def _check_rank_inputs(arg: str, weights, kv, full: ModelConfig, r: int, max_seq_len: int,
+                       decoder: bool) -> torch.device:
+    """Rank r's shard and cache (``arg``: how the caller names the shard), checked as ``build_layer``
+    checks its inputs, against the shard's config; with ``decoder`` the whole-model tensors too (the
+    replicated ``embed`` and ``final_norm``, the rank's ``lm_head`` slice). Returns their device."""
+    device = validate_inputs(weights, kv, shard_config(full, r, 2), max_seq_len)
+    if decoder:
+        shapes = {"embed": (full.vocab, full.d), "final_norm": (full.d,), "lm_head": (full.vocab // 2, full.d)}
+        check_model_tensors(arg, weights, shapes, kv, device)
+    return device
+
+
+def _build_rank(weights, kv, device: torch.device, tape, spin_limit, sync_check, wait_ns: int, place=None,
+                profile: bool = False) -> LayerHandle:
+    """The kernel handle of a rank's ``tape`` (its shard and cache checked on ``device``:
+    :func:`_check_rank_inputs`): ``build_layer``'s steps for a given TP tape (the peer pointers are
     placeholders until :func:`wire_peer`). ``place(h)``, if given, runs before the kernel is compiled:
     it may move the buffers the peer writes (:func:`_peer_written`) elsewhere (symmetric memory)."""
-    sc = shard_config(full, r, 2)
-    cfg, device = runtime.validate_inputs(weights, kv, sc, max_seq_len)
+    cfg = tape.lay.cfg                  # the rank's shard config (_check_tapes: of the model given)
     if device.type == "cpu" and tape.num_sms != 1:
         raise ValueError("num_sms: the CPU loopback runs each rank as one program (the Triton interpreter), "
                          f"got a tape of {tape.num_sms} SMs")
@@ -149,12 +171,12 @@ def _build_rank(weights, kv, full: ModelConfig, r: int, tape, max_seq_len: int, 
     h = LayerHandle(cfg=cfg, lay=tape.lay, tape=tape, device=device, num_sms=tape.num_sms, spin_limit=spin_limit,
                     sync_check=(device.type == "cpu") if sync_check is None else bool(sync_check),
                     weights=weights, kv_cache=kv, bindings=b)
-    runtime._make_control(h, profile)
+    runtime.make_control(h, profile)
     h.qoff_dev[-1] = _INT32_MAX         # no device-side counter reset (module docstring)
     _set_wait_ns(h, wait_ns)
     if place is not None:
         place(h)
-    runtime._compile_kernel(h, profile, True)
+    runtime.compile_kernel(h, profile, True)
     return h
 
 
@@ -165,7 +187,7 @@ def _set_wait_ns(k: LayerHandle, wait_ns: int) -> None:
 
 def _wait_ns(wait_s) -> int:
     if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not 0 < wait_s <= 3600:
-        raise _err(ValueError, "wait_s", "a number of seconds in (0, 3600]", wait_s)
+        raise arg_error(ValueError, "wait_s", "a number of seconds in (0, 3600]", wait_s)
     return int(wait_s * 1e9)
 
 
@@ -214,7 +236,7 @@ def wire_peer(h: LayerHandle, peer: dict) -> None:
         t = peer.get(name)
         if t is None:
             raise ValueError(f"{name}: the peer provides no buffer for it")
-        if t.dtype != runtime._TORCH_DTYPES[types[name]]:
+        if t.dtype != TORCH_DTYPES[types[name]]:
             raise TypeError(f"{name}: the kernel reads {types[name]}, the peer's buffer is {t.dtype}")
         b.pointers[name] = t
     b.table.copy_(torch.tensor([t.data_ptr() for t in b.pointers.values()], dtype=torch.int64))
@@ -223,7 +245,7 @@ def wire_peer(h: LayerHandle, peer: dict) -> None:
 def _compile_tp(full: ModelConfig, max_seq_len, device, num_sms, tiling, policy, seed, pool_us, elide_waits,
                 lowering, decoder: bool):
     if num_sms is None:
-        num_sms = runtime._device_sms(device)
+        num_sms = device_sms(device)
     c = compile_model(full, num_sms, max_seq=max_seq_len, tiling=tiling, policy=policy, seed=seed,
                       sequential=(device.type == "cpu"), lowering=lowering, pool_us=pool_us, decoder=decoder,
                       elide_waits=elide_waits, tp=2)
@@ -236,21 +258,24 @@ def _check_tapes(tapes, full: ModelConfig, max_seq_len: int, decoder: bool) -> N
     want = TPDecoderLayout if decoder else TPLayout
     for r, t in enumerate(tapes):
         if not isinstance(t.lay, want) or (decoder != isinstance(t.lay, TPDecoderLayout)):
-            raise _err(ValueError, f"tapes[{r}]", f"a {want.__name__} tape", type(t.lay).__name__)
+            raise arg_error(ValueError, f"tapes[{r}]", f"a {want.__name__} tape", type(t.lay).__name__)
         if t.lay.full_cfg.to_dict() != full.to_dict() or t.lay.max_seq != max_seq_len:
             raise ValueError(f"tapes[{r}]: compiled for a different cfg or max_seq_len than the one given")
 
 
-def _build(rank_weights, rank_kv, cfg, max_seq_len, tapes, num_sms, tiling, policy, seed, pool_us, elide_waits,
-           spin_limit, sync_check, lowering, decoder, wait_s=None) -> TPHandle:
-    full = _check_ranks(rank_weights, rank_kv, cfg)
-    first = rank_weights[0]["layers"][0].get("q") if isinstance(rank_weights[0]["layers"][0], dict) else None
-    device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+def _build(rank_weights, rank_kv, full: ModelConfig, max_seq_len, tapes, num_sms, tiling, policy, seed, pool_us,
+           elide_waits, spin_limit, sync_check, lowering, decoder, wait_s=None) -> TPHandle:
+    """Both ranks in this process (the CPU loopback) of the model ``full`` (parsed once by the caller)."""
+    _check_ranks(rank_weights, rank_kv, full)
+    devices = [_check_rank_inputs(f"rank_weights[{r}]", rank_weights[r], rank_kv[r], full, r, max_seq_len, decoder)
+               for r in range(2)]
+    device = devices[0]
     loopback = device.type == "cpu"
+    if devices[1] != device and loopback:
+        raise ValueError("rank_weights: the CPU loopback needs both ranks' tensors on the CPU")
     if spin_limit is None:
         spin_limit = INTERPRETER_TP_SPIN_LIMIT if loopback else GPU_TP_SPIN_LIMIT
-    if isinstance(spin_limit, bool) or not isinstance(spin_limit, int) or spin_limit <= 0:
-        raise _err(ValueError, "spin_limit", "a positive int", spin_limit)
+    check_spin_limit(spin_limit)
     wait_ns = _wait_ns(wait_s if wait_s is not None else INTERPRETER_TP_WAIT_S if loopback else DEFAULT_TP_WAIT_S)
     if tapes is None:
         tapes = _compile_tp(full, max_seq_len, device, num_sms, tiling, policy, seed, pool_us, elide_waits, lowering,
@@ -261,19 +286,14 @@ def _build(rank_weights, rank_kv, cfg, max_seq_len, tapes, num_sms, tiling, poli
     hs = []
     try:
         for r in range(2):
-            hs.append(_build_rank(rank_weights[r], rank_kv[r], full, r, tapes[r], max_seq_len, spin_limit, sync_check,
-                                  wait_ns))
-        if hs[0].device != hs[1].device and loopback:
-            raise ValueError("rank_weights: the CPU loopback needs both ranks' tensors on the CPU")
+            hs.append(_build_rank(rank_weights[r], rank_kv[r], devices[r], tapes[r], spin_limit, sync_check, wait_ns))
         for r in range(2):
             wire_peer(hs[r], _peer_tensors(hs[1 - r], hs[r].device))
     except BaseException:
         for h in hs:
             runtime.teardown(h)
         raise
-    targets = [int(t) for h in hs for t in h.tape.words[:, 2].tolist() + h.tape.words[:, 4].tolist()] or [1]
-    limit = _INT32_MAX // max(1, max(targets)) - 1
-    return TPHandle(ranks=hs, cfg=full, loopback=loopback, epoch_limit=limit, decoder=decoder)
+    return TPHandle(ranks=hs, cfg=full, loopback=loopback, epoch_limit=epoch_limit(tapes), decoder=decoder)
 
 
 def build_tp_layers(rank_weights, rank_kv, cfg, max_seq_len, *, num_sms: int | None = None, tiling=None,
@@ -298,13 +318,14 @@ def build_tp_layers(rank_weights, rank_kv, cfg, max_seq_len, *, num_sms: int | N
     exchanges (made here with ``dist.new_group`` if not given, which every process of the default
     group must then call too).
     """
+    full = parse_cfg(cfg)
     if tp_group is not None:
-        return _build_rank_gpu(rank_weights, rank_kv, cfg, max_seq_len, tp_group, host_group, tapes, num_sms, tiling,
+        return _build_rank_gpu(rank_weights, rank_kv, full, max_seq_len, tp_group, host_group, tapes, num_sms, tiling,
                                policy, seed, pool_us, elide_waits, spin_limit, sync_check, wait_s, None, False,
                                verify_tapes)
     if host_group is not None:
         raise ValueError("host_group: only with tp_group (one rank per process)")
-    return _build(rank_weights, rank_kv, cfg, max_seq_len, _verified(tapes, verify_tapes), num_sms,
+    return _build(rank_weights, rank_kv, full, max_seq_len, _verified(tapes, verify_tapes), num_sms,
                   tiling, policy, seed, pool_us, elide_waits, spin_limit, sync_check, None, False, wait_s)
 
 
@@ -321,21 +342,16 @@ def build_tp_decoder(rank_weights, rank_kv, cfg, max_seq_len, *, lm_rows: int = 
     ``profile``: the profiling kernel (``interp.runtime.profile_records(h.layer)`` after a step; GPUs,
     one rank per process, only)."""
     from schedule.decoder_program import decoder_lowering
-    full = runtime.parse_cfg(cfg)
+    full = parse_cfg(cfg, decoder=True)
     if profile and tp_group is None:
-        raise _err(ValueError, "profile", "False without tp_group (profile records come from a GPU, one rank per "
-                   "process)", profile)
-    if not full.vocab:
-        raise _err(ValueError, "cfg['vocab']", "the vocabulary size (> 0) for a whole-model decoder", full.vocab)
+        raise arg_error(ValueError, "profile", "False without tp_group (profile records come from a GPU, one rank per "
+                        "process)", profile)
     if tp_group is not None:
         return _build_rank_gpu(rank_weights, rank_kv, full, max_seq_len, tp_group, host_group, tapes, num_sms, tiling,
                                policy, seed, pool_us, elide_waits, spin_limit, sync_check, wait_s,
                                decoder_lowering(lm_rows, emb_cols), True, verify_tapes, bool(profile))
     if host_group is not None:
         raise ValueError("host_group: only with tp_group (one rank per process)")
-    full = _check_ranks(rank_weights, rank_kv, full)
-    for r, w in enumerate(rank_weights):
-        _check_decoder_shard(f"rank_weights[{r}]", w, full)
     h = _build(rank_weights, rank_kv, full, max_seq_len, _verified(tapes, verify_tapes), num_sms, tiling,
                policy, seed, pool_us, elide_waits, spin_limit, sync_check, decoder_lowering(lm_rows, emb_cols), True,
                wait_s)
@@ -346,15 +362,6 @@ def build_tp_decoder(rank_weights, rank_kv, cfg, max_seq_len, *, lm_rows: int = 
         h.hidden.append(torch.empty(1, full.d, dtype=torch.bfloat16, device=k.device))
         h.logits.append(k.scratch["logits"].view(1, -1))
     return h
-
-
-def _check_decoder_shard(arg: str, w, full: ModelConfig) -> None:
-    first = w["layers"][0]["q"]
-    shapes = {"embed": (full.vocab, full.d), "final_norm": (full.d,), "lm_head": (full.vocab // 2, full.d)}
-    for k, shape in shapes.items():
-        if k not in w:
-            raise _err(ValueError, arg, "keys 'embed', 'final_norm', 'lm_head'", f"missing {k!r}")
-        _check_tensor(f"{arg}[{k!r}]", w[k], shape, torch.bfloat16, first.device)
 
 
 class _Verified(list):
@@ -502,7 +509,7 @@ def _place_symmetric(h: LayerHandle, rank: int, group, hg) -> tuple:
     for what, t in (("this rank's", raw), ("the peer's", peer_raw)):
         if t.numel() < total or t.dtype != torch.uint8 or t.device != h.device or t.data_ptr() % 256:
             raise RuntimeError(f"symmetric memory: {what} buffer is not {total} bytes on {h.device}, 256-byte "
-                               f"aligned: {_desc(t)} at {t.data_ptr():#x}")
+                               f"aligned: {describe(t)} at {t.data_ptr():#x}")
     raw.zero_()
     b = h.bindings
     peer = {}
@@ -525,33 +532,25 @@ def _place_symmetric(h: LayerHandle, rank: int, group, hg) -> tuple:
     return raw, keep, peer
 
 
-def _build_rank_gpu(weights, kv, cfg, max_seq_len, tp_group, host_group, tapes, num_sms, tiling, policy, seed, pool_us,
-                    elide_waits, spin_limit, sync_check, wait_s, lowering, decoder: bool, verify_tapes,
-                    profile: bool = False) -> TPRankHandle:
+def _build_rank_gpu(weights, kv, full: ModelConfig, max_seq_len, tp_group, host_group, tapes, num_sms, tiling,
+                    policy, seed, pool_us, elide_waits, spin_limit, sync_check, wait_s, lowering, decoder: bool,
+                    verify_tapes, profile: bool = False) -> TPRankHandle:
     dist = _dist()
     if dist.get_world_size(tp_group) != 2:
-        raise _err(ValueError, "tp_group", "a group of 2 processes (tensor-parallel tapes exist for two ranks)",
-                   f"{dist.get_world_size(tp_group)} processes")
+        raise arg_error(ValueError, "tp_group", "a group of 2 processes (tensor-parallel tapes exist for two ranks)",
+                        f"{dist.get_world_size(tp_group)} processes")
     r = dist.get_rank(tp_group)
-    full, _ = check_tp(runtime.parse_cfg(cfg), r, 2)
-    if not isinstance(weights, dict) or not isinstance(weights.get("layers"), (list, tuple)) or not weights["layers"]:
-        raise _err(TypeError, "weights", "this rank's shard: a dict with key 'layers' (opcodes.tp.shard_weights)",
-                   _desc(weights))
-    tp = weights.get("tp")
-    if tp is not None and (tp.get("rank"), tp.get("size")) != (r, 2):
-        raise _err(ValueError, "weights", f"the shard of rank {r} of 2 (tp_group's rank; weights['tp'])", tp)
+    check_tp(full, r, 2)
+    _check_shard("weights", weights, r)
     first = weights["layers"][0].get("q") if isinstance(weights["layers"][0], dict) else None
     # (CPU tensors under the Triton interpreter: the CPU rehearsal of this path, tests/test_tp_bench.py)
-    if not isinstance(first, torch.Tensor) or (first.device.type != "cuda" and not runtime.interpreter_mode()):
-        raise _err(ValueError, "weights", "tensors on this process's GPU (tp_group: one rank per GPU)",
-                   _desc(first))
-    device = first.device
-    if decoder:
-        _check_decoder_shard("weights", weights, full)
+    if not isinstance(first, torch.Tensor) or (first.device.type != "cuda" and not interpreter_mode()):
+        raise arg_error(ValueError, "weights", "tensors on this process's GPU (tp_group: one rank per GPU)",
+                        describe(first))
+    device = _check_rank_inputs("weights", weights, kv, full, r, max_seq_len, decoder)
     if spin_limit is None:
         spin_limit = GPU_TP_SPIN_LIMIT
-    if isinstance(spin_limit, bool) or not isinstance(spin_limit, int) or spin_limit <= 0:
-        raise _err(ValueError, "spin_limit", "a positive int", spin_limit)
+    check_spin_limit(spin_limit)
     wait_ns = _wait_ns(DEFAULT_TP_WAIT_S if wait_s is None else wait_s)
     hg = host_group if host_group is not None else make_host_group(tp_group)
     if tapes is None:
@@ -559,14 +558,14 @@ def _build_rank_gpu(weights, kv, cfg, max_seq_len, tp_group, host_group, tapes, 
                             decoder)
     else:
         if not isinstance(tapes, (list, tuple)) or len(tapes) != 2:
-            raise _err(TypeError, "tapes", "both ranks' tapes (compile_model(..., tp=2).tapes)", _desc(tapes))
+            raise arg_error(TypeError, "tapes", "both ranks' tapes (compile_model(..., tp=2).tapes)", describe(tapes))
         if verify_tapes:
             verify_tp(list(tapes))
     _check_tapes(tapes, full, max_seq_len, decoder)
     tape = tapes[r]
-    dev_sms = runtime._device_sms(device)
+    dev_sms = device_sms(device)
     if tape.num_sms > dev_sms:
-        raise _err(ValueError, "tapes", f"at most {dev_sms} SM queues (this GPU's SMs)", tape.num_sms)
+        raise arg_error(ValueError, "tapes", f"at most {dev_sms} SM queues (this GPU's SMs)", tape.num_sms)
     # both processes must run the same program: a rank of another compile would wait forever
     _agree(hg, (_tape_digest(tapes), tape.num_sms, max_seq_len, full.to_dict()), "the tapes")
     box = {}
@@ -574,7 +573,7 @@ def _build_rank_gpu(weights, kv, cfg, max_seq_len, tp_group, host_group, tapes, 
     def place(k):
         box["symm"] = _place_symmetric(k, r, tp_group, hg)
 
-    k = _build_rank(weights, kv, full, r, tape, max_seq_len, spin_limit, sync_check, wait_ns, place, profile)
+    k = _build_rank(weights, kv, device, tape, spin_limit, sync_check, wait_ns, place, profile)
     try:
         wire_peer(k, box["symm"][2])
         _sync(device)
@@ -582,9 +581,8 @@ def _build_rank_gpu(weights, kv, cfg, max_seq_len, tp_group, host_group, tapes, 
     except BaseException:
         runtime.teardown(k)
         raise
-    targets = [int(t) for q in tapes for t in q.words[:, 2].tolist() + q.words[:, 4].tolist()] or [1]
-    h = TPRankHandle(layer=k, cfg=full, rank=r, group=tp_group, host_group=hg,
-                     epoch_limit=_INT32_MAX // max(1, max(targets)) - 1, symm=box["symm"], decoder=decoder)
+    h = TPRankHandle(layer=k, cfg=full, rank=r, group=tp_group, host_group=hg, epoch_limit=epoch_limit(tapes),
+                     symm=box["symm"], decoder=decoder)
     if decoder:
         h.tok, h.toks = k.state["tok"], k.state["toks"]
         h.x0 = k.scratch["x0"].view(1, full.d)
@@ -598,7 +596,7 @@ def _reset_rank(h: TPRankHandle) -> None:
     both kernels have ended (each rank synchronised its GPU before the status exchange, so the peer
     signals nothing any more), then wait until the peer has done the same."""
     _sync(h.layer.device)
-    _reset(h.layer)
+    runtime.reset_counters(h.layer)
     _sync(h.layer.device)
     h.calls = 0
     _barrier(h.host_group)
@@ -628,9 +626,8 @@ def tp_launch(h: TPRankHandle, pos, x=None, out=None) -> None:
     processes launch their steps back to back, then call :func:`tp_check`). ``pos``: an int, or None
     for the position the device holds; the decoder's ``x`` / ``out`` default to its own buffers."""
     k = h.layer
-    p = runtime._check_pos(k, pos)
-    if h.calls + 1 > h.epoch_limit:
-        raise RuntimeError(f"handle: {h.calls} calls, the counters' int32 range; build the handles again")
+    p = check_pos(k, pos)
+    _check_calls(h)
     h.calls += 1
     k.last_pos = p
     _launch_one(k, h.x0 if x is None else x, p, h.hidden if out is None else out)
@@ -641,14 +638,20 @@ def _launch_one(k: LayerHandle, x, pos: int, out) -> None:
         with torch.cuda.device(k.device):
             runtime.launch(k, x, pos, out)
     else:       # the CPU rehearsal: no host copies of the arguments (the interpreter's own launch copies
-        _interpreter_launch_all([_kernel_args(k, x, pos, out)])     # them back at its end, over a peer's signal)
+        # them back at its end, over a peer's signal)
+        _interpreter_launch_all([(k.kernel, *kernel_args(k, x, pos, out))])
+
+
+def _check_calls(h) -> None:
+    """One more call of ``h`` (a :class:`TPHandle` or :class:`TPRankHandle`) stays in its counters'
+    int32 range (the device never resets them, see the module docstring)."""
+    if h.calls + 1 > h.epoch_limit:
+        raise RuntimeError(f"handle: {h.calls} calls, the counters' int32 range; build the handles again")
 
 
 def _rank_step(h: TPRankHandle, x, pos: int, out, launch: bool = True) -> None:
-    if h.closed:
-        raise ValueError("handle: tp_teardown() was already called on it")
-    if h.calls + 1 > h.epoch_limit:
-        raise RuntimeError(f"handle: {h.calls} calls, the counters' int32 range; build the handles again")
+    check_open(h, "tp_teardown")
+    _check_calls(h)
     k = h.layer
     if not k.lock.acquire(blocking=False):
         raise RuntimeError("handle: stepped from two threads at once")
@@ -664,11 +667,6 @@ def _rank_step(h: TPRankHandle, x, pos: int, out, launch: bool = True) -> None:
 
 
 # ---- launch ----------------------------------------------------------------------------------------
-def _kernel_args(h: LayerHandle, x, pos: int, out):
-    args = (h.tape_dev, h.qoff_dev, h.counters, h.status, h.prof, h.bindings.table, h.ctl, h.spin_limit, pos, x, out)
-    return h.kernel, args, {**h.constexprs, **h.launch_opts}
-
-
 def _interpreter_launch_all(launches) -> None:
     """Run several one-program launches of interpreted kernels at once, each in its own thread, under
     ONE patch of ``triton.language`` (see the module docstring: the interpreter's own launch patches
@@ -726,13 +724,7 @@ def _launch_ranks(h: TPHandle, xs, pos: int, outs, ranks=(0, 1)) -> None:
     # both ranks in one process is the CPU loopback only (_peer_tensors refuses GPUs): on GPUs each
     # process holds one rank and steps it collectively
     assert h.loopback, "a TPHandle of both ranks exists only as the CPU loopback"
-    _interpreter_launch_all([_kernel_args(h.ranks[r], xs[r], pos, outs[r]) for r in ranks])
-
-
-def _reset(k: LayerHandle) -> None:
-    k.status.zero_()
-    k.counters.zero_()
-    k.ctl.zero_()
+    _interpreter_launch_all([(h.ranks[r].kernel, *kernel_args(h.ranks[r], xs[r], pos, outs[r])) for r in ranks])
 
 
 def check(h: TPHandle) -> None:
@@ -747,17 +739,15 @@ def check(h: TPHandle) -> None:
             stuck += [(r, *row) for row in e.stuck]
     if msgs:
         for k in h.ranks:
-            _reset(k)
+            runtime.reset_counters(k)
         h.calls = 0
         raise MegakernelError("tensor-parallel step failed (both ranks' counters were reset):\n" + "\n".join(msgs),
                               stuck)
 
 
 def _step(h: TPHandle, xs, pos: int, outs, ranks=(0, 1)) -> None:
-    if h.closed:
-        raise ValueError("handle: tp_teardown() was already called on it")
-    if h.calls + 1 > h.epoch_limit:
-        raise RuntimeError(f"handle: {h.calls} calls, the counters' int32 range; build the handles again")
+    check_open(h, "tp_teardown")
+    _check_calls(h)
     holds = []
     try:
         for r in ranks:
@@ -785,23 +775,18 @@ def tp_layer_step(h, x: torch.Tensor, pos: int, *, ranks=(0, 1), launch: bool = 
     if isinstance(h, TPRankHandle):
         if h.decoder:
             raise ValueError("handle: a whole-model decoder (build_tp_decoder); use tp_decode_step")
-        pos = runtime._check_pos(h.layer, pos)
-        if pos < 0:
-            raise _err(TypeError, "pos", "a python int", None)
-        runtime._check_step_args(h.layer, x, pos)
+        pos = check_step_args(h.layer, x, check_pos(h.layer, pos, held=False))
         out = torch.empty(1, h.cfg.d, dtype=torch.bfloat16, device=h.device)
         _rank_step(h, x, pos, out, launch=bool(launch))
         return out
     if h.decoder:
         raise ValueError("handle: a whole-model decoder (build_tp_decoder); use tp_decode_step")
-    pos = runtime._check_pos(h.ranks[0], pos)
-    if pos < 0:
-        raise _err(TypeError, "pos", "a python int", None)
+    pos = check_pos(h.ranks[0], pos, held=False)
     for k in h.ranks:
-        runtime._check_step_args(k, x, pos)
+        check_step_args(k, x, pos)
     outs = [torch.empty(1, h.cfg.d, dtype=torch.bfloat16, device=k.device) for k in h.ranks]
     if not (tuple(ranks) in ((0, 1), (0,), (1,))):
-        raise _err(ValueError, "ranks", "(0, 1), (0,) or (1,)", ranks)
+        raise arg_error(ValueError, "ranks", "(0, 1), (0,) or (1,)", ranks)
     _step(h, [x, x], pos, outs, tuple(ranks))
     return outs
 
@@ -816,11 +801,9 @@ def tp_decode_step(h, token: int, pos: int, *, launch: bool = True) -> torch.Ten
     k0 = h.layer if isinstance(h, TPRankHandle) else h.ranks[0]
     if not h.decoder:
         raise ValueError("handle: the layers alone (build_tp_layers); use tp_layer_step")
-    pos = runtime._check_pos(k0, pos)
-    if pos < 0:
-        raise _err(TypeError, "pos", "a python int", None)
+    pos = check_pos(k0, pos, held=False)
     if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < h.cfg.vocab:
-        raise _err(ValueError, "token", f"an int in [0, vocab={h.cfg.vocab})", token)
+        raise arg_error(ValueError, "token", f"an int in [0, vocab={h.cfg.vocab})", token)
     if isinstance(h, TPRankHandle):
         h.tok.fill_(token)
         _rank_step(h, h.x0, pos, h.hidden, launch=bool(launch))
@@ -852,10 +835,10 @@ def tp_generate(h, prompt_tokens, n_new: int, start_pos: int = 0) -> list[int]:
     Returns the new tokens (checked equal on both ranks). Collective for a :class:`TPRankHandle`."""
     prompt = [int(t) for t in prompt_tokens]
     if not prompt:
-        raise _err(ValueError, "prompt_tokens", "a non-empty list of token ids", prompt)
+        raise arg_error(ValueError, "prompt_tokens", "a non-empty list of token ids", prompt)
     last = start_pos + len(prompt) - 1 + max(0, n_new - 1)
     if last >= h.max_seq:
-        raise _err(ValueError, "prompt_tokens / n_new", f"positions up to {h.max_seq - 1}", last)
+        raise arg_error(ValueError, "prompt_tokens / n_new", f"positions up to {h.max_seq - 1}", last)
     for i, t in enumerate(prompt):
         tp_decode_step(h, t, start_pos + i)
     out = []

@@ -4,9 +4,9 @@ Importing this package registers every opcode; their numbers come from the order
 nowhere else (the tape, the VM and the generated interpreter all read :data:`REGISTRY`).
 """
 from .base import (BY_OPCODE, HEADER, LAYOUTS, MAX_OPERANDS, MAX_WAITS, NO_COUNTER, REGISTRY, WORDS, Cost,
-                   Instruction, Layout, Region, Tiling, Timing, cdiv, kernel_constexprs, kernel_pointers,
-                   layout_from_json, next_pow2, register, register_layout, scratch_buffers, state_buffers,
-                   unregister)
+                   Instruction, Layout, Region, Timing, kernel_constexprs, kernel_pointers, layout_from_json,
+                   register, register_layout, scratch_buffers, state_buffers, unregister)
+from .tiling import Tiling, cdiv, next_pow2
 from .config import PRESETS, ModelConfig
 
 # registration order = opcode numbers 1, 2, ...

@@ -20,12 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, Timing, cdiv, register
+from .base import Cost, Instruction, Layout, Region, Timing, register
+from .tiling import cdiv
 from .common import T_KC, T_VC, mma, tab_offset, tape_waits, to_bf16
 
 
 #: an attention split on the H200: (t0, per loaded HBM round trip, per key block) seconds, fitted
-#: to six variants of block size and pipelining depth (bench/NOTES.md v7); see attention_latency
+#: to six variants of block size and pipelining depth; see attention_latency
 ATTN_LATENCY_H200 = (2.6e-6, 2.1e-6, 0.2e-6)
 
 
@@ -185,7 +186,7 @@ class AttnPartial(Instruction):
     WAIT_INSIDE = "A_WAIT"
     #: the longest KV cache (positions) for which ``Tiling.for_config`` picks ``attn_splits`` 1 on its own
     #: (d <= 2048): the 1B on the H200, one instruction a KV head against 16 splits and their merge,
-    #: alternated: -1.7% at pos 128, equal at 256, +2.3% at 384, +10.6% at 1024 (bench/NOTES.md v129-v131);
+    #: alternated: -1.7% at pos 128, equal at 256, +2.3% at 384, +10.6% at 1024;
     #: also the positions of a longer cache that a decoder runs on a second, merged tape (``Tiling.short_prefix``)
     MERGED_MAX_SEQ = 256
     TIMING = Timing.LATENCY

@@ -74,7 +74,7 @@ class AttnReduce(Instruction):
                   "GROUP": AttnPartial.CONSTEXPRS["GROUP"], "QSCALE": AttnPartial.CONSTEXPRS["QSCALE"],
                   "KEY_IN_REDUCE": lambda lay: lay.tiling.key_in_reduce}
     TIMING = Timing.FIXED
-    FIXED_S = 2.1e-6          # measured on the H200 (bench/NOTES.md v7)
+    FIXED_S = 2.1e-6          # measured on the H200
     device = attn_reduce_device
 
     SCRATCH = {"attn": "fp32"}

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .config import ModelConfig
+from .tiling import Tiling, cdiv, next_pow2
 
 WORDS = 16
 HEADER = 6          # opcode, wait_a, target_a, wait_b, target_b, signal
@@ -29,254 +30,6 @@ MAX_WAITS = 2
 WAIT_ARGS = ("ins", "cnt_ptr", "epoch", "spin_limit", "PROFILE")
 MAX_OPERANDS = WORDS - HEADER
 NO_COUNTER = -1
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-#: bytes per pipeline stage of the row-streaming GEMV loop where ``Tiling.for_config`` picks it
-ROW_BYTES = 32768
-#: the SMs of the H200 the defaults are tuned on (``Tiling.for_config``: gate/up tiles where d <= 2048)
-H200_SMS = 132
-
-
-@dataclass(frozen=True)
-class Tiling:
-    """How a layer is cut into instructions. Every field is a kernel constexpr."""
-
-    qkv_rows: int = 32      # output rows per QKV tile: qkv_rows/2 from each RoPE half of one head
-    # output rows per K or V tile (0: qkv_rows). The list scheduler puts the K/V tiles after the Q
-    # tiles (lower bottom level), so they are the tail wave of the QKV stage that every last attention
-    # split waits for: smaller K/V tiles spread that tail over more SMs
-    kv_rows: int = 0
-    o_rows: int = 32        # output rows per O-projection tile
-    # columns streamed per inner-loop iteration of an O tile (0: bk). With o_rows=64, o_bk=256 keeps
-    # the pipeline's bytes per stage while halving the tile count (the 70B shape's O in one wave)
-    o_bk: int = 0
-    o_k: int = 0            # n_q*hd columns per O-projection tile (0: all, no split)
-    gu_rows: int = 16       # rows of gate AND of up per gate/up tile
-    # > 0: that many gate/up tiles, the ffn rows split as evenly as the row loop's stages allow (each
-    # at most gu_rows), e.g. 132 for every SM of an H200 where ffn / gu_rows = 128 would leave 4 idle.
-    # Needs the row loop (row_bytes) and one down K chunk. 0: ffn / gu_rows tiles of gu_rows rows
-    gu_tiles: int = 0
-    down_rows: int = 32     # output rows per down-projection tile
-    # columns a down tile streams per pipeline stage (0: bk): down_rows=64, down_bk=256 on the 70B TP
-    # shard (TPLayout.default_tiling; 20 layers -1.2%, run 83; the 70B layer on one GPU unchanged)
-    down_bk: int = 0
-    down_k: int = 7168      # ffn columns (K range) per down-projection tile
-    red_rows: int = 1024    # rows per final residual reduction
-    # splits of the key sequence per KV head; 1: one ATTN_PARTIAL a KV head attends to every key [0, pos] and
-    # writes the merged output itself (no ATTN_REDUCE: one dependency hop less, one longer instruction)
-    attn_splits: int = 16
-    # 1: ATTN_REDUCE attends to the key at pos itself (the K/V tiles' new row) while it merges the
-    # prefix splits; there is no last split, so the merge follows the K/V tiles directly instead of
-    # a one-key split in between (the TP rank's K/V tail: run 79)
-    key_in_reduce: int = 0
-    attn_block: int = 128   # keys per attention inner block
-    # software-pipelining depth of the attention key loop: 3 keeps two 128-key K/V blocks in
-    # flight, so a ~270-key split costs ~2 loaded HBM round trips instead of one per block
-    # (H200: 12.3 -> 7.4 us per split, 446 -> 436 us per layer; bench/NOTES.md v7)
-    attn_stages: int = 3
-    bk: int = 512           # columns streamed per inner-loop iteration of a GEMV tile
-    num_warps: int = 8
-    # software-pipelining depth of the GEMV streaming loops (1: off). 6 keeps five 32 KB blocks in
-    # flight per SM (shared memory 139 -> 179 KB): an SM streams faster where fewer than ~115 SMs
-    # stream (faster on the H200 than 4 or 5: bench/NOTES.md v14)
-    stages: int = 6
-    # the loop of GATE_UP and LM_HEAD: 0 streams [rows, bk] blocks of a tile and sums over K at its
-    # end (the loop of every GEMV); > 0 streams whole rows, about ``row_bytes`` bytes per pipeline
-    # stage, each row summed as it arrives, so a tile can have any number of rows without more
-    # registers (Tiling.for_config: for d <= 2048, with coarser tiles). QKV, O and DOWN measured
-    # slower with it (bench/NOTES.md v30) and always use the column loop
-    row_bytes: int = 0
-    # 1: a layer's RESIDUAL is folded into the next layer's readers: its QKV and O (or O_REDUCE)
-    # tiles sum x1 and the down partials themselves (in RESIDUAL's order, rounded as it rounds), so
-    # the next layer waits on the down projection directly: one dependency hop less per layer but
-    # the last. Tiling.for_config: on for d <= 2048 (1B decoder -2.6% at pos 1024); the 8B shape
-    # measured +4.0% and 16 layers of the 70B shape +1.5% with it (bench/NOTES.md v31, run 51)
-    res_fold: int = 0
-    # 1: each DOWN tile makes its waits inside its pipelined loop (Instruction.WAIT_INSIDE): it streams
-    # whole rows of its K chunk, the loop's prologue issues its first weight blocks before the waits,
-    # and the first iteration waits and reads the act chunk. Tiling.for_config: on for d <= 2048 (the
-    # 1B decoder -0.8..-1.5%, runs 173-174); the 8B shape +5.5..+6.0%, and GATE_UP or O waiting inside
-    # lost on the 1B alone and beside it (bench/NOTES.md v96-v102)
-    down_wait: int = 0
-    # 1: the row loop (row_bytes) of GATE_UP and LM_HEAD sums each row inside one warp
-    # (opcodes.common.warp_rows_dot) instead of across the CTA's warps: needs d a power of two times
-    # 256 (Layout checks); one row a warp where a stage's rows are a multiple of num_warps (the 1B:
-    # 4 gate/up rows, 8 LM head rows a stage on 4 warps), else a row's warps still share its sum
-    warp_rows: int = 0
-    # 1: every 16-byte async copy (the weight streams' cp.async, the attention's K/V prefix) carries an L2
-    # evict_first policy (interp.l2policy: Triton 3.6 drops a load's eviction_policy when it pipelines it
-    # into cp.async), so the ~120 MB a layer streams stop evicting from the L2 what is read again: the
-    # kernel's code and constants, the activations and the counters. A variant not yet measured on a GPU
-    # (bench/NOTES.md v142); the Triton interpreter runs the kernel without it
-    l2_first: int = 0
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("o_k", "row_bytes", "res_fold", "kv_rows", "o_bk", "key_in_reduce", "down_bk", "down_wait", "gu_tiles", "warp_rows", "l2_first") and isinstance(v, int) and not isinstance(v, bool) \
-                    and v == 0:
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"Tiling.{f.name} must be a positive int, got {v!r}")
-        for k in ("qkv_rows", "kv_rows", "o_rows", "gu_rows", "down_rows", "red_rows", "attn_block", "bk", "num_warps",
-                  "o_bk", "down_bk"):
-            v = getattr(self, k)
-            if v & (v - 1):
-                raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
-        if self.o_k < 0:
-            raise ValueError(f"Tiling.o_k must be >= 0, got {self.o_k}")
-        for k in ("res_fold", "key_in_reduce", "down_wait", "warp_rows", "l2_first"):
-            if getattr(self, k) not in (0, 1):
-                raise ValueError(f"Tiling.{k} must be 0 or 1, got {getattr(self, k)}")
-        if self.qkv_rows < 2:
-            raise ValueError("Tiling.qkv_rows must be >= 2 (RoPE pairs)")
-        for k in ("o_bk", "down_bk"):
-            if 0 < getattr(self, k) < 16:
-                raise ValueError(f"Tiling.{k} must be 0 (bk) or >= 16, got {getattr(self, k)}")
-        if self.kv_rows == 1:
-            raise ValueError("Tiling.kv_rows must be 0 (qkv_rows) or >= 2 (RoPE pairs)")
-        if self.attn_splits == 1 and self.key_in_reduce:
-            raise ValueError("Tiling.attn_splits = 1 (one attention instruction a KV head, no merge) cannot take "
-                             "Tiling.key_in_reduce = 1 (the merge attends to the key at pos)")
-        if self.attn_block < 16:
-            raise ValueError("Tiling.attn_block must be >= 16 (tl.dot)")
-
-    @staticmethod
-    def warp_rows_fit(d: int) -> bool:
-        """Whether ``warp_rows`` can stream rows of ``d`` columns: d is 256 times a power of two (a warp
-        holds a row as [d / 256, 256])."""
-        return d % 256 == 0 and next_pow2(d // 256) == d // 256
-
-    def rows_per_block(self, k: int, mats: int, rows: int, row_bytes: int | None = None) -> int:
-        """Rows per pipeline stage of a row-streaming GEMV (``row_bytes`` > 0; else 0): ``mats``
-        matrices' rows of ``k`` columns (padded to a power of two), at most the tile's ``rows``.
-        ``row_bytes``: the bytes a stage (default ``Tiling.row_bytes``), for a loop that streams whole
-        rows whatever the layout's other loops do (DOWN's waiting loop)."""
-        rb = self.row_bytes if row_bytes is None else row_bytes
-        if not rb:
-            return 0
-        per = max(1, rb // (2 * mats * next_pow2(k)))
-        return max(1, min(1 << (per.bit_length() - 1), next_pow2(rows)))
-
-    @classmethod
-    def from_spec(cls, cfg: ModelConfig, spec: str, max_seq: int | None = None) -> "Tiling":
-        """``for_config`` with the overrides of a ``"name=value,name=value"`` string (integers),
-        as the command line's ``--tiling`` takes them."""
-        return cls.for_config(cfg, max_seq=max_seq, **cls.parse_spec(spec))
-
-    @staticmethod
-    def parse_spec(spec: str) -> dict:
-        """The overrides of a ``"name=value,name=value"`` string (integers; the names are checked
-        where they are applied)."""
-        over = {}
-        for item in filter(None, spec.replace(" ", "").split(",")):
-            k, _, v = item.partition("=")
-            if not v:
-                raise ValueError(f"--tiling: expected name=value, got {item!r}")
-            try:
-                over[k] = int(v)
-            except ValueError:
-                raise ValueError(f"--tiling: {k} must be an integer, got {v!r}") from None
-        return over
-
-    @classmethod
-    def for_config(cls, cfg: ModelConfig, max_seq: int | None = None, **overrides) -> "Tiling":
-        """The default tiling clamped to the model's dimensions; ``overrides`` win. ``max_seq``: the KV
-        cache's positions, where a choice depends on them (the attention of short caches, below)."""
-        base = cls()
-        d, ffn = cfg.d, cfg.ffn
-        clamped = dict(
-            qkv_rows=min(base.qkv_rows, cfg.hd),
-            o_rows=min(base.o_rows, next_pow2(d)),
-            gu_rows=min(base.gu_rows, next_pow2(ffn)),
-            down_rows=min(base.down_rows, next_pow2(d)),
-            # equal K chunks (28672 -> 4 x 7168, 8192 -> 2 x 4096), a multiple of the streaming width
-            down_k=min(ffn, cdiv(cdiv(ffn, cdiv(ffn, base.down_k)), 512) * 512),
-            red_rows=min(base.red_rows, next_pow2(d)),
-            bk=max(16, min(base.bk, next_pow2(min(d, ffn, cfg.q_dim)))),
-        )
-        if d > 2048:
-            # the key at pos merged by ATTN_REDUCE, no one-key split: the 8B decoder -1.3%, a TP rank of
-            # the 70B shape -1.1%, 16 layers of it -1.2% with the O tiles below; the 1B decoder +2.4%
-            # (its QKV is one wave: the prefix splits end with the last split; bench/NOTES.md v48)
-            clamped.update(key_in_reduce=1)
-        if 2048 < d <= 4096:
-            # half the attention splits (the 8B shape: 64 prefix partials, one round on the ~72 SMs the
-            # QKV stage's second wave leaves idle, instead of 128 in two): 4332-4405 -> 4265-4281 us at
-            # pos 1024, 4308-4367 -> 4256-4284 at pos 128 (-1.6..-1.8% and -1.7% by medians, alternated,
-            # runs 137-138; -1.2% on another card, run 141); the 70B layer measured -0.4% (its spread),
-            # the 1B +1.0% (bench/NOTES.md v80, v77)
-            clamped.update(attn_splits=8)
-        if cdiv(d, 2 * base.o_rows) >= 128:
-            # O tiles of twice the rows at half the width (the same 32 KB per pipeline stage) where O
-            # keeps >= 128 of them: the 70B shape's O in one wave of 1 MB tiles (a TP rank's: 512 KB).
-            # TP -1.3%, the 70B layer -0.4..-0.9%, its 16 layers -0.7% (bench/NOTES.md v45, runs 79-82)
-            clamped.update(o_rows=2 * base.o_rows, o_bk=max(16, clamped["bk"] // 2))
-        if d <= 2048:
-            # small d: gate/up and the LM head stream whole rows in coarse tiles (one ~64-row gate/up
-            # tile per SM, below), 5 stages (bench/NOTES.md v28-v30). Not at d 4096: the 8B shape measured
-            # 5018 us with the row loop against 4425 without (run 47). The residual folded into the
-            # next layer's readers: 1B 1005.0 -> 980.0 us at pos 1024 (run 51); the 8B shape +4.0%.
-            # CTAs of 4 warps at half the streaming width (the same work per thread): the 1B's one-wave
-            # stages are latency-bound and half the threads join each reduction and barrier: 1B
-            # 979.6-986.8 -> 949.3-952.6 us at pos 1024 and 979.6-981.1 -> 950.9 at pos 128 (-3.0..-3.2%,
-            # runs 96-97); the 8B shape +3.2% (run 98), so not there (bench/NOTES.md v58). Under 4 warps,
-            # O and down in half-height tiles, down in one K chunk (one wave of 128 tiles each, half the
-            # bytes per tile, one partial per row): 957.6-962.8 -> 921.7-931.2 us at pos 1024 (v59, run 101).
-            # Down tiles wait inside their loop (down_wait): 919.7 / 922.7 -> 912.1 / 909.0 us at pos 1024,
-            # 914.7-919.2 -> 904.6-909.7 at 128 (runs 173-174, v101-v102)
-            clamped.update(row_bytes=ROW_BYTES, stages=5, gu_rows=min(64, next_pow2(ffn)), res_fold=1,
-                           num_warps=4, bk=min(256, clamped["bk"]), o_rows=min(16, clamped["o_rows"]),
-                           down_rows=min(16, clamped["down_rows"]), down_k=ffn, down_wait=1)
-            if cls.warp_rows_fit(d):
-                # each row of the gate/up and LM head loops summed inside one warp (no shared memory, no
-                # barrier a stage): 1B 906.3-909.7 -> 892.6-896.3 us at pos 128 (-1.7%, run 219; GATE_UP
-                # 18.9 -> 18.2 us a tile; bench/NOTES.md v121)
-                clamped.update(warp_rows=1)
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown Tiling fields {sorted(unknown)}")
-        clamped.update(overrides)
-        t = dataclasses.replace(base, **clamped)
-        if d <= 2048 and max_seq is not None and "attn_splits" not in overrides and not t.key_in_reduce:
-            # a cache of at most AttnPartial.MERGED_MAX_SEQ positions: one attention instruction a KV head
-            # over every key, no merge stage (it measured faster or equal at every such position)
-            from .attn_partial import AttnPartial   # (attn_partial imports this module: its fact, asked at call time)
-            if max_seq <= AttnPartial.MERGED_MAX_SEQ:
-                t = dataclasses.replace(t, attn_splits=1)
-        if d <= 2048 and "gu_tiles" not in overrides:
-            # gate/up on every SM of the H200 where ffn / gu_rows tiles would leave some idle (the 1B: 132
-            # tiles of 64 and 60 rows, not 128 of 64): 910.4 -> 904.9 us at pos 128, -0.3..-0.4% at 1024
-            # (runs 190-191, bench/NOTES.md v109)
-            from .gate_up import GateUp         # (gate_up imports this module: its fact, asked at call time)
-            bounds = GateUp.tile_bounds(cfg, t)
-            if not isinstance(bounds, str) and bounds[0] < H200_SMS <= bounds[1]:
-                t = dataclasses.replace(t, gu_tiles=H200_SMS)
-        return t
-
-    @classmethod
-    def short_prefix(cls, cfg: ModelConfig, max_seq: int) -> int:
-        """``P`` > 0 where the positions ``[0, P)`` of a cache of ``max_seq`` run faster on the default
-        tiling of a cache of ``P`` positions (``for_config(cfg, max_seq=P)``) than on the cache's own
-        (``for_config(cfg, max_seq=max_seq)``): a decoder may hold a second tape of it for them (both
-        tapes are correct at every position). 0 where the two tilings are the same."""
-        from .attn_partial import AttnPartial   # (attn_partial imports this module: its fact, asked at call time)
-        p = AttnPartial.MERGED_MAX_SEQ
-        if max_seq <= p or cls.for_config(cfg, max_seq=p) == cls.for_config(cfg, max_seq=max_seq):
-            return 0
-        return p
 
 
 #: element types of kernel pointers, as the tape and codegen name them
@@ -506,7 +259,7 @@ class Instruction:
     TIMING: ClassVar[str] = Timing.STREAM
     #: True: the opcode's branch is in every interpreter kernel; False: only in the kernels of
     #: tapes that hold it (every branch changes the register allocation of the whole loop, so a
-    #: rarely used opcode should not tax the kernels that never run it; bench/NOTES.md v21, v25)
+    #: rarely used opcode should not tax the kernels that never run it)
     IN_EVERY_KERNEL: ClassVar[bool] = True
     #: True: the opcode belongs to whole-model programs (it embeds tokens or reads the logits) and
     #: applies only to a layout with ``Layout.WHOLE_MODEL``
@@ -695,7 +448,7 @@ def kernel_constexprs(lay: Layout, interp: bool = False, used=()) -> dict:
 PER_CALL_POINTERS = {"x_ptr": "bf16", "out_ptr": "bf16"}
 #: tensor parallel: the pointers of a kernel that holds a ``SIGNALS_PEER`` opcode: the peer's counters
 #: (where such an opcode's signal goes), per counter of this rank 1 if the peer signals it (a wait
-#: on it may find the counter past its target: the peer may be a call ahead, ``schedule.verify.verify_tp``),
+#: on it may find the counter past its target: the peer may be a call ahead, ``schedule.verify``),
 #: and the time bound of every wait (one int64, nanoseconds; ``interp.tp`` sets it)
 TP_POINTERS = {"peer_cnt_ptr": "i32", "peer_sig_ptr": "i32", "tp_wait_ptr": "i64"}
 

@@ -1,8 +1,9 @@
-"""Model configuration and tiling: the typed form of the spec's ``cfg`` dict.
+"""Model configuration: the typed form of the spec's ``cfg`` dict.
 
-A :class:`ModelConfig` is the shape of the model (what the weights are); a :class:`Tiling`
-is how megatape cuts it into instructions (what the kernel runs). Both are validated on
-construction so that a bad value is reported where it was given, not deep inside the kernel.
+A :class:`ModelConfig` is the shape of the model (what the weights are); a
+:class:`~opcodes.tiling.Tiling` is how megatape cuts it into instructions (what the kernel runs).
+Both are validated on construction so that a bad value is reported where it was given, not deep
+inside the kernel.
 """
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Layout, cdiv, next_pow2, register_layout
+from .base import Layout, register_layout
+from .tiling import cdiv, next_pow2
 from .config import ModelConfig
 from .reference import model_ref, model_ref_fp32, rel_err, rmsnorm
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import ROW_BYTES, Cost, Instruction, Layout, Region, in_range, next_pow2, register, tile_start
+from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
+from .tiling import ROW_BYTES, next_pow2
 from .common import T_WD, gemv_stream, rows_load, tab_offset, tape_waits
 
 

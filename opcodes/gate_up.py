@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
+from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
+from .tiling import cdiv
 from .common import T_N2, T_WG, T_WU, gemv_stream, row_loop_dot, row_loop_store, row_loop_vec, tab_offset
 
 

@@ -42,7 +42,7 @@ class OReduce(RowBlock):
             "RES_FOLD", "INTERP")
     CONSTEXPRS = {"RED_ROWS": lambda lay: lay.tiling.red_rows, "O_CHUNKS": lambda lay: lay.n_o_k}
     TIMING = Timing.FIXED
-    FIXED_S = 1.5e-6          # measured on the H200 (bench/NOTES.md v7)
+    FIXED_S = 1.5e-6          # measured on the H200
     device = o_reduce_device
 
     SCRATCH = OProj.SCRATCH      # x1 and the O partials (OPROJ owns them; declared alike)

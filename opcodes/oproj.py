@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, cdiv, in_range, register, tile_start
+from .base import Cost, Instruction, Layout, Region, in_range, register, tile_start
+from .tiling import cdiv
 from .common import T_WO, gemv_stream, layer_rows, tab_offset
 
 

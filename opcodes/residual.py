@@ -63,7 +63,7 @@ class Residual(RowBlock):
     ARGS = ("out_ptr", "xout_ptr", "x1_ptr", "dpart_ptr", "LAYERS", "D", "DOWN_CHUNKS", "RED_ROWS", "INTERP")
     CONSTEXPRS = {"RED_ROWS": lambda lay: lay.tiling.red_rows}
     TIMING = Timing.FIXED
-    FIXED_S = 0.9e-6          # measured on the H200 (bench/NOTES.md v7)
+    FIXED_S = 0.9e-6          # measured on the H200
     device = residual_device
 
     SCRATCH = {"xout": "bf16"}   # the layers' outputs; the last layer's row stands for the caller's tensor

@@ -74,7 +74,7 @@ same in torch); the token is ``sample_torch``'s either way.
 the LM_HEAD tiles' (max, index) partials once, into a vector of each block's largest logit held in
 registers. Without top-k / top-p: the chunk sums and one chunk (before SAMPLE_MASS: one pass to sum
 the weights and half a pass on average to find the token, ~180 us for 128k logits on one SM of an
-H200, bench/NOTES.md run 196). On the candidate path: the candidates (1008 for a 128k vocabulary),
+H200). On the candidate path: the candidates (1008 for a 128k vocabulary),
 up to two bisections over them and one chunk. On the whole-vocabulary path it reads the fp32 logits
 from L2 in blocks of ``SMP_BLOCK``, skipping a block whose largest logit is below the probe, and a
 block it reads in a pipelined loop over sub-blocks of ``SMP_MAX_SUB`` logits: top-k one evaluation
@@ -84,8 +84,8 @@ the kept blocks. Per element read: ~15 integer operations and one L1-resident ta
 shares the kernel with the layers: its registers and code are kept small (sub-blocks of 1024, not
 8192-wide tensors; one evaluation call site for both searches; candidates extracted in a loop, not by
 a sorting network), since an 8192-wide SAMPLE made the whole sampling kernel spill and slowed every
-layer by ~11% (bench/NOTES.md run 195), and a sampling kernel of 204 KB of code ran its layers ~5%
-slower than one of 145-169 KB (runs 200-202).
+layer by ~11%, and a sampling kernel of 204 KB of code ran its layers ~5% slower than one of
+145-169 KB.
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ MAX_EVALS = 160
 SMP_ZMIN, SMP_QSCALE, SMP_LN2_Q20 = tl.constexpr(ZMIN), tl.constexpr(QSCALE), tl.constexpr(LN2_Q20)
 SMP_NONE, SMP_TOP_P_ONE, SMP_MAX_EVALS = tl.constexpr(NONE), tl.constexpr(TOP_P_ONE), tl.constexpr(MAX_EVALS)
 #: the logits a block read reads at once (a pipelined loop over a block): SAMPLE's registers and code
-#: grow with it, and SAMPLE shares the kernel with the layers (bench/NOTES.md run 195)
+#: grow with it, and SAMPLE shares the kernel with the layers (8192 at once spilled the whole kernel)
 SMP_MAX_SUB = tl.constexpr(1024)
 
 #: SAMPLE_MASS's chunks: at least SMP_MIN_CHUNK logits, at most SMP_BLOCK (a chunk lies in one block), and
@@ -216,8 +216,7 @@ def _smp_thresholds(top_k, top_pq, z0, m, gal0, scale, bmv, logits_ptr, exp2_ptr
     down from it while ``lo`` is SMP_NONE, then bisection; every evaluation snaps to logit values
     (``_smp_eval``), so it ends on one, after at most SMP_MAX_EVALS evaluations. The top-k search,
     the weight sum at its threshold and the top-p search are the phases 0, 1, 2 of one loop with one
-    evaluation call site: SAMPLE shares the kernel with the layers, and its code is kept small
-    (bench/NOTES.md v115)."""
+    evaluation call site: SAMPLE shares the kernel with the layers, and its code is kept small."""
     t = tl.full([], SMP_NONE, tl.float32)
     z = z0
     topp = top_pq < SMP_TOP_P_ONE
@@ -628,7 +627,7 @@ class Sample(Instruction):
             "SMP_BLOCK", "SMP_CHUNK", "SMP_CANDS")
     # SMP_BLOCK: logits per block (a power of two, a multiple of LM_ROWS): the granularity at which
     # an evaluation skips logits below its probe (by the block's largest logit); a block read is
-    # read SMP_MAX_SUB logits at a time (bench/NOTES.md v32, v110). SMP_CHUNK: logits per
+    # read SMP_MAX_SUB logits at a time. SMP_CHUNK: logits per
     # SAMPLE_MASS instruction (smp_chunk)
     CONSTEXPRS = {"SMP_BLOCK": lambda lay: max(lay.lm_rows, min(SMP_MAX_BLOCK, triton.next_power_of_2(lay.cfg.vocab)))
                   if Sample.applies(lay) else 16,

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Layout, Tiling, cdiv, register_layout
+from .base import Layout, register_layout
+from .tiling import Tiling
 from .config import ModelConfig
 from .decoder import DecoderLayout
 from .reference import LAYER_KEYS, layer_shapes, rmsnorm, rope, rope_tables
@@ -352,25 +353,9 @@ class TPLayout(Layout):
 
     @staticmethod
     def default_tiling(sc: ModelConfig, **overrides) -> Tiling:
-        """The tiling of a rank's shard ``sc`` (:func:`shard_config`) unless one is given:
-        ``Tiling.for_config`` with K/V tiles of half the Q tiles' rows. A rank's QKV stage of the
-        70B shape is 128 Q tiles and 32 K/V tiles on 132 SMs; the list scheduler places the K/V tiles
-        last, so they are a tail wave every last attention split waits for, and halving them spreads
-        it over twice the SMs: 20 layers 5047.7 / 5049.0 -> 5004.0 / 5010.6 us, alternated (-0.8%,
-        bench/NOTES.md v44, run 74; one GPU's 8B decoder measured +2.1% with it). ``overrides`` win.
-        (``Tiling.for_config`` gives the 70B shard ``key_in_reduce`` and O tiles of 64 rows: v45, v48.)
-        Down tiles of twice the rows at half the width where the shard keeps >= 128 of them per K chunk
-        (the 70B shard: 512 -> 256 tiles of 917 KB): 20 layers -1.2% (v50, run 83; one GPU's 70B layer
-        measured no difference). No down tile waits inside its loop (``down_wait``: a tensor-parallel
-        kernel makes every wait itself), and gate/up keeps ffn / gu_rows tiles (``gu_tiles`` 0: the one-GPU
-        132 tiles of v109 have not been measured on a rank) and its rows summed across the CTA
-        (``warp_rows`` 0: v121, likewise)."""
-        base = Tiling.for_config(sc)
-        q = overrides.get("qkv_rows", base.qkv_rows)
-        auto = {"kv_rows": max(2, q // 2), "down_wait": 0, "gu_tiles": 0, "warp_rows": 0}
-        if cdiv(sc.d, 2 * base.down_rows) >= 128:
-            auto.update(down_rows=2 * base.down_rows, down_bk=max(16, base.bk // 2))
-        return Tiling.for_config(sc, **{**auto, **overrides})
+        """The default tiling of a rank's shard ``sc`` (:func:`shard_config`): ``Tiling.for_config`` with
+        the rows of ``opcodes.tiling.DEFAULTS`` for a tensor-parallel rank. ``overrides`` win."""
+        return Tiling.for_config(sc, tp=True, **overrides)
 
 
 @register_layout

@@ -19,7 +19,7 @@ reads its own ``tok``. Two instructions, not one, because a wait precedes an ins
 signal follows it: the push must signal before the pick can wait on the peer's push (the pattern of
 TP_PUSH / TP_REDUCE, ``opcodes/tp_push.py``; TP_ARGMAX recomputes its own pair from ``amax`` as
 TP_REDUCE recomputes its own partial). The receive buffer has two slots, by call parity
-(:attr:`PARITY_SLOTS`; why two suffice: ``schedule.verify.verify_tp``).
+(:attr:`PARITY_SLOTS`; why two suffice: ``schedule.verify``).
 
 The device function of the push writes through ``peer_am_recv_ptr``, the peer's ``tp_am_recv``
 mapped into this GPU's address space, with plain stores, as TP_PUSH does: the kernel's signal after

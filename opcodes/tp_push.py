@@ -8,7 +8,7 @@ down projection (``part`` = ``dpart``). The receive buffer ``tp_recv`` has two s
 buffering by call parity, :attr:`PARITY_SLOTS`): call ``epoch`` writes slot ``epoch % 2``, so a rank
 that is one call ahead of its peer never overwrites what the peer has not read yet (a rank cannot be
 two calls ahead: every call of a rank waits on counters its peer signals in the same call, see
-``schedule.verify.verify_tp``). TP_REDUCE on the peer waits on the signalled counter.
+``schedule.verify``). TP_REDUCE on the peer waits on the signalled counter.
 
 The device function writes through ``peer_recv_ptr`` (:attr:`PEER_POINTERS`), the peer's ``tp_recv``
 mapped into this GPU's address space, and the kernel sends its signal to the peer's counters

@@ -4,8 +4,8 @@ from .compile import Compiled, CompiledTP, compile_model
 from .dag import build_dag, critical_path_seconds
 from .program import Program, lower, make_layout
 from .tape import Decoded, Tape, decode, encode
-from .verify import Report, TapeError, TPReport, verify, verify_tp
+from .verify import Report, TapeError, verify, verify_system, verify_tp
 
 __all__ = ["CostModel", "Schedule", "list_schedule", "random_schedule", "round_robin", "simulate", "Compiled",
            "CompiledTP", "compile_model", "build_dag", "critical_path_seconds", "Program", "lower", "make_layout", "Decoded", "Tape", "decode", "encode", "Report",
-           "TapeError", "TPReport", "verify", "verify_tp"]
+           "TapeError", "verify", "verify_system", "verify_tp"]

@@ -10,11 +10,11 @@ from .assign import CostModel, Schedule, list_schedule, random_schedule, round_r
 from .fluid import FluidModel, expected_makespan
 from .program import Program, lower
 from .tape import Tape, encode
-from .verify import Report, TPReport, verify
+from .verify import Report, verify, verify_tp
 
 POLICIES = ("cost", "round-robin")
-#: microseconds of the plan's tail taken by ticket at run time (H200, bench/NOTES.md v13: 60 us
-#: measured 425.7 us against 431.8 for static queues in one lease; 30 / 120 / 250 us: 427.3 / 426.3 / 428.1)
+#: microseconds of the plan's tail taken by ticket at run time (the 70B layer on the H200: 60 us measured
+#: 425.7 us against 431.8 for static queues; 30 / 120 / 250 us: 427.3 / 426.3 / 428.1)
 DEFAULT_POOL_US = 60.0
 
 
@@ -54,8 +54,8 @@ def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, ti
     ``lowering``: a function Layout -> Program to use instead of :func:`lower` (e.g. a whole decoder
     around the layers); when given it wins over ``decoder``.
     ``elide_waits``: drop the waits an earlier instruction of the same SM already made
-    (:meth:`Tape.elide_repeated_waits`; the default since run 40 on the H200: the 1B decoder
-    1146.6 -> 1096.6 us, the 70B layer 427.9 -> 424.6 us; bench/NOTES.md v27).
+    (:meth:`Tape.elide_repeated_waits`; the default: on the H200 the 1B decoder
+    1146.6 -> 1096.6 us, the 70B layer 427.9 -> 424.6 us).
     ``decoder``: True for the whole-model lowering of :mod:`schedule.decoder_program` (embedding,
     the layers, final norm, LM head, argmax; needs ``cfg.vocab``), False for the layers alone, None
     (default): the whole model iff ``cfg.vocab > 0``.
@@ -92,7 +92,7 @@ def _compile_layout(lay: Layout, num_sms: int, policy: str, model: CostModel | N
         if model is None:
             # NOTE: queues from the bytes-only model (the schedule every H200 measurement of the
             # default build used: it measured as fast as or faster than scheduling with the
-            # round-trip attention model, bench/NOTES.md v11), times predicted with the
+            # round-trip attention model), times predicted with the
             # H200-calibrated model (attention by round trips), which is within ~6% of them.
             model = CostModel()
             sched = simulate(list_schedule(prog, num_sms, CostModel.bytes_only()), model)
@@ -120,7 +120,7 @@ class CompiledTP:
     tape and per-rank report), ``report`` the cross-rank verification of both tapes together."""
 
     ranks: list[Compiled]
-    report: "TPReport"
+    report: Report
     seconds: float
 
     @property
@@ -131,7 +131,6 @@ class CompiledTP:
 def _compile_tp(cfg, num_sms, max_seq, tiling, policy, model, seed, sequential, lowering, pool_us, decoder,
                 elide_waits, tp) -> CompiledTP:
     from opcodes.tp import TPLayout, shard_config
-    from .verify import verify_tp
     if isinstance(tp, bool) or tp != 2:
         raise ValueError(f"tp must be None, 1 or 2 (tensor-parallel tapes exist for two ranks), got {tp!r}")
     if lowering is None and (cfg.vocab > 0 if decoder is None else decoder):

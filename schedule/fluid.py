@@ -1,7 +1,7 @@
 """A shared-bandwidth ("fluid") cost model of the H200 and its simulator: the predictor of a tape's makespan.
 
 The per-SM model of :mod:`schedule.assign` gives every SM a fixed share of the HBM bandwidth
-(``hbm_bw / num_sms``). The H200 profiles say otherwise (bench/NOTES.md): one SM streams at most
+(``hbm_bw / num_sms``). The H200 profiles say otherwise: one SM streams at most
 ~37-45 GB/s (the bytes it keeps in flight over the loaded latency), 132 streaming SMs together
 get the chip's ~4.2 TB/s (~32 GB/s each), and a latency-bound instruction (an attention split)
 leaves the bandwidth it does not use to the SMs that stream. So an SM that runs attention
@@ -12,7 +12,7 @@ or a measured constant for latency-bound opcodes), then streams its HBM bytes at
 at most its opcode's per-SM cap; the running instructions share ``hbm_bw`` by water-filling
 (each gets ``min(cap, equal share of what the capped ones leave)``).
 (A list scheduler driven by this model measured slower on the H200 than the per-SM cost
-model's queues and was removed: bench/NOTES.md.)
+model's queues and was removed.)
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class FluidModel:
     opcodes (``Timing.FIXED`` with a measured ``FIXED_S``) take that time instead of ``overhead`` +
     L2 time; latency-bound ones (``Timing.LATENCY``, attention splits) their own H200 fit, all
     fixed time (their K/V bytes are left out of the shared bandwidth).
-    Defaults: fitted to the H200 profiles of the 70B layer (bench/NOTES.md v7): the default build
+    Defaults: fitted to the H200 profiles of the 70B layer: the default build
     measured 436.3 us, the model says 438.0; 12.3 / 7.4 us attention splits for 64-key blocks
     unpipelined / 128-key blocks 3 stages. (Read-only streaming reaches ~4.2-4.3 TB/s, a little
     over the stream-copy figure, which counts a write for every read.)
@@ -49,21 +49,21 @@ class FluidModel:
     l2_bw_sm: float = 100e9
     cap: dict = field(default_factory=dict)
     # run-to-run jitter: each instruction's bytes and fixed time are scaled by 1 + N(0, noise) in
-    # a noisy draw (H200: sd/median of mid-phase gate/up and down tile times ~0.06, run 23), and
+    # a noisy draw (H200: sd/median of mid-phase gate/up and down tile times ~0.06), and
     # each pool instruction pays ``ticket`` seconds for its atomic ticket
     noise: float = 0.0
     ticket: float = 0.0
 
     @classmethod
     def h200(cls, lay=None) -> "FluidModel":
-        """Fitted to the H200 measurements of the 70B layer (runs 23-24, bench/NOTES.md v15-v16):
+        """Fitted to the H200 measurements of the 70B layer:
         static queues and pools of 30-250 us, GEMV pipelines 4-6 deep, within -0.6..+0.1% by 3 noisy
         draws. ``lay``'s tiling sets each opcode's streaming cap (:meth:`for_layout`)."""
         m = cls(hbm_bw=4.3e12, sm_bw=37e9, overhead=0.3e-6, noise=0.06, ticket=0.5e-6)
         return m.for_layout(lay) if lay is not None else m
 
     #: an SM streaming with ``x`` bytes in flight waits ``SM_LATENCY + x / SM_FILL`` per round trip,
-    #: so it streams at most ``x / (SM_LATENCY + x / SM_FILL)`` bytes/s (H200 fit, run 24: GEMV
+    #: so it streams at most ``x / (SM_LATENCY + x / SM_FILL)`` bytes/s (H200 fit: GEMV
     #: pipelines of 3, 4 and 5 blocks of 32 KB in flight behave as 41.5, 45 and 48 GB/s caps)
     SM_LATENCY = 0.81e-6
     SM_FILL = 64e9
