@@ -22,7 +22,6 @@ from opcodes import HEADER, WORDS
 from opcodes.base import WAIT_ARGS, kernel_classes
 from opcodes.base import PER_CALL_POINTERS, signals_peer
 
-from . import l2policy
 
 #: runtime parameters of the kernel before the model's buffers
 FIXED_PARAMS = ("tape_ptr", "qoff_ptr", "cnt_ptr", "status_ptr", "prof_ptr", "ptab_ptr", "ctl_ptr", "spin_limit")
@@ -179,15 +178,6 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
     for cls in classes:
         w(f"_{cls.NAME} = _{cls.NAME}_cls.device")
     w("")
-    l2_first = "L2_FIRST" in constexprs
-    if l2_first:
-        w("")
-        w("@triton.jit")
-        w("def _l2_first_mark(x):")
-        w("    # x itself, through an inline asm that carries interp.l2policy.MARK: the PTX of a kernel that runs")
-        w("    # it has its 16-byte async copies rewritten with an L2 evict_first policy (interp.l2policy)")
-        w(f"    return tl.inline_asm_elementwise({l2policy.mark_asm()!r}, \"=r,r\", [x], dtype=tl.int32, is_pure=False,")
-        w("                                     pack=1)")
     w("")
     w("")
     w("@triton.jit")
@@ -270,9 +260,6 @@ def kernel_source(pointers: dict, constexprs, used=()) -> str:
         [f"{c}: tl.constexpr" for c in constexprs] + [f"{s}: tl.constexpr" for s in SWITCHES]
     w("def megakernel(" + ", ".join(params) + "):")
     w("    sm = tl.program_id(0)")
-    if l2_first:
-        w("    if L2_FIRST:")
-        w("        sm = _l2_first_mark(sm)")
     w("    t_entry = _now(PROFILE)")
     w("    # build-time buffers: addresses from the table (16-byte aligned, checked by the host)")
     for k, (name, dt) in enumerate(pointers.items()):
@@ -351,7 +338,6 @@ def load_kernel(pointers: dict, constexprs, used=()):
     """Generate (if needed) and import the interpreter kernel of :func:`kernel_source`; returns
     its JITFunction."""
     src = kernel_source(pointers, constexprs, used)
-    l2policy.install()      # before any compile of it: a kernel built with L2_FIRST needs its PTX rewritten
     key = hashlib.sha256(src.encode()).hexdigest()[:16]
     if key in _LOADED:
         return _LOADED[key]

@@ -173,8 +173,7 @@ class Layout:
         return dict(LAYERS=c.layers, D=c.d, DP=next_pow2(c.d), FFN=c.ffn, NQ=c.n_q, NKV=c.n_kv, HD=c.hd,
                     MAX_SEQ=self.max_seq,
                     EPS=float(c.eps), BK=t.bk, STAGES=t.stages, INTERP=bool(interp), WARP_ROWS=bool(t.warp_rows),
-                    RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k,
-                    L2_FIRST=bool(t.l2_first) and not interp)
+                    RES_FOLD=bool(self.folds_residual), DOWN_CHUNKS=self.n_down_k)
 
     # ---- serialisation --------------------------------------------------------------
     def extra(self) -> dict:

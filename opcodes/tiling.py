@@ -32,9 +32,9 @@ H200_SMS = 132
 
 #: fields where 0 is allowed: off, or "take another field's value" (each field's comment says which)
 _ZERO_ALLOWED = ("kv_rows", "o_bk", "o_k", "gu_tiles", "down_bk", "key_in_reduce", "row_bytes", "res_fold",
-                "down_wait", "warp_rows", "l2_first")
+                "down_wait", "warp_rows")
 #: fields that are switches (0 or 1)
-_SWITCHES = ("res_fold", "key_in_reduce", "down_wait", "warp_rows", "l2_first")
+_SWITCHES = ("res_fold", "key_in_reduce", "down_wait", "warp_rows")
 
 
 @dataclass(frozen=True)
@@ -92,12 +92,6 @@ class Tiling:
     # 256 (Layout checks); one row a warp where a stage's rows are a multiple of num_warps (the 1B:
     # 4 gate/up rows, 8 LM head rows a stage on 4 warps), else a row's warps still share its sum
     warp_rows: int = 0
-    # 1: every 16-byte async copy (the weight streams' cp.async, the attention's K/V prefix) carries an L2
-    # evict_first policy (interp.l2policy: Triton 3.6 drops a load's eviction_policy when it pipelines it
-    # into cp.async), so the bytes a layer streams stop evicting from the L2 what is read again: the
-    # kernel's code and constants, the activations and the counters. The Triton interpreter runs the
-    # kernel without it
-    l2_first: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -282,5 +276,4 @@ DEFAULTS: tuple[Default, ...] = (
 #: the knobs no default sets (``--tiling`` / ``MEGATAPE_TILING`` set them for experiments), and why
 EXPERIMENTAL: dict[str, str] = {
     "o_k": "the O projection split along K (O_REDUCE adds the chunks): measured slower (TP 70B +1.2%)",
-    "l2_first": "an L2 evict_first policy on the weight streams' async copies: not yet measured on a GPU",
 }

@@ -36,7 +36,6 @@ CASES = [
     ("llama3.1-8b", 1152, "decoder"),             # the column loop, whole model
     ("llama70b-layer", 4224, "tp-layer"),         # tensor parallel (rank 1 of 2): TP_PUSH / TP_REDUCE, peer signals
     ("llama3.2-1b", 1152, "tp-decoder"),          # ... the whole model: TP_ARGMAX_PUSH / TP_ARGMAX too
-    ("llama3.2-1b", 256, "l2first"),              # the short-cache decoder with Tiling.l2_first (interp.l2policy)
 ]
 
 #: an H200 SM's instruction cache (bench/probes/icache_probe.py, runs 193-194: code in rotation up to
@@ -78,7 +77,6 @@ def code_bytes(cubin: bytes) -> int:
 
 
 def _main(preset: str, max_seq: int, what: str) -> None:
-    from interp import l2policy
     from opcodes import PRESETS
     from schedule import compile_model
     from schedule.decoder_program import decoder_lowering
@@ -87,17 +85,10 @@ def _main(preset: str, max_seq: int, what: str) -> None:
     if what.startswith("tp-"):      # rank 1's tape (its kernel: the peer pointers, sys-scope peer signals / waits)
         tape = compile_model(cfg, 132, max_seq=max_seq, decoder=(what == "tp-decoder"), tp=2).tapes[1]
     else:
-        if what == "l2first":
-            from opcodes import Tiling
-            kw["tiling"] = Tiling.for_config(cfg, max_seq=max_seq, l2_first=1)
         tape = compile_model(cfg, 132, max_seq=max_seq, decoder=(what != "layer"), **kw).tape
     ck = compile_sm90(tape, profile=(what == "profile"))
     cubin, ptx = ck.asm.get("cubin", b""), ck.asm["ptx"]
-    print(json.dumps({"shared": ck.metadata.shared, "cubin_bytes": len(cubin), "code_bytes": code_bytes(cubin),
-                      # (Triton gives a plain load's evict_first its own createpolicy and L2::cache_hint: not counted)
-                      "copies16": ptx.count("cp.async.cg.shared.global"),
-                      "hinted": ptx.count("cp.async.cg.shared.global.L2::cache_hint"),
-                      "policies": ptx.count(l2policy.POLICY)}))
+    print(json.dumps({"shared": ck.metadata.shared, "cubin_bytes": len(cubin), "code_bytes": code_bytes(cubin)}))
 
 
 @pytest.mark.parametrize("preset,max_seq,what", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
@@ -111,12 +102,6 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, tmp_path):
     assert r.returncode == 0, f"{preset} {what}: the kernel does not compile for sm_90:\n{r.stderr[-3000:]}"
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["cubin_bytes"] > 0
-    # interp.l2policy: every 16-byte async copy of an l2_first kernel carries the evict_first policy; no
-    # other kernel's does
-    if what == "l2first":
-        assert got["copies16"] > 0 and got["hinted"] == got["copies16"] == got["policies"], got
-    else:
-        assert got["hinted"] == got["policies"] == 0, got
     assert got["shared"] <= H200_SMEM_PER_BLOCK, \
         f"{preset} {what}: {got['shared']} bytes of shared memory, an H200 block has {H200_SMEM_PER_BLOCK}"
     if what in CODE_LIMITED:
