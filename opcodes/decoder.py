@@ -12,7 +12,8 @@ programs: a layer-only program of a config that has a vocabulary keeps the plain
 
 Also here: :func:`decoder_shapes` and :func:`decoder_ref`, the eager torch reference of one
 whole-model decode step (embedding, the layers of ``opcodes.reference.model_ref``, final RMSNorm,
-LM head, greedy argmax).
+LM head, greedy argmax), and :func:`decoder_ref_rows`, the same over R rows (sequence slot,
+position) of ``opcodes.reference.model_ref_rows``.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 from .base import Layout, register_layout
 from .tiling import cdiv, next_pow2
 from .config import ModelConfig
-from .reference import model_ref, model_ref_fp32, rel_err, rmsnorm
+from .reference import model_ref, model_ref_fp32, model_ref_rows, model_ref_rows_fp32, rel_err, rmsnorm
 
 #: extra weights of a whole model beyond ``weights["layers"]``
 DECODER_KEYS = ("embed", "final_norm", "lm_head")
@@ -111,6 +112,46 @@ def decoder_ref_fp32(weights: dict, kv_cache32: list, cfg: ModelConfig, token: i
     criterion): ``kv_cache32`` is an fp32 copy of the cache, updated in place."""
     x = weights["embed"][int(token)].reshape(1, -1).float()
     h = model_ref_fp32(weights, kv_cache32, cfg, x, pos, cos_sin)
+    h = rmsnorm(h, weights["final_norm"].float(), cfg.eps)
+    return h @ weights["lm_head"].float().T
+
+
+def _embed_rows(weights: dict, cfg: ModelConfig, tokens) -> torch.Tensor:
+    """The embedding rows of ``tokens`` (a 1-D integer tensor or a sequence of ints in [0, vocab))."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.dim() != 1:
+            raise TypeError(f"tokens must be a 1-D integer tensor, got {tokens.dtype} of shape {tuple(tokens.shape)}")
+        toks = [int(t) for t in tokens.tolist()]
+    elif isinstance(tokens, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        toks = list(tokens)
+    else:
+        raise TypeError(f"tokens must be a 1-D integer tensor or a sequence of ints, got {type(tokens).__name__}")
+    if not toks:
+        raise ValueError("tokens is empty: a step has R >= 1 rows")
+    V = weights["embed"].shape[0]
+    bad = [(r, t) for r, t in enumerate(toks) if not 0 <= t < V]
+    if bad:
+        raise ValueError(f"tokens[{bad[0][0]}] = {bad[0][1]} is not a token id: the vocabulary is [0, {V})")
+    return weights["embed"][torch.tensor(toks, dtype=torch.long, device=weights["embed"].device)]
+
+
+def decoder_ref_rows(weights: dict, kv_cache: list, cfg, tokens, slots, pos, cos_sin=None) -> torch.Tensor:
+    """One whole-model step over R rows (``opcodes.reference.model_ref_rows``): row r embeds
+    ``tokens[r]`` of sequence slot ``slots[r]`` at position ``pos[r]``. Returns fp32 logits (R, vocab),
+    row r's next-token logits; writes every row's K/V in place. Bad inputs raise before the cache is
+    touched."""
+    cfg = ModelConfig.from_dict(cfg)
+    x = _embed_rows(weights, cfg, tokens)
+    h = model_ref_rows(weights, kv_cache, cfg, x, slots, pos, cos_sin)
+    h = rmsnorm(h, weights["final_norm"], cfg.eps)
+    return h.float() @ weights["lm_head"].float().T
+
+
+def decoder_ref_rows_fp32(weights: dict, kv_cache32: list, cfg, tokens, slots, pos, cos_sin=None) -> torch.Tensor:
+    """:func:`decoder_ref_rows` with every tensor in fp32; ``kv_cache32`` an fp32 copy of the cache."""
+    cfg = ModelConfig.from_dict(cfg)
+    x = _embed_rows(weights, cfg, tokens).float()
+    h = model_ref_rows_fp32(weights, kv_cache32, cfg, x, slots, pos, cos_sin)
     h = rmsnorm(h, weights["final_norm"].float(), cfg.eps)
     return h @ weights["lm_head"].float().T
 
