@@ -16,9 +16,11 @@ directory is on ``sys.path`` and this file is the module ``conftest`` while the 
   ``runslow`` (whether tests marked ``slow`` run: ``--runslow`` or ``MEGATAPE_SLOW=1``).
 
 Tests marked ``slow`` are skipped unless ``--runslow`` is given or ``MEGATAPE_SLOW=1`` is set (so
-the default suite, README's command (b) and ``.ci/run``, stays short). A CPU test is marked slow
-only where faster tests cover what it checks (its comment says which). ``-m gpu`` selects the GPU
-tests as before; the 20,000-step soak is ``gpu`` and ``slow``: ``MEGATAPE_SLOW=1 pytest -m gpu``.
+the default suite, README's command (b) and ``.ci/run``, stays short); tests that take the
+``runslow`` fixture run a longer sweep then. A CPU test is marked slow (or sweeps less by default)
+only where default cases guard the same paths (its comment says which; tests/README.md lists them).
+``-m gpu`` selects the GPU tests as before; the 20,000-step soak is ``gpu`` and ``slow``:
+``MEGATAPE_SLOW=1 pytest -m gpu``.
 """
 from __future__ import annotations
 
