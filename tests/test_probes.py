@@ -4,7 +4,7 @@ bench/NOTES.md (runs 91-93) rest on kernels that do the stated work."""
 import pytest
 import torch
 
-from conftest import H200_SMEM_PER_BLOCK, require_interpreter
+from conftest import H200_SMEM_PER_BLOCK, StepClock, require_interpreter
 
 from bench.probes import chain_probe as cp
 
@@ -53,24 +53,12 @@ def test_chain_probe_kernels(name):
     torch.testing.assert_close(out, _reference(planner, tab, w, x, nout), rtol=1e-5, atol=1e-5)
 
 
-class _FakeClock:
-    """interp.sync._host_clock_ns's stand-in (what clock_ns reads under the interpreter): ``step`` ns
-    later at every read, so how long a kernel spun is a count of reads, whatever the host's load."""
-
-    def __init__(self, step: int):
-        self.step, self.now = step, 10**12
-
-    def __call__(self):
-        self.now += self.step
-        return self.now
-
-
 def test_chain_probe_gap_spins_after_its_counter_and_changes_no_output(monkeypatch):
     # the gap after each layer's first stage (chain_probe.gaps; --gap-us of the Gluon probe): per_tile and
     # flat compute the same sums with it, and each call spins at least its gaps on the clock it reads (the
     # interpreter's host clock; a stand-in here that advances 1 ms a read)
     import interp.sync
-    clock = _FakeClock(1_000_000)
+    clock = StepClock(1_000_000, start=10**12)
     monkeypatch.setattr(interp.sync, "_host_clock_ns", clock)
     tab, start, tiles, tstart, nw, nout, ncnt = cp.plan(2, 1, SHAPES)
     assert cp.gaps(ncnt, len(SHAPES), 7) == [7, 0, 0, 7, 0, 0]       # counters 0 and 3: the two layers' first stage

@@ -577,8 +577,10 @@ def test_every_stage_rehearsed_on_the_cpu(tmp_path):
     for the GPUs, shared files for symmetric memory, small-2layer (vocab 200) for every model. Passes,
     and writes the results file."""
     import json
-    r = subprocess.run([sys.executable, "-m", "bench.tp_bench", "--rehearse", "--out", str(tmp_path)], cwd=ROOT,
-                       env=_env(), capture_output=True, text=True, timeout=600)
+    # --wait-s 60 (the bound's maximum): a working peer's waits in the interpreter, two ranks on a host that may
+    # be busy, are far from any bound (the death stage has its own, --death-wait-s)
+    r = subprocess.run([sys.executable, "-m", "bench.tp_bench", "--rehearse", "--wait-s", "60", "--out", str(tmp_path)],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     out = r.stdout
     assert r.returncode == 0 and "PASSED: all stages passed" in out, out[-6000:] + r.stderr[-2000:]
     for st in ("smoke", "death", "correct", "speed"):

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from conftest import clone_cache, decoder_weights, require_interpreter
+from conftest import StepClock, clone_cache, decoder_weights, require_interpreter
 from interp import runtime
 from interp.runtime import MegakernelError, build_layer
 from interp.tp import (INTERPRETER_TP_SPIN_LIMIT, _interpreter_launch_all, build_tp_decoder, build_tp_layers, tokens, tp_decode_step,
@@ -187,19 +187,6 @@ def test_tp_decoder_matches_the_vm():
 
 
 # ---- the time bound --------------------------------------------------------------------------------
-class _FakeClock:
-    """interp.sync._host_clock_ns's stand-in (what clock_ns reads under the interpreter): ``step`` ns
-    later at every read, so a wait's time bound is a count of reads, whatever the host's load."""
-
-    def __init__(self, step: int, start: int = 10**12):
-        self.step, self.start, self.now, self.reads = step, start, start, 0
-
-    def __call__(self):
-        self.now += self.step
-        self.reads += 1
-        return self.now
-
-
 def test_waits_are_bounded_in_time_under_the_interpreter(monkeypatch):
     """Every wait of a TP kernel is bounded in time as well as in polls (interp.sync.clock_ns: the host's
     clock under the interpreter, the globaltimer on a GPU): with a poll bound it cannot reach, a rank whose
@@ -217,7 +204,7 @@ def test_waits_are_bounded_in_time_under_the_interpreter(monkeypatch):
         assert [k.wait_ns for k in h.ranks] == [1_500_000_000] * 2
         assert [int(k.buffers["tp_wait_ptr"][0]) for k in h.ranks] == [1_500_000_000] * 2
         x = _x()
-        clock = _FakeClock(10_000_000)
+        clock = StepClock(10_000_000, start=10**12)
         with monkeypatch.context() as m:
             m.setattr(interp.sync, "_host_clock_ns", clock)
             with pytest.raises(MegakernelError) as ei:
@@ -294,7 +281,7 @@ def test_the_clock_probe_under_the_interpreter(monkeypatch):
     c = interp.sync._host_clock_ns()
     b = time.monotonic_ns()
     assert a <= c <= b, (a, c, b)
-    clock = _FakeClock(300_000_000)
+    clock = StepClock(300_000_000, start=10**12)
     monkeypatch.setattr(interp.sync, "_host_clock_ns", clock)
     k, _ = clock_probe(torch.device("cpu"), 0.01)
     assert clock.reads == 2 and k == 0.3, (clock.reads, k)
