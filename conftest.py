@@ -7,6 +7,9 @@
   set here, at conftest import time, before any test module imports triton (``import torch``
   does not import triton). An explicit ``TRITON_INTERPRET`` in the environment is left alone.
 * Tests marked ``gpu`` are skipped when there is no CUDA device.
+* ``-n auto`` (pyproject.toml's addopts, pytest-xdist from the ``test`` extra) runs the tests in two
+  worker processes on a CPU-only host (:func:`pytest_xdist_auto_num_workers`), each test module in one
+  worker (``--dist loadscope``), and in this process alone on a CUDA host. tests/README.md says more.
 """
 from __future__ import annotations
 
@@ -38,3 +41,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """The workers of ``-n auto``: none on a CUDA host (the GPU tests time kernels and share the device: one
+    test at a time, in this process), else two (CI's two cores; up to four where the host has them: each
+    worker holds torch and the Triton interpreter, and a module's tests stay in one worker). An explicit
+    ``-n N`` or PYTEST_XDIST_AUTO_NUM_WORKERS wins."""
+    env = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if env:
+        return int(env)
+    if HAS_CUDA:
+        return 0
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return 0 if cores < 2 else min(cores, 4)

@@ -11,21 +11,26 @@ directory is on ``sys.path`` and this file is the module ``conftest`` while the 
 * tensors: :func:`clone_cache`, :func:`clone_weights`, :func:`bits`, :func:`bitwise_equal`,
   :func:`caches_equal`, :func:`changed_rows`, :func:`rand_x`, :func:`decoder_weights`,
   :func:`random_llama` (a transformers Llama with weights drawn here);
-  messages: :func:`check_message`; broken tapes: :func:`bump_target`, :func:`drop_producer`.
+  messages: :func:`check_message`; broken tapes: :func:`bump_target`, :func:`drop_producer`;
+  clocks: :class:`StepClock`, :func:`perf_counter_ms` (stand-ins that advance a fixed step a read).
 * fixtures: ``handles`` (build layers / models / decoders, torn down after the test),
   ``runslow`` (whether tests marked ``slow`` run: ``--runslow`` or ``MEGATAPE_SLOW=1``).
 
 Tests marked ``slow`` are skipped unless ``--runslow`` is given or ``MEGATAPE_SLOW=1`` is set (so
-the default suite, README's command (b) and ``.ci/run``, stays short). A CPU test is marked slow
-only where faster tests cover what it checks (its comment says which). ``-m gpu`` selects the GPU
-tests as before; the 20,000-step soak is ``gpu`` and ``slow``: ``MEGATAPE_SLOW=1 pytest -m gpu``.
+the default suite, README's command (b) and ``.ci/run``, stays short); tests that take the
+``runslow`` fixture run a longer sweep then. A CPU test is marked slow (or sweeps less by default)
+only where default cases guard the same paths (its comment says which; tests/README.md lists them).
+``-m gpu`` selects the GPU tests as before; the 20,000-step soak is ``gpu`` and ``slow``:
+``MEGATAPE_SLOW=1 pytest -m gpu``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import sys
+import time
 
 import pytest
 import torch  # (torch does not import triton)
@@ -152,6 +157,35 @@ def random_llama(kw: dict, seed: int, max_position_embeddings: int = 128):
     """``interp.hf.random_llama`` (imported when called: importing interp imports triton)."""
     from interp.hf import random_llama as make
     return make(kw, seed, max_position_embeddings)
+
+
+# ---- clocks ---------------------------------------------------------------------------------------
+class StepClock:
+    """A stand-in clock that is ``step`` later at every read (``reads`` counts them): what a timed region
+    or a time bound measures is then a count of reads, whatever the host's load. For
+    ``interp.sync._host_clock_ns`` (what the kernels' ``clock_ns`` reads under the interpreter; int ns)
+    and ``time.perf_counter`` (:func:`perf_counter_ms`)."""
+
+    def __init__(self, step, start=0):
+        self.step, self.start, self.reads = step, start, 0
+
+    @property
+    def now(self):
+        return self.start + self.reads * self.step
+
+    def __call__(self):
+        self.reads += 1
+        return self.now
+
+
+@contextlib.contextmanager
+def perf_counter_ms():
+    """``time.perf_counter`` is a :class:`StepClock` of 1 ms a read inside the block (no CPU test asserts
+    on the wall clock); yields the clock."""
+    clock = StepClock(1e-3)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(time, "perf_counter", clock)
+        yield clock
 
 
 # ---- messages ------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench import baselines as B
-from conftest import clone_cache, rand_x
+from conftest import clone_cache, perf_counter_ms, rand_x
 from opcodes.config import PRESETS
 from opcodes.reference import make_kv_cache, make_weights, model_ref, rel_err
 
@@ -112,13 +112,18 @@ def test_time_step_and_count_kernels_and_bandwidth():
     cache = make_kv_cache(CFG, MAX_SEQ, PREFILL)
     step = B.eager_step(w, cache, CFG)
     args = [(_x(300 + i), PREFILL + i) for i in range(4)]
-    r = B.time_step(step, args, warmup=1)
-    assert r["us_event"] > 0 and r["us_wall"] > 0
-    assert len(r["all_event"]) == 4 and all(t > 0 for t in r["all_event"])
+    with perf_counter_ms() as clock:          # 1 ms a read
+        r = B.time_step(step, args, warmup=1)
+        # CPU: each call between two reads of the clock, in both passes: 1 ms = 1000 us each
+        assert clock.reads == 2 * 2 * len(args)
+        assert r["us_event"] == pytest.approx(1000.0) and r["us_wall"] == pytest.approx(1000.0)
+        assert len(r["all_event"]) == len(r["all_wall"]) == 4
+        assert r["all_event"] == pytest.approx([1000.0] * 4) and r["all_wall"] == pytest.approx([1000.0] * 4)
+        # the copy's bytes read and written over the median copy's 1 ms
+        bw = B.stream_copy_bandwidth("cpu", nbytes=1 << 20, iters=3)
+        assert bw == pytest.approx(2 * (1 << 20) / 1e-3)
     if not torch.cuda.is_available():
         assert B.count_kernels(step, args[0]) == (0, 1.0)
-    bw = B.stream_copy_bandwidth("cpu", nbytes=1 << 20, iters=3)
-    assert bw > 0
 
 
 def test_bench_table():
@@ -133,14 +138,33 @@ def test_bench_table():
     assert " - " in lines[2]
 
 
-def test_hf_generate_baseline_times_new_tokens():
+def test_hf_generate_baseline_times_new_tokens(monkeypatch):
     """transformers' generate with a static cache on a random model of a preset's shape (no
-    compile on the CPU): a positive time per new token, the requested number of tokens made."""
+    compile on the CPU), the requested number of tokens made (hf_generate_us checks it), timed on a
+    stand-in clock that advances 1 ms a forward of the model: exactly 1000 us a new token (the
+    difference of 2n and n new tokens over n; on the wall clock a busy host can make it anything,
+    even not positive, which the next test covers)."""
     pytest.importorskip("transformers")
     import dataclasses
+
+    import interp.hf
+    forwards = [0]
+    make = interp.hf.random_llama_on
+
+    def counted(*a, **kw):
+        model = make(*a, **kw)
+        fwd = model.forward
+
+        def forward(*fa, **fk):
+            forwards[0] += 1
+            return fwd(*fa, **fk)
+        model.forward = forward
+        return model
+    monkeypatch.setattr(interp.hf, "random_llama_on", counted)
+    monkeypatch.setattr(B.time, "perf_counter", lambda: forwards[0] * 1e-3)
     cfg = dataclasses.replace(PRESETS["small-2layer"], vocab=96)
     us = B.hf_generate_us(cfg, "cpu", pos=8, n_new=8, compile=False)
-    assert 0 < us < 5e6
+    assert forwards[0] > 0 and us == pytest.approx(1000.0, rel=1e-9), (forwards[0], us)
 
 
 def test_hf_generate_baseline_refuses_a_difference_it_cannot_resolve(monkeypatch):

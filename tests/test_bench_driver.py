@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bench.driver import _events_median, check_megatape, count_kernels, parse_variant
-from conftest import clone_cache, require_interpreter
+from conftest import clone_cache, perf_counter_ms, require_interpreter
 from interp import build_layer, layer_step, teardown
 from opcodes import PRESETS, Tiling
 from opcodes.reference import make_kv_cache, make_weights
@@ -25,8 +25,11 @@ def test_check_and_time_a_small_layer():
     check_megatape(cfg, h, w, kv, kv_before, xs, 37, rep, fp32_ref=True)
     assert rep["correct"] and rep["kv_untouched_bitwise"] and len(rep["rel_err_all"]) == 3
     assert rep["rel_err_max"] <= 1.5e-2 and rep["rel_err_vs_fp32_max"] <= 1.5e-2
-    ev, wall, allev = _events_median(layer_step, [(h, xs[i], 37 + i) for i in range(3)], warmup=1)
-    assert ev > 0 and wall > 0 and len(allev) == 3
+    # timed on a stand-in clock (1 ms a read): each step between two reads
+    with perf_counter_ms() as clock:
+        ev, wall, allev = _events_median(layer_step, [(h, xs[i], 37 + i) for i in range(3)], warmup=1)
+    assert clock.reads == 2 * 2 * 3
+    assert ev == pytest.approx(1000.0) and wall == pytest.approx(1000.0) and allev == pytest.approx([1000.0] * 3)
     assert count_kernels(layer_step, (h, xs[0], 37)) == (0, 1.0, [])      # no CUDA: nothing counted
     teardown(h)
 

@@ -35,6 +35,9 @@ require_interpreter()
 CFG = ModelConfig(layers=2, d=64, ffn=160, n_q=4, n_kv=2, hd=16, theta=10000.0, name="two-layer")
 MAX_SEQ = 24
 TOL = 1.5e-2
+# the decoder tests' model: one layer (the position and the call count the device holds do not depend on
+# the layers; the interpreter's time a step does)
+DECODER_CFG = dataclasses.replace(CFG, layers=1, vocab=120, name="one-layer-decoder")
 
 
 def _model(handles, prefill=5):
@@ -111,7 +114,7 @@ def test_a_counter_past_its_target_is_an_error_not_a_wrong_answer(handles):
 
 def test_decode_at_the_device_position(handles):
     """decode_step(pos=None) continues where the last call stopped, like the reference."""
-    cfg = dataclasses.replace(CFG, vocab=120)
+    cfg = DECODER_CFG
     w = decoder_weights(cfg, seed=5)
     kv = make_kv_cache(cfg, MAX_SEQ, 0)
     ref_kv = clone_cache(kv)
@@ -138,11 +141,13 @@ class _PlainBlock:
             runtime.launch(self.h, self.dh.x0, -1, self.dh.hidden)
 
 
-@pytest.mark.parametrize("sampling", [False, True])
+# greedy: slow (~10 s); the same greedy blocks (those of one tape after the switch included) run by default
+# in test_two_tapes' test_generate_in_blocks_across_the_switch[False]
+@pytest.mark.parametrize("sampling", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_generate_in_blocks_at_the_device_position(handles, monkeypatch, sampling):
     """generate with graph_block=3 (blocks replayed at the device's position, then the tail one
     launch each) makes the tokens of graph_block=0 (one launch per explicit position)."""
-    cfg = dataclasses.replace(CFG, vocab=120)
+    cfg = DECODER_CFG
     w = decoder_weights(cfg, seed=6)
     kw = dict(temperature=0.9, top_k=40, seed=7) if sampling else {}
     toks = []

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 
 CFG = ModelConfig(layers=2, d=64, ffn=160, n_q=4, n_kv=2, hd=16, theta=10000.0, vocab=200, name="tiny-decoder")
 LAYER = opcodes.PRESETS["small-2layer"]
+TOKENS = (5, 17)          # the decoders' steps: DOWN's loop is the same at every position (interpreter time)
 MAX_SEQ, PREFILL, SPIN = 32, 5, 2000
 
 
@@ -47,9 +48,9 @@ def test_decoder_logits_bitwise_with_down_waiting_inside():
     """DOWN's waiting row loop sums a row of its K chunk in one reduction where the column loop sums
     BK-wide blocks: the same order here (ffn 160 within one block), so bitwise."""
     w = decoder_weights(CFG, 0)
-    base = decode_tokens(w, CFG, Tiling.for_config(CFG, attn_splits=2, gu_rows=32, down_wait=0), max_seq=MAX_SEQ)
-    inside = decode_tokens(w, CFG, Tiling.for_config(CFG, attn_splits=2, gu_rows=32), max_seq=MAX_SEQ)
-    assert base[0].shape == (3, CFG.vocab)
+    base = decode_tokens(w, CFG, Tiling.for_config(CFG, attn_splits=2, gu_rows=32, down_wait=0), TOKENS, MAX_SEQ)
+    inside = decode_tokens(w, CFG, Tiling.for_config(CFG, attn_splits=2, gu_rows=32), TOKENS, MAX_SEQ)
+    assert base[0].shape == (len(TOKENS), CFG.vocab)
     assert torch.equal(base[0], inside[0]) and base[1] == inside[1]
 
 
@@ -68,8 +69,8 @@ def test_down_waiting_inside_with_k_chunks_is_close_to_the_column_loop():
     chunk in one reduction, the column loop in BK-wide blocks; logits within fp32 reordering."""
     w = decoder_weights(CFG, 0)
     over = dict(attn_splits=2, gu_rows=32, down_k=128, bk=32)
-    base = decode_tokens(w, CFG, Tiling.for_config(CFG, down_wait=0, **over), max_seq=MAX_SEQ)
-    inside = decode_tokens(w, CFG, Tiling.for_config(CFG, **over), max_seq=MAX_SEQ)
+    base = decode_tokens(w, CFG, Tiling.for_config(CFG, down_wait=0, **over), TOKENS, MAX_SEQ)
+    inside = decode_tokens(w, CFG, Tiling.for_config(CFG, **over), TOKENS, MAX_SEQ)
     torch.testing.assert_close(inside[0], base[0], rtol=1e-3, atol=1e-3)
     assert base[1] == inside[1]
 

@@ -269,6 +269,7 @@ def test_text_stream_keeps_multibyte_characters_whole(ckpt):
 # ---- the distribution of SAMPLE's draws ----------------------------------------------------------
 T, TOP_K, TOP_P, POS = 1.5, 20, 0.9, 5
 N_DRAWS, N_DEVICE = 2000, 24
+N_DEVICE_DEFAULT = 8      # the device's draws in the default run (a launch each); --runslow: N_DEVICE
 
 
 def hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -331,7 +332,7 @@ class OneSample:
         return int(h.state["tok"][0])
 
 
-def test_sampled_tokens_follow_the_transformers_distribution(sampler, greedy):
+def test_sampled_tokens_follow_the_transformers_distribution(sampler, greedy, runslow):
     c, h = sampler
     ids = greedy[0]
     for p, t in enumerate(ids):
@@ -348,11 +349,12 @@ def test_sampled_tokens_follow_the_transformers_distribution(sampler, greedy):
     # the device function draws the same tokens (bit for bit: exact integer weights), and so does
     # the opcode's run_torch in the VM
     one = OneSample(c, h)
+    n_dev = N_DEVICE if runslow else N_DEVICE_DEFAULT
     try:
-        dev = [one.draw(logits, amax, smp[s], POS) for s in range(N_DEVICE)]
+        dev = [one.draw(logits, amax, smp[s], POS) for s in range(n_dev)]
     finally:
         teardown(one.h)
-    assert dev == draws[:N_DEVICE]
+    assert dev == draws[:n_dev]
     st = VMState(lay, c.load_weights(), [], torch.zeros(1), POS, [SampleMass, Sample], state={"smp": smp[0]})
     st.buf["logits"], st.buf["amax"] = logits.clone(), amax.clone()
     Sample(lay.n_lm_tiles).run_torch(lay, st)
@@ -480,12 +482,22 @@ def test_api_errors_name_the_argument_and_run_nothing(sampler, greedy):
         build_decoder(c.load_weights(), [], c.cfg, 16, sampling="yes")
 
 
-@pytest.mark.parametrize("block,min_chunk", [(1024, 1024), (8192, 1024), (8192, 2048)])
-def test_sample_device_over_several_blocks(monkeypatch, block, min_chunk):
+# the cases (below) each block / chunk size draws in the default run: (8192, 2048), where chunks of two
+# sub-blocks merge their candidates, all nine; the others temperature alone (the mass path), a candidates
+# case, a whole-vocabulary case, a tie and the masked block (--runslow: all nine everywhere)
+@pytest.mark.parametrize("block,min_chunk,default_cases", [(1024, 1024, (0, 1, 5, 6, 8)), (8192, 1024, (0, 2, 4, 7, 8)),
+                                                           (8192, 2048, None)],
+                         ids=["1024-1024", "8192-1024", "8192-2048"])
+def test_sample_device_over_several_blocks(monkeypatch, runslow, block, min_chunk, default_cases):
     """SAMPLE's device function on a 20000-token vocabulary (several blocks of SMP_BLOCK logits,
     blocks skipped by their partials' maxima) draws what ``sample_torch`` draws, for temperature
     alone, top-k and top-p, whatever the block size and the chunk size (the draw does not depend on them;
-    chunks of two sub-blocks merge their candidates)."""
+    chunks of two sub-blocks merge their candidates).
+
+    Each case is one kernel launch (~1 s in the interpreter): the default run draws once per case, its
+    seed taking turns over 0, 1, 2 from case to case, and each block / chunk size draws the cases of
+    ``default_cases`` (every case, every seed and each path of the draw still run at every size);
+    ``--runslow`` draws every case at every size with all three seeds."""
     import opcodes.sample as smp_mod
     from conftest import decoder_weights
     from opcodes import DecoderLayout, ModelConfig, Tiling
@@ -532,14 +544,17 @@ def test_sample_device_over_several_blocks(monkeypatch, block, min_chunk):
         # top-k 2 over three equal logits in three chunks: all three kept (ties), all at the threshold
         tied = logits.clone()
         tied[[100, 5000, 15000]] = 30.0
-        for prm, logits in ((dict(temperature=0.9), logits), (dict(temperature=0.7, top_k=30), logits),
-                            (dict(temperature=1.1, top_p=0.8), logits),
-                            (dict(temperature=1.0, top_k=200, top_p=0.9), logits),
-                            (dict(temperature=0.7, top_k=30), clustered), (dict(temperature=1.0, top_p=0.9), flat),
-                            (dict(temperature=1.0, top_k=2), tied), (dict(temperature=1.0, top_k=2, top_p=0.5), tied),
-                            (dict(temperature=1.3), masked)):
+        cases = ((dict(temperature=0.9), logits), (dict(temperature=0.7, top_k=30), logits),
+                 (dict(temperature=1.1, top_p=0.8), logits),
+                 (dict(temperature=1.0, top_k=200, top_p=0.9), logits),
+                 (dict(temperature=0.7, top_k=30), clustered), (dict(temperature=1.0, top_p=0.9), flat),
+                 (dict(temperature=1.0, top_k=2), tied), (dict(temperature=1.0, top_k=2, top_p=0.5), tied),
+                 (dict(temperature=1.3), masked))
+        for case, (prm, logits) in enumerate(cases):
+            if not runslow and default_cases is not None and case not in default_cases:
+                continue
             amax = partials(logits)
-            for seed in range(3):
+            for seed in (range(3) if runslow else [case % 3]):
                 smp = Sample.state_values(seed=seed, **prm)["smp"]
                 want = sample_torch(logits, amax, lay.n_lm_tiles, lay.lm_rows, block, smp, 5)
                 assert want == sample_torch(logits, amax, lay.n_lm_tiles, lay.lm_rows, 512, smp, 5), prm

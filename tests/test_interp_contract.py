@@ -145,14 +145,16 @@ def test_contract(name, prefill, max_seq, tiling):
     print(f"{name} prefill={prefill} max_seq={max_seq} tiling={tiling}: max rel err {max(errs):.3e}")
 
 
-# tiny: a partial pool and an all-pool tape over three calls; small-2layer (a pool spanning two
-# layers; 4x the interpreter time per call): the all-pool tape over two calls
-@pytest.mark.parametrize("name,pools,steps", [("tiny", (20.0, 1e9), 3), ("small-2layer", (1e9,), 2)])
-def test_pool_kernel_is_bitwise_the_queued_kernel(name, pools, steps):
+# tiny: a partial pool and an all-pool tape over three calls (the tickets of consecutive calls);
+# small-2layer (a pool spanning two layers; 4x the interpreter time per call): the all-pool tape, one call
+# (two with --runslow)
+@pytest.mark.parametrize("name,pools,steps,slow_steps", [("tiny", (20.0, 1e9), 3, 3), ("small-2layer", (1e9,), 1, 2)])
+def test_pool_kernel_is_bitwise_the_queued_kernel(runslow, name, pools, steps, slow_steps):
     """The same kernel with the plan's tail (or all of it) in a pool taken by ticket: outputs and
     caches bitwise those of the queued tape, and the ticket counter advances by exactly
     (pool length + SMs) per call, so the next call's tickets start at the pool's first slot."""
     cfg, prefill, max_seq = PRESETS[name], 37, 64
+    steps = slow_steps if runslow else steps
     weights = make_weights(cfg, seed=5)
     runs = {}
     for pool_us in (0.0,) + pools:

@@ -96,7 +96,8 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, tmp_path):
     from conftest import H200_SMEM_PER_BLOCK     # here: the compile subprocess runs this file without conftest's setup
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(root), MEGATAPE_CACHE=str(tmp_path))
+    # its own Triton cache: the compile runs every time (a cubin cached by an earlier run would hide the cost)
+    env.update(PYTHONPATH=str(root), MEGATAPE_CACHE=str(tmp_path), TRITON_CACHE_DIR=str(tmp_path / "triton"))
     r = subprocess.run([sys.executable, __file__, preset, str(max_seq), what], capture_output=True, text=True,
                        env=env, cwd=root, timeout=600)
     assert r.returncode == 0, f"{preset} {what}: the kernel does not compile for sm_90:\n{r.stderr[-3000:]}"

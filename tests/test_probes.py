@@ -4,7 +4,7 @@ bench/NOTES.md (runs 91-93) rest on kernels that do the stated work."""
 import pytest
 import torch
 
-from conftest import H200_SMEM_PER_BLOCK, require_interpreter
+from conftest import H200_SMEM_PER_BLOCK, StepClock, require_interpreter
 
 from bench.probes import chain_probe as cp
 
@@ -53,10 +53,13 @@ def test_chain_probe_kernels(name):
     torch.testing.assert_close(out, _reference(planner, tab, w, x, nout), rtol=1e-5, atol=1e-5)
 
 
-def test_chain_probe_gap_spins_after_its_counter_and_changes_no_output():
+def test_chain_probe_gap_spins_after_its_counter_and_changes_no_output(monkeypatch):
     # the gap after each layer's first stage (chain_probe.gaps; --gap-us of the Gluon probe): per_tile and
-    # flat compute the same sums with it, and each call lasts at least its gaps (the interpreter's host clock)
-    import time
+    # flat compute the same sums with it, and each call spins at least its gaps on the clock it reads (the
+    # interpreter's host clock; a stand-in here that advances 1 ms a read)
+    import interp.sync
+    clock = StepClock(1_000_000, start=10**12)
+    monkeypatch.setattr(interp.sync, "_host_clock_ns", clock)
     tab, start, tiles, tstart, nw, nout, ncnt = cp.plan(2, 1, SHAPES)
     assert cp.gaps(ncnt, len(SHAPES), 7) == [7, 0, 0, 7, 0, 0]       # counters 0 and 3: the two layers' first stage
     g = torch.Generator().manual_seed(4)
@@ -70,9 +73,9 @@ def test_chain_probe_gap_spins_after_its_counter_and_changes_no_output():
         for epoch in (1, 2):
             cnt, err, out = torch.zeros(ncnt, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(nout * cp.ROWS_)
             for e in range(1, epoch + 1):
-                t0 = time.perf_counter()
+                t0 = clock.now
                 cp.launch(name, tables, x, w, out, cnt, err, e, 1, 3, gap=gap)
-                assert time.perf_counter() - t0 >= 2 * ns / 1e9, name    # two O-stage tiles waited, each spun ns
+                assert clock.now - t0 >= 2 * ns, name    # two O-stage tiles waited, each spun ns of its clock
             assert int(err) == 0 and cnt.tolist() == [epoch] * ncnt
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="takes no gap"):

@@ -121,15 +121,15 @@ def test_a_stage_past_its_limit_kills_every_process_group():
         def flush(self):
             pass
 
-    t0 = time.monotonic()
     ok, msg, done = supervise(ws, {}, {"smoke": 2.0}, 60, out=Out())
-    assert time.monotonic() - t0 < 30
     assert not ok and "stage smoke ran past its time limit of 2 s" in msg and done == {}
-    assert all(p.poll() is not None for p in ws.values())
+    # stopped by a signal, not by their own end (each sleeps 120 s)
+    assert all(p.poll() is not None and p.returncode < 0 for p in ws.values()), [p.returncode for p in ws.values()]
     text = "".join(lines)
     kids = [int(ln.split("grandchild ")[1].split()[0]) for ln in text.splitlines() if "grandchild " in ln]
     assert len(kids) == 2
-    t_end = time.monotonic() + 10
+    # the signal reaches the grandchildren at once; the bound only keeps a failure from hanging the test
+    t_end = time.monotonic() + 60
     while any(_alive(k) for k in kids) and time.monotonic() < t_end:
         time.sleep(0.1)
     assert not any(_alive(k) for k in kids), "a grandchild survived the process-group kill"
@@ -150,11 +150,11 @@ def test_a_failed_stage_stops_the_other_worker():
         time.sleep(120)
     """
     ws = {"rank0": _fake(failing), "rank1": _fake(waiting)}
-    t0 = time.monotonic()
     ok, msg, _ = supervise(ws, {}, {"smoke": 60}, 60, out=open(os.devnull, "w"))
-    assert time.monotonic() - t0 < 30
     assert not ok and "stage smoke failed on rank0" in msg and "the ranks' tensors differ" in msg
-    assert ws["rank1"].poll() is not None
+    assert ws["rank0"].returncode == 3
+    # rank 1 was stopped by a signal when rank 0 failed, not at its own end (it sleeps 120 s)
+    assert ws["rank1"].poll() is not None and ws["rank1"].returncode < 0, ws["rank1"].returncode
 
 
 def test_workers_that_pass_every_stage():
@@ -470,10 +470,11 @@ def test_results_file_format(tmp_path):
 
 
 _REHEARSAL = r'''
-import dataclasses, datetime, os, pathlib, sys, time
+import dataclasses, datetime, os, pathlib, sys
 os.environ["TRITON_INTERPRET"] = "1"
 import torch, torch.distributed as dist
 from interp import tp
+from interp.codegen import FAIL_TIME
 from interp.decoder import build_decoder, decode_step
 from interp.runtime import MegakernelError
 from opcodes import PRESETS
@@ -524,14 +525,13 @@ for call in range(2):                                  # receive slots 1, 0
     xin = out
 print("STEPS", ok, h.calls == 2, flush=True)
 tp.set_wait(h, 2.0)                                    # rank 1 never launches
-t0 = time.monotonic()
 try:
     tp.tp_layer_step(h, x, POS, launch=(r == 0))
     print("DEATH no error", flush=True)
 except MegakernelError as e:
     msg = str(e)
     print("DEATH", "rank 0:" in msg and "(the time bound)" in msg and "rank 1:" not in msg and "recv_" in msg
-          and all(s[0] == 0 for s in e.stuck), time.monotonic() - t0 < 90,
+          and all(s[0] == 0 for s in e.stuck), all(s[-1] == FAIL_TIME for s in e.stuck),      # the time bound, not polls
           h.calls == 0 and int(h.layer.counters.abs().sum()) == 0, flush=True)
 tp.set_wait(h, 120)
 out = tp.tp_layer_step(h, x, POS)
@@ -578,8 +578,10 @@ def test_every_stage_rehearsed_on_the_cpu(tmp_path):
     for the GPUs, shared files for symmetric memory, small-2layer (vocab 200) for every model. Passes,
     and writes the results file."""
     import json
-    r = subprocess.run([sys.executable, "-m", "bench.tp_bench", "--rehearse", "--out", str(tmp_path)], cwd=ROOT,
-                       env=_env(), capture_output=True, text=True, timeout=600)
+    # --wait-s 60 (the bound's maximum): a working peer's waits in the interpreter, two ranks on a host that may
+    # be busy, are far from any bound (the death stage has its own, --death-wait-s)
+    r = subprocess.run([sys.executable, "-m", "bench.tp_bench", "--rehearse", "--wait-s", "60", "--out", str(tmp_path)],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     out = r.stdout
     assert r.returncode == 0 and "PASSED: all stages passed" in out, out[-6000:] + r.stderr[-2000:]
     for st in ("smoke", "death", "correct", "speed"):
@@ -612,11 +614,10 @@ def test_precompiled_tapes_are_found_and_checked(tmp_path):
 def test_workers_that_never_start_a_stage_are_stopped():
     from bench.tp_bench import supervise
     ws = {"rank0": _fake("import time; time.sleep(120)"), "rank1": _fake("import time; time.sleep(120)")}
-    t0 = time.monotonic()
     ok, msg, _ = supervise(ws, {}, {"startup": 1.5}, 60, out=open(os.devnull, "w"))
-    assert time.monotonic() - t0 < 30
     assert not ok and "did not start their first stage within 2 s" in msg
-    assert all(p.poll() is not None for p in ws.values())
+    # stopped by a signal, not by their own end (each sleeps 120 s)
+    assert all(p.poll() is not None and p.returncode < 0 for p in ws.values()), [p.returncode for p in ws.values()]
 
 
 def test_tiling_option_reaches_the_shard_tiling_and_names_a_bad_field():

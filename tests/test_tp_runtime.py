@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from conftest import clone_cache, decoder_weights, require_interpreter
+from conftest import StepClock, clone_cache, decoder_weights, require_interpreter
 from interp import runtime
 from interp.runtime import MegakernelError, build_layer
 from interp.tp import (INTERPRETER_TP_SPIN_LIMIT, _interpreter_launch_all, build_tp_decoder, build_tp_layers, tokens, tp_decode_step,
@@ -136,10 +136,8 @@ def test_a_rank_whose_peer_never_launches_times_out():
     shards, caches = _shards(CFG, w, kv)
     h = build_tp_layers(shards, caches, CFG, MAX_SEQ, spin_limit=500)
     x = _x()
-    t0 = time.monotonic()
     with pytest.raises(MegakernelError) as ei:
         tp_layer_step(h, x, POS, ranks=(0,))          # rank 1 never launches
-    assert time.monotonic() - t0 < 120
     msg = str(ei.value)
     assert "rank 0" in msg and "gave up waiting after 500 polls" in msg and "recv_" in msg and "tp_reduce" in msg
     assert ei.value.stuck and all(s[0] == 0 for s in ei.value.stuck)
@@ -189,11 +187,14 @@ def test_tp_decoder_matches_the_vm():
 
 
 # ---- the time bound --------------------------------------------------------------------------------
-def test_waits_are_bounded_in_time_under_the_interpreter():
+def test_waits_are_bounded_in_time_under_the_interpreter(monkeypatch):
     """Every wait of a TP kernel is bounded in time as well as in polls (interp.sync.clock_ns: the host's
     clock under the interpreter, the globaltimer on a GPU): with a poll bound it cannot reach, a rank whose
-    peer never launches stops after ``wait_s``; the error names the time bound, the rank and the counter;
-    then, with the bound back, both ranks step correctly."""
+    peer never launches stops after ``wait_s`` of its clock (a stand-in clock here, 10 ms a read: the
+    wait gives up once the clock it read has passed the bound, not before); the error names the time
+    bound, the rank and the counter; then, with the bound back and the host's clock, both ranks step
+    correctly."""
+    import interp.sync
     from interp.codegen import FAIL_TIME
     from interp.tp import INTERPRETER_TP_WAIT_S, set_wait
     w = make_weights(CFG)
@@ -203,11 +204,14 @@ def test_waits_are_bounded_in_time_under_the_interpreter():
         assert [k.wait_ns for k in h.ranks] == [1_500_000_000] * 2
         assert [int(k.buffers["tp_wait_ptr"][0]) for k in h.ranks] == [1_500_000_000] * 2
         x = _x()
-        t0 = time.monotonic()
-        with pytest.raises(MegakernelError) as ei:
-            tp_layer_step(h, x, POS, ranks=(0,))          # rank 1 never launches
-        dt = time.monotonic() - t0
-        assert 1.5 <= dt < 90, dt
+        clock = StepClock(10_000_000, start=10**12)
+        with monkeypatch.context() as m:
+            m.setattr(interp.sync, "_host_clock_ns", clock)
+            with pytest.raises(MegakernelError) as ei:
+                tp_layer_step(h, x, POS, ranks=(0,))          # rank 1 never launches
+        # the stuck wait read the clock until it passed its deadline: 1.5 s of the clock, 150 reads
+        # (one wait), and not much more (it stopped there, not at the poll bound)
+        assert 1_500_000_000 <= clock.now - clock.start <= 100 * 1_500_000_000, clock.reads
         msg = str(ei.value)
         assert "rank 0" in msg and "gave up waiting after 1.5 s (the time bound)" in msg, msg
         assert "recv_" in msg and "polls" not in msg
@@ -266,9 +270,18 @@ def test_only_tp_kernels_read_the_clock():
     assert "while (seen < wt) & (n < spin_limit) & (t1 < deadline):" in s
 
 
-def test_the_clock_probe_under_the_interpreter():
+def test_the_clock_probe_under_the_interpreter(monkeypatch):
     """interp.sync.clock_probe (the bench checks the GPU's globaltimer with it before the TP stages):
-    under the interpreter the wait clock is the host's, so it advances with the pause."""
+    under the interpreter the wait clock is the host's monotonic clock (read between two reads of
+    time.monotonic_ns), and the probe reports how far the clock its kernel reads advanced (a stand-in
+    clock here, 0.3 s a read: exactly 0.3 s between its two launches)."""
+    import interp.sync
     from interp.sync import clock_probe
-    k, h = clock_probe(torch.device("cpu"), 0.3)
-    assert 0.25 <= k <= h + 0.01, (k, h)
+    a = time.monotonic_ns()
+    c = interp.sync._host_clock_ns()
+    b = time.monotonic_ns()
+    assert a <= c <= b, (a, c, b)
+    clock = StepClock(300_000_000, start=10**12)
+    monkeypatch.setattr(interp.sync, "_host_clock_ns", clock)
+    k, _ = clock_probe(torch.device("cpu"), 0.01)
+    assert clock.reads == 2 and k == 0.3, (clock.reads, k)

@@ -28,7 +28,9 @@ from opcodes.reference import make_kv_cache, rel_err
 
 require_interpreter()
 
-CFG = ModelConfig(layers=2, d=64, ffn=160, n_q=4, n_kv=2, hd=16, theta=10000.0, vocab=120, name="tiny-decoder")
+# one layer: which tape a position runs and what the tapes share do not depend on the layers (the
+# interpreter's time a step does; two-layer decoders run in test_decoder, test_attn_merged and others)
+CFG = ModelConfig(layers=1, d=64, ffn=160, n_q=4, n_kv=2, hd=16, theta=10000.0, vocab=120, name="tiny-decoder")
 MAX_SEQ = 48
 SHORT = 16
 
@@ -95,10 +97,16 @@ class _PlainBlock:
             runtime.launch(self.h, self.dh.x0, -1, self.dh.hidden)
 
 
-@pytest.mark.parametrize("sampling", [False, True])
-def test_generate_in_blocks_across_the_switch(handles, monkeypatch, short16, sampling):
+# sampled: slow (~25 s). The default run keeps the greedy case (the same blocks across the switch), the
+# sampled blocks of one tape (test_device_state's test_generate_in_blocks_at_the_device_position[True]) and
+# the sampling state both tapes share (test_a_sampling_decoder_shares_its_state_across_the_tapes)
+@pytest.mark.parametrize("sampling", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_generate_in_blocks_across_the_switch(handles, monkeypatch, runslow, short16, sampling):
     """Blocks of launches at the device's position, split where the position reaches the prefix, make
-    the tokens of one launch per explicit position; each block runs the tape of its positions."""
+    the tokens of one launch per explicit position; each block runs the tape of its positions. (With
+    ``--runslow``, the greedy tokens are also those of a decoder of one tape; the default run checks
+    both tapes' logits against the reference across the switch in
+    test_positions_below_the_prefix_run_the_short_tape.)"""
     w = decoder_weights(CFG, seed=6)
     kw = dict(temperature=0.9, top_k=40, seed=7) if sampling else {}
     toks, hs = [], []
@@ -117,7 +125,7 @@ def test_generate_in_blocks_across_the_switch(handles, monkeypatch, short16, sam
             assert [(k is h.short, p) for k, p in _PlainBlock.ran] == [(True, 10), (True, 13), (False, 16)]
         assert h.active is h.layer and int(h.layer.ctl[CTL_POS]) == 21 and h.next_pos == 21
     assert toks[0] == toks[1], toks
-    if sampling:
+    if sampling or not runslow:
         # a sampled token can flip between the tapes: the merged attention sums in another order
         # (logits ~1e-2 apart), and seed 7's draw at position 16 lies that close to a boundary
         return
@@ -127,6 +135,19 @@ def test_generate_in_blocks_across_the_switch(handles, monkeypatch, short16, sam
                           tiling=Tiling.for_config(CFG, max_seq=MAX_SEQ))
     assert one.short is None
     assert generate(one, [3, 17], 12, start_pos=8, **kw).tolist() == toks[0]
+
+
+def test_a_sampling_decoder_shares_its_state_across_the_tapes(handles, short16):
+    """A sampling decoder of two tapes: both sample (SAMPLE, no ARGMAX), from one set of sampling
+    parameters and one token state, so a generate that crosses the switch draws with the same parameters."""
+    w = decoder_weights(CFG, seed=6)
+    h = handles.decoder(w, make_kv_cache(CFG, MAX_SEQ, 0), CFG.to_dict(), MAX_SEQ, lm_rows=16, emb_cols=16,
+                        sampling=True)
+    assert h.short is not None and h.short_until == SHORT
+    for k in (h.short, h.layer):
+        assert "sample" in _names(k) and "argmax" not in _names(k)
+    for name in ("smp", "tok", "toks"):
+        assert h.short.state[name] is h.layer.state[name], name
 
 
 def test_set_position_reaches_both_tapes(handles, short16):
