@@ -112,9 +112,10 @@ def test_launch_names_the_bad_argument():
 def test_tile_config_follows_the_design():
     from opcodes import PRESETS
     b8, b1 = PRESETS["llama3.1-8b"], PRESETS["llama3.2-1b"]
-    # decode: M 32, N_TILE the next power of two >= 16, the preset's BK and warps, stages within 200 KB
-    assert rg.tile_config(b8, 4096, 16) == dict(m=32, n_tile=16, bk=512, warps=8, stages=4)     # 48 KB a stage
-    assert rg.tile_config(b8, 4096, 32) == dict(m=32, n_tile=32, bk=512, warps=8, stages=3)     # 64 KB
+    # decode: M 32, N_TILE the next power of two >= 16, the preset's BK and warps, the STAGES - 1 buffered
+    # stages within 200 KB
+    assert rg.tile_config(b8, 4096, 16) == dict(m=32, n_tile=16, bk=512, warps=8, stages=5)     # 4 x 48 KB
+    assert rg.tile_config(b8, 4096, 32) == dict(m=32, n_tile=32, bk=512, warps=8, stages=4)     # 3 x 64 KB
     assert rg.tile_config(b1, 2048, 1) == dict(m=32, n_tile=16, bk=256, warps=4, stages=5)
     # prefill: the 128x128x64 tile, 8 warps, 4 stages; options win
     assert rg.tile_config(b1, 2048, 2048) == dict(m=128, n_tile=128, bk=64, warps=8, stages=4)

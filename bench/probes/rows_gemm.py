@@ -11,8 +11,8 @@ PREDICTION (written before any GPU run).
   <= 1/3 of a stage's shared memory), and the dot is ~2*32*16*BK FLOP a block, far below the tensor cores' rate, so
   the tile is a weight stream: time ~ W bytes / ~90% of the copy bandwidth, as today's GEMV (``gemv_stream``,
   timed here beside it). The risk is fewer weight bytes in flight a SM: a stage holds ``W[M, BK]`` plus
-  ``X^T[BK, 16]`` (48 KB at M 32, BK 512), so 4 stages instead of the GEMV's 5-6: expect N 16 within 0-8% of the
-  GEMV (the go/no-go bar is 5%), and N 32 a few % behind N 16 (3 stages).
+  ``X^T[BK, 16]`` (48 KB at M 32, BK 512), so 4 buffered stages (128 KB of W) instead of the GEMV's 5 (160 KB):
+  expect N 16 within 0-8% of the GEMV (the go/no-go bar is 5%), and N 32 a few % behind N 16 (3 x 64 KB stages).
 * N = 2048: compute-bound (8B gate+up: 481 GFLOP; H100 dense bf16 ~990 TFLOP/s peak, cuBLAS ~600-750).
   The tile is a 128x128x64 wgmma tile with cp.async pointer loads (no TMA, no warp specialization), 4 stages,
   8 warps, persistent over the SMs with the N blocks of one weight block on neighbouring programs (X^T, 4-29 MB,
@@ -159,7 +159,8 @@ def tile_config(cfg, K: int, n: int, m=None, n_tile=None, bk=None, stages=None, 
     c = dict(m=m or (128 if prefill else 32), n_tile=n_tile or (128 if prefill else max(16, next_pow2(n))),
              bk=min(bk or (64 if prefill else t.bk), next_pow2(K)), warps=warps or (8 if prefill else t.num_warps))
     stage = 2 * c["bk"] * (c["m"] + c["n_tile"])
-    c["stages"] = stages or (4 if prefill else max(2, min(t.stages, SMEM_BUDGET // stage)))
+    # Triton's pointer pipeline holds STAGES - 1 stages in shared memory (sm_90 compiles: 3 x 48 KB at STAGES 4)
+    c["stages"] = stages or (4 if prefill else max(2, min(t.stages, SMEM_BUDGET // stage + 1)))
     return c
 
 
@@ -237,8 +238,8 @@ def run(shapes, ns, reps=20, opts=None, norm=False, out=None) -> list[dict]:
                          copy_frac=wbytes / bw * 1e6 / us, vs_gemv=gemv_us / us, vs_n1=(us / t1) if t1 else None,
                          err=err, copy_tbps=bw / 1e12, norm=norm)
                 results.append(r)
-                print(f"  {key} {gname:7s} {rows}x{K} N {n:5d}: {us:8.1f} us (cuBLAS {cub_us:8.1f}, GEMV {gemv_us:7.1f})"
-                      f" err {err:.1e}", flush=True)
+                print(f"  {key} {gname:7s} {rows}x{K} N {n:5d}: {us:8.1f} us (cuBLAS {cub_us:8.1f}, "
+                      f"GEMV {gemv_us:7.1f}) err {err:.1e}", flush=True)
             del w
     print(table(results))
     if out:
@@ -273,10 +274,10 @@ def compile_sm90(configs=None, keep_ptx=False) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from bench.ptx_diff import triton_tool
-    configs = configs or {"decode16": dict(K=4096, M=32, N_TILE=16, BK=512, STAGES=4, warps=8),
-                          "decode16_norm": dict(K=4096, M=32, N_TILE=16, BK=512, STAGES=4, warps=8, NORM=True),
-                          "decode16_norm_bk256": dict(K=4096, M=32, N_TILE=16, BK=256, STAGES=4, warps=8, NORM=True),
-                          "decode32": dict(K=4096, M=32, N_TILE=32, BK=512, STAGES=3, warps=8),
+    configs = configs or {"decode16": dict(K=4096, M=32, N_TILE=16, BK=512, STAGES=5, warps=8),
+                          "decode16_norm": dict(K=4096, M=32, N_TILE=16, BK=512, STAGES=5, warps=8, NORM=True),
+                          "decode16_norm_bk256": dict(K=4096, M=32, N_TILE=16, BK=256, STAGES=6, warps=8, NORM=True),
+                          "decode32": dict(K=4096, M=32, N_TILE=32, BK=512, STAGES=4, warps=8),
                           "prefill128": dict(K=4096, M=128, N_TILE=128, BK=64, STAGES=4, warps=8)}
     sig = {"w_ptr": "*bf16", "xt_ptr": "*bf16", "nw_ptr": "*bf16", "yt_ptr": "*bf16", "m_rows": "i32", "n": "i32",
            "xs": "i32", "ys": "i32", "eps": "fp32"}
