@@ -142,3 +142,16 @@ def test_rows_gemm_compiles_for_sm90(tmp_path):
     assert got["prefill128"]["wgmma"] > 0 and got["prefill128"]["mma_sync"] == 0
     for name in ("decode16", "decode32", "prefill128", "decode16_norm_bk256"):
         assert got[name]["spill_stores"] == 0, (name, got[name])
+
+
+def test_cli_names_bad_arguments_and_table_has_a_cell_per_column(capsys):
+    for argv, what in ((["--shapes", "2b"], "--shapes"), (["--n", "0,16"], "--n"), (["--reps", "5"], "--reps")):
+        with pytest.raises(SystemExit):
+            rg.main(argv)
+        assert what in capsys.readouterr().err
+    r = dict(preset="8b", gemm="o", rows=4096, K=4096, N=16, m=32, n_tile=16, bk=512, stages=5, warps=8, us=12.0,
+             cublas_us=13.0, gemv_us=11.5, tbps=2.8, tflops=44.7, x_cublas=1.08, copy_frac=0.9, vs_gemv=0.96,
+             vs_n1=1.01, err=1e-3)
+    lines = rg.table([r, dict(r, N=1, vs_n1=None)]).splitlines()
+    assert len(lines) == 4 and len({ln.count("|") for ln in lines}) == 1
+    assert "| 0.96 (11.5) |" in lines[2] and lines[3].endswith("|  |")
