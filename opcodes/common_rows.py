@@ -1,0 +1,82 @@
+"""Jit helpers of the many-rows opcodes (issue 50, bench/notes/rows-design.md sec. 2): the skinny-GEMM
+streaming loop of an R-row tile.
+
+A one-row tile is ``y[ROWS] = W[ROWS, K] . x[K]`` (``opcodes.common.gemv_stream``). With R rows the tile is
+``Y^T[M, N] = W[M, K] . X^T[K, N]`` with A and B swapped: the weight rows are ``tl.dot``'s M side and the rows
+(tokens) are its N side, padded to ``N_TILE >= 16`` (every ``tl.dot`` dim must be >= 16; padded columns are zero,
+stay finite and never mix with real ones: the columns of a dot are independent). Activations are
+feature-major: ``X^T`` is ``[K, XS]`` (row stride ``XS`` elements), so a K block ``X^T[BK, N_TILE]`` is one
+contiguous span when ``XS == N_TILE``: the B operand's natural layout.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import mma, to_bf16
+
+
+@triton.jit
+def rows_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, xt_ptr, nw_ptr, kbase, n_left, xs,
+                K: tl.constexpr, KLEN: tl.constexpr, M: tl.constexpr, N_TILE: tl.constexpr, BK: tl.constexpr,
+                STAGES: tl.constexpr, TWO: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr,
+                INTERP: tl.constexpr = False):
+    """The streaming loop of an R-row GEMM tile: rows ``rows1`` ([M]) of the row-major bf16 matrix at
+    ``w1_ptr`` (and, with ``TWO``, rows ``rows2`` of ``w2_ptr``), ``K`` columns each, times the
+    ``[KLEN, N_TILE]`` block of the feature-major activations at ``xt_ptr`` (element ``(k, n)`` at
+    ``xt_ptr + (kbase + k) * xs + n``: the caller offsets ``xt_ptr`` by its first column ``n0``), in
+    ``BK``-row blocks pipelined ``STAGES`` deep.
+
+    Per block: ``W[M, BK]`` (read once: evicted first) and ``X^T[BK, N_TILE]`` (``.cg``: shared by the
+    tiles of every weight row block, from the L2), ``acc += W . bf16(X^T)``, fp32 accumulation.
+    With ``NORM`` the B operand is ``bf16(X^T * nw[:, None])`` (the RMSNorm weight at ``nw_ptr``) and the
+    per-column sum of ``X^T^2`` is returned: the caller scales column ``n`` by ``rsqrt(ss[n] / K + eps)``
+    after the loop, as the one-row QKV tile does.
+    Returns the fp32 ``[M, N_TILE]`` accumulators (the second zero without ``TWO``) and the ``[N_TILE]``
+    sums of squares (zero without ``NORM``).
+    ``EVEN``: no masks (``KLEN % BK == 0``, every row in range, ``n_left >= N_TILE``); otherwise rows
+    outside ``row_mask``, columns ``>= n_left`` and K past ``KLEN`` / ``K`` read as zero.
+    NOTE: as in ``gemv_stream``, the loop body branches on constexprs only, so every load is pipelined.
+    """
+    acc1 = tl.zeros([M, N_TILE], dtype=tl.float32)
+    acc2 = tl.zeros([M, N_TILE], dtype=tl.float32)
+    ss = tl.zeros([N_TILE], dtype=tl.float32)
+    ncol = tl.arange(0, N_TILE)
+    wrow1 = w1_ptr + rows1[:, None].to(tl.int64) * K
+    wrow2 = w2_ptr + rows2[:, None].to(tl.int64) * K
+    for kk in tl.range(0, KLEN, BK, num_stages=STAGES):
+        ks = kbase + kk + tl.arange(0, BK)
+        xptrs = xt_ptr + ks[:, None].to(tl.int64) * xs + ncol[None, :]
+        if EVEN:
+            xt = tl.load(xptrs, cache_modifier=".cg")
+            if NORM:
+                nw = tl.load(nw_ptr + ks).to(tl.float32)
+            w1 = tl.load(wrow1 + ks[None, :], eviction_policy="evict_first")
+            if TWO:
+                w2 = tl.load(wrow2 + ks[None, :], eviction_policy="evict_first")
+        else:
+            km = ((kk + tl.arange(0, BK)) < KLEN) & (ks < K)
+            xt = tl.load(xptrs, mask=km[:, None] & (ncol < n_left)[None, :], other=0.0, cache_modifier=".cg")
+            if NORM:
+                nw = tl.load(nw_ptr + ks, mask=km, other=0.0).to(tl.float32)
+            wm = row_mask[:, None] & km[None, :]
+            w1 = tl.load(wrow1 + ks[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
+            if TWO:
+                w2 = tl.load(wrow2 + ks[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
+        if NORM:
+            xf = xt.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=0)
+            xb = to_bf16(xf * nw[:, None], INTERP)
+        elif xt_ptr.dtype.element_ty == tl.bfloat16:
+            xb = xt
+        else:
+            xb = to_bf16(xt.to(tl.float32), INTERP)
+        if INTERP:
+            acc1 += mma(w1, xb, INTERP)
+            if TWO:
+                acc2 += mma(w2, xb, INTERP)
+        else:
+            acc1 = tl.dot(w1, xb, acc1)
+            if TWO:
+                acc2 = tl.dot(w2, xb, acc2)
+    return acc1, acc2, ss
