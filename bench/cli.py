@@ -171,20 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = build_parser()
-    try:
-        a = ap.parse_args(argv)
-    except SystemExit as e:          # --help, argument errors: return the status
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    if a.cmd in COMMANDS:
-        try:
-            return COMMANDS[a.cmd](a)
-        except OSError as e:      # a path that cannot be written or read: a message, not a traceback
-            where = f": {e.filename}" if e.filename else ""
-            print(f"{PROG} {a.cmd}: error: {e.strerror or e}{where}", file=sys.stderr)
-            return 1
-    ap.print_help(sys.stderr)
-    return 2
+    from megatape.cli import dispatch
+    return dispatch(build_parser(), COMMANDS, argv, PROG)
 
 
 if __name__ == "__main__":

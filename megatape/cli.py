@@ -598,17 +598,24 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["generate"]:
         _interpret_if_no_gpu()
-    ap = build_parser()
+    return dispatch(build_parser(), COMMANDS, argv, "megatape")
+
+
+def dispatch(ap, commands: dict, argv: list, prog: str) -> int:
+    """Parse ``argv`` with ``ap`` and run its subcommand from ``commands`` (name -> function of the parsed
+    arguments, returning the exit status): --help and argument errors return their status, an OSError is a
+    one-line message naming the path (status 1), no subcommand prints the help (status 2). ``python -m bench``
+    runs its commands through this too."""
     try:
         a = ap.parse_args(argv)
     except SystemExit as e:          # --help, --version, argument errors: return the status
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    if a.cmd in COMMANDS:
+    if a.cmd in commands:
         try:
-            return COMMANDS[a.cmd](a)
+            return commands[a.cmd](a)
         except OSError as e:      # a path that cannot be written or read: a message, not a traceback
             where = f": {e.filename}" if e.filename else ""
-            print(f"megatape {a.cmd}: error: {e.strerror or e}{where}", file=sys.stderr)
+            print(f"{prog} {a.cmd}: error: {e.strerror or e}{where}", file=sys.stderr)
             return 1
     ap.print_help(sys.stderr)
     return 2
