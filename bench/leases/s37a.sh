@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 37's first lease call: v142 (Tiling.l2_first) and the probes of session 36, as NOTES
 # "The next lease's first call" lists them; every step bounded in time.
+# (run 269 ran this; Tiling.l2_first was removed after it, so its l2_first=1 steps now stop with an unknown-field error)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/smi.log 2>&1
