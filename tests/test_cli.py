@@ -266,7 +266,7 @@ def test_readme_opens_with_the_two_commands():
     head = README.splitlines()[:12]
     a = head[head.index("# (a) set up and run the main job") + 1]
     b = head[head.index("# (b) set up and run the tests") + 1]
-    install = "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 triton==3.6.0 'numpy<2.4' -e '.[test]'"
+    install = "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 triton==3.6.0 'numpy<2.4' -e '.[test,serve]'"
     assert a == f"{install} && .venv/bin/megatape run"
     assert b == f"{install} && .venv/bin/python -m pytest -q"
     ci = (ROOT / ".ci" / "run").read_text()
