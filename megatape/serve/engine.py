@@ -75,13 +75,20 @@ def _zero_cache(cfg, max_batch: int, max_seq: int, device) -> list:
 
 
 class RefBackend:
-    """The torch reference of the batched decoder (``opcodes.decoder.decoder_ref_rows``): the exact
-    semantics the batched kernel implements, on any device (CPU by default). A prefill chunk is rows of
-    one slot at consecutive positions; a decode step one row per running sequence."""
+    """The torch reference of the batched decoder (``opcodes.decoder.decoder_ref_rows``): the semantics
+    the batched kernel implements, on any device (CPU by default). A prefill chunk is rows of one slot at
+    consecutive positions.
+
+    ``row_calls`` (default True): a decode step runs each row as its own ``decoder_ref_rows`` call, so a
+    row's logits are bitwise those its request gets alone. One call for all R rows (``row_calls=False``)
+    is faster, but torch's GEMMs (oneDNN's bf16 kernels on the CPU) round a row's outputs differently
+    depending on how many rows share the call: a 1-ulp bf16 difference in one K/V element, which the
+    following steps amplify until a sampled token flips, so a request's text would depend on what else
+    is in the batch."""
 
     name = "ref"
 
-    def __init__(self, weights: dict, cfg, max_batch: int, max_seq: int, device="cpu"):
+    def __init__(self, weights: dict, cfg, max_batch: int, max_seq: int, device="cpu", row_calls: bool = True):
         from opcodes import ModelConfig
         from opcodes.reference import rope_tables
         for name, v in (("max_batch", max_batch), ("max_seq", max_seq)):
@@ -93,6 +100,7 @@ class RefBackend:
         self.device = torch.device(device)
         self.kv = _zero_cache(self.cfg, max_batch, max_seq, self.device)
         self.cos_sin = rope_tables(self.cfg, max_seq, device=self.device)
+        self.row_calls = bool(row_calls)
 
     def _rows(self, tokens, slots, pos) -> torch.Tensor:
         from opcodes.decoder import decoder_ref_rows
@@ -104,7 +112,13 @@ class RefBackend:
         return self._rows(tokens, [slot] * n, range(start_pos, start_pos + n))[-1]
 
     def decode(self, tokens: list[int], slots: list[int], pos: list[int]) -> torch.Tensor:
-        return self._rows(tokens, slots, pos)
+        if not self.row_calls or len(tokens) == 1:
+            return self._rows(tokens, slots, pos)
+        if not len(tokens) == len(slots) == len(pos):
+            raise ValueError(f"tokens, slots, pos: {len(tokens)}, {len(slots)} and {len(pos)} rows (one each a row)")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots: {list(slots)} names a slot twice (one row a sequence in a decode step)")
+        return torch.cat([self._rows([t], [s], [p]) for t, s, p in zip(tokens, slots, pos)])
 
     def close(self) -> None:
         self.kv = None
@@ -295,8 +309,8 @@ class Engine:
     the engine's own thread (``start``).
 
     ``prefill_chunk``: prompt tokens per prefill call (at most one such call per step, beside the
-    decode of the running requests). ``max_queue``: requests waiting for a slot before ``submit`` raises
-    :class:`QueueFull`. ``step_delay_s``: a pause after every step (for demonstrations and tests that
+    decode of the running requests). ``max_queue``: requests waiting for a slot (beyond those the free slots
+    take at the next step) before ``submit`` raises :class:`QueueFull`. ``step_delay_s``: a pause after every step (for demonstrations and tests that
     need requests to last; 0 in service). ``log``: a function of one line (stderr by default)."""
 
     def __init__(self, backend, tokenizer, eos_token_ids=(), *, prefill_chunk: int = 128, max_queue: int = 256,
@@ -323,7 +337,7 @@ class Engine:
         self._accepting = True
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.counts = collections.Counter()             # submitted, finished, cancelled, refused, failed, steps
+        self.counts = collections.Counter()   # submitted, finished, cancelled, refused, failed, steps, peak_running
 
     # -- from any thread --
     def start(self) -> "Engine":
@@ -352,7 +366,7 @@ class Engine:
             if not self._accepting:
                 self.counts["refused"] += 1
                 raise Draining("the server is shutting down")
-            if len(self._queue) >= self.max_queue:
+            if len(self._queue) >= self.max_queue + len(self._free):    # (a free slot takes one at the next step)
                 self.counts["refused"] += 1
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting for "
                                 f"{self.backend.max_batch} slots)")
@@ -391,7 +405,7 @@ class Engine:
             return dict(running=len(self._running), queued=len(self._queue), slots=self.backend.max_batch,
                         free_slots=len(self._free), accepting=self._accepting,
                         **{k: self.counts[k] for k in ("submitted", "finished", "cancelled", "refused", "failed",
-                                                       "steps")})
+                                                       "steps", "peak_running")})
 
     def shutdown(self, wait: bool = True, timeout: float | None = None) -> bool:
         """Drain, then (``wait``) run until every accepted request is done and stop the thread; without
@@ -411,21 +425,32 @@ class Engine:
     # -- the engine thread --
     def _loop(self) -> None:
         while True:
-            with self._cv:
-                while not (self._queue or self._running) and not self._stop:
-                    self._cv.wait()
-                self._reap_cancelled()
-                if self._stop and not (self._queue or self._running):
+            try:
+                if not self._iteration():
                     return
-                self._admit()
-                prefill = self._prefilling[0] if self._prefilling else None
-                decode = [r for r in self._running.values() if r.state == "decode"]
-            if prefill is None and not decode:
-                continue
-            self._step(prefill, decode)
-            self.counts["steps"] += 1
-            if self.step_delay_s:
-                time.sleep(self.step_delay_s)
+            except Exception as e:      # a bug here must not leave the clients waiting: fail what runs, go on
+                with self._cv:
+                    reqs = list(self._running.values())
+                self._fail(reqs, e)
+
+    def _iteration(self) -> bool:
+        """One step (or a wait for work); False when the engine has stopped."""
+        with self._cv:
+            while not (self._queue or self._running) and not self._stop:
+                self._cv.wait()
+            self._reap_cancelled()
+            if self._stop and not (self._queue or self._running):
+                return False
+            self._admit()
+            prefill = self._prefilling[0] if self._prefilling else None
+            decode = [r for r in self._running.values() if r.state == "decode"]
+        if prefill is None and not decode:
+            return True
+        self._step(prefill, decode)
+        self.counts["steps"] += 1
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        return True
 
     def _reap_cancelled(self) -> None:
         """(under the lock) Free the slots of cancelled requests; drop cancelled ones still queued (``cancel``
@@ -447,6 +472,7 @@ class Engine:
             r.gen = r.sampling.generator()
             self._running[r.slot] = r
             self._prefilling.append(r)
+        self.counts["peak_running"] = max(self.counts["peak_running"], len(self._running))
 
     def _release(self, r: Request) -> None:
         """(under the lock) Free ``r``'s slot."""
