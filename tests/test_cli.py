@@ -242,8 +242,8 @@ def test_pyproject_console_script_points_at_main():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert meta["project"]["scripts"]["megatape"] == "megatape.cli:main"
     assert meta["project"]["name"] == "megatape"
-    assert set(meta["tool"]["setuptools"]["packages"]) == {"megatape", "megatape.views", "interp", "schedule",
-                                                           "opcodes"}         # not bench: the lab
+    assert set(meta["tool"]["setuptools"]["packages"]) == {"megatape", "megatape.views", "megatape.serve", "interp",
+                                                           "schedule", "opcodes"}         # not bench: the lab
     for pkg in meta["tool"]["setuptools"]["packages"]:
         assert (ROOT / pkg.replace(".", "/") / "__init__.py").is_file(), pkg
 
