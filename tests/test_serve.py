@@ -602,6 +602,29 @@ def test_engine_chunks_prefill_one_chunk_a_step_beside_the_decodes(checkpoint, w
     assert st["finished"] == 5 and st["free_slots"] == 2 and st["peak_running"] == 2
 
 
+def test_engine_eos_ends_a_request_unprinted(checkpoint, weights):
+    tok = checkpoint.tokenizer
+    ids = checkpoint.encode(PROMPT)
+    eng = Engine(RefBackend(weights, checkpoint.cfg, 2, 64), tok, checkpoint.eos_token_ids).start()
+    (r,) = run_engine(eng, [Request(ids, 6, Sampling(temperature=0))])
+    eng.shutdown()
+    assert r.finish_reason == "length" and r.text == tok.decode(r.tokens, skip_special_tokens=True)
+    eos = r.tokens[2]                      # the third greedy token as the EOS: two tokens of text, three counted
+    assert eos not in r.tokens[:2]
+    eng = Engine(RefBackend(weights, checkpoint.cfg, 2, 64), tok, [eos]).start()
+    events = []
+    done = threading.Event()
+    r2 = Request(ids, 6, Sampling(temperature=0))
+    r2.sink = lambda ev: (events.append(ev), ev.kind != "text" and done.set())
+    eng.submit(r2)
+    assert done.wait(60)
+    eng.shutdown()
+    assert r2.tokens == r.tokens[:3] and r2.finish_reason == "stop"
+    assert "".join(e.text for e in events if e.kind == "text") == r2.text == tok.decode(r.tokens[:2],
+                                                                                       skip_special_tokens=True)
+    assert (events[-1].kind, events[-1].finish_reason, events[-1].completion_tokens) == ("done", "stop", 3)
+
+
 def test_engine_a_failing_step_is_an_error_event_and_the_engine_goes_on(checkpoint, weights):
     rec = Recording(RefBackend(weights, checkpoint.cfg, 2, 64), fail_at=2)
     logs = []

@@ -165,6 +165,9 @@ class KernelBackend:
         self.device = torch.device(device)
         self.cfg = ModelConfig.from_dict(cfg)
         self.max_batch, self.max_seq, self.vocab = max_batch, max_seq, self.cfg.vocab
+        if self.device.type == "cpu" and not {"tiling", "lm_rows"} & set(options):    # the Triton interpreter
+            from interp.textgen import interpreter_options
+            options = {**interpreter_options(self.cfg), **options}
         kv = _zero_cache(self.cfg, max_batch, max_seq, self.device)
         self._d = decoder
         self.h = decoder.build_decoder(weights, kv, self.cfg.to_dict(), max_seq, batch=max_batch, **options)
