@@ -6,6 +6,8 @@
     megatape viz     --preset NAME --sms N --out DIR ...   (pictures: megatape.views.viz)
     megatape generate --model DIR [--prompt TEXT | --prompt-file PATH] [--chat] [--max-new-tokens N]
                      [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop STRING] [--max-seq N]
+    megatape serve   --model DIR [--host 127.0.0.1] [--port 8000] [--max-batch N] [--max-queue N] [--max-seq N]
+                     [--prefill-chunk N] [--backend auto|kernel|ref] [--model-name NAME]
 
 ``compile`` lowers a preset to tile instructions, schedules them on N SMs with the cost model
 (list scheduling) and with round-robin, encodes and verifies both tapes, and prints what the
@@ -16,6 +18,8 @@ every step checked against the torch reference and timed beside the stream-copy 
 (``megatape.measure``).
 ``generate`` is text in, text out from a Hugging Face Llama checkpoint directory
 (``interp.textgen``): the text streams to stdout, the counts and timings go to stderr.
+``serve`` is an OpenAI-compatible HTTP server over the same checkpoint with continuous batching
+(``megatape.serve``; needs the ``serve`` extra: fastapi, uvicorn); progress goes to stderr.
 
 Argument errors print one line naming the argument and exit with status 2.
 """
@@ -498,7 +502,152 @@ def cmd_generate(a, prog: str = "megatape generate") -> int:
     return 0
 
 
-COMMANDS = {"compile": cmd_compile, "run": cmd_run, "viz": cmd_viz, "generate": cmd_generate}
+# ---- serve ---------------------------------------------------------------------------------------
+DEFAULT_SERVE_SEQ = 2048     # positions per slot when --max-seq is not given (at most the model's context)
+
+
+def _chat_encoder(ck):
+    """messages -> token ids through the tokenizer's chat template (None if it has none)."""
+    tok = ck.tokenizer
+    if not getattr(tok, "chat_template", None):
+        return None
+
+    def chat(messages: list[dict]) -> list[int]:
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:            # jinja's TemplateError (raise_exception in a template), ...
+            raise ValueError(f"the chat template rejects them: {type(e).__name__}: {e}") from None
+        if isinstance(ids, dict) or hasattr(ids, "keys"):     # a BatchEncoding
+            ids = ids["input_ids"]
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("the chat template made no tokens")
+        return ids
+    return chat
+
+
+class _Log:
+    """One-line progress messages on stderr, prefixed with the command's name."""
+
+    def __init__(self, prog: str):
+        self.prog = prog
+
+    def __call__(self, line: str) -> None:
+        if not line.startswith(self.prog.split()[0]):
+            line = f"{self.prog}: {line}"
+        print(line, file=sys.stderr, flush=True)
+
+
+def cmd_serve(a, prog: str = "megatape serve") -> int:
+    import signal
+    import socket
+
+    import torch
+
+    def fail(msg: str, status: int = 2) -> int:
+        print(f"{prog}: error: {' '.join(str(msg).split())}", file=sys.stderr)
+        return status
+
+    try:
+        import uvicorn
+
+        from megatape.serve.app import create_app
+    except ImportError as e:
+        return fail(f"serving needs the 'serve' extra (pip install 'megatape[serve]'): {e}")
+    from interp.textgen import Checkpoint
+    from megatape.serve import Engine, KernelBackend, RefBackend, batched_kernel_available
+
+    log = _Log(prog)
+    try:
+        ck = Checkpoint.open(a.model)
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        return fail(f"argument --model: {e}")
+    ctx = ck.context
+    if a.max_seq is not None:
+        if ctx is not None and a.max_seq > ctx:
+            return fail(f"argument --max-seq: {a.max_seq} is past the model's context of {ctx} positions "
+                        "(config.json's max_position_embeddings)")
+        max_seq = a.max_seq
+    else:
+        max_seq = min(ctx or DEFAULT_SERVE_SEQ, DEFAULT_SERVE_SEQ)
+        if ctx is None or ctx > max_seq:
+            log(f"note: {max_seq} positions per sequence (--max-seq; the model's context is "
+                f"{ctx if ctx else 'not given'})")
+    cuda = torch.cuda.is_available()
+    kernel_ok = batched_kernel_available()
+    backend_name = a.backend
+    if backend_name == "kernel" and not kernel_ok:
+        return fail("argument --backend: kernel needs interp.decoder's batched prefill / decode_step, which this "
+                    "build does not have; use --backend ref")
+    if backend_name == "auto":
+        backend_name = "kernel" if kernel_ok and cuda else "ref"
+        if backend_name == "ref":
+            why = "interp.decoder has no batched prefill yet" if not kernel_ok else "no GPU"
+            log(f"note: the ref backend (the torch reference of the batched decoder; {why})")
+    device = "cuda" if cuda else "cpu"
+    log(f"loading {ck.path} ({ck.cfg['layers']} layers, d {ck.cfg['d']}, vocabulary {ck.cfg['vocab']}) on {device}")
+    try:
+        weights = ck.load_weights(device)
+    except (FileNotFoundError, ValueError) as e:
+        return fail(f"argument --model: {e}")
+    try:
+        cls = KernelBackend if backend_name == "kernel" else RefBackend
+        backend = cls(weights, ck.cfg, a.max_batch, max_seq, device=device)
+    except (ValueError, TypeError, RuntimeError) as e:
+        return fail(f"argument --backend: {backend_name}: {e}")
+    engine = Engine(backend, ck.tokenizer, ck.eos_token_ids, prefill_chunk=a.prefill_chunk, max_queue=a.max_queue,
+                    step_delay_s=a.step_delay_ms / 1e3, log=log)
+    model_id = a.model_name or str(a.model)
+    app = create_app(engine, model_id=model_id, encode=ck.encode, chat=_chat_encoder(ck), context=max_seq, log=log)
+
+    try:
+        family = socket.getaddrinfo(a.host, a.port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        return fail(f"argument --host: {a.host!r}: {e}")
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((a.host, a.port))
+    except OSError as e:
+        sock.close()
+        return fail(f"argument --port: cannot listen on {a.host}:{a.port}: {e.strerror or e}", 1)
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    port = sock.getsockname()[1]
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            """SIGTERM / SIGINT: new requests get 503, the running and queued ones finish, then exit 0
+            (uvicorn's graceful shutdown, without re-raising the signal afterwards). A second SIGINT
+            quits without waiting."""
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+                return
+            st = engine.stats()
+            log(f"{signal.Signals(sig).name}: draining ({st['running']} running, {st['queued']} queued); "
+                "new requests get 503")
+            engine.drain()
+            self.should_exit = True
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_keep_alive=5)
+    server = Server(config)
+    host = f"[{a.host}]" if ":" in a.host else a.host
+    log(f"{model_id}: backend {backend.name}, {backend.max_batch} slots x {max_seq} positions, prefill chunks of "
+        f"{a.prefill_chunk} tokens, queue of {a.max_queue}")
+    log(f"listening on http://{host}:{port} (SIGTERM or Ctrl-C: finish the running requests and stop)")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        engine.shutdown(wait=not server.force_exit, timeout=None if not server.force_exit else 1.0)
+        backend.close()
+    st = engine.stats()
+    log(f"stopped: {st['finished']} requests finished, {st['cancelled']} cancelled, {st['refused']} refused, "
+        f"{st['failed']} failed")
+    return 0
+
+
+COMMANDS = {"compile": cmd_compile, "run": cmd_run, "viz": cmd_viz, "generate": cmd_generate, "serve": cmd_serve}
 
 
 def _add_tape_args(p, presets) -> None:
@@ -562,6 +711,37 @@ def _add_generate(sub) -> None:
                    "(default: config.json's max_position_embeddings)")
 
 
+def _add_serve(sub) -> None:
+    g = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
+                       description="Serve a Hugging Face Llama checkpoint directory over HTTP with the OpenAI API: "
+                       "POST /v1/completions and /v1/chat/completions (streamed as server-sent events or not), "
+                       "GET /v1/models and /health. Requests join the running batch between steps and leave "
+                       "when done; prompts are prefilled in chunks between the decode steps; temperature, "
+                       "top_p, top_k, seed, stop and max_tokens as the OpenAI API defines them. A full queue "
+                       "answers 429; SIGTERM stops taking requests (503), finishes the accepted ones and exits 0.")
+    g.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory (config.json, *.safetensors, "
+                   "tokenizer.json)")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=_int_in(0, 65535, "a port in [0, 65535]"), default=8000,
+                   help="port (default 8000; 0: any free port, printed on stderr)")
+    g.add_argument("--max-batch", type=_positive_int, default=8, metavar="N",
+                   help="sequences decoded together: the KV cache's slots (default 8)")
+    g.add_argument("--max-queue", type=_int_in(0, 2**31 - 1, "an integer >= 0"), default=256, metavar="N",
+                   help="requests waiting for a slot before new ones get 429 (default 256)")
+    g.add_argument("--max-seq", type=_positive_int, default=None, metavar="N",
+                   help=f"positions per sequence, prompt and completion (default: config.json's "
+                   f"max_position_embeddings, at most {DEFAULT_SERVE_SEQ})")
+    g.add_argument("--prefill-chunk", type=_positive_int, default=128, metavar="N",
+                   help="prompt tokens per prefill call; one call per step beside the decodes (default 128)")
+    g.add_argument("--backend", choices=("auto", "kernel", "ref"), default="auto",
+                   help="kernel: the batched megakernel; ref: the torch reference of the same steps; auto "
+                   "(default): kernel where it is available and there is a GPU, else ref")
+    g.add_argument("--model-name", metavar="NAME", default=None,
+                   help="the model id clients name (default: --model as given)")
+    g.add_argument("--step-delay-ms", type=_nonneg_float, default=0.0, metavar="MS",
+                   help="pause after every step (demonstrations and tests of batching and draining; default 0)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from opcodes import PRESETS
 
@@ -591,12 +771,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "is visible")
     _add_viz(sub, PRESETS)
     _add_generate(sub)
+    _add_serve(sub)
     return ap
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["generate"]:
+    if argv[:1] in (["generate"], ["serve"]):
         _interpret_if_no_gpu()
     return dispatch(build_parser(), COMMANDS, argv, "megatape")
 

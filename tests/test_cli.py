@@ -242,8 +242,8 @@ def test_pyproject_console_script_points_at_main():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert meta["project"]["scripts"]["megatape"] == "megatape.cli:main"
     assert meta["project"]["name"] == "megatape"
-    assert set(meta["tool"]["setuptools"]["packages"]) == {"megatape", "megatape.views", "interp", "schedule",
-                                                           "opcodes"}         # not bench: the lab
+    assert set(meta["tool"]["setuptools"]["packages"]) == {"megatape", "megatape.views", "megatape.serve", "interp",
+                                                           "schedule", "opcodes"}         # not bench: the lab
     for pkg in meta["tool"]["setuptools"]["packages"]:
         assert (ROOT / pkg.replace(".", "/") / "__init__.py").is_file(), pkg
 
@@ -266,7 +266,7 @@ def test_readme_opens_with_the_two_commands():
     head = README.splitlines()[:12]
     a = head[head.index("# (a) set up and run the main job") + 1]
     b = head[head.index("# (b) set up and run the tests") + 1]
-    install = "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 triton==3.6.0 'numpy<2.4' -e '.[test]'"
+    install = "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 triton==3.6.0 'numpy<2.4' -e '.[test,serve]'"
     assert a == f"{install} && .venv/bin/megatape run"
     assert b == f"{install} && .venv/bin/python -m pytest -q"
     ci = (ROOT / ".ci" / "run").read_text()

@@ -1,9 +1,10 @@
 """``megatape generate`` and sampling on the device, on the CPU (the Triton interpreter).
 
-The checkpoint is built here, once per module, with no download: a BPE tokenizer (byte level)
-trained with the ``tokenizers`` library on a small corpus with multi-byte characters, wrapped as a
-``PreTrainedTokenizerFast`` with a chat template, and a tiny random ``LlamaForCausalLM`` (2 layers,
-d 64, its vocabulary the tokenizer's), both saved with ``save_pretrained`` into one directory.
+The checkpoint is built once per module, with no download (``tests/tiny_checkpoint.py``): a BPE
+tokenizer (byte level) trained with the ``tokenizers`` library on a small corpus with multi-byte
+characters, wrapped as a ``PreTrainedTokenizerFast`` with a chat template, and a tiny random
+``LlamaForCausalLM`` (2 layers, d 64, its vocabulary the tokenizer's), both saved with
+``save_pretrained`` into one directory.
 
 * greedy ``megatape generate`` prints exactly the text of transformers' greedy ``generate`` (fp32 on
   the same bf16 weights, as ``test_hf.py``; the seed and prompt keep the top-2 logit margin >= 0.3);
@@ -25,7 +26,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import random_llama, require_interpreter
+from conftest import require_interpreter
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -43,47 +44,17 @@ from opcodes.sample import (cand_path_torch, chunk_cands_torch, chunk_mass_torch
 from schedule.decoder_program import lower_decoder  # noqa: E402
 from schedule.tape import Tape  # noqa: E402
 from schedule.vm import VMState  # noqa: E402
+from tiny_checkpoint import MIN_MARGIN, N_NEW, PROMPT, save_tiny_checkpoint  # noqa: E402
 
 require_interpreter()
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
-CORPUS = ["The café serves crème brûlée and café au lait.", "漢字 and かな are written in Japan; 漢字 came from China.",
-          "Once upon a time there was a small model that wrote text.", "Déjà vu: the naïve coöperation of the élite.",
-          "Tokens, bytes and characters: é is two bytes, 漢 is three."]
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
-KW = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-          head_dim=32, tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
-# The seed and prompt were picked so that transformers' top-2 logit margin stays >= 0.3 over the 8
-# greedy steps (megatape's logits differ from transformers' by ~0.02): the final norm is scaled by 3,
-# which scales the logits (and the margins) without changing the greedy tokens of the model.
-SEED, PROMPT, N_NEW, NORM_SCALE, MIN_MARGIN = 3, "The café", 8, 3.0, 0.1
-MAX_POS = 64
-
-
-def _tokenizer():
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=384, special_tokens=["<s>", "</s>"], show_progress=False,
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """(directory, tokenizer, transformers' fp32 model of the saved bf16 weights)."""
     path = tmp_path_factory.mktemp("tiny-llama")
-    tok = _tokenizer()
-    tok.save_pretrained(path)
-    m = random_llama(dict(KW, vocab_size=len(tok)), SEED, max_position_embeddings=MAX_POS)
-    with torch.no_grad():
-        m.model.norm.weight.mul_(NORM_SCALE)
-    m.save_pretrained(path)
+    tok = save_tiny_checkpoint(path)
     hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return path, tok, hf
 
