@@ -26,6 +26,16 @@ from .tp_push import TPPush
 from .tp_reduce import TPReduce
 from .tp_argmax import TPArgmaxPush, TPArgmax
 from .sample_mass import SampleMass          # after the TP opcodes: the numbers before it stay as measured
+# many rows per step (issue 50; opcodes/rows.py): after every one-row opcode, so their numbers stay
+from .rows_embed import EmbedR
+from .rows_qkv import QKVR
+from .rows_attn import AttnR
+from .rows_oproj import OProjR
+from .rows_gate_up import GateUpR
+from .rows_down import DownR
+from .rows_residual import ResidualR
+from .rows_lm_head import LMHeadR
+from .rows import RowsLayout
 from .decoder import DecoderLayout
 from .tp import TPDecoderLayout, TPLayout
 
@@ -34,5 +44,6 @@ __all__ = ["BY_OPCODE", "HEADER", "LAYOUTS", "MAX_OPERANDS", "MAX_WAITS", "NO_CO
            "layout_from_json", "next_pow2", "register", "register_layout", "scratch_buffers", "state_buffers",
            "unregister", "PRESETS",
            "ModelConfig", "QKV", "AttnPartial", "AttnReduce", "OProj", "GateUp", "Down", "Residual", "OReduce",
-           "Embed", "LMHead", "Argmax", "Sample", "TPPush", "TPReduce", "TPArgmaxPush", "TPArgmax", "SampleMass", "DecoderLayout",
+           "Embed", "LMHead", "Argmax", "Sample", "TPPush", "TPReduce", "TPArgmaxPush", "TPArgmax", "SampleMass", "EmbedR", "QKVR", "AttnR", "OProjR", "GateUpR", "DownR", "ResidualR",
+           "LMHeadR", "RowsLayout", "DecoderLayout",
            "TPLayout", "TPDecoderLayout"]

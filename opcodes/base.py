@@ -260,6 +260,9 @@ class Instruction:
     #: tapes that hold it (every branch changes the register allocation of the whole loop, so a
     #: rarely used opcode should not tax the kernels that never run it)
     IN_EVERY_KERNEL: ClassVar[bool] = True
+    #: True: an opcode of many-rows programs (``opcodes.rows``); a kernel of a tape holding one has only the
+    #: tape's opcodes (the one-row branches would tax its registers and are never taken)
+    ROWS_OPCODE: ClassVar[bool] = False
     #: True: the opcode belongs to whole-model programs (it embeds tokens or reads the logits) and
     #: applies only to a layout with ``Layout.WHOLE_MODEL``
     WHOLE_MODEL: ClassVar[bool] = False
@@ -430,8 +433,11 @@ def state_buffers(lay: Layout, classes) -> dict[str, tuple[tuple[int, ...], str]
 
 def kernel_classes(used=()) -> list[type[Instruction]]:
     """The opcodes an interpreter kernel dispatches: every registered one with
-    ``IN_EVERY_KERNEL``, and the others in ``used`` (the opcodes of the tape), by opcode number."""
+    ``IN_EVERY_KERNEL``, and the others in ``used`` (the opcodes of the tape), by opcode number. A tape of
+    many-rows opcodes (``ROWS_OPCODE``) gets its own opcodes only."""
     used = set(used)
+    if any(cls.ROWS_OPCODE for cls in used):
+        return [cls for cls in REGISTRY.values() if cls in used]
     return [cls for cls in REGISTRY.values() if cls.IN_EVERY_KERNEL or cls in used]
 
 

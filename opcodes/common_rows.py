@@ -20,11 +20,12 @@ from .common import mma, to_bf16
 def rows_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, xt_ptr, nw_ptr, kbase, n_left, xs,
                 K: tl.constexpr, KLEN: tl.constexpr, M: tl.constexpr, N_TILE: tl.constexpr, BK: tl.constexpr,
                 STAGES: tl.constexpr, TWO: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr,
-                INTERP: tl.constexpr = False):
+                INTERP: tl.constexpr = False, NS: tl.constexpr = 1):
     """The streaming loop of an R-row GEMM tile: rows ``rows1`` ([M]) of the row-major bf16 matrix at
     ``w1_ptr`` (and, with ``TWO``, rows ``rows2`` of ``w2_ptr``), ``K`` columns each, times the
     ``[KLEN, N_TILE]`` block of the feature-major activations at ``xt_ptr`` (element ``(k, n)`` at
-    ``xt_ptr + (kbase + k) * xs + n``: the caller offsets ``xt_ptr`` by its first column ``n0``), in
+    ``xt_ptr + (kbase + k) * xs + n * NS``: the caller offsets ``xt_ptr`` by its first column ``n0``;
+    ``NS`` > 1 with ``xs`` 1 reads row-major activations, a token's features contiguous), in
     ``BK``-row blocks pipelined ``STAGES`` deep.
 
     Per block: ``W[M, BK]`` (read once: evicted first) and ``X^T[BK, N_TILE]`` (``.cg``: shared by the
@@ -46,7 +47,7 @@ def rows_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, xt_ptr, nw_ptr, kbase, n
     wrow2 = w2_ptr + rows2[:, None].to(tl.int64) * K
     for kk in tl.range(0, KLEN, BK, num_stages=STAGES):
         ks = kbase + kk + tl.arange(0, BK)
-        xptrs = xt_ptr + ks[:, None].to(tl.int64) * xs + ncol[None, :]
+        xptrs = xt_ptr + ks[:, None].to(tl.int64) * xs + ncol[None, :] * NS
         if EVEN:
             xt = tl.load(xptrs, cache_modifier=".cg")
             if NORM:

@@ -1,0 +1,148 @@
+"""Many rows per step (issue 50): the layout of an R-row decoder program and the rows' metadata.
+
+A step runs up to ``ROWS`` **rows**; row r is token ``tok[r]`` of sequence slot ``slot[r]`` at position
+``pos[r]`` of a ``(BATCH, n_kv, max_seq, hd)`` cache. A prefill chunk is R consecutive positions of one
+slot, batched decode one row a slot; both may share a step. The semantics are the oracle's,
+``opcodes.decoder.decoder_ref_rows``: every row's K/V is written in place first, then row r attends to
+its slot's keys ``[0, pos[r]]``.
+
+The tape is static: ``ROWS`` (the bucket, a power of two >= 16: ``tl.dot`` needs every dimension >= 16)
+is a constexpr of the :class:`RowsLayout`, and the actual rows (R <= ROWS) are device data, the STATE
+buffer ``rows`` (int32) the host writes before each launch::
+
+    [R, 0, 0, 0,  slot_0, pos_0, tok_0, 0,  slot_1, pos_1, tok_1, 0,  ...]
+
+Activations are feature-major, ``[L, width, ROWS]`` (a K block of a GEMM's B operand is one contiguous
+span; a tile's output one region), except the attention output ``attn_r`` ``[L, ROWS, q_dim]``: an
+attention instruction computes one row. Columns ``n >= R`` are padding: zero from the embedding on,
+never mixed with real columns (the columns of a dot are independent), never stored to the cache.
+See bench/notes/rows-design.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .base import register_layout
+from .config import ModelConfig
+from .decoder import DecoderLayout
+from .tiling import Tiling, next_pow2
+
+#: words of the ``rows`` state buffer before the rows, and per row
+ROWS_HEADER = 4
+ROW_WORDS = 4
+#: the row buckets a handle builds tapes for (``ROWS``), smallest first
+BUCKETS = (16, 32, 64, 128)
+
+
+def rows_state_shape(rows: int) -> tuple[int]:
+    return (ROWS_HEADER + ROW_WORDS * rows,)
+
+
+def rows_state(rows: int, slots, pos, tokens) -> torch.Tensor:
+    """The ``rows`` state buffer's contents (int32, CPU) for ``len(slots)`` rows of a ``rows`` bucket."""
+    R = len(slots)
+    out = torch.zeros(rows_state_shape(rows), dtype=torch.int32)
+    out[0] = R
+    body = out[ROWS_HEADER:].view(rows, ROW_WORDS)
+    body[:R, 0] = torch.as_tensor(list(slots), dtype=torch.int32)
+    body[:R, 1] = torch.as_tensor(list(pos), dtype=torch.int32)
+    body[:R, 2] = torch.as_tensor(list(tokens), dtype=torch.int32)
+    return out
+
+
+def read_rows(st) -> tuple[int, list[int], list[int], list[int]]:
+    """(R, slots, pos, tokens) from a VM state's ``rows`` buffer."""
+    buf = st.state["rows"].reshape(-1)
+    R = int(buf[0])
+    body = buf[ROWS_HEADER:].view(-1, ROW_WORDS)[:R]
+    return R, body[:, 0].tolist(), body[:, 1].tolist(), body[:, 2].tolist()
+
+
+@triton.jit
+def row_meta(rows_ptr, n, ROWS: tl.constexpr):
+    """(live, slot, pos, tok) of row indices ``n`` (any shape): ``live`` where ``n < R``; the others 0."""
+    R = tl.load(rows_ptr)
+    live = n < R
+    b = rows_ptr + 4 + 4 * n
+    slot = tl.load(b, mask=live, other=0)
+    pos = tl.load(b + 1, mask=live, other=0)
+    tok = tl.load(b + 2, mask=live, other=0)
+    return live, slot, pos, tok
+
+
+def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int) -> Tiling:
+    """The tiling of an R-row program: ``Tiling.for_config``'s attention, every GEMM a ``tl.dot`` tile of
+    M = 32 weight rows (16 of gate and 16 of up) by the ``rows`` columns, the column loop only (no row
+    loop, residual fold, split O, waits inside), one merged attention instruction per (KV head, row).
+    The K block and the pipeline depth keep a stage ``2 * BK * (M + rows)`` bytes under ~48 KB."""
+    base = Tiling.for_config(cfg, max_seq=max_seq)
+    bk = 256 if rows <= 32 else 128 if rows <= 64 else 64
+    bk = min(bk, next_pow2(cfg.d))
+    stage = 2 * bk * (32 + rows)
+    stages = max(2, min(5, (200 * 1024) // stage))
+    red = max(32, 4096 // rows)
+    return dataclasses.replace(
+        base, qkv_rows=32, kv_rows=0, o_rows=32, o_bk=0, o_k=0, gu_rows=16, gu_tiles=0, down_rows=32, down_bk=0,
+        down_k=cfg.ffn, red_rows=red, attn_splits=1, key_in_reduce=0, bk=bk, stages=stages, row_bytes=0,
+        res_fold=0, down_wait=0, warp_rows=0, num_warps=4 if rows <= 32 else 8)
+
+
+@register_layout
+@dataclass(frozen=True)
+class RowsLayout(DecoderLayout):
+    """A :class:`DecoderLayout` for programs of up to ``rows`` rows a step over a cache of ``batch``
+    sequence slots. ``rows``: a power of two >= 16 (the ``tl.dot`` N side)."""
+
+    rows: int = 16
+    batch: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        r, b = self.rows, self.batch
+        if isinstance(r, bool) or not isinstance(r, int) or r < 16 or r & (r - 1):
+            raise ValueError(f"RowsLayout.rows must be a power of two >= 16 (tl.dot's N), got {r!r}")
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"RowsLayout.batch must be an int >= 1, got {b!r}")
+        c, t = self.cfg, self.tiling
+        if t.qkv_rows < 32 or c.hd % t.qkv_rows or self.kv_rows != t.qkv_rows:
+            raise ValueError(f"a rows program needs qkv_rows = kv_rows >= 32 dividing hd = {c.hd} (RoPE halves of "
+                             f">= 16 rows: tl.dot's M), got qkv_rows {t.qkv_rows}, kv_rows {self.kv_rows}")
+        for k in ("o_rows", "down_rows"):
+            if getattr(t, k) < 16:
+                raise ValueError(f"a rows program needs Tiling.{k} >= 16 (tl.dot's M), got {getattr(t, k)}")
+        if t.gu_rows < 16 or self.lm_rows < 16:
+            raise ValueError(f"a rows program needs gu_rows and lm_rows >= 16, got {t.gu_rows}, {self.lm_rows}")
+        if not self.attn_merged or t.row_bytes or t.res_fold or t.down_wait or t.gu_tiles or self.o_partial:
+            raise ValueError("a rows program needs attn_splits 1, no row loop, residual fold, down_wait, gu_tiles "
+                             "or split O (opcodes.rows.rows_tiling)")
+
+    @classmethod
+    def of(cls, lay, rows: int = 16, batch: int = 1, **tiles) -> "RowsLayout":
+        emb = tiles.pop("emb_cols", 0) or min(next_pow2(lay.cfg.d), max(16, 8192 // rows))
+        return cls(lay.cfg, lay.tiling, lay.max_seq, lm_rows=tiles.pop("lm_rows", 0) or 32, emb_cols=emb,
+                   rows=rows, batch=batch)
+
+    def constexprs(self, interp: bool = False) -> dict:
+        return {**super().constexprs(interp), "ROWS": self.rows, "BATCH": self.batch}
+
+    def extra(self) -> dict:
+        return {**super().extra(), "rows": self.rows, "batch": self.batch}
+
+
+def layer_input_r(st, layer: int) -> torch.Tensor:
+    """VM: the feature-major ``[d, ROWS]`` residual stream entering ``layer`` (bf16)."""
+    lay = st.lay
+    d, R = lay.cfg.d, lay.rows
+    if layer == 0:
+        return st.buf["x0_r"].view(d, R)
+    return st.buf["xout_r"].view(lay.cfg.layers, d, R)[layer - 1]
+
+
+def bf16_dot(w: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+    """VM: ``w . xb`` as the tile computes it: bf16 operands, fp32 sums."""
+    return w.float() @ xb.to(torch.bfloat16).float()

@@ -1,0 +1,104 @@
+"""DOWN_R: one tile of the down projection over every row, for one K chunk of the ffn (opcodes/rows.py).
+
+    dpart_r[layer, kc, r, n] = Wd[r, kc*DOWN_K : (kc+1)*DOWN_K] . act_r[layer, kc*DOWN_K : ..., n]   (fp32)
+
+rows r in [r0, r0 + DOWN_ROWS); RESIDUAL_R adds the chunks and x1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from .base import Cost, Instruction, Layout, Region, register, tile_start
+from .common import T_WD, tab_offset
+from .common_rows import rows_stream
+from .down import Down
+from .rows import RowsLayout, bf16_dot
+
+
+@triton.jit
+def down_r_device(r0, layer, kc, act_r_ptr, dpart_r_ptr, wtab_ptr, wd_ptr,
+                  D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
+                  DOWN_CHUNKS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, ROWS: tl.constexpr,
+                  INTERP: tl.constexpr):
+    w = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
+    rows = r0 + tl.arange(0, DOWN_ROWS)
+    rm = rows < D
+    acc, acc2, ss = rows_stream(w, rows, w, rows, rm, act_r_ptr + layer * (FFN * ROWS), w, kc * DOWN_K, ROWS, ROWS,
+                                FFN, DOWN_K, DOWN_ROWS, ROWS, BK, STAGES, TWO=False, NORM=False,
+                                EVEN=(FFN % DOWN_K == 0) & (DOWN_K % BK == 0) & (D % DOWN_ROWS == 0), INTERP=INTERP)
+    n = tl.arange(0, ROWS)
+    tl.store(dpart_r_ptr + ((layer * DOWN_CHUNKS + kc) * D + rows[:, None]) * ROWS + n[None, :], acc,
+             mask=rm[:, None])
+
+
+@register
+@dataclass(frozen=True)
+class DownR(Instruction):
+    r0: int
+    layer: int
+    kc: int       # K chunk of the ffn
+
+    NAME = "down_r"
+    STAGE = 4
+    ARGS = ("act_r_ptr", "dpart_r_ptr", "wtab_ptr", "wd_ptr",
+            "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS", "BK", "STAGES", "ROWS", "INTERP")
+    CONSTEXPRS = {k: Down.CONSTEXPRS[k] for k in ("DOWN_ROWS", "DOWN_K")}
+    SCRATCH = {"dpart_r": "fp32"}
+    WHOLE_MODEL = True
+    IN_EVERY_KERNEL = False
+    ROWS_OPCODE = True
+    device = down_r_device
+
+    @classmethod
+    def applies(cls, lay: Layout) -> bool:
+        return isinstance(lay, RowsLayout)
+
+    @classmethod
+    def scratch_shapes(cls, lay: Layout) -> dict:
+        return {"dpart_r": (lay.cfg.layers, lay.n_down_k, lay.cfg.d, lay.rows)}
+
+    @classmethod
+    def stream_rows(cls, lay: Layout) -> int:
+        return lay.tiling.down_rows
+
+    def check_operands(self, lay: Layout) -> list[str]:
+        bad = tile_start("r0", self.r0, lay.tiling.down_rows, lay.cfg.d)
+        if not 0 <= self.kc < lay.n_down_k:
+            bad.append(f"kc {self.kc} not in [0, {lay.n_down_k})")
+        return bad + ([] if 0 <= self.layer < lay.cfg.layers else [f"layer {self.layer} not in [0, {lay.cfg.layers})"])
+
+    def _rows(self, lay: Layout) -> tuple[int, int]:
+        return self.r0, min(self.r0 + lay.tiling.down_rows, lay.cfg.d)
+
+    def _ks(self, lay: Layout) -> tuple[int, int]:
+        k = lay.tiling.down_k
+        return self.kc * k, min((self.kc + 1) * k, lay.cfg.ffn)
+
+    def reads(self, lay: Layout) -> list[Region]:
+        f, R = lay.cfg.ffn, lay.rows
+        k0, k1 = self._ks(lay)
+        return [Region("act_r", (self.layer * f + k0) * R, (self.layer * f + k1) * R)]
+
+    def writes(self, lay: Layout) -> list[Region]:
+        c, R = lay.cfg, lay.rows
+        lo, hi = self._rows(lay)
+        b = (self.layer * lay.n_down_k + self.kc) * c.d
+        return [Region("dpart_r", (b + lo) * R, (b + hi) * R)]
+
+    def cost(self, lay: Layout) -> Cost:
+        R = lay.rows
+        lo, hi = self._rows(lay)
+        k0, k1 = self._ks(lay)
+        return Cost(hbm_bytes=2 * (hi - lo) * (k1 - k0), l2_bytes=2 * (k1 - k0) * R + 4 * (hi - lo) * R,
+                    flops=2 * (hi - lo) * (k1 - k0) * R)
+
+    def run_torch(self, lay: Layout, st) -> None:
+        c, R = lay.cfg, lay.rows
+        lo, hi = self._rows(lay)
+        k0, k1 = self._ks(lay)
+        a = st.buf["act_r"].view(c.layers, c.ffn, R)[self.layer, k0:k1]
+        y = bf16_dot(st.weights[self.layer]["down"][lo:hi, k0:k1], a)
+        st.buf["dpart_r"].view(c.layers, lay.n_down_k, c.d, R)[self.layer, self.kc, lo:hi] = y

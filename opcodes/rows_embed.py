@@ -1,0 +1,85 @@
+"""EMBED_R: one column block of every row's embedding into the rows' layer-0 input (opcodes/rows.py).
+
+    x0_r[c, n] = embed[tok[n], c]    for c in [col0, col0 + EMB_COLS), rows n < R;  0 for n >= R
+
+``x0_r`` is feature-major ``[d, ROWS]`` bf16. Tokens come from the ``rows`` state buffer (the host
+writes it; a token outside ``[0, vocab)`` is clamped, the host checks the tokens it is handed).
+Streams ``EMB_COLS * R * 2`` bytes of the embedding table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .base import Cost, Instruction, Layout, Region, register, tile_start
+from .embed import Embed
+from .rows import ROWS_HEADER, ROW_WORDS, RowsLayout, read_rows, row_meta, rows_state_shape
+
+
+@triton.jit
+def embed_r_device(col0, rows_ptr, x0_r_ptr, embed_ptr, D: tl.constexpr, VOCAB: tl.constexpr,
+                   EMB_COLS: tl.constexpr, ROWS: tl.constexpr):
+    n = tl.arange(0, ROWS)
+    live, slot, pos, tok = row_meta(rows_ptr, n, ROWS)
+    tok = tl.minimum(tl.maximum(tok, 0), VOCAB - 1).to(tl.int64)
+    cols = col0 + tl.arange(0, EMB_COLS)
+    cm = cols < D
+    v = tl.load(embed_ptr + tok[None, :] * D + cols[:, None], mask=cm[:, None] & live[None, :], other=0.0)
+    tl.store(x0_r_ptr + cols[:, None] * ROWS + n[None, :], v, mask=cm[:, None])
+
+
+@register
+@dataclass(frozen=True)
+class EmbedR(Instruction):
+    col0: int
+
+    NAME = "embed_r"
+    STAGE = 0
+    ARGS = ("rows_ptr", "x0_r_ptr", "embed_ptr", "D", "VOCAB", "EMB_COLS", "ROWS")
+    CONSTEXPRS = {"VOCAB": Embed.CONSTEXPRS["VOCAB"], "EMB_COLS": Embed.CONSTEXPRS["EMB_COLS"]}
+    WHOLE_MODEL = True
+    IN_EVERY_KERNEL = False
+    ROWS_OPCODE = True
+    device = embed_r_device
+
+    SCRATCH = {"x0_r": "bf16"}
+    STATE = {"rows": "i32"}       # [R, 0, 0, 0] then per row [slot, pos, tok, 0]: written by the host
+
+    @classmethod
+    def applies(cls, lay: Layout) -> bool:
+        return isinstance(lay, RowsLayout)
+
+    @classmethod
+    def scratch_shapes(cls, lay: Layout) -> dict:
+        return {"x0_r": (lay.cfg.d, lay.rows)}
+
+    @classmethod
+    def state_shapes(cls, lay: Layout) -> dict:
+        return {"rows": rows_state_shape(lay.rows)}
+
+    def check_operands(self, lay: Layout) -> list[str]:
+        if not self.applies(lay):
+            return ["embed_r needs a RowsLayout (opcodes.rows)"]
+        return tile_start("col0", self.col0, lay.emb_cols, lay.cfg.d)
+
+    def _cols(self, lay: Layout) -> tuple[int, int]:
+        return self.col0, min(self.col0 + lay.emb_cols, lay.cfg.d)
+
+    def writes(self, lay: Layout) -> list[Region]:
+        lo, hi = self._cols(lay)
+        return [Region("x0_r", lo * lay.rows, hi * lay.rows)]
+
+    def cost(self, lay: Layout) -> Cost:
+        lo, hi = self._cols(lay)
+        return Cost(hbm_bytes=2 * (hi - lo) * lay.rows, l2_bytes=2 * (hi - lo) * lay.rows, flops=0)
+
+    def run_torch(self, lay: Layout, st) -> None:
+        R, _, _, toks = read_rows(st)
+        lo, hi = self._cols(lay)
+        x = st.buf["x0_r"].view(lay.cfg.d, lay.rows)
+        x[lo:hi] = 0
+        for n, t in enumerate(toks):
+            x[lo:hi, n] = st.model["embed"][min(max(t, 0), lay.cfg.vocab - 1), lo:hi]

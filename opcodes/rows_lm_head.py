@@ -1,0 +1,90 @@
+"""LM_HEAD_R: one tile of the final RMSNorm and LM head over every row (opcodes/rows.py).
+
+    logits_r[v, n] = (lm_head[v, :] . bf16(xout_r[L-1, :, n] * final_norm)) * rstd[n]     v in [v0, v0 + LM_ROWS)
+
+fp32, feature-major ``[vocab, ROWS]``: the host reads row n's logits as column n.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .base import Cost, Instruction, Layout, Region, register, tile_start
+from .common_rows import rows_stream
+from .embed import Embed
+from .lm_head import LMHead
+from .rows import RowsLayout, bf16_dot
+
+
+@triton.jit
+def lm_head_r_device(v0, xout_r_ptr, fnorm_ptr, lmh_ptr, logits_r_ptr, LAYERS: tl.constexpr, D: tl.constexpr,
+                     VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr, BK: tl.constexpr,
+                     STAGES: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
+    rows = v0 + tl.arange(0, LM_ROWS)
+    rm = rows < VOCAB
+    acc, acc2, ss = rows_stream(lmh_ptr, rows, lmh_ptr, rows, rm, xout_r_ptr + (LAYERS - 1) * (D * ROWS), fnorm_ptr,
+                                0, ROWS, ROWS, D, D, LM_ROWS, ROWS, BK, STAGES, TWO=False, NORM=True,
+                                EVEN=(D % BK == 0) & (VOCAB % LM_ROWS == 0), INTERP=INTERP)
+    rstd = 1.0 / tl.sqrt(ss / D + EPS)
+    n = tl.arange(0, ROWS)
+    tl.store(logits_r_ptr + rows[:, None].to(tl.int64) * ROWS + n[None, :], acc * rstd[None, :], mask=rm[:, None])
+
+
+@register
+@dataclass(frozen=True)
+class LMHeadR(Instruction):
+    v0: int
+
+    NAME = "lm_head_r"
+    STAGE = 6
+    ARGS = ("xout_r_ptr", "fnorm_ptr", "lmh_ptr", "logits_r_ptr", "LAYERS", "D", "VOCAB", "EPS", "LM_ROWS", "BK",
+            "STAGES", "ROWS", "INTERP")
+    CONSTEXPRS = {"VOCAB": Embed.CONSTEXPRS["VOCAB"], "LM_ROWS": LMHead.CONSTEXPRS["LM_ROWS"]}
+    SCRATCH = {"logits_r": "fp32"}
+    WHOLE_MODEL = True
+    IN_EVERY_KERNEL = False
+    ROWS_OPCODE = True
+    device = lm_head_r_device
+
+    @classmethod
+    def applies(cls, lay: Layout) -> bool:
+        return isinstance(lay, RowsLayout)
+
+    @classmethod
+    def scratch_shapes(cls, lay: Layout) -> dict:
+        return {"logits_r": (lay.cfg.vocab, lay.rows)}
+
+    @classmethod
+    def stream_rows(cls, lay: Layout) -> int:
+        return lay.lm_rows
+
+    def check_operands(self, lay: Layout) -> list[str]:
+        return tile_start("v0", self.v0, lay.lm_rows, lay.cfg.vocab)
+
+    def _rows(self, lay: Layout) -> tuple[int, int]:
+        return self.v0, min(self.v0 + lay.lm_rows, lay.cfg.vocab)
+
+    def reads(self, lay: Layout) -> list[Region]:
+        c, R = lay.cfg, lay.rows
+        return [Region("xout_r", (c.layers - 1) * c.d * R, c.layers * c.d * R)]
+
+    def writes(self, lay: Layout) -> list[Region]:
+        R = lay.rows
+        lo, hi = self._rows(lay)
+        return [Region("logits_r", lo * R, hi * R)]
+
+    def cost(self, lay: Layout) -> Cost:
+        d, R = lay.cfg.d, lay.rows
+        lo, hi = self._rows(lay)
+        return Cost(hbm_bytes=2 * (hi - lo) * d, l2_bytes=2 * d * R + 4 * (hi - lo) * R, flops=2 * (hi - lo) * d * R)
+
+    def run_torch(self, lay: Layout, st) -> None:
+        c, R = lay.cfg, lay.rows
+        lo, hi = self._rows(lay)
+        x = st.buf["xout_r"].view(c.layers, c.d, R)[c.layers - 1].float()
+        xb = (x * st.model["final_norm"].float()[:, None]).to(torch.bfloat16)
+        rstd = torch.rsqrt((x * x).sum(0) / c.d + c.eps)
+        st.buf["logits_r"].view(c.vocab, R)[lo:hi] = bf16_dot(st.model["lm_head"][lo:hi], xb) * rstd[None, :]

@@ -1,0 +1,166 @@
+"""QKV_R: one tile of the fused Q/K/V projection over every row of the step (opcodes/rows.py), with
+RMSNorm, RoPE at each row's own position and the K/V append into each row's (slot, position).
+
+    h[:, n]  = x[:, n] * in_norm,   rstd[n] = rsqrt(mean(x[:, n]^2) + eps)
+    y[r, n]  = (W[r, :] . bf16(h[:, n])) * rstd[n]       for the tile's rows r of Wq, Wk or Wv
+    q/k      = rope(y[:, n], pos[n])
+    q -> q_r[layer, :, n] (fp32);  k, v -> kv_cache[layer][slot[n], head, pos[n]] (bf16, in place)
+
+As QKV, a tile covers ``QKV_ROWS`` rows of one head, ``QKV_ROWS/2`` dims of each RoPE half; it is one
+``tl.dot`` tile of ``QKV_ROWS/2`` weight rows per half by ``ROWS`` columns (``opcodes.common_rows``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .base import Cost, Instruction, Layout, Region, register
+from .common import T_KC, T_N1, T_VC, tab_offset, to_bf16
+from .common_rows import rows_stream
+from .qkv import QKV, SECTIONS, section_weights
+from .rows import RowsLayout, bf16_dot, layer_input_r, read_rows, row_meta
+
+
+@triton.jit
+def qkv_r_device(layer, sec, head, j, rows_ptr, x0_r_ptr, xout_r_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
+                 kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_r_ptr,
+                 D: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
+                 EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                 ROWS: tl.constexpr, INTERP: tl.constexpr):
+    HALF: tl.constexpr = QKV_ROWS // 2
+    w_ptr = section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr)
+    if layer == 0:
+        xt = x0_r_ptr
+    else:
+        xt = xout_r_ptr + (layer - 1) * (D * ROWS)
+    nw_ptr = n1_ptr + tab_offset(wtab_ptr, layer, T_N1)
+    dims = j * HALF + tl.arange(0, HALF)
+    rows1 = head * HD + dims
+    rows2 = rows1 + HD // 2
+    acc1, acc2, ss = rows_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xt, nw_ptr, 0, ROWS, ROWS, D, D, HALF, ROWS,
+                                 BK, STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0), INTERP=INTERP)
+    rstd = 1.0 / tl.sqrt(ss / D + EPS)
+    y1 = acc1 * rstd[None, :]
+    y2 = acc2 * rstd[None, :]
+    n = tl.arange(0, ROWS)
+    live, slot, pos, tok = row_meta(rows_ptr, n, ROWS)
+    rot = sec < 2
+    c = tl.load(cos_ptr + pos[None, :] * (HD // 2) + dims[:, None])
+    s = tl.load(sin_ptr + pos[None, :] * (HD // 2) + dims[:, None])
+    c = tl.where(rot, c, 1.0)
+    s = tl.where(rot, s, 0.0)
+    o1 = y1 * c - y2 * s
+    o2 = y2 * c + y1 * s
+    if sec == 0:
+        qb = q_r_ptr + layer * (NQ * HD * ROWS)
+        tl.store(qb + rows1[:, None] * ROWS + n[None, :], o1)
+        tl.store(qb + rows2[:, None] * ROWS + n[None, :], o2)
+    else:
+        if sec == 1:
+            cb = kc_ptr + tab_offset(wtab_ptr, layer, T_KC)
+        else:
+            cb = vc_ptr + tab_offset(wtab_ptr, layer, T_VC)
+        off = slot.to(tl.int64) * (NKV * MAX_SEQ * HD) + head * (MAX_SEQ * HD) + pos.to(tl.int64) * HD
+        tl.store(cb + off[None, :] + dims[:, None], to_bf16(o1, INTERP), mask=live[None, :])
+        tl.store(cb + off[None, :] + (HD // 2) + dims[:, None], to_bf16(o2, INTERP), mask=live[None, :])
+
+
+@register
+@dataclass(frozen=True)
+class QKVR(Instruction):
+    layer: int
+    sec: int      # 0: q, 1: k, 2: v
+    head: int     # query head (sec 0) or KV head (sec 1, 2)
+    j: int        # which QKV_ROWS/2-wide block of the half-head
+
+    NAME = "qkv_r"
+    STAGE = 0
+    ARGS = ("rows_ptr", "x0_r_ptr", "xout_r_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr", "kc_ptr",
+            "vc_ptr", "cos_ptr", "sin_ptr", "q_r_ptr",
+            "D", "NQ", "NKV", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "BK", "STAGES", "ROWS", "INTERP")
+    CONSTEXPRS = {"QKV_ROWS": QKV.CONSTEXPRS["QKV_ROWS"]}
+    TABLES = QKV.TABLES
+    # the new K/V rows live in the caller's cache: tracked by the verifier as a whole layer's, not allocated
+    VIRTUAL = ("kv_new_k_r", "kv_new_v_r")
+    SCRATCH = {"q_r": "fp32", "kv_new_k_r": "bf16", "kv_new_v_r": "bf16"}
+    WHOLE_MODEL = True
+    IN_EVERY_KERNEL = False
+    ROWS_OPCODE = True
+    device = qkv_r_device
+
+    @classmethod
+    def applies(cls, lay: Layout) -> bool:
+        return isinstance(lay, RowsLayout)
+
+    @classmethod
+    def scratch_shapes(cls, lay: Layout) -> dict:
+        c = lay.cfg
+        return {"q_r": (c.layers, c.q_dim, lay.rows), "kv_new_k_r": (c.layers, c.kv_dim),
+                "kv_new_v_r": (c.layers, c.kv_dim)}
+
+    @classmethod
+    def tables(cls, lay: Layout, device) -> dict:
+        return QKV.tables(lay, device)
+
+    @classmethod
+    def stream_rows(cls, lay: Layout) -> int:
+        return lay.tiling.qkv_rows
+
+    def check_operands(self, lay: Layout) -> list[str]:
+        return QKV(self.layer, self.sec, self.head, self.j).check_operands(lay)
+
+    def _dims(self, lay: Layout) -> tuple[int, int]:
+        half = lay.tiling.qkv_rows // 2
+        return self.j * half, (self.j + 1) * half
+
+    def writes(self, lay: Layout) -> list[Region]:
+        c, R = lay.cfg, lay.rows
+        lo, hi = self._dims(lay)
+        if self.sec == 0:
+            base = (self.layer * c.q_dim + self.head * c.hd) * R
+            return [Region("q_r", base + lo * R, base + hi * R),
+                    Region("q_r", base + (c.hd // 2 + lo) * R, base + (c.hd // 2 + hi) * R)]
+        buf = ("kv_new_k_r", "kv_new_v_r")[self.sec - 1]
+        base = self.layer * c.kv_dim + self.head * c.hd
+        return [Region(buf, base + lo, base + hi), Region(buf, base + c.hd // 2 + lo, base + c.hd // 2 + hi)]
+
+    def reads(self, lay: Layout) -> list[Region]:
+        d, R = lay.cfg.d, lay.rows
+        if self.layer == 0:
+            return [Region("x0_r", 0, d * R)]
+        return [Region("xout_r", (self.layer - 1) * d * R, self.layer * d * R)]
+
+    def cost(self, lay: Layout) -> Cost:
+        d, rows, R = lay.cfg.d, lay.tiling.qkv_rows, lay.rows
+        return Cost(hbm_bytes=2 * rows * d, l2_bytes=2 * d * R + 4 * rows * R, flops=2 * rows * d * R)
+
+    def run_torch(self, lay: Layout, st) -> None:
+        c, NR = lay.cfg, lay.rows
+        R, slots, pos, _ = read_rows(st)
+        x = layer_input_r(st, self.layer).float()                 # [d, ROWS]
+        w = st.weights[self.layer][SECTIONS[self.sec]]
+        nw = st.weights[self.layer]["in_norm"].float()
+        lo, hi = self._dims(lay)
+        dims = torch.arange(lo, hi)
+        rows1 = self.head * c.hd + dims
+        rows2 = rows1 + c.hd // 2
+        xb = (x * nw[:, None]).to(torch.bfloat16)
+        rstd = torch.rsqrt((x * x).sum(0) / c.d + c.eps)         # [ROWS]
+        y1 = bf16_dot(w[rows1], xb) * rstd[None, :]
+        y2 = bf16_dot(w[rows2], xb) * rstd[None, :]
+        if self.sec < 2:
+            p = torch.tensor(pos + [0] * (NR - R), dtype=torch.long)
+            cos, sin = st.tables["cos_ptr"][p][:, lo:hi].T, st.tables["sin_ptr"][p][:, lo:hi].T
+            y1, y2 = y1 * cos - y2 * sin, y2 * cos + y1 * sin
+        if self.sec == 0:
+            q = st.buf["q_r"].view(c.layers, c.n_q, c.hd, NR)
+            q[self.layer, self.head, lo:hi] = y1
+            q[self.layer, self.head, c.hd // 2 + lo: c.hd // 2 + hi] = y2
+        else:
+            cache = st.kv[self.layer][self.sec - 1]
+            for n in range(R):
+                cache[slots[n], self.head, pos[n], lo:hi] = y1[:, n].to(torch.bfloat16)
+                cache[slots[n], self.head, pos[n], c.hd // 2 + lo: c.hd // 2 + hi] = y2[:, n].to(torch.bfloat16)

@@ -1,0 +1,74 @@
+"""Lowering of an R-row whole-model step (issue 50; ``opcodes.rows``): chunked prefill and batched decode.
+
+    EMBED_R(col0) x n_emb --embed--> QKV_R(0, *)
+    per layer l:
+      QKV_R(l, q heads of group g) --q[l,g]--> ATTN_R(l, g, row) x ROWS      (+ kv[l,g])
+      QKV_R(l, k/v head g) --kv[l,g]--> ATTN_R(l, g, *)                    (every row's K/V first)
+      ATTN_R(l, *, *) --attn[l]--> OPROJ_R(l, *) --x1[l]--> GATE_UP_R(l, *)
+      GATE_UP_R(l, rows in K chunk kc) --act[l,kc]--> DOWN_R(l, *, kc)
+      DOWN_R(l, rows in block rb, *) --dpart[l,rb]--> RESIDUAL_R(l, rb) --out[l]--> QKV_R(l+1, *)
+    RESIDUAL_R(L-1, *) --out[L-1]--> LM_HEAD_R(v0) x n_lm                    (logits_r)
+
+The tape depends on the bucket ``ROWS`` only; the step's actual rows are device data (``rows``).
+"""
+from __future__ import annotations
+
+from opcodes import (AttnR, DownR, EmbedR, GateUpR, Layout, LMHeadR, OProjR, QKVR, ResidualR, RowsLayout, cdiv)
+from opcodes.base import NO_COUNTER
+
+from .program import Program, check_layout
+
+
+def lower_rows(lay: Layout, rows: int = 16, batch: int = 1) -> Program:
+    """The program of one R-row step (R <= ``rows``) over a cache of ``batch`` slots, for ``lay``'s config,
+    tiling (``opcodes.rows.rows_tiling``) and cache length."""
+    rl = lay if isinstance(lay, RowsLayout) and lay.rows == rows and lay.batch == batch else \
+        RowsLayout.of(lay, rows=rows, batch=batch)
+    check_layout(rl)
+    c, t = rl.cfg, rl.tiling
+    p = Program(rl)
+    ce = p.counter("embed")
+    for c0 in range(0, c.d, rl.emb_cols):
+        p.add(EmbedR(c0), (), ce)
+    prev = ce
+    n_rb = cdiv(c.d, t.red_rows)
+    for l in range(c.layers):
+        cq = [p.counter(f"q[{l},{g}]") for g in range(c.n_kv)]
+        ckv = [p.counter(f"kv[{l},{g}]") for g in range(c.n_kv)]
+        ca = p.counter(f"attn[{l}]")
+        cx = p.counter(f"x1[{l}]")
+        cact = [p.counter(f"act[{l},{kc}]") for kc in range(rl.n_down_k)]
+        cd = [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
+        cout = p.counter(f"out[{l}]")
+        for g in range(c.n_kv):
+            for h in range(g * c.group, (g + 1) * c.group):
+                for j in range(rl.n_tiles_per_head(0)):
+                    p.add(QKVR(l, 0, h, j), (prev,), cq[g])
+        for g in range(c.n_kv):
+            for sec in (1, 2):
+                for j in range(rl.n_tiles_per_head(sec)):
+                    p.add(QKVR(l, sec, g, j), (prev,), ckv[g])
+        for r in range(rows):
+            for g in range(c.n_kv):
+                p.add(AttnR(l, g, r), (cq[g], ckv[g]), ca)
+        for r0 in range(0, c.d, t.o_rows):
+            p.add(OProjR(r0, l), (ca,), cx)
+        for r0 in range(0, c.ffn, t.gu_rows):
+            p.add(GateUpR(r0, l), (cx,), cact[r0 // t.down_k])
+        for kc in range(rl.n_down_k):
+            for r0 in range(0, c.d, t.down_rows):
+                p.add(DownR(r0, l, kc), (cact[kc],), cd[r0 // t.red_rows])
+        for rb in range(n_rb):
+            p.add(ResidualR(rb * t.red_rows, l), (cd[rb],), cout)
+        prev = cout
+    for v0 in range(0, c.vocab, rl.lm_rows):
+        p.add(LMHeadR(v0), (prev,), NO_COUNTER)
+    return p
+
+
+def rows_lowering(rows: int, batch: int):
+    """``lower_rows`` as a ``lowering=`` option (``interp.runtime.build_layer``)."""
+    def lowering(lay: Layout) -> Program:
+        return lower_rows(lay, rows=rows, batch=batch)
+    lowering.__name__ = f"lower_rows_{rows}x{batch}"
+    return lowering
