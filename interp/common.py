@@ -68,8 +68,9 @@ def parse_cfg(cfg, decoder: bool = False) -> ModelConfig:
     return cfg
 
 
-def validate_inputs(weights, kv_cache, cfg: ModelConfig, max_seq_len):
-    """Check everything ``build_layer`` is handed (``cfg`` parsed: :func:`parse_cfg`); return the device."""
+def validate_inputs(weights, kv_cache, cfg: ModelConfig, max_seq_len, batch: int = 1):
+    """Check everything ``build_layer`` is handed (``cfg`` parsed: :func:`parse_cfg`); return the device.
+    ``batch``: the sequence slots of the cache (``build_decoder(..., batch=B)``; a layer decodes one)."""
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
         raise arg_error(TypeError, "max_seq_len", "a python int", describe(max_seq_len))
     if max_seq_len <= 0:
@@ -98,14 +99,15 @@ def validate_inputs(weights, kv_cache, cfg: ModelConfig, max_seq_len):
             raise arg_error(ValueError, f"weights['layers'][{l}]", f"keys {list(shapes)}", f"missing {missing}")
         for k, shape in shapes.items():
             check_tensor(f"weights['layers'][{l}][{k!r}]", lw[k], shape, torch.bfloat16, device)
-    kv_shape = (1, cfg.n_kv, max_seq_len, cfg.hd)
+    kv_shape = (batch, cfg.n_kv, max_seq_len, cfg.hd)
     for l, pair in enumerate(kv_cache):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise arg_error(TypeError, f"kv_cache[{l}]", "a (k, v) pair", describe(pair))
         for j, name in enumerate("kv"):
             t = pair[j]
-            if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[0] != 1:
-                raise arg_error(ValueError, f"kv_cache[{l}][{j}] ({name})", "batch 1 (megatape decodes batch 1)",
+            if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[0] != batch:
+                raise arg_error(ValueError, f"kv_cache[{l}][{j}] ({name})",
+                                f"dim 0 = batch {batch} (build_decoder(..., batch=B) holds B sequences)",
                                 describe(t))
             check_tensor(f"kv_cache[{l}][{j}] ({name})", t, kv_shape, torch.bfloat16, device)
     # the cache is written in place: no K/V tensor may share memory with any other tensor handed in

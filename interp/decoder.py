@@ -77,6 +77,12 @@ class DecoderHandle:
     # always the device's)
     active: LayerHandle | None = field(default=None, repr=False)
     next_pos: int = 0
+    # many rows per step (interp.rows): the sequence slots of the cache, the whole cache (the one-row
+    # tapes above run on slot 0's view), the rows kernels by bucket (built on first use) and their options
+    batch: int = 1
+    kv_rows: list = field(default=None, repr=False)
+    rows: dict = field(default_factory=dict, repr=False)
+    rows_options: dict = field(default_factory=dict, repr=False)
 
     @property
     def tape(self):
@@ -84,7 +90,7 @@ class DecoderHandle:
 
     @property
     def handles(self) -> tuple:
-        """Every kernel handle of the decoder: ``layer``, then ``short`` if there is one."""
+        """The one-row kernel handles of the decoder: ``layer``, then ``short`` if there is one."""
         return (self.layer,) if self.short is None else (self.layer, self.short)
 
     @property
@@ -93,13 +99,16 @@ class DecoderHandle:
 
 
 def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_cols: int = 0, sampling: bool = False,
-                  tp_group=None, **options):
+                  tp_group=None, batch: int = 1, **options):
     """Prepare a whole Llama-family model for ``decode_step`` / ``generate``. Untimed.
 
     weights  : {"embed": (vocab, d), "layers": [per-layer dicts as for build_layer], "final_norm": (d,),
                "lm_head": (vocab, d)}, bf16, row-major; ``lm_head`` may be ``embed`` itself (tied)
-    kv_cache : [(k, v)] per layer, each (1, n_kv, max_seq_len, hd) bf16, updated in place
+    kv_cache : [(k, v)] per layer, each (batch, n_kv, max_seq_len, hd) bf16, updated in place
     cfg      : the spec's cfg dict (or a ModelConfig) with ``vocab``
+    batch    : sequence slots of the cache (``interp.rows``: ``prefill(h, tokens, start_pos, slot)``,
+               ``decode_step(h, tokens (R,), pos (R,), slots=None)``); the one-position calls
+               (``decode_step`` with one token and an int position, ``generate``) run on slot 0
     ``lm_rows`` / ``emb_cols``: vocabulary rows per LM_HEAD tile and d columns per EMBED tile (0: the
     defaults of ``opcodes.decoder.DecoderLayout``). ``sampling``: the tape ends in SAMPLE (the token
     drawn on the device; ``generate(..., temperature=...)``) instead of ARGMAX (greedy; the default,
@@ -116,7 +125,13 @@ def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_
     takes: ``wait_s``, ``host_group``, ``tapes``, ...); ``decode_step`` / ``generate`` of it are
     ``interp.tp.tp_decode_step`` / ``tp_generate`` (greedy only).
     """
+    if isinstance(batch, bool) or not isinstance(batch, int):
+        raise arg_error(TypeError, "batch", "a python int >= 1", describe(batch))
+    if batch < 1:
+        raise arg_error(ValueError, "batch", "an int >= 1", batch)
     if tp_group is not None:
+        if batch != 1:
+            raise arg_error(ValueError, "batch", "1 with tp_group (tensor-parallel decoders run one sequence)", batch)
         if sampling:
             raise arg_error(ValueError, "sampling",
                             "False with tp_group (tensor-parallel decoders are greedy: TP_ARGMAX)", sampling)
@@ -128,8 +143,11 @@ def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_
     if not isinstance(sampling, bool):
         raise arg_error(TypeError, "sampling", "a bool", describe(sampling))
     cfg = parse_cfg(cfg, decoder=True)
-    device = validate_inputs(weights, kv_cache, cfg, max_seq_len)
+    device = validate_inputs(weights, kv_cache, cfg, max_seq_len, batch=batch)
     check_model_tensors("weights", weights, decoder_shapes(cfg), kv_cache, device)
+    kv_rows = kv_cache
+    if batch > 1:            # the one-row tapes run on slot 0 (a view: their writes land in the cache)
+        kv_cache = [tuple(t[:1] for t in pair) for pair in kv_cache]
     h = runtime.build_validated(weights, kv_cache, cfg, device, max_seq_len,
                                 lowering=decoder_lowering(lm_rows, emb_cols, sample=sampling), **options)
     lay = h.tape.lay
@@ -157,7 +175,8 @@ def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_
     dh = DecoderHandle(layer=h, cfg=cfg, lay=lay, device=device, tok=h.state["tok"], toks=h.state["toks"],
                        x0=h.scratch["x0"].view(1, cfg.d), hidden=hidden,
                        logits=h.scratch["logits"].view(1, cfg.vocab), weights=weights, sampling=sampling,
-                       short=short, short_until=until if short is not None else 0, active=h)
+                       short=short, short_until=until if short is not None else 0, active=h,
+                       batch=batch, kv_rows=kv_rows, rows_options=dict(options))
     if sampling:
         set_sampling(dh)                 # temperature 1, no top-k / top-p, seed 0 until generate sets others
     return dh
@@ -242,7 +261,19 @@ def _block_graph(dh: DecoderHandle, h: LayerHandle, k: int):
     return g
 
 
-def decode_step(handle: DecoderHandle, tokens, pos) -> torch.Tensor:
+def _rows_call(tokens, pos, slots) -> bool:
+    """Whether a ``decode_step`` is a many-rows one (``interp.rows``): ``slots`` given, positions as a
+    sequence, or more than one token."""
+    if slots is not None or isinstance(pos, (list, tuple)):
+        return True
+    if isinstance(pos, torch.Tensor) and pos.dim() == 1 and pos.numel() != 1:
+        return True
+    if isinstance(tokens, (list, tuple)):
+        return len(tokens) != 1
+    return isinstance(tokens, torch.Tensor) and tokens.dim() == 1 and tokens.numel() > 1
+
+
+def decode_step(handle: DecoderHandle, tokens, pos, slots=None) -> torch.Tensor:
     """One whole-model decode step: embed ``tokens``, run every layer at ``pos`` (appending K/V
     into the cache), the final norm and the LM head. One launch.
 
@@ -255,6 +286,10 @@ def decode_step(handle: DecoderHandle, tokens, pos) -> torch.Tensor:
     device (``handle.tok``), where a following ``generate`` or launch would read it.
     A tensor-parallel rank's handle (``build_decoder(..., tp_group=...)``): ``interp.tp.tp_decode_step``
     (collective; the logits of both ranks' slices).
+
+    Many rows (``interp.rows``): ``tokens`` (R,) and ``pos`` (R,) (integer tensors or lists of ints),
+    ``slots`` (R,) or None (row r is slot r, R <= batch): one launch of the rows kernel, every row
+    independent; returns (R, vocab) fp32 logits. Every check comes before the cache is touched.
     """
     if not isinstance(handle, DecoderHandle):       # (the common case imports nothing more)
         from .tp import TPRankHandle, tp_decode_step
@@ -263,6 +298,9 @@ def decode_step(handle: DecoderHandle, tokens, pos) -> torch.Tensor:
                 tokens = int(tokens.reshape(-1)[0])
             return tp_decode_step(handle, tokens, pos)
     _check_handle(handle)
+    if _rows_call(tokens, pos, slots):
+        from .rows import decode_rows
+        return decode_rows(handle, tokens, pos, slots)
     pos = check_pos(handle.layer, pos)
     if isinstance(tokens, int) and not isinstance(tokens, bool):
         tokens = torch.tensor([tokens], dtype=torch.int32)
@@ -273,7 +311,7 @@ def decode_step(handle: DecoderHandle, tokens, pos) -> torch.Tensor:
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         raise arg_error(TypeError, "tokens", "an integer dtype", describe(tokens))
     if tuple(tokens.shape) != (1,):
-        raise arg_error(ValueError, "tokens", "shape (1,) (megatape decodes batch 1)", describe(tokens))
+        raise arg_error(ValueError, "tokens", "shape (1,) with an int pos (many rows: pos (R,))", describe(tokens))
     if tokens.device != handle.device:
         raise arg_error(ValueError, "tokens", f"a tensor on {handle.device}", describe(tokens))
     _check_token_range("tokens", tokens, handle.cfg.vocab)
@@ -335,11 +373,15 @@ def _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, 
 
 
 def _run_prompt(handle, prompt, P: int, start_pos: int, temperature, top_k, top_p, seed) -> None:
+    """The prompt: all but its last token in chunked prefill launches (``interp.rows.prefill``), the last
+    one a one-row step (whose ARGMAX / SAMPLE makes the first new token)."""
     if temperature > 0:
         set_sampling(handle, temperature, top_k, top_p, seed)
-    for i in range(P):
-        handle.tok.copy_(prompt[i:i + 1])          # a device-side copy: no host round trip
-        _launch(handle, start_pos + i)
+    if P > 1:
+        from .rows import prefill
+        prefill(handle, prompt[:P - 1].tolist(), start_pos, 0)
+    handle.tok.copy_(prompt[P - 1:P])          # a device-side copy: no host round trip
+    _launch(handle, start_pos + P - 1)
 
 
 def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 0, return_logits: bool = False, *,
@@ -472,8 +514,9 @@ def teardown_decoder(handle: DecoderHandle) -> None:
     if handle.closed:
         return
     handle.graphs.clear()
-    for h in handle.handles:
+    for h in (*handle.handles, *handle.rows.values()):
         runtime.teardown(h)
+    handle.rows.clear()
     handle.closed = True
     handle.active = None
     handle.weights = None

@@ -1,0 +1,158 @@
+"""Many rows per step (issue 50): chunked prefill and batched decode on a decoder handle.
+
+    h = build_decoder(weights, kv_cache, cfg, max_seq_len, batch=B)     # kv: (B, n_kv, max_seq_len, hd) per layer
+    logits = prefill(h, prompt, start_pos=0, slot=0)                   # (1, vocab): the last position's
+    logits = decode_step(h, tokens, pos)                               # tokens, pos: (B,) -> (B, vocab)
+    logits = decode_step(h, tokens, pos, slots=[0, 3])                 # some slots only
+
+A step of R rows runs one launch of the rows kernel of the smallest bucket (``opcodes.rows.BUCKETS``)
+that holds R; each bucket's tape and kernel are built on first use (compile time, outside any step).
+Row r is token ``tokens[r]`` of slot ``slots[r]`` at ``pos[r]``; every row's K/V is written into its
+(slot, position) in place before any row attends, then row r attends to its slot's keys
+``[0, pos[r]]`` (``opcodes.decoder.decoder_ref_rows``). Each row's logits are a function of that
+row's inputs and its slot's cache alone: another request in the batch changes nothing in them
+(``tl.dot`` columns are independent), bitwise within one bucket.
+Every check runs before anything is written: on an error the cache is untouched.
+"""
+from __future__ import annotations
+
+import torch
+
+from opcodes.rows import BUCKETS, rows_state, rows_tiling
+from schedule.rows_program import rows_lowering
+
+from . import runtime
+from .common import arg_error, describe
+
+#: the options of ``build_decoder`` the rows kernels take too (the rest: the one-row tape's)
+ROWS_OPTIONS = ("num_sms", "spin_limit", "sync_check", "cooperative", "policy", "seed")
+
+
+def bucket(R: int) -> int:
+    """The rows bucket of an R-row step: the smallest of :data:`BUCKETS` >= R."""
+    for b in BUCKETS:
+        if R <= b:
+            return b
+    raise arg_error(ValueError, "tokens", f"at most {BUCKETS[-1]} rows a step (prefill chunks them)", f"{R} rows")
+
+
+def rows_handle(dh, R: int):
+    """The kernel handle of ``dh``'s rows bucket for R rows, built on first use."""
+    b = bucket(R)
+    h = dh.rows.get(b)
+    if h is None:
+        cfg = dh.cfg
+        opts = {k: v for k, v in dh.rows_options.items() if k in ROWS_OPTIONS}
+        h = runtime.build_validated(dh.weights, dh.kv_rows, cfg, dh.device, dh.max_seq,
+                                    tiling=rows_tiling(cfg, b, dh.max_seq), lowering=rows_lowering(b, dh.batch),
+                                    **opts)
+        dh.rows[b] = h
+    return h
+
+
+def _int_vector(name: str, v, device=None) -> list[int]:
+    """A 1-D integer tensor or a list / tuple of python ints, as python ints."""
+    if isinstance(v, torch.Tensor):
+        if v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool:
+            raise arg_error(TypeError, name, "an integer tensor", describe(v))
+        if v.dim() != 1:
+            raise arg_error(ValueError, name, "a 1-D tensor", describe(v))
+        return [int(t) for t in v.tolist()]
+    if isinstance(v, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return list(v)
+    raise arg_error(TypeError, name, "a 1-D integer tensor or a list of ints", describe(v))
+
+
+def check_rows_args(dh, tokens, pos, slots) -> tuple[list[int], list[int], list[int]]:
+    """(tokens, pos, slots) of one rows step as python ints, every check done."""
+    toks = _int_vector("tokens", tokens)
+    R = len(toks)
+    if R == 0:
+        raise arg_error(ValueError, "tokens", "at least one token", describe(tokens))
+    if R > BUCKETS[-1]:
+        raise arg_error(ValueError, "tokens", f"at most {BUCKETS[-1]} rows a step", f"{R} rows")
+    pos = _int_vector("pos", pos)
+    if len(pos) != R:
+        raise arg_error(ValueError, "pos", f"{R} positions (one per token)", f"{len(pos)}")
+    if slots is None:
+        if R > dh.batch:
+            raise arg_error(ValueError, "tokens", f"at most batch = {dh.batch} rows without slots= (row r is slot r)",
+                            f"{R} rows")
+        slots = list(range(R))
+    else:
+        slots = _int_vector("slots", slots)
+        if len(slots) != R:
+            raise arg_error(ValueError, "slots", f"{R} slots (one per token)", f"{len(slots)}")
+    vocab, S = dh.cfg.vocab, dh.max_seq
+    for r in range(R):
+        if not 0 <= toks[r] < vocab:
+            raise arg_error(ValueError, f"tokens[{r}]", f"a token id in [0, vocab={vocab})", toks[r])
+        if not 0 <= slots[r] < dh.batch:
+            raise arg_error(ValueError, f"slots[{r}]", f"a slot in [0, batch={dh.batch})", slots[r])
+        if not 0 <= pos[r] < S:
+            raise arg_error(ValueError, f"pos[{r}]", f"a position in [0, max_seq_len={S})"
+                            + (" (past max_seq_len)" if pos[r] >= S else ""), pos[r])
+    seen: dict = {}
+    for r, sp in enumerate(zip(slots, pos)):
+        if sp in seen:
+            raise arg_error(ValueError, "slots / pos", "each (slot, position) at most once a step",
+                            f"rows {seen[sp]} and {r} both at slot {sp[0]} position {sp[1]}")
+        seen[sp] = r
+    return toks, pos, slots
+
+
+def run_rows(dh, toks: list[int], pos: list[int], slots: list[int], logits_rows=None) -> torch.Tensor:
+    """One launch over checked rows; returns the fp32 logits of rows ``logits_rows`` (default all),
+    (n, vocab), a fresh tensor."""
+    R = len(toks)
+    h = rows_handle(dh, R)
+    # NOTE: from pageable memory: the copy has read the host tensor when it returns (no pinned buffer
+    # the next step could overwrite before the device read it)
+    meta = rows_state(h.lay.rows, slots, pos, toks)
+    with runtime.Stepping(h):
+        h.state["rows"].copy_(meta)
+        runtime.launch(h, dh.x0, 0, dh.hidden)
+        if h.sync_check:
+            h.check(sync=True)
+        lg = h.scratch["logits_r"].view(dh.cfg.vocab, h.lay.rows)
+        sel = list(range(R)) if logits_rows is None else list(logits_rows)
+        out = lg[:, sel].T.contiguous() if len(sel) != 1 else lg[:, sel[0]].reshape(1, -1).clone()
+    return out
+
+
+def decode_rows(dh, tokens, pos, slots=None) -> torch.Tensor:
+    toks, pos, slots = check_rows_args(dh, tokens, pos, slots)
+    return run_rows(dh, toks, pos, slots)
+
+
+def prefill(dh, tokens, start_pos: int = 0, slot: int = 0) -> torch.Tensor:
+    """Fill slot ``slot``'s cache with ``tokens`` at positions ``start_pos, start_pos + 1, ...``, in
+    chunks of up to the largest bucket's rows (one launch each); returns the last position's fp32
+    logits (1, vocab). Errors (tokens, positions past max_seq_len, the slot) come before any launch."""
+    toks = _int_vector("tokens", tokens)
+    P = len(toks)
+    if P == 0:
+        raise arg_error(ValueError, "tokens", "a non-empty 1-D token sequence", describe(tokens))
+    if isinstance(start_pos, bool) or not isinstance(start_pos, int):
+        raise arg_error(TypeError, "start_pos", "a python int", describe(start_pos))
+    if isinstance(slot, bool) or not isinstance(slot, int):
+        raise arg_error(TypeError, "slot", "a python int", describe(slot))
+    if not 0 <= slot < dh.batch:
+        raise arg_error(ValueError, "slot", f"a slot in [0, batch={dh.batch})", slot)
+    if start_pos < 0 or start_pos + P > dh.max_seq:
+        raise arg_error(ValueError, "start_pos / tokens", f"positions in [0, max_seq_len={dh.max_seq})",
+                        f"positions {start_pos} .. {start_pos + P - 1} (past max_seq_len)" if start_pos >= 0
+                        else start_pos)
+    vocab = dh.cfg.vocab
+    for i, t in enumerate(toks):
+        if not 0 <= t < vocab:
+            raise arg_error(ValueError, f"tokens[{i}]", f"a token id in [0, vocab={vocab})", t)
+    step = BUCKETS[-1]
+    out = None
+    for c0 in range(0, P, step):
+        chunk = toks[c0:c0 + step]
+        n = len(chunk)
+        p = [start_pos + c0 + i for i in range(n)]
+        last = c0 + n == P
+        out = run_rows(dh, chunk, p, [slot] * n, logits_rows=[n - 1] if last else [])
+    return out
