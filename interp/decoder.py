@@ -262,15 +262,11 @@ def _block_graph(dh: DecoderHandle, h: LayerHandle, k: int):
 
 
 def _rows_call(tokens, pos, slots) -> bool:
-    """Whether a ``decode_step`` is a many-rows one (``interp.rows``): ``slots`` given, positions as a
-    sequence, or more than one token."""
+    """Whether a ``decode_step`` is a many-rows one (``interp.rows``): ``slots`` given or the positions a
+    sequence (a list, or a 1-D tensor of other than one element)."""
     if slots is not None or isinstance(pos, (list, tuple)):
         return True
-    if isinstance(pos, torch.Tensor) and pos.dim() == 1 and pos.numel() != 1:
-        return True
-    if isinstance(tokens, (list, tuple)):
-        return len(tokens) != 1
-    return isinstance(tokens, torch.Tensor) and tokens.dim() == 1 and tokens.numel() > 1
+    return isinstance(pos, torch.Tensor) and pos.dim() == 1 and pos.numel() != 1
 
 
 def decode_step(handle: DecoderHandle, tokens, pos, slots=None) -> torch.Tensor:
@@ -372,25 +368,28 @@ def _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, 
     return prompt, P, start_pos, eos
 
 
-def _run_prompt(handle, prompt, P: int, start_pos: int, temperature, top_k, top_p, seed) -> None:
-    """The prompt: all but its last token in chunked prefill launches (``interp.rows.prefill``), the last
-    one a one-row step (whose ARGMAX / SAMPLE makes the first new token)."""
+def _run_prompt(handle, prompt, P: int, start_pos: int, temperature, top_k, top_p, seed, chunked: bool) -> None:
+    """The prompt: with ``chunked``, all but its last token in chunked prefill launches
+    (``interp.rows.prefill``), else one one-row step each; the last token a one-row step (whose ARGMAX /
+    SAMPLE makes the first new token)."""
     if temperature > 0:
         set_sampling(handle, temperature, top_k, top_p, seed)
-    if P > 1:
+    if chunked and P > 1:
         from .rows import prefill
         prefill(handle, prompt[:P - 1].tolist(), start_pos, 0)
-    handle.tok.copy_(prompt[P - 1:P])          # a device-side copy: no host round trip
-    _launch(handle, start_pos + P - 1)
+    for i in range(0 if not chunked else P - 1, P):
+        handle.tok.copy_(prompt[i:i + 1])          # a device-side copy: no host round trip
+        _launch(handle, start_pos + i)
 
 
 def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 0, return_logits: bool = False, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_ids=None,
-             graph_block: int | None = None):
-    """Generation: consume ``prompt_tokens`` at positions ``start_pos, start_pos + 1, ...`` (one
-    decode step each), then generate ``n_new`` tokens. One launch per position; after the prompt
-    the host only launches: each launch's ARGMAX (greedy) or SAMPLE leaves the next token on the
-    device, where the next launch's EMBED reads it.
+             graph_block: int | None = None, prefill: bool = True):
+    """Generation: consume ``prompt_tokens`` at positions ``start_pos, start_pos + 1, ...``, then
+    generate ``n_new`` tokens. The prompt but its last token is prefilled in chunks of many rows a
+    launch (``interp.rows.prefill``; ``prefill=False``: one decode step each, the way every token
+    after it runs); then one launch per position, and the host only launches: each launch's ARGMAX
+    (greedy) or SAMPLE leaves the next token on the device, where the next launch's EMBED reads it.
 
     prompt_tokens : 1-D integer tensor (any device: copied to the device once) or list of ints, >= 1 token
     temperature   : 0 (default): greedy, the handle's ARGMAX; > 0: SAMPLE draws each token from
@@ -417,12 +416,13 @@ def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 
         raise arg_error(ValueError, "return_logits", "False when eos_token_ids is given", return_logits)
     block = _graph_block(handle, graph_block, bool(return_logits), bool(eos))
     if eos:
-        toks = list(_stream(handle, prompt, P, start_pos, n_new, eos, (temperature, top_k, top_p, seed)))
+        toks = list(_stream(handle, prompt, P, start_pos, n_new, eos, (temperature, top_k, top_p, seed),
+                            _check_bool("prefill", prefill)))
         return torch.tensor(toks, dtype=torch.int64).to(handle.device)
     hist = torch.empty(n_new, handle.cfg.vocab, dtype=torch.float32, device=handle.device) if return_logits else None
     first = start_pos + P - 1          # the position whose step makes new token 0
     with _stepping(handle):
-        _run_prompt(handle, prompt, P, start_pos, temperature, top_k, top_p, seed)
+        _run_prompt(handle, prompt, P, start_pos, temperature, top_k, top_p, seed, _check_bool("prefill", prefill))
         if n_new and hist is not None:
             hist[0].copy_(handle.logits[0])
         # token j is made at position first + j: in each tape's run of positions, whole blocks as
@@ -466,9 +466,15 @@ def _graph_block(handle: DecoderHandle, graph_block, return_logits: bool, eos: b
     return graph_block
 
 
+def _check_bool(name: str, v) -> bool:
+    if not isinstance(v, bool):
+        raise arg_error(TypeError, name, "a bool", describe(v))
+    return v
+
+
 def generate_stream(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 0, *,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                    eos_token_ids=None):
+                    eos_token_ids=None, prefill: bool = True):
     """``generate``, yielding each new token (a python int) as soon as the host has it; stops
     after ``n_new`` tokens or after an EOS id (yielded). The arguments are checked now, before
     anything runs; the launches happen as the iterator is consumed. After handing over token j the
@@ -478,13 +484,14 @@ def generate_stream(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos:
     the host reads each token as it comes."""
     prompt, P, start_pos, eos = _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, top_p,
                                                seed, eos_token_ids)
-    return _stream(handle, prompt, P, start_pos, n_new, eos, (temperature, top_k, top_p, seed))
+    return _stream(handle, prompt, P, start_pos, n_new, eos, (temperature, top_k, top_p, seed),
+                   _check_bool("prefill", prefill))
 
 
-def _stream(handle, prompt, P: int, start_pos: int, n_new: int, eos: frozenset, sampling: tuple):
+def _stream(handle, prompt, P: int, start_pos: int, n_new: int, eos: frozenset, sampling: tuple, chunked: bool):
     # the handle is held per launch, not across the yields (the caller may step other handles)
     with _stepping(handle):
-        _run_prompt(handle, prompt, P, start_pos, *sampling)
+        _run_prompt(handle, prompt, P, start_pos, *sampling, chunked)
     if n_new == 0:
         return
     first = start_pos + P - 1

@@ -55,6 +55,9 @@ def count_launches(monkeypatch):
     real = decoder_mod.runtime.launch
 
     def spy(h, x, pos, out):
+        if "tok_ptr" not in h.buffers:         # a rows kernel's launch (prefill): recorded as its row count
+            calls.append(("rows", int(h.state["rows"][0])))
+            return real(h, x, pos, out)
         calls.append((pos if pos >= 0 else int(h.ctl[CTL_POS]), int(h.buffers["tok_ptr"][0])))
         return real(h, x, pos, out)
     monkeypatch.setattr(decoder_mod.runtime, "launch", spy)
@@ -270,7 +273,7 @@ def test_decode_step_and_generate(monkeypatch):
     kv_b = make_kv_cache(CFG, MAX_SEQ, 0)
     h = build_decoder(w, kv_b, CFG.to_dict(), MAX_SEQ, tiling=til, lm_rows=16, emb_cols=16)
     calls = count_launches(monkeypatch)
-    toks, logits_b = generate(h, torch.tensor(prompt), n_new, return_logits=True)
+    toks, logits_b = generate(h, torch.tensor(prompt), n_new, return_logits=True, prefill=False)
     # one launch per position; each embeds seq[pos]: the prompt's (copied on the device) and then the
     # token the previous launch's ARGMAX left in the buffer
     assert calls == [(pos, seq[pos]) for pos in range(len(prompt) + n_new - 1)]
@@ -281,6 +284,21 @@ def test_decode_step_and_generate(monkeypatch):
     # continue where it stopped: the last token is still on the device
     more = generate(h, toks[-1:], 2, start_pos=len(prompt) + n_new - 1)
     assert more.shape == (2,)
+    teardown(h)
+    # (c) generate with the prompt prefilled (all but its last token in one rows launch): the cache and
+    # the logits differ from (a) by the rows tiles' rounding only, the tokens not at all
+    kv_c = make_kv_cache(CFG, MAX_SEQ, 0)
+    h = build_decoder(w, kv_c, CFG.to_dict(), MAX_SEQ, tiling=til, lm_rows=16, emb_cols=16)
+    calls = count_launches(monkeypatch)
+    toks_c, logits_c = generate(h, torch.tensor(prompt), n_new, return_logits=True)
+    # one rows launch of the prompt but its last token, then one-row launches from the last prompt token on
+    assert calls[0] == ("rows", len(prompt) - 1)
+    assert [p for p, _ in calls[1:]] == list(range(len(prompt) - 1, len(prompt) + n_new - 1))
+    assert toks_c.tolist() == seq[len(prompt):]
+    for a, c in zip(logits_a, logits_c):
+        assert rel_err(c.reshape(1, -1), a) <= LOGIT_TOL
+    for (ka, va), (kc, vc) in zip(kv_a, kv_c):
+        assert rel_err(kc, ka) <= LOGIT_TOL and rel_err(vc, va) <= LOGIT_TOL
     teardown(h)
 
 
