@@ -87,7 +87,7 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int) -> Tiling:
     stages = max(2, min(5, (200 * 1024) // stage))
     red = max(32, 4096 // rows)
     return dataclasses.replace(
-        base, qkv_rows=32, kv_rows=0, o_rows=32, o_bk=0, o_k=0, gu_rows=16, gu_tiles=0, down_rows=32, down_bk=0,
+        base, qkv_rows=min(32, cfg.hd), kv_rows=0, o_rows=32, o_bk=0, o_k=0, gu_rows=16, gu_tiles=0, down_rows=32, down_bk=0,
         down_k=cfg.ffn, red_rows=red, attn_splits=1, key_in_reduce=0, bk=bk, stages=stages, row_bytes=0,
         res_fold=0, down_wait=0, warp_rows=0, num_warps=4 if rows <= 32 else 8)
 
@@ -109,9 +109,8 @@ class RowsLayout(DecoderLayout):
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ValueError(f"RowsLayout.batch must be an int >= 1, got {b!r}")
         c, t = self.cfg, self.tiling
-        if t.qkv_rows < 32 or c.hd % t.qkv_rows or self.kv_rows != t.qkv_rows:
-            raise ValueError(f"a rows program needs qkv_rows = kv_rows >= 32 dividing hd = {c.hd} (RoPE halves of "
-                             f">= 16 rows: tl.dot's M), got qkv_rows {t.qkv_rows}, kv_rows {self.kv_rows}")
+        if self.kv_rows != t.qkv_rows:
+            raise ValueError(f"a rows program needs kv_rows = qkv_rows, got qkv_rows {t.qkv_rows}, kv_rows {self.kv_rows}")
         for k in ("o_rows", "down_rows"):
             if getattr(t, k) < 16:
                 raise ValueError(f"a rows program needs Tiling.{k} >= 16 (tl.dot's M), got {getattr(t, k)}")

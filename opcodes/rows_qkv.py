@@ -7,7 +7,8 @@ RMSNorm, RoPE at each row's own position and the K/V append into each row's (slo
     q -> q_r[layer, :, n] (fp32);  k, v -> kv_cache[layer][slot[n], head, pos[n]] (bf16, in place)
 
 As QKV, a tile covers ``QKV_ROWS`` rows of one head, ``QKV_ROWS/2`` dims of each RoPE half; it is one
-``tl.dot`` tile of ``QKV_ROWS/2`` weight rows per half by ``ROWS`` columns (``opcodes.common_rows``).
+``tl.dot`` tile of ``QKV_ROWS/2`` weight rows per half (``QKV_M``: at least 16, the rest masked) by
+``ROWS`` columns (``opcodes.common_rows``).
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ from .rows import RowsLayout, bf16_dot, layer_input_r, read_rows, row_meta
 def qkv_r_device(layer, sec, head, j, rows_ptr, x0_r_ptr, xout_r_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
                  kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_r_ptr,
                  D: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
-                 EPS: tl.constexpr, QKV_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                 ROWS: tl.constexpr, INTERP: tl.constexpr):
+                 EPS: tl.constexpr, QKV_ROWS: tl.constexpr, QKV_M: tl.constexpr, BK: tl.constexpr,
+                 STAGES: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
     HALF: tl.constexpr = QKV_ROWS // 2
     w_ptr = section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr)
     if layer == 0:
@@ -37,35 +38,39 @@ def qkv_r_device(layer, sec, head, j, rows_ptr, x0_r_ptr, xout_r_ptr, wtab_ptr, 
     else:
         xt = xout_r_ptr + (layer - 1) * (D * ROWS)
     nw_ptr = n1_ptr + tab_offset(wtab_ptr, layer, T_N1)
-    dims = j * HALF + tl.arange(0, HALF)
+    # QKV_M >= 16 rows a half (tl.dot's M): the HALF dims of the tile, the rest masked (hd < 32)
+    dm = tl.arange(0, QKV_M) < HALF
+    dims = j * HALF + tl.arange(0, QKV_M)
     rows1 = head * HD + dims
     rows2 = rows1 + HD // 2
-    acc1, acc2, ss = rows_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xt, nw_ptr, 0, ROWS, ROWS, D, D, HALF, ROWS,
-                                 BK, STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0), INTERP=INTERP)
+    acc1, acc2, ss = rows_stream(w_ptr, rows1, w_ptr, rows2, dm, xt, nw_ptr, 0, ROWS, ROWS, D, D, QKV_M, ROWS,
+                                 BK, STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0) & (QKV_M == HALF),
+                                 INTERP=INTERP)
     rstd = 1.0 / tl.sqrt(ss / D + EPS)
     y1 = acc1 * rstd[None, :]
     y2 = acc2 * rstd[None, :]
     n = tl.arange(0, ROWS)
     live, slot, pos, tok = row_meta(rows_ptr, n, ROWS)
     rot = sec < 2
-    c = tl.load(cos_ptr + pos[None, :] * (HD // 2) + dims[:, None])
-    s = tl.load(sin_ptr + pos[None, :] * (HD // 2) + dims[:, None])
+    c = tl.load(cos_ptr + pos[None, :] * (HD // 2) + dims[:, None], mask=dm[:, None], other=1.0)
+    s = tl.load(sin_ptr + pos[None, :] * (HD // 2) + dims[:, None], mask=dm[:, None], other=0.0)
     c = tl.where(rot, c, 1.0)
     s = tl.where(rot, s, 0.0)
     o1 = y1 * c - y2 * s
     o2 = y2 * c + y1 * s
     if sec == 0:
         qb = q_r_ptr + layer * (NQ * HD * ROWS)
-        tl.store(qb + rows1[:, None] * ROWS + n[None, :], o1)
-        tl.store(qb + rows2[:, None] * ROWS + n[None, :], o2)
+        tl.store(qb + rows1[:, None] * ROWS + n[None, :], o1, mask=dm[:, None])
+        tl.store(qb + rows2[:, None] * ROWS + n[None, :], o2, mask=dm[:, None])
     else:
         if sec == 1:
             cb = kc_ptr + tab_offset(wtab_ptr, layer, T_KC)
         else:
             cb = vc_ptr + tab_offset(wtab_ptr, layer, T_VC)
         off = slot.to(tl.int64) * (NKV * MAX_SEQ * HD) + head * (MAX_SEQ * HD) + pos.to(tl.int64) * HD
-        tl.store(cb + off[None, :] + dims[:, None], to_bf16(o1, INTERP), mask=live[None, :])
-        tl.store(cb + off[None, :] + (HD // 2) + dims[:, None], to_bf16(o2, INTERP), mask=live[None, :])
+        m = dm[:, None] & live[None, :]
+        tl.store(cb + off[None, :] + dims[:, None], to_bf16(o1, INTERP), mask=m)
+        tl.store(cb + off[None, :] + (HD // 2) + dims[:, None], to_bf16(o2, INTERP), mask=m)
 
 
 @register
@@ -80,8 +85,9 @@ class QKVR(Instruction):
     STAGE = 0
     ARGS = ("rows_ptr", "x0_r_ptr", "xout_r_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr", "kc_ptr",
             "vc_ptr", "cos_ptr", "sin_ptr", "q_r_ptr",
-            "D", "NQ", "NKV", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "BK", "STAGES", "ROWS", "INTERP")
-    CONSTEXPRS = {"QKV_ROWS": QKV.CONSTEXPRS["QKV_ROWS"]}
+            "D", "NQ", "NKV", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "QKV_M", "BK", "STAGES", "ROWS", "INTERP")
+    CONSTEXPRS = {"QKV_ROWS": QKV.CONSTEXPRS["QKV_ROWS"],
+                  "QKV_M": lambda lay: max(16, lay.tiling.qkv_rows // 2)}   # tl.dot's M: >= 16
     TABLES = QKV.TABLES
     # the new K/V rows live in the caller's cache: tracked by the verifier as a whole layer's, not allocated
     VIRTUAL = ("kv_new_k_r", "kv_new_v_r")
