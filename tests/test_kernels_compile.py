@@ -36,6 +36,9 @@ CASES = [
     ("llama3.1-8b", 1152, "decoder"),             # the column loop, whole model
     ("llama70b-layer", 4224, "tp-layer"),         # tensor parallel (rank 1 of 2): TP_PUSH / TP_REDUCE, peer signals
     ("llama3.2-1b", 1152, "tp-decoder"),          # ... the whole model: TP_ARGMAX_PUSH / TP_ARGMAX too
+    ("llama3.2-1b", 1152, "rows16"),              # many rows (issue 50): the decode bucket, tl.dot M 32 x N 16
+    ("llama3.2-1b", 1152, "rows128"),             # ... the prefill bucket, N 128
+    ("llama3.1-8b", 1152, "rows32"),              # ... hd 128, the 8B's shapes
 ]
 
 #: an H200 SM's instruction cache (bench/probes/icache_probe.py, runs 193-194: code in rotation up to
@@ -82,7 +85,13 @@ def _main(preset: str, max_seq: int, what: str) -> None:
     from schedule.decoder_program import decoder_lowering
     cfg = PRESETS[preset]
     kw = {"lowering": decoder_lowering(sample=True)} if what == "sampling" else {}
-    if what.startswith("tp-"):      # rank 1's tape (its kernel: the peer pointers, sys-scope peer signals / waits)
+    if what.startswith("rows"):
+        from opcodes.rows import rows_tiling
+        from schedule.rows_program import rows_lowering
+        R = int(what[4:])
+        tape = compile_model(cfg, 132, max_seq=max_seq, tiling=rows_tiling(cfg, R, max_seq),
+                             lowering=rows_lowering(R, 4)).tape
+    elif what.startswith("tp-"):      # rank 1's tape (its kernel: the peer pointers, sys-scope peer signals / waits)
         tape = compile_model(cfg, 132, max_seq=max_seq, decoder=(what == "tp-decoder"), tp=2).tapes[1]
     else:
         tape = compile_model(cfg, 132, max_seq=max_seq, decoder=(what != "layer"), **kw).tape
