@@ -125,10 +125,11 @@ def decode_rows(dh, tokens, pos, slots=None) -> torch.Tensor:
     return run_rows(dh, toks, pos, slots)
 
 
-def prefill(dh, tokens, start_pos: int = 0, slot: int = 0) -> torch.Tensor:
+def prefill(dh, tokens, start_pos: int = 0, slot: int = 0, chunk: int | None = None) -> torch.Tensor:
     """Fill slot ``slot``'s cache with ``tokens`` at positions ``start_pos, start_pos + 1, ...``, in
-    chunks of up to the largest bucket's rows (one launch each); returns the last position's fp32
-    logits (1, vocab). Errors (tokens, positions past max_seq_len, the slot) come before any launch."""
+    chunks of ``chunk`` rows (default and at most the largest bucket's, 128), one launch each; returns
+    the last position's fp32 logits (1, vocab). Errors (tokens, positions past max_seq_len, the slot,
+    the chunk) come before any launch."""
     toks = _int_vector("tokens", tokens)
     P = len(toks)
     if P == 0:
@@ -147,7 +148,12 @@ def prefill(dh, tokens, start_pos: int = 0, slot: int = 0) -> torch.Tensor:
     for i, t in enumerate(toks):
         if not 0 <= t < vocab:
             raise arg_error(ValueError, f"tokens[{i}]", f"a token id in [0, vocab={vocab})", t)
-    step = BUCKETS[-1]
+    if chunk is None:
+        chunk = BUCKETS[-1]
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= BUCKETS[-1]:
+        raise arg_error(ValueError if isinstance(chunk, int) and not isinstance(chunk, bool) else TypeError,
+                        "chunk", f"an int in [1, {BUCKETS[-1]}]", describe(chunk))
+    step = chunk
     out = None
     for c0 in range(0, P, step):
         chunk = toks[c0:c0 + step]
