@@ -176,3 +176,19 @@ def test_one_row_and_rows_kernels_hold_their_own_opcodes():
                          sequential=True).tape
     kr = kernel_classes(rows.classes())
     assert kr and all(c.ROWS_OPCODE for c in kr) and set(kr) == set(rows.classes())
+
+
+def test_serve_kernel_backend_matches_the_ref_backend():
+    """``megatape serve``'s kernel backend (the rows kernel) against its ref backend (the bf16 oracle) on the
+    same prefill and decode rows: within the criterion's scale (the two round differently)."""
+    from megatape.serve import KernelBackend, RefBackend
+    w = decoder_weights(CFG, seed=1)
+    kb = KernelBackend(w, CFG, 2, MAX_SEQ, device="cpu")
+    rb = RefBackend(w, CFG, 2, MAX_SEQ, device="cpu")
+    try:
+        assert rel_err(kb.prefill([5, 9, 17, 3], slot=1, start_pos=0), rb.prefill([5, 9, 17, 3], slot=1, start_pos=0)) <= 3e-2
+        assert rel_err(kb.prefill([44, 2], slot=0, start_pos=0), rb.prefill([44, 2], slot=0, start_pos=0)) <= 3e-2
+        lk, lr = kb.decode([7, 8], [0, 1], [2, 4]), rb.decode([7, 8], [0, 1], [2, 4])
+        assert lk.shape == lr.shape == (2, CFG.vocab) and rel_err(lk, lr) <= 3e-2
+    finally:
+        kb.close()

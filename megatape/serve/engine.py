@@ -125,40 +125,34 @@ class RefBackend:
 
 
 def batched_kernel_available() -> bool:
-    """Whether ``interp.decoder`` has the batched API :class:`KernelBackend` runs on (``prefill`` and a
-    ``build_decoder`` that takes ``batch=``)."""
+    """Whether ``interp`` has the batched API :class:`KernelBackend` runs on (``interp.rows``: ``prefill``
+    and a ``build_decoder`` that takes ``batch=``)."""
     import inspect
 
-    from interp import decoder
-    if not callable(getattr(decoder, "prefill", None)):
+    import interp
+    if not callable(getattr(interp, "prefill", None)):
         return False
     try:
-        return "batch" in inspect.signature(decoder.build_decoder).parameters
+        return "batch" in inspect.signature(interp.build_decoder).parameters
     except (TypeError, ValueError):
         return False
 
 
 class KernelBackend:
-    """The megakernel with B sequence slots (``interp.decoder``'s batched API).
-
-    NOTE (to be wired and tested once the batched API lands in ``interp.decoder``): written to the
-    planned signatures, which this build does not have yet (:func:`batched_kernel_available`):
-
-    * ``build_decoder(weights, kv_cache, cfg, max_seq_len, batch=B)``, each layer's k/v (B, n_kv, max_seq, hd);
-    * ``prefill(h, tokens, start_pos=0, slot=0) -> (1, vocab)`` fp32 logits of the last prompt position;
-    * ``decode_step(h, tokens (R,), pos (R,), slots=(R,)) -> (R, vocab)`` fp32 logits, rows independent.
-
-    The token / position / slot tensors are int32 on the handle's device; the logits come back to the
-    host for sampling (``Engine`` samples there).
+    """The megakernel with B sequence slots (``interp.rows``): ``build_decoder(..., batch=B)``, a prompt
+    chunk per ``prefill(h, tokens, start_pos, slot)`` (one rows launch per 128 tokens), the running
+    requests' next tokens in one ``decode_step(h, tokens (R,), pos (R,), slots=(R,))`` launch. A row's
+    logits do not depend on the other rows of its launch (bitwise within one rows bucket). The logits
+    come back to the host for sampling (``Engine`` samples there).
     """
 
     name = "kernel"
 
     def __init__(self, weights: dict, cfg, max_batch: int, max_seq: int, device=None, **options):
-        from interp import decoder
+        import interp
         from opcodes import ModelConfig
         if not batched_kernel_available():
-            raise RuntimeError("the kernel backend needs interp.decoder's batched API (prefill and "
+            raise RuntimeError("the kernel backend needs interp's batched API (prefill and "
                                "build_decoder(..., batch=B)), which this build does not have")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -169,23 +163,20 @@ class KernelBackend:
             from interp.textgen import interpreter_options
             options = {**interpreter_options(self.cfg), **options}
         kv = _zero_cache(self.cfg, max_batch, max_seq, self.device)
-        self._d = decoder
-        self.h = decoder.build_decoder(weights, kv, self.cfg.to_dict(), max_seq, batch=max_batch, **options)
-
-    def _i32(self, v) -> torch.Tensor:
-        return torch.tensor(list(v), dtype=torch.int32, device=self.device)
+        self._d = interp
+        self.h = interp.build_decoder(weights, kv, self.cfg.to_dict(), max_seq, batch=max_batch, **options)
 
     def prefill(self, tokens: list[int], slot: int, start_pos: int) -> torch.Tensor:
-        logits = self._d.prefill(self.h, self._i32(tokens), start_pos=start_pos, slot=slot)
+        logits = self._d.prefill(self.h, list(tokens), start_pos=start_pos, slot=slot)
         return logits.reshape(-1).float().cpu()
 
     def decode(self, tokens: list[int], slots: list[int], pos: list[int]) -> torch.Tensor:
-        logits = self._d.decode_step(self.h, self._i32(tokens), self._i32(pos), slots=self._i32(slots))
+        logits = self._d.decode_step(self.h, list(tokens), list(pos), slots=list(slots))
         return logits.float().cpu()
 
     def close(self) -> None:
         if getattr(self, "h", None) is not None:
-            self._d.teardown_decoder(self.h)
+            self._d.teardown(self.h)
             self.h = None
 
 
