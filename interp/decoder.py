@@ -384,12 +384,14 @@ def _run_prompt(handle, prompt, P: int, start_pos: int, temperature, top_k, top_
 
 def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 0, return_logits: bool = False, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_ids=None,
-             graph_block: int | None = None, prefill: bool = True):
+             graph_block: int | None = None, prefill: bool | None = None):
     """Generation: consume ``prompt_tokens`` at positions ``start_pos, start_pos + 1, ...``, then
-    generate ``n_new`` tokens. The prompt but its last token is prefilled in chunks of many rows a
-    launch (``interp.rows.prefill``; ``prefill=False``: one decode step each, the way every token
-    after it runs); then one launch per position, and the host only launches: each launch's ARGMAX
-    (greedy) or SAMPLE leaves the next token on the device, where the next launch's EMBED reads it.
+    generate ``n_new`` tokens. ``prefill``: the prompt but its last token in chunks of many rows a
+    launch (``interp.rows.prefill``), or (False) one decode step each, the way every token after it
+    runs; None: chunked on a GPU, one step a token on the CPU (under the Triton interpreter a launch
+    costs its instruction count, and a rows launch has ~R times a one-row launch's). Then one launch
+    per position, and the host only launches: each launch's ARGMAX (greedy) or SAMPLE leaves the next
+    token on the device, where the next launch's EMBED reads it.
 
     prompt_tokens : 1-D integer tensor (any device: copied to the device once) or list of ints, >= 1 token
     temperature   : 0 (default): greedy, the handle's ARGMAX; > 0: SAMPLE draws each token from
@@ -417,12 +419,12 @@ def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 
     block = _graph_block(handle, graph_block, bool(return_logits), bool(eos))
     if eos:
         toks = list(_stream(handle, prompt, P, start_pos, n_new, eos, (temperature, top_k, top_p, seed),
-                            _check_bool("prefill", prefill)))
+                            _check_bool("prefill", prefill, handle)))
         return torch.tensor(toks, dtype=torch.int64).to(handle.device)
     hist = torch.empty(n_new, handle.cfg.vocab, dtype=torch.float32, device=handle.device) if return_logits else None
     first = start_pos + P - 1          # the position whose step makes new token 0
     with _stepping(handle):
-        _run_prompt(handle, prompt, P, start_pos, temperature, top_k, top_p, seed, _check_bool("prefill", prefill))
+        _run_prompt(handle, prompt, P, start_pos, temperature, top_k, top_p, seed, _check_bool("prefill", prefill, handle))
         if n_new and hist is not None:
             hist[0].copy_(handle.logits[0])
         # token j is made at position first + j: in each tape's run of positions, whole blocks as
@@ -466,15 +468,18 @@ def _graph_block(handle: DecoderHandle, graph_block, return_logits: bool, eos: b
     return graph_block
 
 
-def _check_bool(name: str, v) -> bool:
+def _check_bool(name: str, v, handle=None) -> bool:
+    """A bool argument; None (``prefill``): whether the handle is on a GPU."""
+    if v is None and handle is not None:
+        return handle.device.type == "cuda"
     if not isinstance(v, bool):
-        raise arg_error(TypeError, name, "a bool", describe(v))
+        raise arg_error(TypeError, name, "a bool" + (" or None" if handle is not None else ""), describe(v))
     return v
 
 
 def generate_stream(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 0, *,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                    eos_token_ids=None, prefill: bool = True):
+                    eos_token_ids=None, prefill: bool | None = None):
     """``generate``, yielding each new token (a python int) as soon as the host has it; stops
     after ``n_new`` tokens or after an EOS id (yielded). The arguments are checked now, before
     anything runs; the launches happen as the iterator is consumed. After handing over token j the
@@ -485,7 +490,7 @@ def generate_stream(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos:
     prompt, P, start_pos, eos = _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, top_p,
                                                seed, eos_token_ids)
     return _stream(handle, prompt, P, start_pos, n_new, eos, (temperature, top_k, top_p, seed),
-                   _check_bool("prefill", prefill))
+                   _check_bool("prefill", prefill, handle))
 
 
 def _stream(handle, prompt, P: int, start_pos: int, n_new: int, eos: frozenset, sampling: tuple, chunked: bool):

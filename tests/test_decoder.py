@@ -290,7 +290,7 @@ def test_decode_step_and_generate(monkeypatch):
     kv_c = make_kv_cache(CFG, MAX_SEQ, 0)
     h = build_decoder(w, kv_c, CFG.to_dict(), MAX_SEQ, tiling=til, lm_rows=16, emb_cols=16)
     calls = count_launches(monkeypatch)
-    toks_c, logits_c = generate(h, torch.tensor(prompt), n_new, return_logits=True)
+    toks_c, logits_c = generate(h, torch.tensor(prompt), n_new, return_logits=True, prefill=True)
     # one rows launch of the prompt but its last token, then one-row launches from the last prompt token on
     assert calls[0] == ("rows", len(prompt) - 1)
     assert [p for p, _ in calls[1:]] == list(range(len(prompt) - 1, len(prompt) + n_new - 1))

@@ -37,8 +37,8 @@ CASES = [
     ("llama70b-layer", 4224, "tp-layer"),         # tensor parallel (rank 1 of 2): TP_PUSH / TP_REDUCE, peer signals
     ("llama3.2-1b", 1152, "tp-decoder"),          # ... the whole model: TP_ARGMAX_PUSH / TP_ARGMAX too
     ("llama3.2-1b", 1152, "rows16"),              # many rows (issue 50): the decode bucket, tl.dot M 32 x N 16
-    ("llama3.2-1b", 1152, "rows128"),             # ... the prefill bucket, N 128
-    ("llama3.1-8b", 1152, "rows32"),              # ... hd 128, the 8B's shapes
+    pytest.param("llama3.2-1b", 1152, "rows128", marks=pytest.mark.slow),   # ... the prefill bucket, N 128
+    pytest.param("llama3.1-8b", 1152, "rows32", marks=pytest.mark.slow),    # ... hd 128, the 8B's shapes
 ]
 
 #: an H200 SM's instruction cache (bench/probes/icache_probe.py, runs 193-194: code in rotation up to
@@ -100,7 +100,12 @@ def _main(preset: str, max_seq: int, what: str) -> None:
     print(json.dumps({"shared": ck.metadata.shared, "cubin_bytes": len(cubin), "code_bytes": code_bytes(cubin)}))
 
 
-@pytest.mark.parametrize("preset,max_seq,what", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
+def _id(c) -> str:
+    v = c.values if hasattr(c, "values") else c
+    return f"{v[0]}-{v[2]}"
+
+
+@pytest.mark.parametrize("preset,max_seq,what", CASES, ids=[_id(c) for c in CASES])
 def test_default_kernel_compiles_for_sm90(preset, max_seq, what, tmp_path):
     from conftest import H200_SMEM_PER_BLOCK     # here: the compile subprocess runs this file without conftest's setup
     root = pathlib.Path(__file__).resolve().parents[1]

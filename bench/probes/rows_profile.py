@@ -1,0 +1,81 @@
+"""Where a rows step's time goes (issue 50): one profiled launch of a rows kernel, per opcode the summed
+execution and wait time across SMs, the step's span, and the stage spans per layer.
+
+    python -m bench.probes.rows_profile --preset llama3.2-1b --R 16 --B 16 --pos 1024 [--tiling k=v,...]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import sys
+
+import torch
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="llama3.2-1b")
+    p.add_argument("--R", type=int, default=16)
+    p.add_argument("--B", type=int, default=16)
+    p.add_argument("--pos", type=int, default=1024)
+    p.add_argument("--tiling", default="")
+    a = p.parse_args(argv)
+    from bench.decoder_bench import make_decoder_weights
+    from interp import runtime
+    from opcodes.config import ModelConfig
+    from opcodes.reference import make_kv_cache
+    from opcodes.rows import rows_state, rows_tiling
+    from schedule.rows_program import rows_lowering
+    cfg = ModelConfig.from_name(a.preset)
+    ms = a.pos + 128
+    w = make_decoder_weights(cfg, 0, "cuda")
+    kv = make_kv_cache(cfg, ms, a.pos, seed=1, device="cuda", batch=a.B)
+    til = rows_tiling(cfg, a.R, ms)
+    if a.tiling:
+        til = dataclasses.replace(til, **{k: int(v) for k, v in (kv_.split("=") for kv_ in a.tiling.split(","))})
+    for prof in (False, True):
+        h = runtime.build_validated(w, kv, cfg, torch.device("cuda"), ms, tiling=til, lowering=rows_lowering(a.R, a.B),
+                                    profile=prof)
+        h.state["rows"].copy_(rows_state(a.R, list(range(a.B)), [a.pos] * a.B, [7] * a.B))
+        x = torch.zeros(1, cfg.d, dtype=torch.bfloat16, device="cuda")
+        for _ in range(3):
+            runtime.launch(h, x, 0, x)
+        torch.cuda.synchronize()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        ev[0].record()
+        for _ in range(10):
+            runtime.launch(h, x, 0, x)
+        ev[1].record()
+        torch.cuda.synchronize()
+        print(f"{'profiled' if prof else 'plain'}: {ev[0].elapsed_time(ev[1]) / 10 * 1e3:.1f} us a step "
+              f"({len(h.tape)} instructions, tiling {til})", flush=True)
+        if prof:
+            recs = runtime.profile_records(h).tolist()
+            from schedule.tape import decode
+            ins = {d.slot: d.ins for d in decode(h.tape)}
+            t0 = min(r[0] for r in recs if r[0] > 0)
+            t1 = max(r[2] for r in recs)
+            by = collections.defaultdict(lambda: [0, 0.0, 0.0])
+            stage = collections.defaultdict(lambda: [1e30, 0])
+            for slot, (tw, te, tend, sm) in enumerate(recs):
+                name = ins[slot].NAME
+                by[name][0] += 1
+                by[name][1] += (tend - te) / 1e3
+                by[name][2] += (te - tw) / 1e3
+                lay = getattr(ins[slot], "layer", -1)
+                if lay in (0, 1):
+                    s = stage[(lay, name)]
+                    s[0] = min(s[0], te - t0)
+                    s[1] = max(s[1], tend - t0)
+            print(f"span {(t1 - t0) / 1e3:.1f} us; per opcode: count, exec us (sum over SMs, mean), wait us (sum)")
+            for n, (c, e, wt) in sorted(by.items(), key=lambda kv_: -kv_[1][1]):
+                print(f"  {n:12s} {c:6d}  exec {e:10.1f} ({e / c:6.2f})  wait {wt:10.1f}")
+            for (l, n), (s0, s1) in sorted(stage.items(), key=lambda kv_: kv_[1][0]):
+                print(f"  layer {l} {n:12s} {s0 / 1e3:8.1f} .. {s1 / 1e3:8.1f} us")
+        runtime.teardown(h)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
