@@ -30,7 +30,7 @@ import triton.language as tl
 from .base import register_layout
 from .config import ModelConfig
 from .decoder import DecoderLayout
-from .tiling import Tiling, next_pow2
+from .tiling import H200_SMS, Tiling, next_pow2
 
 #: words of the ``rows`` state buffer before the rows, and per row
 ROWS_HEADER = 4
@@ -77,19 +77,22 @@ def row_meta(rows_ptr, n, ROWS: tl.constexpr):
 
 def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int) -> Tiling:
     """The tiling of an R-row program: ``Tiling.for_config``'s attention, every GEMM a ``tl.dot`` tile of
-    M = 32 weight rows (16 of gate and 16 of up) by the ``rows`` columns, the column loop only (no row
-    loop, residual fold, split O, waits inside), one merged attention instruction per (KV head, row).
-    The K block and the pipeline depth keep a stage ``2 * BK * (M + rows)`` bytes under ~48 KB."""
+    M = 32 weight rows (16 of gate and 16 of up; the O projection 16 where d / 32 would leave SMs idle) by
+    the ``rows`` columns, the column loop only (no row loop, residual fold, split O, waits inside), one
+    merged attention instruction per (KV head, row), the down projection in K chunks of 2048 (the 1B:
+    256 tiles, not 64). 8 warps and K blocks of 128 (64 from 128 rows): the normed operands' blocks are
+    pipelined in registers, and 4 warps or 256-wide blocks spilled (bench/notes/s38.md: 760 bytes of
+    stack at 4 warps, BK 256, R16: the step 3.7x the one-row kernel's)."""
     base = Tiling.for_config(cfg, max_seq=max_seq)
-    bk = 256 if rows <= 32 else 128 if rows <= 64 else 64
-    bk = min(bk, next_pow2(cfg.d))
+    bk = min(128 if rows <= 64 else 64, next_pow2(cfg.d))
     stage = 2 * bk * (32 + rows)
     stages = max(2, min(5, (200 * 1024) // stage))
     red = max(32, 4096 // rows)
+    o_rows = 16 if cfg.d // 32 < H200_SMS else 32
     return dataclasses.replace(
-        base, qkv_rows=min(32, cfg.hd), kv_rows=0, o_rows=32, o_bk=0, o_k=0, gu_rows=16, gu_tiles=0, down_rows=32, down_bk=0,
-        down_k=cfg.ffn, red_rows=red, attn_splits=1, key_in_reduce=0, bk=bk, stages=stages, row_bytes=0,
-        res_fold=0, down_wait=0, warp_rows=0, num_warps=4 if rows <= 32 else 8)
+        base, qkv_rows=min(32, cfg.hd), kv_rows=0, o_rows=o_rows, o_bk=0, o_k=0, gu_rows=16, gu_tiles=0,
+        down_rows=32, down_bk=0, down_k=min(cfg.ffn, 2048), red_rows=red, attn_splits=1, key_in_reduce=0, bk=bk,
+        stages=stages, row_bytes=0, res_fold=0, down_wait=0, warp_rows=0, num_warps=8)
 
 
 @register_layout
