@@ -129,6 +129,14 @@ class RowsLayout(DecoderLayout):
         return cls(lay.cfg, lay.tiling, lay.max_seq, lm_rows=tiles.pop("lm_rows", 0) or 32, emb_cols=emb,
                    rows=rows, batch=batch)
 
+    @property
+    def attn_rt(self) -> int:
+        """Rows per attention instruction: 1 in the decode buckets (<= 32 rows: rows are other slots', and
+        R x n_kv instructions fill the SMs), else 64 (row, head) pairs of one slot's rows: 64 / GP rows."""
+        if self.rows <= 32:
+            return 1
+        return min(self.rows, max(1, 64 // next_pow2(self.cfg.group)))
+
     def constexprs(self, interp: bool = False) -> dict:
         return {**super().constexprs(interp), "ROWS": self.rows, "BATCH": self.batch}
 

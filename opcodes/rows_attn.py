@@ -1,4 +1,4 @@
-"""ATTN_R: one row's attention for one KV head's query group (opcodes/rows.py).
+"""ATTN_R: the attention of a tile of rows for one KV head's query group (opcodes/rows.py).
 
     a[row, h] = softmax(q[h] . K[slot, g, 0..pos]^T / sqrt(hd)) . V[slot, g, 0..pos]   for the heads h of group g
 
@@ -6,8 +6,12 @@ Row ``row`` is token ``tok[row]`` of slot ``slot[row]`` at ``pos[row]``: it atte
 ``[0, pos[row]]``, its own included. It waits for every Q tile of the group and every K/V tile of KV head
 ``g`` (``q[l,g]``, ``kv[l,g]``): all the step's rows' K/V are in the cache before any row attends, so a
 prefill chunk's rows see each other's keys (causally: each stops at its own position), as the oracle
-``opcodes.reference.layer_ref_rows``. A row ``>= R`` stores zeros. The loop is ``ATTN_PARTIAL``'s
-(GQA: the group's heads are tl.dot's M rows, ``GROUP_PAD``), over ``2 * (pos + 1) * hd * 2`` bytes of K/V.
+``opcodes.reference.layer_ref_rows``. A row ``>= R`` stores zeros. A tile is ``ATTN_RT`` rows
+(``RowsLayout.attn_rt``: 1 in the decode buckets, where rows are different slots; 64 / GP in the
+prefill buckets). One row: ``ATTN_PARTIAL``'s loop (GQA: the group's heads are tl.dot's M rows,
+``GROUP_PAD``) over ``2 * (pos + 1) * hd * 2`` bytes of K/V. A tile of one slot's rows (a prefill chunk):
+its (row, head) pairs are M, each K/V block loaded once for all of them, masked per row (causal); a
+tile of several slots' rows runs them one at a time.
 Output: bf16 ``attn_r[layer, row, q_dim]`` (the O projection's operand, rounded as the oracle rounds it).
 """
 from __future__ import annotations
@@ -21,15 +25,16 @@ import triton.language as tl
 
 from .attn_partial import AttnPartial, _attn_block
 from .base import Cost, Instruction, Layout, Region, Timing, register
-from .common import T_KC, T_VC, tab_offset, to_bf16
+from .common import T_KC, T_VC, mma, tab_offset, to_bf16
 from .rows import RowsLayout, read_rows
 
 
 @triton.jit
-def attn_r_device(layer, g, row, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr,
-                  NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
-                  GROUP_PAD: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, ATTN_BLOCK: tl.constexpr,
-                  ATTN_STAGES: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
+def _attn_row(layer, g, row, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr,
+              NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
+              GROUP_PAD: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, ATTN_BLOCK: tl.constexpr,
+              ATTN_STAGES: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
+    """One row: the group's heads are tl.dot's M rows (GROUP_PAD), keys [0, pos[row]] of its slot."""
     hq = tl.arange(0, GROUP_PAD)
     hm = hq < GROUP
     dcol = tl.arange(0, HD)
@@ -59,18 +64,94 @@ def attn_r_device(layer, g, row, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, at
         tl.store(out, to_bf16(acc / l_i[:, None], INTERP), mask=hm[:, None])
 
 
+@triton.jit
+def _attn_tile(layer, g, r0, slot, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr,
+               NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
+               MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr,
+               ROWS: tl.constexpr, ATTN_RT: tl.constexpr, INTERP: tl.constexpr):
+    """Rows [r0, r0 + ATTN_RT) of one slot (a prefill chunk's): tl.dot's M rows are (row, head) pairs,
+    ATTN_RT x GP; each K/V block is loaded once for all of them, each M row masked to its row's keys
+    [0, pos] (causal within the chunk)."""
+    M: tl.constexpr = ATTN_RT * GP
+    mi = tl.arange(0, M)
+    ri = r0 + mi // GP
+    hi = mi % GP
+    dcol = tl.arange(0, HD)
+    R = tl.load(rows_ptr)
+    valid = (hi < GROUP) & (ri < R)
+    pos = tl.load(rows_ptr + 5 + 4 * ri, mask=valid, other=0)
+    maxp = tl.max(pos, axis=0)
+    qrow = g * GROUP + hi
+    q = tl.load(q_r_ptr + layer * (NQ * HD * ROWS) + (qrow[:, None] * HD + dcol[None, :]) * ROWS + ri[:, None],
+                mask=valid[:, None], other=0.0, cache_modifier=".cg")
+    qs = to_bf16(q * QSCALE, INTERP)
+    base = slot.to(tl.int64) * (NKV * MAX_SEQ * HD) + g * (MAX_SEQ * HD)
+    kbase = kc_ptr + tab_offset(wtab_ptr, layer, T_KC) + base
+    vbase = vc_ptr + tab_offset(wtab_ptr, layer, T_VC) + base
+    m_i = tl.full([M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([M], dtype=tl.float32)
+    acc = tl.zeros([M, HD], dtype=tl.float32)
+    for kb in tl.range(0, maxp + 1, ATTN_BLOCK, num_stages=ATTN_STAGES):
+        keys = kb + tl.arange(0, ATTN_BLOCK)
+        kin = keys <= maxp
+        k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=kin[:, None], other=0.0, cache_modifier=".cg")
+        v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=kin[:, None], other=0.0, cache_modifier=".cg")
+        sc = mma(qs, tl.trans(k), INTERP)
+        # key 0 is every row's, so each M row's running max is finite after the first block
+        sc = tl.where(keys[None, :] <= pos[:, None], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        p = tl.exp2(sc - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
+        m_i = m_new
+    o = tl.where(valid[:, None], acc / l_i[:, None], 0.0)
+    out = attn_r_ptr + layer * (ROWS * NQ * HD) + ri[:, None] * (NQ * HD) + qrow[:, None] * HD + dcol[None, :]
+    tl.store(out, to_bf16(o, INTERP), mask=((hi < GROUP) & (ri < ROWS))[:, None])
+
+
+@triton.jit
+def attn_r_device(layer, g, t, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr,
+                  NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
+                  GROUP_PAD: tl.constexpr, GP: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr,
+                  ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, ROWS: tl.constexpr, ATTN_RT: tl.constexpr,
+                  INTERP: tl.constexpr):
+    if ATTN_RT == 1:
+        _attn_row(layer, g, t, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr, NQ, NKV, HD, GROUP, GROUP_PAD,
+                  MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, INTERP)
+    else:
+        r0 = t * ATTN_RT
+        rt = r0 + tl.arange(0, ATTN_RT)
+        R = tl.load(rows_ptr)
+        live = rt < R
+        sl = tl.load(rows_ptr + 4 + 4 * rt, mask=live, other=0)
+        s_lo = tl.min(tl.where(live, sl, 2147483647), axis=0)
+        s_hi = tl.max(tl.where(live, sl, -1), axis=0)
+        if s_lo >= s_hi:         # one slot (a prefill chunk's rows), or no live row (then slot 0, all masked)
+            _attn_tile(layer, g, r0, tl.where(s_lo > s_hi, 0, s_lo), rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr,
+                       attn_r_ptr, NQ, NKV, HD, GROUP, GP, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, ATTN_RT,
+                       INTERP)
+        else:                    # rows of several slots: one at a time
+            for i in range(ATTN_RT):
+                _attn_row(layer, g, r0 + i, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr, NQ, NKV, HD,
+                          GROUP, GROUP_PAD, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, INTERP)
+
+
 @register
 @dataclass(frozen=True)
 class AttnR(Instruction):
     layer: int
     g: int        # KV head
-    row: int      # the row of the step (< ROWS; rows >= R store zeros)
+    t: int        # row tile: rows [t * ATTN_RT, (t + 1) * ATTN_RT) of the step (rows >= R store zeros)
 
     NAME = "attn_r"
     STAGE = 1
     ARGS = ("rows_ptr", "wtab_ptr", "kc_ptr", "vc_ptr", "q_r_ptr", "attn_r_ptr",
-            "NQ", "NKV", "HD", "GROUP", "GROUP_PAD", "MAX_SEQ", "QSCALE", "ATTN_BLOCK", "ATTN_STAGES", "ROWS", "INTERP")
-    CONSTEXPRS = {k: AttnPartial.CONSTEXPRS[k] for k in ("GROUP", "GROUP_PAD", "QSCALE", "ATTN_BLOCK", "ATTN_STAGES")}
+            "NQ", "NKV", "HD", "GROUP", "GROUP_PAD", "GP", "MAX_SEQ", "QSCALE", "ATTN_BLOCK", "ATTN_STAGES", "ROWS",
+            "ATTN_RT", "INTERP")
+    CONSTEXPRS = {**{k: AttnPartial.CONSTEXPRS[k] for k in ("GROUP", "GROUP_PAD", "QSCALE", "ATTN_BLOCK", "ATTN_STAGES")},
+                  "GP": lambda lay: triton.next_power_of_2(lay.cfg.group),       # a row's heads in a tile's M
+                  "ATTN_RT": lambda lay: lay.attn_rt if AttnR.applies(lay) else 1}
     SCRATCH = {"attn_r": "bf16"}
     TIMING = Timing.LATENCY
     TORCH_RTOL = 1e-2         # the tensor-core dots take bf16 q and p; run_torch keeps them fp32
@@ -99,9 +180,12 @@ class AttnR(Instruction):
             bad.append(f"layer {self.layer} not in [0, {c.layers})")
         if not 0 <= self.g < c.n_kv:
             bad.append(f"g {self.g} not in [0, {c.n_kv})")
-        if not 0 <= self.row < lay.rows:
-            bad.append(f"row {self.row} not in [0, {lay.rows})")
+        if not 0 <= self.t < lay.rows // lay.attn_rt:
+            bad.append(f"t {self.t} not in [0, {lay.rows // lay.attn_rt})")
         return bad
+
+    def _rows(self, lay: Layout) -> range:
+        return range(self.t * lay.attn_rt, (self.t + 1) * lay.attn_rt)
 
     def reads(self, lay: Layout) -> list[Region]:
         c, R = lay.cfg, lay.rows
@@ -112,26 +196,30 @@ class AttnR(Instruction):
 
     def writes(self, lay: Layout) -> list[Region]:
         c = lay.cfg
-        b = (self.layer * lay.rows + self.row) * c.q_dim + self.g * c.group * c.hd
-        return [Region("attn_r", b, b + c.group * c.hd)]
+        out = []
+        for r in self._rows(lay):
+            b = (self.layer * lay.rows + r) * c.q_dim + self.g * c.group * c.hd
+            out.append(Region("attn_r", b, b + c.group * c.hd))
+        return out
 
     def cost(self, lay: Layout) -> Cost:
         c = lay.cfg
         keys = lay.max_seq // 2
-        return Cost(hbm_bytes=2 * keys * c.hd * 2, l2_bytes=4 * c.group * c.hd * 2,
-                    flops=4 * c.group * keys * c.hd)
+        return Cost(hbm_bytes=2 * keys * c.hd * 2, l2_bytes=4 * c.group * c.hd * 2 * lay.attn_rt,
+                    flops=4 * c.group * keys * c.hd * lay.attn_rt)
 
     def run_torch(self, lay: Layout, st) -> None:
         c, NR = lay.cfg, lay.rows
         R, slots, pos, _ = read_rows(st)
         a = st.buf["attn_r"].view(c.layers, NR, c.n_q, c.hd)
         heads = slice(self.g * c.group, (self.g + 1) * c.group)
-        if self.row >= R:
-            a[self.layer, self.row, heads] = 0
-            return
-        s, p = slots[self.row], pos[self.row]
-        q = st.buf["q_r"].view(c.layers, c.n_q, c.hd, NR)[self.layer, heads, :, self.row]   # [group, hd]
-        K = st.kv[self.layer][0][s, self.g, :p + 1].float()
-        V = st.kv[self.layer][1][s, self.g, :p + 1].float()
-        sc = (q @ K.T) / math.sqrt(c.hd)
-        a[self.layer, self.row, heads] = (torch.softmax(sc, dim=-1) @ V).to(torch.bfloat16)
+        for row in self._rows(lay):
+            if row >= R:
+                a[self.layer, row, heads] = 0
+                continue
+            s, p = slots[row], pos[row]
+            q = st.buf["q_r"].view(c.layers, c.n_q, c.hd, NR)[self.layer, heads, :, row]   # [group, hd]
+            K = st.kv[self.layer][0][s, self.g, :p + 1].float()
+            V = st.kv[self.layer][1][s, self.g, :p + 1].float()
+            sc = (q @ K.T) / math.sqrt(c.hd)
+            a[self.layer, row, heads] = (torch.softmax(sc, dim=-1) @ V).to(torch.bfloat16)

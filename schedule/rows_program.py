@@ -2,7 +2,7 @@
 
     EMBED_R(col0) x n_emb --embed--> QKV_R(0, *)
     per layer l:
-      QKV_R(l, q heads of group g) --q[l,g]--> ATTN_R(l, g, row) x ROWS      (+ kv[l,g])
+      QKV_R(l, q heads of group g) --q[l,g]--> ATTN_R(l, g, tile) x ROWS / ATTN_RT   (+ kv[l,g])
       QKV_R(l, k/v head g) --kv[l,g]--> ATTN_R(l, g, *)                    (every row's K/V first)
       ATTN_R(l, *, *) --attn[l]--> OPROJ_R(l, *) --x1[l]--> GATE_UP_R(l, *)
       GATE_UP_R(l, rows in K chunk kc) --act[l,kc]--> DOWN_R(l, *, kc)
@@ -48,9 +48,9 @@ def lower_rows(lay: Layout, rows: int = 16, batch: int = 1) -> Program:
             for sec in (1, 2):
                 for j in range(rl.n_tiles_per_head(sec)):
                     p.add(QKVR(l, sec, g, j), (prev,), ckv[g])
-        for r in range(rows):
+        for t_ in range(rows // rl.attn_rt):
             for g in range(c.n_kv):
-                p.add(AttnR(l, g, r), (cq[g], ckv[g]), ca)
+                p.add(AttnR(l, g, t_), (cq[g], ckv[g]), ca)
         for r0 in range(0, c.d, t.o_rows):
             p.add(OProjR(r0, l), (ca,), cx)
         for r0 in range(0, c.ffn, t.gu_rows):
