@@ -82,7 +82,8 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int) -> Tiling:
     merged attention instruction per (KV head, row), the down projection in K chunks of 2048 (the 1B:
     256 tiles, not 64). 8 warps and K blocks of 128 (64 from 128 rows): the normed operands' blocks are
     pipelined in registers, and 4 warps or 256-wide blocks spilled (bench/notes/s38.md: 760 bytes of
-    stack at 4 warps, BK 256, R16: the step 3.7x the one-row kernel's)."""
+    stack at 4 warps, BK 256, R16: the step 3.7x the one-row kernel's). Past 32 rows the attention tiles
+    pipeline 2 key blocks deep, not 3 (3 spilled 16 bytes on the 1B at 128 rows)."""
     base = Tiling.for_config(cfg, max_seq=max_seq)
     bk = min(128 if rows <= 64 else 64, next_pow2(cfg.d))
     stage = 2 * bk * (32 + rows)
@@ -92,7 +93,8 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int) -> Tiling:
     return dataclasses.replace(
         base, qkv_rows=min(32, cfg.hd), kv_rows=0, o_rows=o_rows, o_bk=0, o_k=0, gu_rows=16, gu_tiles=0,
         down_rows=32, down_bk=0, down_k=min(cfg.ffn, 2048), red_rows=red, attn_splits=1, key_in_reduce=0, bk=bk,
-        stages=stages, row_bytes=0, res_fold=0, down_wait=0, warp_rows=0, num_warps=8)
+        stages=stages, row_bytes=0, res_fold=0, down_wait=0, warp_rows=0, num_warps=8,
+        attn_stages=2 if rows > 32 else base.attn_stages)
 
 
 @register_layout
@@ -132,10 +134,11 @@ class RowsLayout(DecoderLayout):
     @property
     def attn_rt(self) -> int:
         """Rows per attention instruction: 1 in the decode buckets (<= 32 rows: rows are other slots', and
-        R x n_kv instructions fill the SMs), else 64 (row, head) pairs of one slot's rows: 64 / GP rows."""
+        R x n_kv instructions fill the SMs), else 4096 / hd (row, head) pairs of one slot's rows (64 at hd 64,
+        32 at hd 128: an fp32 [pairs, hd] accumulator of 32 registers a thread; 64 pairs at hd 128 spilled)."""
         if self.rows <= 32:
             return 1
-        return min(self.rows, max(1, 64 // next_pow2(self.cfg.group)))
+        return min(self.rows, max(1, (2048 // self.cfg.hd) // next_pow2(self.cfg.group)))
 
     def constexprs(self, interp: bool = False) -> dict:
         return {**super().constexprs(interp), "ROWS": self.rows, "BATCH": self.batch}
