@@ -134,11 +134,11 @@ class RowsLayout(DecoderLayout):
     @property
     def attn_rt(self) -> int:
         """Rows per attention instruction: 1 in the decode buckets (<= 32 rows: rows are other slots', and
-        R x n_kv instructions fill the SMs), else 4096 / hd (row, head) pairs of one slot's rows (64 at hd 64,
-        32 at hd 128: an fp32 [pairs, hd] accumulator of 32 registers a thread; 64 pairs at hd 128 spilled)."""
+        R x n_kv instructions fill the SMs), else min(64, 2048 / hd) (row, head) pairs of one slot's rows
+        (32 at hd 64, 16 at hd 128: more spilled registers on the 1B and 8B at 128 rows)."""
         if self.rows <= 32:
             return 1
-        return min(self.rows, max(1, (2048 // self.cfg.hd) // next_pow2(self.cfg.group)))
+        return min(self.rows, max(1, min(64, 2048 // self.cfg.hd) // next_pow2(self.cfg.group)))
 
     def constexprs(self, interp: bool = False) -> dict:
         return {**super().constexprs(interp), "ROWS": self.rows, "BATCH": self.batch}
