@@ -577,12 +577,12 @@ def cmd_serve(a, prog: str = "megatape serve") -> int:
     kernel_ok = batched_kernel_available()
     backend_name = a.backend
     if backend_name == "kernel" and not kernel_ok:
-        return fail("argument --backend: kernel needs interp.decoder's batched prefill / decode_step, which this "
+        return fail("argument --backend: kernel needs interp's batched prefill / decode_step, which this "
                     "build does not have; use --backend ref")
     if backend_name == "auto":
         backend_name = "kernel" if kernel_ok and cuda else "ref"
         if backend_name == "ref":
-            why = "interp.decoder has no batched prefill yet" if not kernel_ok else "no GPU"
+            why = "this build has no batched kernel API" if not kernel_ok else "no GPU"
             log(f"note: the ref backend (the torch reference of the batched decoder; {why})")
     device = "cuda" if cuda else "cpu"
     log(f"loading {ck.path} ({ck.cfg['layers']} layers, d {ck.cfg['d']}, vocabulary {ck.cfg['vocab']}) on {device}")
