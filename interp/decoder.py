@@ -83,6 +83,7 @@ class DecoderHandle:
     kv_rows: list = field(default=None, repr=False)
     rows: dict = field(default_factory=dict, repr=False)
     rows_options: dict = field(default_factory=dict, repr=False)
+    bound_slot: int = 0          # the slot the one-row kernels' cache pointers point at (_bind_slot)
 
     @property
     def tape(self):
@@ -234,8 +235,24 @@ def _pick(dh: DecoderHandle, pos: int) -> LayerHandle:
     return h
 
 
-def _launch(dh: DecoderHandle, pos: int) -> None:
-    """One launch (inside ``_stepping``); ``pos`` -1: the position held on the device."""
+def _bind_slot(dh: DecoderHandle, slot: int) -> None:
+    """Point the one-row kernels' cache pointers (layer 0's k and v; the other layers are offsets from
+    them, the same for every slot) at sequence slot ``slot`` of the (batch, ...) cache: two device
+    writes into each kernel's address table, in stream order (graphs captured earlier see them too)."""
+    if dh.bound_slot == slot:
+        return
+    for h in dh.handles:
+        names = list(h.bindings.pointers)
+        for ptr, j in (("kc_ptr", 0), ("vc_ptr", 1)):
+            h.bindings.table[names.index(ptr)].fill_(dh.kv_rows[0][j][slot].data_ptr())
+    dh.bound_slot = slot
+
+
+def _launch(dh: DecoderHandle, pos: int, slot: int = 0) -> None:
+    """One launch (inside ``_stepping``) on sequence slot ``slot``; ``pos`` -1: the position held on the
+    device."""
+    if dh.batch > 1:
+        _bind_slot(dh, slot)
     h = _pick(dh, pos)
     if h.status_host and not h.in_capture:
         h.check(sync=False)      # a failure of an earlier launch that has finished since
@@ -368,7 +385,8 @@ def _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, 
     return prompt, P, start_pos, eos
 
 
-def _run_prompt(handle, prompt, P: int, start_pos: int, temperature, top_k, top_p, seed, chunked: bool) -> None:
+def _run_prompt(handle, prompt, P: int, start_pos: int, temperature, top_k, top_p, seed, chunked: bool,
+                slot: int = 0) -> None:
     """The prompt: with ``chunked``, all but its last token in chunked prefill launches
     (``interp.rows.prefill``), else one one-row step each; the last token a one-row step (whose ARGMAX /
     SAMPLE makes the first new token)."""
@@ -376,15 +394,15 @@ def _run_prompt(handle, prompt, P: int, start_pos: int, temperature, top_k, top_
         set_sampling(handle, temperature, top_k, top_p, seed)
     if chunked and P > 1:
         from .rows import prefill
-        prefill(handle, prompt[:P - 1].tolist(), start_pos, 0)
+        prefill(handle, prompt[:P - 1].tolist(), start_pos, slot)
     for i in range(0 if not chunked else P - 1, P):
         handle.tok.copy_(prompt[i:i + 1])          # a device-side copy: no host round trip
-        _launch(handle, start_pos + i)
+        _launch(handle, start_pos + i, slot)
 
 
 def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 0, return_logits: bool = False, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_ids=None,
-             graph_block: int | None = None, prefill: bool | None = None):
+             graph_block: int | None = None, prefill: bool | None = None, slot: int = 0):
     """Generation: consume ``prompt_tokens`` at positions ``start_pos, start_pos + 1, ...``, then
     generate ``n_new`` tokens. ``prefill``: the prompt but its last token in chunks of many rows a
     launch (``interp.rows.prefill``), or (False) one decode step each, the way every token after it
@@ -411,20 +429,24 @@ def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 
     (n_new, vocab) fp32 logits that chose them: a device-side copy after each launch; not with
     ``eos_token_ids``). Errors name the argument and come before anything runs.
     Positions used: ``start_pos .. start_pos + len(prompt) + n_new - 2`` (all < max_seq_len).
+    slot          : the sequence slot of a ``build_decoder(..., batch=B)`` cache it runs on (its one-row
+                    kernels are pointed at that slot; the others are untouched)
     """
     prompt, P, start_pos, eos = _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, top_p,
                                                seed, eos_token_ids)
+    slot = _check_slot(handle, slot)
     if eos and return_logits:
         raise arg_error(ValueError, "return_logits", "False when eos_token_ids is given", return_logits)
     block = _graph_block(handle, graph_block, bool(return_logits), bool(eos))
     if eos:
         toks = list(_stream(handle, prompt, P, start_pos, n_new, eos, (temperature, top_k, top_p, seed),
-                            _check_bool("prefill", prefill, handle)))
+                            _check_bool("prefill", prefill, handle), slot))
         return torch.tensor(toks, dtype=torch.int64).to(handle.device)
     hist = torch.empty(n_new, handle.cfg.vocab, dtype=torch.float32, device=handle.device) if return_logits else None
     first = start_pos + P - 1          # the position whose step makes new token 0
     with _stepping(handle):
-        _run_prompt(handle, prompt, P, start_pos, temperature, top_k, top_p, seed, _check_bool("prefill", prefill, handle))
+        _run_prompt(handle, prompt, P, start_pos, temperature, top_k, top_p, seed, _check_bool("prefill", prefill, handle),
+                    slot)
         if n_new and hist is not None:
             hist[0].copy_(handle.logits[0])
         # token j is made at position first + j: in each tape's run of positions, whole blocks as
@@ -446,7 +468,7 @@ def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 
                 handle.next_pos = first + j
                 h.last_pos = first + j - 1
                 continue
-            _launch(handle, p)
+            _launch(handle, p, slot)
             if hist is not None:
                 hist[j].copy_(handle.logits[0])
             j += 1
@@ -479,7 +501,7 @@ def _check_bool(name: str, v, handle=None) -> bool:
 
 def generate_stream(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 0, *,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                    eos_token_ids=None, prefill: bool | None = None):
+                    eos_token_ids=None, prefill: bool | None = None, slot: int = 0):
     """``generate``, yielding each new token (a python int) as soon as the host has it; stops
     after ``n_new`` tokens or after an EOS id (yielded). The arguments are checked now, before
     anything runs; the launches happen as the iterator is consumed. After handing over token j the
@@ -490,13 +512,22 @@ def generate_stream(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos:
     prompt, P, start_pos, eos = _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, top_p,
                                                seed, eos_token_ids)
     return _stream(handle, prompt, P, start_pos, n_new, eos, (temperature, top_k, top_p, seed),
-                   _check_bool("prefill", prefill, handle))
+                   _check_bool("prefill", prefill, handle), _check_slot(handle, slot))
 
 
-def _stream(handle, prompt, P: int, start_pos: int, n_new: int, eos: frozenset, sampling: tuple, chunked: bool):
+def _check_slot(handle, slot) -> int:
+    if isinstance(slot, bool) or not isinstance(slot, int):
+        raise arg_error(TypeError, "slot", "a python int", describe(slot))
+    if not 0 <= slot < handle.batch:
+        raise arg_error(ValueError, "slot", f"a slot in [0, batch={handle.batch})", slot)
+    return slot
+
+
+def _stream(handle, prompt, P: int, start_pos: int, n_new: int, eos: frozenset, sampling: tuple, chunked: bool,
+            slot: int = 0):
     # the handle is held per launch, not across the yields (the caller may step other handles)
     with _stepping(handle):
-        _run_prompt(handle, prompt, P, start_pos, *sampling, chunked)
+        _run_prompt(handle, prompt, P, start_pos, *sampling, chunked, slot)
     if n_new == 0:
         return
     first = start_pos + P - 1
@@ -510,7 +541,7 @@ def _stream(handle, prompt, P: int, start_pos: int, n_new: int, eos: frozenset, 
             ready.record()
         if j + 1 < n_new:
             with _stepping(handle):
-                _launch(handle, p + 1)              # token j + 1 is computed while the host reads token j
+                _launch(handle, p + 1, slot)        # token j + 1 is computed while the host reads token j
         if cuda:
             ready.synchronize()
         t = int(host[j])

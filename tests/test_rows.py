@@ -213,3 +213,28 @@ def test_a_prefill_bucket_tiles_one_slots_rows_and_runs_mixed_tiles_row_by_row()
     ref32 = decoder_ref_rows_fp32(w, [tuple(t.float() for t in p) for p in kv0], CFG, toks, slots, pos)
     assert rel_err(lg, ref32) <= 1.1 * rel_err(ref, ref32)
     teardown(h)
+
+
+def test_generate_on_a_slot_of_a_batch_cache_equals_batch_one():
+    """``generate(..., slot=2)`` on a 3-slot handle runs today's one-row kernel pointed at slot 2: the
+    tokens, and slot 2's cache, bitwise those of a batch-1 handle over the same weights; slots 0 and 1
+    untouched; then slot 0 again (the pointers go back)."""
+    from interp import generate
+    h, w, kv = _built(prefix=0)
+    kv0 = clone_cache(kv)
+    kv1 = make_kv_cache(CFG, MAX_SEQ, 0, seed=2, batch=1)
+    h1 = build_decoder(w, kv1, CFG, MAX_SEQ)
+    prompt = [5, 9, 17]
+    a = generate(h, prompt, 3, slot=2, prefill=False)
+    b = generate(h1, prompt, 3, prefill=False)
+    assert a.tolist() == b.tolist()
+    assert caches_equal([(k[2:3], v[2:3]) for k, v in kv], kv1)
+    assert caches_equal([(k[:2], v[:2]) for k, v in kv], [(k[:2], v[:2]) for k, v in kv0])
+    c = generate(h, prompt, 3, slot=0, prefill=False)
+    assert c.tolist() == b.tolist() and caches_equal([(k[0:1], v[0:1]) for k, v in kv], kv1)
+    for bad, exc in ((3, ValueError), (-1, ValueError), (1.0, TypeError)):
+        with pytest.raises(exc) as e:
+            generate(h, prompt, 2, slot=bad)
+        check_message(e.value, ["slot"])
+    teardown(h)
+    teardown(h1)
