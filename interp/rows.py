@@ -103,12 +103,12 @@ def check_rows_args(dh, tokens, pos, slots) -> tuple[list[int], list[int], list[
 
 def run_rows(dh, toks: list[int], pos: list[int], slots: list[int], logits_rows=None) -> torch.Tensor:
     """One launch over checked rows; returns the fp32 logits of rows ``logits_rows`` (default all),
-    (n, vocab), a fresh tensor."""
+    (n, vocab), a fresh tensor; ``logits_rows`` empty: None, and the launch skips the LM head."""
     R = len(toks)
     h = rows_handle(dh, R)
     # NOTE: from pageable memory: the copy has read the host tensor when it returns (no pinned buffer
     # the next step could overwrite before the device read it)
-    meta = rows_state(h.lay.rows, slots, pos, toks)
+    meta = rows_state(h.lay.rows, slots, pos, toks, logits=logits_rows is None or len(logits_rows) > 0)
     with runtime.Stepping(h):
         h.state["rows"].copy_(meta)
         runtime.launch(h, dh.x0, 0, dh.hidden)
@@ -116,6 +116,8 @@ def run_rows(dh, toks: list[int], pos: list[int], slots: list[int], logits_rows=
             h.check(sync=True)
         lg = h.scratch["logits_r"].view(dh.cfg.vocab, h.lay.rows)
         sel = list(range(R)) if logits_rows is None else list(logits_rows)
+        if not sel:
+            return None
         out = lg[:, sel].T.contiguous() if len(sel) != 1 else lg[:, sel[0]].reshape(1, -1).clone()
     return out
 

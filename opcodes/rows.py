@@ -10,7 +10,9 @@ The tape is static: ``ROWS`` (the bucket, a power of two >= 16: ``tl.dot`` needs
 is a constexpr of the :class:`RowsLayout`, and the actual rows (R <= ROWS) are device data, the STATE
 buffer ``rows`` (int32) the host writes before each launch::
 
-    [R, 0, 0, 0,  slot_0, pos_0, tok_0, 0,  slot_1, pos_1, tok_1, 0,  ...]
+    [R, logits, 0, 0,  slot_0, pos_0, tok_0, 0,  slot_1, pos_1, tok_1, 0,  ...]
+
+(``logits`` 0: the step's LM head tiles return at once: a prefill chunk before the prompt's last.)
 
 Activations are feature-major, ``[L, width, ROWS]`` (a K block of a GEMM's B operand is one contiguous
 span; a tile's output one region), except the attention output ``attn_r`` ``[L, ROWS, q_dim]``: an
@@ -43,16 +45,23 @@ def rows_state_shape(rows: int) -> tuple[int]:
     return (ROWS_HEADER + ROW_WORDS * rows,)
 
 
-def rows_state(rows: int, slots, pos, tokens) -> torch.Tensor:
-    """The ``rows`` state buffer's contents (int32, CPU) for ``len(slots)`` rows of a ``rows`` bucket."""
+def rows_state(rows: int, slots, pos, tokens, logits: bool = True) -> torch.Tensor:
+    """The ``rows`` state buffer's contents (int32, CPU) for ``len(slots)`` rows of a ``rows`` bucket;
+    ``logits`` False: the LM head is skipped (a prefill chunk before the prompt's last)."""
     R = len(slots)
     out = torch.zeros(rows_state_shape(rows), dtype=torch.int32)
     out[0] = R
+    out[1] = int(bool(logits))
     body = out[ROWS_HEADER:].view(rows, ROW_WORDS)
     body[:R, 0] = torch.as_tensor(list(slots), dtype=torch.int32)
     body[:R, 1] = torch.as_tensor(list(pos), dtype=torch.int32)
     body[:R, 2] = torch.as_tensor(list(tokens), dtype=torch.int32)
     return out
+
+
+def wants_logits(st) -> bool:
+    """VM: the ``rows`` buffer's logits flag."""
+    return bool(int(st.state["rows"].reshape(-1)[1]))
 
 
 def read_rows(st) -> tuple[int, list[int], list[int], list[int]]:

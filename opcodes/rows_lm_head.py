@@ -2,7 +2,8 @@
 
     logits_r[v, n] = (lm_head[v, :] . bf16(xout_r[L-1, :, n] * final_norm)) * rstd[n]     v in [v0, v0 + LM_ROWS)
 
-fp32, feature-major ``[vocab, ROWS]``: the host reads row n's logits as column n.
+fp32, feature-major ``[vocab, ROWS]``: the host reads row n's logits as column n. A step whose ``rows``
+buffer says no logits (a prefill chunk before the prompt's last) returns at once: no LM head weights read.
 """
 from __future__ import annotations
 
@@ -16,13 +17,22 @@ from .base import Cost, Instruction, Layout, Region, register, tile_start
 from .common_rows import rows_stream
 from .embed import Embed
 from .lm_head import LMHead
-from .rows import RowsLayout, bf16_dot
+from .rows import RowsLayout, bf16_dot, wants_logits
 
 
 @triton.jit
-def lm_head_r_device(v0, xout_r_ptr, fnorm_ptr, lmh_ptr, logits_r_ptr, LAYERS: tl.constexpr, D: tl.constexpr,
-                     VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr, BK: tl.constexpr,
+def lm_head_r_device(v0, rows_ptr, xout_r_ptr, fnorm_ptr, lmh_ptr, logits_r_ptr, LAYERS: tl.constexpr,
+                     D: tl.constexpr, VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr, BK: tl.constexpr,
                      STAGES: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
+    if tl.load(rows_ptr + 1) != 0:     # the step wants logits (not a prefill chunk before the prompt's last)
+        _lm_head_r(v0, xout_r_ptr, fnorm_ptr, lmh_ptr, logits_r_ptr, LAYERS, D, VOCAB, EPS, LM_ROWS, BK, STAGES, ROWS,
+                   INTERP)
+
+
+@triton.jit
+def _lm_head_r(v0, xout_r_ptr, fnorm_ptr, lmh_ptr, logits_r_ptr, LAYERS: tl.constexpr, D: tl.constexpr,
+               VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr, BK: tl.constexpr,
+               STAGES: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
     rows = v0 + tl.arange(0, LM_ROWS)
     rm = rows < VOCAB
     acc, acc2, ss = rows_stream(lmh_ptr, rows, lmh_ptr, rows, rm, xout_r_ptr + (LAYERS - 1) * (D * ROWS), fnorm_ptr,
@@ -40,7 +50,7 @@ class LMHeadR(Instruction):
 
     NAME = "lm_head_r"
     STAGE = 6
-    ARGS = ("xout_r_ptr", "fnorm_ptr", "lmh_ptr", "logits_r_ptr", "LAYERS", "D", "VOCAB", "EPS", "LM_ROWS", "BK",
+    ARGS = ("rows_ptr", "xout_r_ptr", "fnorm_ptr", "lmh_ptr", "logits_r_ptr", "LAYERS", "D", "VOCAB", "EPS", "LM_ROWS", "BK",
             "STAGES", "ROWS", "INTERP")
     CONSTEXPRS = {"VOCAB": Embed.CONSTEXPRS["VOCAB"], "LM_ROWS": LMHead.CONSTEXPRS["LM_ROWS"]}
     SCRATCH = {"logits_r": "fp32"}
@@ -82,6 +92,8 @@ class LMHeadR(Instruction):
         return Cost(hbm_bytes=2 * (hi - lo) * d, l2_bytes=2 * d * R + 4 * (hi - lo) * R, flops=2 * (hi - lo) * d * R)
 
     def run_torch(self, lay: Layout, st) -> None:
+        if not wants_logits(st):
+            return
         c, R = lay.cfg, lay.rows
         lo, hi = self._rows(lay)
         x = st.buf["xout_r"].view(c.layers, c.d, R)[c.layers - 1].float()

@@ -238,3 +238,18 @@ def test_generate_on_a_slot_of_a_batch_cache_equals_batch_one():
         check_message(e.value, ["slot"])
     teardown(h)
     teardown(h1)
+
+
+def test_a_step_without_logits_skips_the_lm_head():
+    """A prefill chunk before the prompt's last asks for no logits (the ``rows`` flag): the LM head tiles
+    leave ``logits_r`` as it was; the next chunk's logits are what one launch of the whole prompt gives."""
+    h, w, kv = _built(prefix=0)
+    prompt = [(37 * i + 11) % CFG.vocab for i in range(6)]
+    from interp.rows import rows_handle, run_rows
+    hr = rows_handle(h, 3)
+    hr.scratch["logits_r"].fill_(7.0)
+    assert run_rows(h, prompt[:3], [0, 1, 2], [0, 0, 0], logits_rows=[]) is None
+    assert bool((hr.scratch["logits_r"] == 7.0).all())
+    last = run_rows(h, prompt[3:], [3, 4, 5], [0, 0, 0], logits_rows=[2])
+    assert rel_err(last, prefill(h, prompt, 0, slot=1)) <= KERNEL_TOL
+    teardown(h)
