@@ -36,9 +36,9 @@ def bucket(R: int) -> int:
     raise arg_error(ValueError, "tokens", f"at most {BUCKETS[-1]} rows a step (prefill chunks them)", f"{R} rows")
 
 
-def rows_handle(dh, R: int):
-    """The kernel handle of ``dh``'s rows bucket for R rows, built on first use."""
-    b = bucket(R)
+def rows_handle(dh, R: int, min_rows: int = 1):
+    """The kernel handle of ``dh``'s rows bucket for max(R, ``min_rows``) rows, built on first use."""
+    b = bucket(max(R, min_rows))
     h = dh.rows.get(b)
     if h is None:
         cfg = dh.cfg
@@ -101,11 +101,11 @@ def check_rows_args(dh, tokens, pos, slots) -> tuple[list[int], list[int], list[
     return toks, pos, slots
 
 
-def run_rows(dh, toks: list[int], pos: list[int], slots: list[int], logits_rows=None) -> torch.Tensor:
+def run_rows(dh, toks: list[int], pos: list[int], slots: list[int], logits_rows=None, min_rows: int = 1) -> torch.Tensor:
     """One launch over checked rows; returns the fp32 logits of rows ``logits_rows`` (default all),
     (n, vocab), a fresh tensor; ``logits_rows`` empty: None, and the launch skips the LM head."""
     R = len(toks)
-    h = rows_handle(dh, R)
+    h = rows_handle(dh, R, min_rows)
     # NOTE: from pageable memory: the copy has read the host tensor when it returns (no pinned buffer
     # the next step could overwrite before the device read it)
     meta = rows_state(h.lay.rows, slots, pos, toks, logits=logits_rows is None or len(logits_rows) > 0)
@@ -122,9 +122,14 @@ def run_rows(dh, toks: list[int], pos: list[int], slots: list[int], logits_rows=
     return out
 
 
-def decode_rows(dh, tokens, pos, slots=None) -> torch.Tensor:
+def decode_rows(dh, tokens, pos, slots=None, min_rows: int = 1) -> torch.Tensor:
+    """``decode_step``'s many-rows form. ``min_rows``: run in the bucket of at least that many rows, so
+    that a row's logits are bitwise the same however many rows share its step (a row's logits can
+    differ by bucket: another MMA shape on the 8B, run s38a); a server passes its slot count."""
     toks, pos, slots = check_rows_args(dh, tokens, pos, slots)
-    return run_rows(dh, toks, pos, slots)
+    if isinstance(min_rows, bool) or not isinstance(min_rows, int) or not 1 <= min_rows <= BUCKETS[-1]:
+        raise arg_error(ValueError, "min_rows", f"an int in [1, {BUCKETS[-1]}]", describe(min_rows))
+    return run_rows(dh, toks, pos, slots, min_rows=min_rows)
 
 
 def prefill(dh, tokens, start_pos: int = 0, slot: int = 0, chunk: int | None = None) -> torch.Tensor:

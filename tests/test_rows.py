@@ -183,15 +183,19 @@ def test_serve_kernel_backend_matches_the_ref_backend():
     same prefill and decode rows: within the criterion's scale (the two round differently)."""
     from megatape.serve import KernelBackend, RefBackend
     w = decoder_weights(CFG, seed=1)
-    kb = KernelBackend(w, CFG, 2, MAX_SEQ, device="cpu")
-    rb = RefBackend(w, CFG, 2, MAX_SEQ, device="cpu")
+    kb = KernelBackend(w, CFG, 20, MAX_SEQ, device="cpu")
+    rb = RefBackend(w, CFG, 20, MAX_SEQ, device="cpu")
     try:
         assert rel_err(kb.prefill([5, 9, 17, 3], slot=1, start_pos=0), rb.prefill([5, 9, 17, 3], slot=1, start_pos=0)) <= 3e-2
         assert rel_err(kb.prefill([44, 2], slot=0, start_pos=0), rb.prefill([44, 2], slot=0, start_pos=0)) <= 3e-2
         lk, lr = kb.decode([7, 8], [0, 1], [2, 4]), rb.decode([7, 8], [0, 1], [2, 4])
         assert lk.shape == lr.shape == (2, CFG.vocab) and rel_err(lk, lr) <= 3e-2
+        assert 32 in kb.h.rows            # decode runs in the bucket of all 20 slots, whatever the rows
     finally:
         kb.close()
+    with pytest.raises(ValueError) as e:
+        KernelBackend(w, CFG, 129, MAX_SEQ, device="cpu")
+    check_message(e.value, ["max_batch", "128"])
 
 
 def test_a_prefill_bucket_tiles_one_slots_rows_and_runs_mixed_tiles_row_by_row():

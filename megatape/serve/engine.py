@@ -141,8 +141,9 @@ def batched_kernel_available() -> bool:
 class KernelBackend:
     """The megakernel with B sequence slots (``interp.rows``): ``build_decoder(..., batch=B)``, a prompt
     chunk per ``prefill(h, tokens, start_pos, slot)`` (one rows launch per 128 tokens), the running
-    requests' next tokens in one ``decode_step(h, tokens (R,), pos (R,), slots=(R,))`` launch. A row's
-    logits do not depend on the other rows of its launch (bitwise within one rows bucket). The logits
+    requests' next tokens in one ``decode_step(h, tokens (R,), pos (R,), slots=(R,))`` launch, always in
+    the rows bucket of all the slots: a row's logits are bitwise the same whatever else runs (the columns
+    of a tile are independent; a bucket of other shape may sum otherwise). The logits
     come back to the host for sampling (``Engine`` samples there).
     """
 
@@ -154,6 +155,9 @@ class KernelBackend:
         if not batched_kernel_available():
             raise RuntimeError("the kernel backend needs interp's batched API (prefill and "
                                "build_decoder(..., batch=B)), which this build does not have")
+        from interp.rows import BUCKETS
+        if max_batch > BUCKETS[-1]:
+            raise ValueError(f"max_batch: at most {BUCKETS[-1]} slots (the rows kernel's largest step), got {max_batch}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -171,7 +175,10 @@ class KernelBackend:
         return logits.reshape(-1).float().cpu()
 
     def decode(self, tokens: list[int], slots: list[int], pos: list[int]) -> torch.Tensor:
-        logits = self._d.decode_step(self.h, list(tokens), list(pos), slots=list(slots))
+        # every decode step in the bucket of all the slots: a request's tokens bitwise the same however
+        # many others run beside it (across buckets a row's sums can differ: another MMA shape)
+        from interp.rows import decode_rows
+        logits = decode_rows(self.h, list(tokens), list(pos), list(slots), min_rows=self.max_batch)
         return logits.float().cpu()
 
     def close(self) -> None:
