@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import register_layout
+from .base import Instruction, Layout, register_layout
 from .config import ModelConfig
 from .decoder import DecoderLayout
 from .tiling import H200_SMS, Tiling, next_pow2
@@ -154,6 +154,19 @@ class RowsLayout(DecoderLayout):
 
     def extra(self) -> dict:
         return {**super().extra(), "rows": self.rows, "batch": self.batch}
+
+
+class RowsInstruction(Instruction):
+    """Base of the rows opcodes: they belong to whole-model programs of a :class:`RowsLayout` only, and are in
+    the kernels of the tapes that hold them only (whose kernels hold nothing else: ``ROWS_OPCODE``)."""
+
+    WHOLE_MODEL = True
+    IN_EVERY_KERNEL = False
+    ROWS_OPCODE = True
+
+    @classmethod
+    def applies(cls, lay: Layout) -> bool:
+        return isinstance(lay, RowsLayout)
 
 
 def layer_input_r(st, layer: int) -> torch.Tensor:

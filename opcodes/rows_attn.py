@@ -24,9 +24,9 @@ import triton
 import triton.language as tl
 
 from .attn_partial import AttnPartial, _attn_block
-from .base import Cost, Instruction, Layout, Region, Timing, register
+from .base import Cost, Layout, Region, Timing, register
 from .common import T_KC, T_VC, mma, tab_offset, to_bf16
-from .rows import RowsLayout, read_rows
+from .rows import RowsInstruction, read_rows
 
 
 @triton.jit
@@ -139,7 +139,7 @@ def attn_r_device(layer, g, t, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn
 
 @register
 @dataclass(frozen=True)
-class AttnR(Instruction):
+class AttnR(RowsInstruction):
     layer: int
     g: int        # KV head
     t: int        # row tile: rows [t * ATTN_RT, (t + 1) * ATTN_RT) of the step (rows >= R store zeros)
@@ -155,14 +155,7 @@ class AttnR(Instruction):
     SCRATCH = {"attn_r": "bf16"}
     TIMING = Timing.LATENCY
     TORCH_RTOL = 1e-2         # the tensor-core dots take bf16 q and p; run_torch keeps them fp32
-    WHOLE_MODEL = True
-    IN_EVERY_KERNEL = False
-    ROWS_OPCODE = True
     device = attn_r_device
-
-    @classmethod
-    def applies(cls, lay: Layout) -> bool:
-        return isinstance(lay, RowsLayout)
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, register, tile_start
+from .base import Cost, Layout, Region, register, tile_start
 from .common import T_WD, tab_offset
 from .common_rows import rows_stream
 from .down import Down
-from .rows import RowsLayout, bf16_dot
+from .rows import RowsInstruction, bf16_dot
 
 
 @triton.jit
@@ -36,7 +36,7 @@ def down_r_device(r0, layer, kc, act_r_ptr, dpart_r_ptr, wtab_ptr, wd_ptr,
 
 @register
 @dataclass(frozen=True)
-class DownR(Instruction):
+class DownR(RowsInstruction):
     r0: int
     layer: int
     kc: int       # K chunk of the ffn
@@ -47,14 +47,7 @@ class DownR(Instruction):
             "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS", "BK", "STAGES", "ROWS", "INTERP")
     CONSTEXPRS = {k: Down.CONSTEXPRS[k] for k in ("DOWN_ROWS", "DOWN_K")}
     SCRATCH = {"dpart_r": "fp32"}
-    WHOLE_MODEL = True
-    IN_EVERY_KERNEL = False
-    ROWS_OPCODE = True
     device = down_r_device
-
-    @classmethod
-    def applies(cls, lay: Layout) -> bool:
-        return isinstance(lay, RowsLayout)
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, register, tile_start
+from .base import Cost, Layout, Region, register, tile_start
 from .embed import Embed
-from .rows import ROWS_HEADER, ROW_WORDS, RowsLayout, read_rows, row_meta, rows_state_shape
+from .rows import RowsInstruction, read_rows, row_meta, rows_state_shape
 
 
 @triton.jit
@@ -33,24 +32,17 @@ def embed_r_device(col0, rows_ptr, x0_r_ptr, embed_ptr, D: tl.constexpr, VOCAB: 
 
 @register
 @dataclass(frozen=True)
-class EmbedR(Instruction):
+class EmbedR(RowsInstruction):
     col0: int
 
     NAME = "embed_r"
     STAGE = 0
     ARGS = ("rows_ptr", "x0_r_ptr", "embed_ptr", "D", "VOCAB", "EMB_COLS", "ROWS")
     CONSTEXPRS = {"VOCAB": Embed.CONSTEXPRS["VOCAB"], "EMB_COLS": Embed.CONSTEXPRS["EMB_COLS"]}
-    WHOLE_MODEL = True
-    IN_EVERY_KERNEL = False
-    ROWS_OPCODE = True
     device = embed_r_device
 
     SCRATCH = {"x0_r": "bf16"}
     STATE = {"rows": "i32"}       # [R, 0, 0, 0] then per row [slot, pos, tok, 0]: written by the host
-
-    @classmethod
-    def applies(cls, lay: Layout) -> bool:
-        return isinstance(lay, RowsLayout)
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:

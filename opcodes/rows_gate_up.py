@@ -15,11 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, register, tile_start
+from .base import Cost, Layout, Region, register, tile_start
 from .common import T_N2, T_WG, T_WU, tab_offset, to_bf16
 from .common_rows import rows_stream
 from .gate_up import GateUp
-from .rows import RowsLayout, bf16_dot
+from .rows import RowsInstruction, bf16_dot
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def gate_up_r_device(r0, layer, x1_r_ptr, act_r_ptr, wtab_ptr, n2_ptr, wg_ptr, w
 
 @register
 @dataclass(frozen=True)
-class GateUpR(Instruction):
+class GateUpR(RowsInstruction):
     r0: int
     layer: int
 
@@ -55,14 +55,7 @@ class GateUpR(Instruction):
             "D", "FFN", "EPS", "GU_ROWS", "BK", "STAGES", "ROWS", "INTERP")
     CONSTEXPRS = {"GU_ROWS": GateUp.CONSTEXPRS["GU_ROWS"]}
     SCRATCH = {"act_r": "bf16"}
-    WHOLE_MODEL = True
-    IN_EVERY_KERNEL = False
-    ROWS_OPCODE = True
     device = gate_up_r_device
-
-    @classmethod
-    def applies(cls, lay: Layout) -> bool:
-        return isinstance(lay, RowsLayout)
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:

@@ -13,11 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, register, tile_start
+from .base import Cost, Layout, Region, register, tile_start
 from .common_rows import rows_stream
 from .embed import Embed
 from .lm_head import LMHead
-from .rows import RowsLayout, bf16_dot, wants_logits
+from .rows import RowsInstruction, bf16_dot, wants_logits
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def _lm_head_r(v0, xout_r_ptr, fnorm_ptr, lmh_ptr, logits_r_ptr, LAYERS: tl.cons
 
 @register
 @dataclass(frozen=True)
-class LMHeadR(Instruction):
+class LMHeadR(RowsInstruction):
     v0: int
 
     NAME = "lm_head_r"
@@ -54,14 +54,7 @@ class LMHeadR(Instruction):
             "STAGES", "ROWS", "INTERP")
     CONSTEXPRS = {"VOCAB": Embed.CONSTEXPRS["VOCAB"], "LM_ROWS": LMHead.CONSTEXPRS["LM_ROWS"]}
     SCRATCH = {"logits_r": "fp32"}
-    WHOLE_MODEL = True
-    IN_EVERY_KERNEL = False
-    ROWS_OPCODE = True
     device = lm_head_r_device
-
-    @classmethod
-    def applies(cls, lay: Layout) -> bool:
-        return isinstance(lay, RowsLayout)
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:

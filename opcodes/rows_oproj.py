@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, register, tile_start
+from .base import Cost, Layout, Region, register, tile_start
 from .common import T_WO, tab_offset
 from .common_rows import rows_stream
 from .oproj import OProj
-from .rows import RowsLayout, bf16_dot, layer_input_r
+from .rows import RowsInstruction, bf16_dot, layer_input_r
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def oproj_r_device(r0, layer, x0_r_ptr, xout_r_ptr, attn_r_ptr, x1_r_ptr, wtab_p
 
 @register
 @dataclass(frozen=True)
-class OProjR(Instruction):
+class OProjR(RowsInstruction):
     r0: int
     layer: int
 
@@ -52,14 +52,7 @@ class OProjR(Instruction):
             "D", "NQ", "HD", "O_ROWS", "BK", "STAGES", "ROWS", "INTERP")
     CONSTEXPRS = {"O_ROWS": OProj.CONSTEXPRS["O_ROWS"]}
     SCRATCH = {"x1_r": "fp32"}
-    WHOLE_MODEL = True
-    IN_EVERY_KERNEL = False
-    ROWS_OPCODE = True
     device = oproj_r_device
-
-    @classmethod
-    def applies(cls, lay: Layout) -> bool:
-        return isinstance(lay, RowsLayout)
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:

@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, register
+from .base import Cost, Layout, Region, register
 from .common import T_KC, T_N1, T_VC, tab_offset, to_bf16
 from .common_rows import rows_stream
 from .qkv import QKV, SECTIONS, section_weights
-from .rows import RowsLayout, bf16_dot, layer_input_r, read_rows, row_meta
+from .rows import RowsInstruction, bf16_dot, layer_input_r, read_rows, row_meta
 
 
 @triton.jit
@@ -75,7 +75,7 @@ def qkv_r_device(layer, sec, head, j, rows_ptr, x0_r_ptr, xout_r_ptr, wtab_ptr, 
 
 @register
 @dataclass(frozen=True)
-class QKVR(Instruction):
+class QKVR(RowsInstruction):
     layer: int
     sec: int      # 0: q, 1: k, 2: v
     head: int     # query head (sec 0) or KV head (sec 1, 2)
@@ -92,14 +92,7 @@ class QKVR(Instruction):
     # the new K/V rows live in the caller's cache: tracked by the verifier as a whole layer's, not allocated
     VIRTUAL = ("kv_new_k_r", "kv_new_v_r")
     SCRATCH = {"q_r": "fp32", "kv_new_k_r": "bf16", "kv_new_v_r": "bf16"}
-    WHOLE_MODEL = True
-    IN_EVERY_KERNEL = False
-    ROWS_OPCODE = True
     device = qkv_r_device
-
-    @classmethod
-    def applies(cls, lay: Layout) -> bool:
-        return isinstance(lay, RowsLayout)
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:

@@ -10,10 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Cost, Instruction, Layout, Region, register, tile_start
+from .base import Cost, Layout, Region, register, tile_start
 from .common import to_bf16
 from .residual import Residual
-from .rows import RowsLayout
+from .rows import RowsInstruction
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def residual_r_device(r0, layer, x1_r_ptr, dpart_r_ptr, xout_r_ptr, D: tl.conste
 
 @register
 @dataclass(frozen=True)
-class ResidualR(Instruction):
+class ResidualR(RowsInstruction):
     r0: int
     layer: int
 
@@ -41,14 +41,7 @@ class ResidualR(Instruction):
     ARGS = ("x1_r_ptr", "dpart_r_ptr", "xout_r_ptr", "D", "DOWN_CHUNKS", "RED_ROWS", "ROWS", "INTERP")
     CONSTEXPRS = {"RED_ROWS": Residual.CONSTEXPRS["RED_ROWS"]}
     SCRATCH = {"xout_r": "bf16"}
-    WHOLE_MODEL = True
-    IN_EVERY_KERNEL = False
-    ROWS_OPCODE = True
     device = residual_r_device
-
-    @classmethod
-    def applies(cls, lay: Layout) -> bool:
-        return isinstance(lay, RowsLayout)
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
