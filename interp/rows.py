@@ -115,10 +115,12 @@ def run_rows(dh, toks: list[int], pos: list[int], slots: list[int], logits_rows=
         if h.sync_check:
             h.check(sync=True)
         lg = h.scratch["logits_r"].view(dh.cfg.vocab, h.lay.rows)
-        sel = list(range(R)) if logits_rows is None else list(logits_rows)
+        if logits_rows is None:
+            return lg[:, :R].T.contiguous()
+        sel = list(logits_rows)
         if not sel:
             return None
-        out = lg[:, sel].T.contiguous() if len(sel) != 1 else lg[:, sel[0]].reshape(1, -1).clone()
+        out = lg[:, sel].T.contiguous()
     return out
 
 

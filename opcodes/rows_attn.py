@@ -23,45 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .attn_partial import AttnPartial, _attn_block
+from .attn_partial import AttnPartial
 from .base import Cost, Layout, Region, Timing, register
 from .common import T_KC, T_VC, mma, tab_offset, to_bf16
 from .rows import RowsInstruction, read_rows
 
 
 @triton.jit
-def _attn_row(layer, g, row, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr,
-              NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
-              GROUP_PAD: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, ATTN_BLOCK: tl.constexpr,
-              ATTN_STAGES: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
-    """One row: the group's heads are tl.dot's M rows (GROUP_PAD), keys [0, pos[row]] of its slot."""
-    hq = tl.arange(0, GROUP_PAD)
-    hm = hq < GROUP
-    dcol = tl.arange(0, HD)
-    qrow = g * GROUP + hq
-    out = attn_r_ptr + layer * (ROWS * NQ * HD) + row * (NQ * HD) + qrow[:, None] * HD + dcol[None, :]
-    R = tl.load(rows_ptr)
-    if row >= R:
-        tl.store(out, tl.zeros([GROUP_PAD, HD], dtype=tl.bfloat16), mask=hm[:, None])
-    else:
-        slot = tl.load(rows_ptr + 4 + 4 * row)
-        pos = tl.load(rows_ptr + 5 + 4 * row)
-        base = slot.to(tl.int64) * (NKV * MAX_SEQ * HD) + g * (MAX_SEQ * HD)
-        kbase = kc_ptr + tab_offset(wtab_ptr, layer, T_KC) + base
-        vbase = vc_ptr + tab_offset(wtab_ptr, layer, T_VC) + base
-        q = tl.load(q_r_ptr + layer * (NQ * HD * ROWS) + (qrow[:, None] * HD + dcol[None, :]) * ROWS + row,
-                    mask=hm[:, None], other=0.0, cache_modifier=".cg")
-        qs = to_bf16(q * QSCALE, INTERP)                          # scores come out in base 2
-        m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([GROUP_PAD, HD], dtype=tl.float32)
-        for kb in tl.range(0, pos + 1, ATTN_BLOCK, num_stages=ATTN_STAGES):
-            keys = kb + tl.arange(0, ATTN_BLOCK)
-            km = keys <= pos
-            k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0, cache_modifier=".cg")
-            v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=km[:, None], other=0.0, cache_modifier=".cg")
-            m_i, l_i, acc = _attn_block(qs, k, v, km, m_i, l_i, acc, INTERP)
-        tl.store(out, to_bf16(acc / l_i[:, None], INTERP), mask=hm[:, None])
+def _row_slot(rows_ptr, r):
+    """Row r's slot, 0 for a row >= R (its tile stores zeros)."""
+    return tl.load(rows_ptr + 4 + 4 * r, mask=r < tl.load(rows_ptr), other=0)
 
 
 @triton.jit
@@ -69,9 +40,9 @@ def _attn_tile(layer, g, r0, slot, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, 
                NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
                MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr,
                ROWS: tl.constexpr, ATTN_RT: tl.constexpr, INTERP: tl.constexpr):
-    """Rows [r0, r0 + ATTN_RT) of one slot (a prefill chunk's): tl.dot's M rows are (row, head) pairs,
-    ATTN_RT x GP; each K/V block is loaded once for all of them, each M row masked to its row's keys
-    [0, pos] (causal within the chunk)."""
+    """Rows [r0, r0 + ATTN_RT) of one slot (one row, or a prefill chunk's): tl.dot's M rows are (row, head)
+    pairs, ATTN_RT x GP (one row: GP = GROUP_PAD, its heads padded to 16); each K/V block is loaded once for
+    all of them, each M row masked to its row's keys [0, pos] (causal within a chunk). Rows >= R store zeros."""
     M: tl.constexpr = ATTN_RT * GP
     mi = tl.arange(0, M)
     ri = r0 + mi // GP
@@ -117,8 +88,8 @@ def attn_r_device(layer, g, t, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn
                   ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, ROWS: tl.constexpr, ATTN_RT: tl.constexpr,
                   INTERP: tl.constexpr):
     if ATTN_RT == 1:
-        _attn_row(layer, g, t, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr, NQ, NKV, HD, GROUP, GROUP_PAD,
-                  MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, INTERP)
+        _attn_tile(layer, g, t, _row_slot(rows_ptr, t), rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr, NQ,
+                   NKV, HD, GROUP, GROUP_PAD, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, 1, INTERP)
     else:
         r0 = t * ATTN_RT
         rt = r0 + tl.arange(0, ATTN_RT)
@@ -133,9 +104,9 @@ def attn_r_device(layer, g, t, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn
                        INTERP)
         else:                    # rows of several slots: one at a time
             for i in range(ATTN_RT):
-                _attn_row(layer, g, r0 + i, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr, NQ, NKV, HD,
-                          GROUP, GROUP_PAD, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, INTERP)
-
+                _attn_tile(layer, g, r0 + i, _row_slot(rows_ptr, r0 + i), rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr,
+                           attn_r_ptr, NQ, NKV, HD, GROUP, GROUP_PAD, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS,
+                           1, INTERP)
 
 @register
 @dataclass(frozen=True)

@@ -151,11 +151,11 @@ class KernelBackend:
 
     def __init__(self, weights: dict, cfg, max_batch: int, max_seq: int, device=None, **options):
         import interp
+        from interp.rows import BUCKETS, decode_rows
         from opcodes import ModelConfig
         if not batched_kernel_available():
             raise RuntimeError("the kernel backend needs interp's batched API (prefill and "
                                "build_decoder(..., batch=B)), which this build does not have")
-        from interp.rows import BUCKETS
         if max_batch > BUCKETS[-1]:
             raise ValueError(f"max_batch: at most {BUCKETS[-1]} slots (the rows kernel's largest step), got {max_batch}")
         if device is None:
@@ -168,6 +168,7 @@ class KernelBackend:
             options = {**interpreter_options(self.cfg), **options}
         kv = _zero_cache(self.cfg, max_batch, max_seq, self.device)
         self._d = interp
+        self._decode_rows = decode_rows
         self.h = interp.build_decoder(weights, kv, self.cfg.to_dict(), max_seq, batch=max_batch, **options)
 
     def prefill(self, tokens: list[int], slot: int, start_pos: int) -> torch.Tensor:
@@ -177,8 +178,7 @@ class KernelBackend:
     def decode(self, tokens: list[int], slots: list[int], pos: list[int]) -> torch.Tensor:
         # every decode step in the bucket of all the slots: a request's tokens bitwise the same however
         # many others run beside it (across buckets a row's sums can differ: another MMA shape)
-        from interp.rows import decode_rows
-        logits = decode_rows(self.h, list(tokens), list(pos), list(slots), min_rows=self.max_batch)
+        logits = self._decode_rows(self.h, list(tokens), list(pos), list(slots), min_rows=self.max_batch)
         return logits.float().cpu()
 
     def close(self) -> None:
