@@ -47,6 +47,7 @@ from schedule.decoder_program import decoder_lowering
 from . import runtime
 from .codegen import CTL_POS
 from .common import arg_error, check_model_tensors, check_open, check_pos, describe, parse_cfg, validate_inputs
+from .rows import decode_rows, prefill as prefill_rows
 from .runtime import LayerHandle
 
 
@@ -109,7 +110,8 @@ def build_decoder(weights, kv_cache, cfg, max_seq_len, *, lm_rows: int = 0, emb_
     cfg      : the spec's cfg dict (or a ModelConfig) with ``vocab``
     batch    : sequence slots of the cache (``interp.rows``: ``prefill(h, tokens, start_pos, slot)``,
                ``decode_step(h, tokens (R,), pos (R,), slots=None)``); the one-position calls
-               (``decode_step`` with one token and an int position, ``generate``) run on slot 0
+               (``decode_step`` with one token and an int position) run on slot 0, ``generate`` on its
+               ``slot``
     ``lm_rows`` / ``emb_cols``: vocabulary rows per LM_HEAD tile and d columns per EMBED tile (0: the
     defaults of ``opcodes.decoder.DecoderLayout``). ``sampling``: the tape ends in SAMPLE (the token
     drawn on the device; ``generate(..., temperature=...)``) instead of ARGMAX (greedy; the default,
@@ -312,7 +314,6 @@ def decode_step(handle: DecoderHandle, tokens, pos, slots=None) -> torch.Tensor:
             return tp_decode_step(handle, tokens, pos)
     _check_handle(handle)
     if _rows_call(tokens, pos, slots):
-        from .rows import decode_rows
         return decode_rows(handle, tokens, pos, slots)
     pos = check_pos(handle.layer, pos)
     if isinstance(tokens, int) and not isinstance(tokens, bool):
@@ -393,8 +394,7 @@ def _run_prompt(handle, prompt, P: int, start_pos: int, temperature, top_k, top_
     if temperature > 0:
         set_sampling(handle, temperature, top_k, top_p, seed)
     if chunked and P > 1:
-        from .rows import prefill
-        prefill(handle, prompt[:P - 1].tolist(), start_pos, slot)
+        prefill_rows(handle, prompt[:P - 1].tolist(), start_pos, slot)
     for i in range(0 if not chunked else P - 1, P):
         handle.tok.copy_(prompt[i:i + 1])          # a device-side copy: no host round trip
         _launch(handle, start_pos + i, slot)
