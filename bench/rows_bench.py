@@ -102,19 +102,32 @@ def main(argv=None) -> int:
         return lambda: runtime.launch(hr, h.x0, 0, h.hidden)
 
     if "decode" not in skip:
+        from bench.driver import stream_copy_bw
+        bw = stream_copy_bw()
+        rep["stream_copy_Bps"] = bw
+
+        def floor_us(B: int) -> float:
+            """HBM floor of a B-row decode step at a.pos: weights once, each row's KV once."""
+            b = cfg.bytes_per_step(a.pos) + (B - 1) * cfg.layers * cfg.kv_bytes(a.pos + 1)
+            return b / bw * 1e6
+
+        print(f"stream copy {bw / 1e12:.3f} TB/s; floor B=1 {floor_us(1):.1f} us", flush=True)
         one = dec._pick(h, a.pos)
         t1 = graph_step_ms(lambda: runtime.launch(one, h.x0, a.pos, h.hidden), a.reps)
-        rep["decode"].append(dict(B=1, kernel="one-row", step_us=t1 * 1e3, tokens_per_s=1e3 / t1))
-        print(f"decode B=1 one-row kernel: {t1 * 1e3:.1f} us/step", flush=True)
+        rep["decode"].append(dict(B=1, kernel="one-row", step_us=t1 * 1e3, tokens_per_s=1e3 / t1,
+                                  floor_us=floor_us(1), x_floor=t1 * 1e3 / floor_us(1)))
+        print(f"decode B=1 one-row kernel: {t1 * 1e3:.1f} us/step = {t1 * 1e3 / floor_us(1):.2f}x floor", flush=True)
         for B in Bs:
             t = time.time()
             f = rows_launcher(B, a.pos)
             build_s = time.time() - t
             ms = graph_step_ms(f, a.reps)
             rep["decode"].append(dict(B=B, kernel=f"rows R{rows_handle(h, B).lay.rows}", step_us=ms * 1e3,
-                                      tokens_per_s=B * 1e3 / ms, x_one_row=(B * 1e3 / ms) / (1e3 / t1)))
+                                      tokens_per_s=B * 1e3 / ms, x_one_row=(B * 1e3 / ms) / (1e3 / t1),
+                                      floor_us=floor_us(B), x_floor=ms * 1e3 / floor_us(B)))
             print(f"decode B={B} rows kernel (bucket {rows_handle(h, B).lay.rows}; built {build_s:.1f} s): "
-                  f"{ms * 1e3:.1f} us/step, {B * 1e3 / ms:.0f} tokens/s = {t1 * B / ms:.2f}x one-row B=1",
+                  f"{ms * 1e3:.1f} us/step = {ms * 1e3 / floor_us(B):.2f}x floor, {B * 1e3 / ms:.0f} tokens/s = "
+                  f"{t1 * B / ms:.2f}x one-row B=1",
                   flush=True)
 
     if "accuracy" not in skip:
