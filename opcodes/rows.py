@@ -97,7 +97,7 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int) -> Tiling:
     bk = min(128 if rows <= 64 else 64, next_pow2(cfg.d))
     stage = 2 * bk * (32 + rows)
     stages = max(2, min(5, (200 * 1024) // stage))
-    red = max(32, 4096 // rows)
+    red = max(32, 2048 // rows)     # RESIDUAL_R's [red, rows] blocks, normed for the next GEMM: 4096 spilled
     o_rows = 16 if cfg.d // 32 < H200_SMS else 32
     return dataclasses.replace(
         base, qkv_rows=min(32, cfg.hd), kv_rows=0, o_rows=o_rows, o_bk=0, o_k=0, gu_rows=16, gu_tiles=0,
@@ -149,8 +149,18 @@ class RowsLayout(DecoderLayout):
             return 1
         return min(self.rows, max(1, min(64, 2048 // self.cfg.hd) // next_pow2(self.cfg.group)))
 
+    @property
+    def ss_parts(self) -> tuple[int, int, int]:
+        """Sum-of-squares parts of the normed GEMM operands (``common_rows.store_normed``): of the layer-0
+        input (one an EMBED_R tile), of the other layers' inputs and the LM head's (one a RESIDUAL_R tile),
+        of the MLP's input (one an OPROJ_R tile)."""
+        d, t = self.cfg.d, self.tiling
+        return -(-d // self.emb_cols), -(-d // t.red_rows), -(-d // t.o_rows)
+
     def constexprs(self, interp: bool = False) -> dict:
-        return {**super().constexprs(interp), "ROWS": self.rows, "BATCH": self.batch}
+        p_emb, p_res, p_o = self.ss_parts
+        return {**super().constexprs(interp), "ROWS": self.rows, "BATCH": self.batch, "SS_P0": p_emb,
+                "SS_P": p_res, "SS_PP": next_pow2(max(p_emb, p_res)), "SS2_P": p_o, "SS2_PP": next_pow2(p_o)}
 
     def extra(self) -> dict:
         return {**super().extra(), "rows": self.rows, "batch": self.batch}
@@ -176,6 +186,19 @@ def layer_input_r(st, layer: int) -> torch.Tensor:
     if layer == 0:
         return st.buf["x0_r"].view(d, R)
     return st.buf["xout_r"].view(lay.cfg.layers, d, R)[layer - 1]
+
+
+def store_normed_r(st, x: torch.Tensor, lo: int, hi: int, nw: torch.Tensor, hn: torch.Tensor, ss: torch.Tensor,
+                   part: int) -> None:
+    """VM: ``common_rows.store_normed`` for features [lo, hi) of the fp32 ``x`` [hi - lo, ROWS]; ``hn``
+    [d, ROWS] and ``ss`` [parts, ROWS] are views of the operand's buffers."""
+    hn[lo:hi] = (x * nw[lo:hi].float()[:, None]).to(torch.bfloat16)
+    ss[part] = (x * x).sum(0)
+
+
+def col_rstd_r(ss: torch.Tensor, parts: int, d: int, eps: float) -> torch.Tensor:
+    """VM: ``common_rows.col_rstd`` over the first ``parts`` rows of ``ss`` [parts, ROWS]."""
+    return torch.rsqrt(ss[:parts].sum(0) / d + eps)
 
 
 def bf16_dot(w: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """EMBED_R: one column block of every row's embedding into the rows' layer-0 input (opcodes/rows.py).
 
     x0_r[c, n] = embed[tok[n], c]    for c in [col0, col0 + EMB_COLS), rows n < R;  0 for n >= R
+    hn_r[0, c, n] = bf16(x0_r[c, n] * in_norm_0[c]),  ss0_r[col0 / EMB_COLS, n] = sum_c x0_r[c, n]^2
+(layer 0's QKV operand, normed: ``common_rows.store_normed``).
 
 ``x0_r`` is feature-major ``[d, ROWS]`` bf16. Tokens come from the ``rows`` state buffer (the host
 writes it; a token outside ``[0, vocab)`` is clamped, the host checks the tokens it is handed).
@@ -14,13 +16,15 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Layout, Region, register, tile_start
+from .common import T_N1, tab_offset
+from .common_rows import store_normed
 from .embed import Embed
-from .rows import RowsInstruction, read_rows, row_meta, rows_state_shape
+from .rows import RowsInstruction, read_rows, row_meta, rows_state_shape, store_normed_r
 
 
 @triton.jit
-def embed_r_device(col0, rows_ptr, x0_r_ptr, embed_ptr, D: tl.constexpr, VOCAB: tl.constexpr,
-                   EMB_COLS: tl.constexpr, ROWS: tl.constexpr):
+def embed_r_device(col0, rows_ptr, x0_r_ptr, embed_ptr, hn_r_ptr, ss0_r_ptr, wtab_ptr, n1_ptr, D: tl.constexpr,
+                   VOCAB: tl.constexpr, EMB_COLS: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
     n = tl.arange(0, ROWS)
     live, slot, pos, tok = row_meta(rows_ptr, n, ROWS)
     tok = tl.minimum(tl.maximum(tok, 0), VOCAB - 1).to(tl.int64)
@@ -28,6 +32,8 @@ def embed_r_device(col0, rows_ptr, x0_r_ptr, embed_ptr, D: tl.constexpr, VOCAB: 
     cm = cols < D
     v = tl.load(embed_ptr + tok[None, :] * D + cols[:, None], mask=cm[:, None] & live[None, :], other=0.0)
     tl.store(x0_r_ptr + cols[:, None] * ROWS + n[None, :], v, mask=cm[:, None])
+    store_normed(v.to(tl.float32), cols, cm, n1_ptr + tab_offset(wtab_ptr, 0, T_N1), hn_r_ptr, ss0_r_ptr,
+                 col0 // EMB_COLS, ROWS, INTERP)
 
 
 @register
@@ -37,16 +43,17 @@ class EmbedR(RowsInstruction):
 
     NAME = "embed_r"
     STAGE = 0
-    ARGS = ("rows_ptr", "x0_r_ptr", "embed_ptr", "D", "VOCAB", "EMB_COLS", "ROWS")
+    ARGS = ("rows_ptr", "x0_r_ptr", "embed_ptr", "hn_r_ptr", "ss0_r_ptr", "wtab_ptr", "n1_ptr", "D", "VOCAB",
+            "EMB_COLS", "ROWS", "INTERP")
     CONSTEXPRS = {"VOCAB": Embed.CONSTEXPRS["VOCAB"], "EMB_COLS": Embed.CONSTEXPRS["EMB_COLS"]}
     device = embed_r_device
 
-    SCRATCH = {"x0_r": "bf16"}
+    SCRATCH = {"x0_r": "bf16", "ss0_r": "fp32"}
     STATE = {"rows": "i32"}       # [R, 0, 0, 0] then per row [slot, pos, tok, 0]: written by the host
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
-        return {"x0_r": (lay.cfg.d, lay.rows)}
+        return {"x0_r": (lay.cfg.d, lay.rows), "ss0_r": (lay.ss_parts[0], lay.rows)}
 
     @classmethod
     def state_shapes(cls, lay: Layout) -> dict:
@@ -62,7 +69,9 @@ class EmbedR(RowsInstruction):
 
     def writes(self, lay: Layout) -> list[Region]:
         lo, hi = self._cols(lay)
-        return [Region("x0_r", lo * lay.rows, hi * lay.rows)]
+        R, part = lay.rows, self.col0 // lay.emb_cols
+        return [Region("x0_r", lo * R, hi * R), Region("hn_r", lo * R, hi * R),
+                Region("ss0_r", part * R, (part + 1) * R)]
 
     def cost(self, lay: Layout) -> Cost:
         lo, hi = self._cols(lay)
@@ -75,3 +84,6 @@ class EmbedR(RowsInstruction):
         x[lo:hi] = 0
         for n, t in enumerate(toks):
             x[lo:hi, n] = st.model["embed"][min(max(t, 0), lay.cfg.vocab - 1), lo:hi]
+        c, R = lay.cfg, lay.rows
+        store_normed_r(st, x[lo:hi].float(), lo, hi, st.weights[0]["in_norm"], st.buf["hn_r"].view(c.layers + 1, c.d, R)[0],
+                       st.buf["ss0_r"].view(-1, R), self.col0 // lay.emb_cols)

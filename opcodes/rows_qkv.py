@@ -3,6 +3,9 @@ RMSNorm, RoPE at each row's own position and the K/V append into each row's (slo
 
     h[:, n]  = x[:, n] * in_norm,   rstd[n] = rsqrt(mean(x[:, n]^2) + eps)
     y[r, n]  = (W[r, :] . bf16(h[:, n])) * rstd[n]       for the tile's rows r of Wq, Wk or Wv
+
+``bf16(h)`` and the parts of ``sum(x^2)`` come built by the layer input's producers (``hn_r[layer]`` and
+EMBED_R's ``ss0_r``, or the previous layer's RESIDUAL_R's ``ss_r[layer - 1]``; ``common_rows.store_normed``).
     q/k      = rope(y[:, n], pos[n])
     q -> q_r[layer, :, n] (fp32);  k, v -> kv_cache[layer][slot[n], head, pos[n]] (bf16, in place)
 
@@ -19,34 +22,35 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Layout, Region, register
-from .common import T_KC, T_N1, T_VC, tab_offset, to_bf16
-from .common_rows import rows_stream
+from .common import T_KC, T_VC, tab_offset, to_bf16
+from .common_rows import col_rstd, rows_stream
 from .qkv import QKV, SECTIONS, section_weights
-from .rows import RowsInstruction, bf16_dot, layer_input_r, read_rows, row_meta
+from .rows import RowsInstruction, bf16_dot, col_rstd_r, read_rows, row_meta
 
 
 @triton.jit
-def qkv_r_device(layer, sec, head, j, rows_ptr, x0_r_ptr, xout_r_ptr, wtab_ptr, n1_ptr, wq_ptr, wk_ptr, wv_ptr,
+def qkv_r_device(layer, sec, head, j, rows_ptr, hn_r_ptr, ss0_r_ptr, ss_r_ptr, wtab_ptr, wq_ptr, wk_ptr, wv_ptr,
                  kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_r_ptr,
                  D: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
                  EPS: tl.constexpr, QKV_ROWS: tl.constexpr, QKV_M: tl.constexpr, BK: tl.constexpr,
-                 STAGES: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
+                 STAGES: tl.constexpr, SS_P0: tl.constexpr, SS_P: tl.constexpr, SS_PP: tl.constexpr,
+                 ROWS: tl.constexpr, INTERP: tl.constexpr):
     HALF: tl.constexpr = QKV_ROWS // 2
     w_ptr = section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr)
-    if layer == 0:
-        xt = x0_r_ptr
-    else:
-        xt = xout_r_ptr + (layer - 1) * (D * ROWS)
-    nw_ptr = n1_ptr + tab_offset(wtab_ptr, layer, T_N1)
+    xt = hn_r_ptr + layer * (D * ROWS)
     # QKV_M >= 16 rows a half (tl.dot's M): the HALF dims of the tile, the rest masked (hd < 32)
     dm = tl.arange(0, QKV_M) < HALF
     dims = j * HALF + tl.arange(0, QKV_M)
     rows1 = head * HD + dims
     rows2 = rows1 + HD // 2
-    acc1, acc2, ss = rows_stream(w_ptr, rows1, w_ptr, rows2, dm, xt, nw_ptr, 0, ROWS, ROWS, D, D, QKV_M, ROWS,
-                                 BK, STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0) & (QKV_M == HALF),
+    acc1, acc2, ss = rows_stream(w_ptr, rows1, w_ptr, rows2, dm, xt, w_ptr, 0, ROWS, ROWS, D, D, QKV_M, ROWS,
+                                 BK, STAGES, TWO=True, NORM=False, EVEN=(D % BK == 0) & (QKV_M == HALF),
                                  INTERP=INTERP)
-    rstd = 1.0 / tl.sqrt(ss / D + EPS)
+    if layer == 0:
+        ss_ptr = ss0_r_ptr
+    else:
+        ss_ptr = ss_r_ptr + (layer - 1) * (SS_P * ROWS)
+    rstd = col_rstd(ss_ptr, tl.where(layer == 0, SS_P0, SS_P), SS_PP, D, EPS, ROWS)
     y1 = acc1 * rstd[None, :]
     y2 = acc2 * rstd[None, :]
     n = tl.arange(0, ROWS)
@@ -83,9 +87,10 @@ class QKVR(RowsInstruction):
 
     NAME = "qkv_r"
     STAGE = 0
-    ARGS = ("rows_ptr", "x0_r_ptr", "xout_r_ptr", "wtab_ptr", "n1_ptr", "wq_ptr", "wk_ptr", "wv_ptr", "kc_ptr",
+    ARGS = ("rows_ptr", "hn_r_ptr", "ss0_r_ptr", "ss_r_ptr", "wtab_ptr", "wq_ptr", "wk_ptr", "wv_ptr", "kc_ptr",
             "vc_ptr", "cos_ptr", "sin_ptr", "q_r_ptr",
-            "D", "NQ", "NKV", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "QKV_M", "BK", "STAGES", "ROWS", "INTERP")
+            "D", "NQ", "NKV", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "QKV_M", "BK", "STAGES", "SS_P0", "SS_P", "SS_PP",
+            "ROWS", "INTERP")
     CONSTEXPRS = {"QKV_ROWS": QKV.CONSTEXPRS["QKV_ROWS"],
                   "QKV_M": lambda lay: max(16, lay.tiling.qkv_rows // 2)}   # tl.dot's M: >= 16
     TABLES = QKV.TABLES
@@ -127,10 +132,10 @@ class QKVR(RowsInstruction):
         return [Region(buf, base + lo, base + hi), Region(buf, base + c.hd // 2 + lo, base + c.hd // 2 + hi)]
 
     def reads(self, lay: Layout) -> list[Region]:
-        d, R = lay.cfg.d, lay.rows
-        if self.layer == 0:
-            return [Region("x0_r", 0, d * R)]
-        return [Region("xout_r", (self.layer - 1) * d * R, self.layer * d * R)]
+        d, R, l = lay.cfg.d, lay.rows, self.layer
+        p0, p, _ = lay.ss_parts
+        ss = Region("ss0_r", 0, p0 * R) if l == 0 else Region("ss_r", (l - 1) * p * R, l * p * R)
+        return [Region("hn_r", l * d * R, (l + 1) * d * R), ss]
 
     def cost(self, lay: Layout) -> Cost:
         d, rows, R = lay.cfg.d, lay.tiling.qkv_rows, lay.rows
@@ -139,15 +144,14 @@ class QKVR(RowsInstruction):
     def run_torch(self, lay: Layout, st) -> None:
         c, NR = lay.cfg, lay.rows
         R, slots, pos, _ = read_rows(st)
-        x = layer_input_r(st, self.layer).float()                 # [d, ROWS]
         w = st.weights[self.layer][SECTIONS[self.sec]]
-        nw = st.weights[self.layer]["in_norm"].float()
+        xb = st.buf["hn_r"].view(c.layers + 1, c.d, NR)[self.layer]
+        ss = st.buf["ss0_r"].view(-1, NR) if self.layer == 0 else st.buf["ss_r"].view(c.layers, -1, NR)[self.layer - 1]
+        rstd = col_rstd_r(ss, ss.shape[0], c.d, c.eps)              # [ROWS]
         lo, hi = self._dims(lay)
         dims = torch.arange(lo, hi)
         rows1 = self.head * c.hd + dims
         rows2 = rows1 + c.hd // 2
-        xb = (x * nw[:, None]).to(torch.bfloat16)
-        rstd = torch.rsqrt((x * x).sum(0) / c.d + c.eps)         # [ROWS]
         y1 = bf16_dot(w[rows1], xb) * rstd[None, :]
         y2 = bf16_dot(w[rows2], xb) * rstd[None, :]
         if self.sec < 2:

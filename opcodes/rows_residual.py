@@ -1,6 +1,8 @@
 """RESIDUAL_R: one block of a layer's output over every row (opcodes/rows.py).
 
     xout_r[layer, r, n] = bf16(x1_r[layer, r, n] + dpart_r[layer, 0, r, n] + ... )     r in [r0, r0 + RED_ROWS)
+and the next GEMM's normed operand (``common_rows.store_normed``): ``hn_r[layer + 1]``, ``ss_r[layer]``
+with the next layer's input norm, or the final norm after the last layer (the LM head's operand).
 """
 from __future__ import annotations
 
@@ -11,14 +13,16 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Layout, Region, register, tile_start
-from .common import to_bf16
+from .common import T_N1, tab_offset, to_bf16
+from .common_rows import store_normed
 from .residual import Residual
-from .rows import RowsInstruction
+from .rows import RowsInstruction, store_normed_r
 
 
 @triton.jit
-def residual_r_device(r0, layer, x1_r_ptr, dpart_r_ptr, xout_r_ptr, D: tl.constexpr, DOWN_CHUNKS: tl.constexpr,
-                      RED_ROWS: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
+def residual_r_device(r0, layer, x1_r_ptr, dpart_r_ptr, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr, fnorm_ptr,
+                      LAYERS: tl.constexpr, D: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RED_ROWS: tl.constexpr,
+                      SS_P: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
     rows = r0 + tl.arange(0, RED_ROWS)
     rm = rows < D
     n = tl.arange(0, ROWS)
@@ -27,7 +31,14 @@ def residual_r_device(r0, layer, x1_r_ptr, dpart_r_ptr, xout_r_ptr, D: tl.conste
     for kc in tl.static_range(DOWN_CHUNKS):
         y += tl.load(dpart_r_ptr + (layer * DOWN_CHUNKS + kc) * (D * ROWS) + off, mask=rm[:, None], other=0.0,
                      cache_modifier=".cg")
-    tl.store(xout_r_ptr + layer * (D * ROWS) + off, to_bf16(y, INTERP), mask=rm[:, None])
+    yb = to_bf16(y, INTERP)
+    tl.store(xout_r_ptr + layer * (D * ROWS) + off, yb, mask=rm[:, None])
+    if layer == LAYERS - 1:
+        nw = fnorm_ptr
+    else:
+        nw = n1_ptr + tab_offset(wtab_ptr, layer + 1, T_N1)
+    store_normed(yb.to(tl.float32), rows, rm, nw, hn_r_ptr + (layer + 1) * (D * ROWS),
+                 ss_r_ptr + layer * (SS_P * ROWS), r0 // RED_ROWS, ROWS, INTERP)
 
 
 @register
@@ -38,14 +49,19 @@ class ResidualR(RowsInstruction):
 
     NAME = "residual_r"
     STAGE = 5
-    ARGS = ("x1_r_ptr", "dpart_r_ptr", "xout_r_ptr", "D", "DOWN_CHUNKS", "RED_ROWS", "ROWS", "INTERP")
+    ARGS = ("x1_r_ptr", "dpart_r_ptr", "xout_r_ptr", "hn_r_ptr", "ss_r_ptr", "wtab_ptr", "n1_ptr", "fnorm_ptr",
+            "LAYERS", "D", "DOWN_CHUNKS", "RED_ROWS", "SS_P", "ROWS", "INTERP")
     CONSTEXPRS = {"RED_ROWS": Residual.CONSTEXPRS["RED_ROWS"]}
-    SCRATCH = {"xout_r": "bf16"}
+    # hn_r [L + 1, d, ROWS]: the normed QKV operand of each layer (0: EMBED_R's) and the LM head's (L);
+    # ss_r [L, parts, ROWS]: its sums of squares after layer l (layer 0's input: EMBED_R's ss0_r)
+    SCRATCH = {"xout_r": "bf16", "hn_r": "bf16", "ss_r": "fp32"}
     device = residual_r_device
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
-        return {"xout_r": (lay.cfg.layers, lay.cfg.d, lay.rows)}
+        c, R = lay.cfg, lay.rows
+        return {"xout_r": (c.layers, c.d, R), "hn_r": (c.layers + 1, c.d, R),
+                "ss_r": (c.layers, lay.ss_parts[1], R)}
 
     def check_operands(self, lay: Layout) -> list[str]:
         bad = tile_start("r0", self.r0, lay.tiling.red_rows, lay.cfg.d)
@@ -66,7 +82,10 @@ class ResidualR(RowsInstruction):
     def writes(self, lay: Layout) -> list[Region]:
         c, R = lay.cfg, lay.rows
         lo, hi = self._rows(lay)
-        return [Region("xout_r", (self.layer * c.d + lo) * R, (self.layer * c.d + hi) * R)]
+        nxt = self.layer + 1
+        ss0 = (self.layer * lay.ss_parts[1] + self.r0 // lay.tiling.red_rows) * R
+        return [Region("xout_r", (self.layer * c.d + lo) * R, (self.layer * c.d + hi) * R),
+                Region("hn_r", (nxt * c.d + lo) * R, (nxt * c.d + hi) * R), Region("ss_r", ss0, ss0 + R)]
 
     def cost(self, lay: Layout) -> Cost:
         R = lay.rows
@@ -81,3 +100,7 @@ class ResidualR(RowsInstruction):
         for kc in range(lay.n_down_k):
             y += dp[self.layer, kc, lo:hi]
         st.buf["xout_r"].view(c.layers, c.d, R)[self.layer, lo:hi] = y.to(torch.bfloat16)
+        nw = st.model["final_norm"] if self.layer == c.layers - 1 else st.weights[self.layer + 1]["in_norm"]
+        store_normed_r(st, y.to(torch.bfloat16).float(), lo, hi, nw,
+                       st.buf["hn_r"].view(c.layers + 1, c.d, R)[self.layer + 1],
+                       st.buf["ss_r"].view(c.layers, -1, R)[self.layer], self.r0 // lay.tiling.red_rows)

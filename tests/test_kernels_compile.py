@@ -139,9 +139,10 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, tmp_path):
     assert got["shared"] <= H200_SMEM_PER_BLOCK, \
         f"{preset} {what}: {got['shared']} bytes of shared memory, an H200 block has {H200_SMEM_PER_BLOCK}"
     if what.startswith("rows"):
-        # the rows kernels' normed operand blocks are pipelined in registers: a spill there cost 3.7x
-        # (bench/notes/s38.md), so their tiling must compile without one
-        assert got["stack"] == 0, f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills)"
+        # v1's rows kernels spilled 760 bytes a thread (bench/notes/s38.md); removing that changed nothing
+        # measurable (s39.md, run 274), and since v148 no operand is pipelined through registers. The
+        # guard stays against a return of large spills: the 1B's prefill bucket keeps 16 bytes.
+        assert got["stack"] <= 32, f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills)"
     if what in CODE_LIMITED:
         assert 0 < got["code_bytes"] <= ICACHE_BYTES, \
             f"{preset} {what}: {got['code_bytes']} bytes of SASS, over the {ICACHE_BYTES} an H200 SM's instruction " \

@@ -572,6 +572,7 @@ def test_the_per_process_path_rehearsed_on_the_cpu(tmp_path):
             assert want in out, f"rank {r}: no {want!r} in\n{out[-4000:]}"
 
 
+@pytest.mark.slow     # 37 s on two cores: the lab's two-GPU bench (the per-process path below is rehearsed always)
 def test_every_stage_rehearsed_on_the_cpu(tmp_path):
     """``python3 -m bench.tp_bench --rehearse``: the launcher, both workers and every stage's code (smoke,
     death, correct, speed with the NCCL baseline eager) on the CPU: gloo for NCCL, the Triton interpreter

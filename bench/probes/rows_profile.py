@@ -1,7 +1,9 @@
 """Where a rows step's time goes (issue 50): one profiled launch of a rows kernel, per opcode the summed
 execution and wait time across SMs, the step's span, and the stage spans per layer.
 
-    python -m bench.probes.rows_profile --preset llama3.2-1b --R 16 --B 16 --pos 1024 [--tiling k=v,...]
+    python -m bench.probes.rows_profile --preset llama3.2-1b --R 16 --B 16 --pos 1024 [--tiling "k=v,...;k=v"]
+
+``--tiling``: variants separated by ``;`` (an empty one: the default tiling), each timed; the first profiled.
 """
 from __future__ import annotations
 
@@ -22,20 +24,31 @@ def main(argv=None) -> int:
     p.add_argument("--tiling", default="")
     a = p.parse_args(argv)
     from bench.decoder_bench import make_decoder_weights
-    from interp import runtime
     from opcodes.config import ModelConfig
     from opcodes.reference import make_kv_cache
-    from opcodes.rows import rows_state, rows_tiling
-    from schedule.rows_program import rows_lowering
+    from opcodes.rows import rows_tiling
     cfg = ModelConfig.from_name(a.preset)
     ms = a.pos + 128
     w = make_decoder_weights(cfg, 0, "cuda")
     kv = make_kv_cache(cfg, ms, a.pos, seed=1, device="cuda", batch=a.B)
-    til = rows_tiling(cfg, a.R, ms)
-    if a.tiling:
-        til = dataclasses.replace(til, **{k: int(v) for k, v in (kv_.split("=") for kv_ in a.tiling.split(","))})
-    for prof in (False, True):
-        h = runtime.build_validated(w, kv, cfg, torch.device("cuda"), ms, tiling=til, lowering=rows_lowering(a.R, a.B),
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for vi, var in enumerate(a.tiling.split(";")):
+        til = rows_tiling(cfg, a.R, ms)
+        if var:
+            til = dataclasses.replace(til, **{k: int(v) for k, v in (kv_.split("=") for kv_ in var.split(","))})
+        try:
+            run_variant(a, cfg, w, kv, ms, til, dev, var or "default", profile=vi == 0)
+        except Exception as e:   # a variant that does not build is reported, the others still run
+            print(f"variant {var or 'default'}: {type(e).__name__}: {e}", flush=True)
+    return 0
+
+
+def run_variant(a, cfg, w, kv, ms, til, dev, name, profile):
+    from interp import runtime
+    from opcodes.rows import rows_state
+    from schedule.rows_program import rows_lowering
+    for prof in ((False, True) if profile else (False,)):
+        h = runtime.build_validated(w, kv, cfg, dev, ms, tiling=til, lowering=rows_lowering(a.R, a.B),
                                     profile=prof)
         h.state["rows"].copy_(rows_state(a.R, list(range(a.B)), [a.pos] * a.B, [7] * a.B))
         x = torch.zeros(1, cfg.d, dtype=torch.bfloat16, device="cuda")
@@ -48,8 +61,8 @@ def main(argv=None) -> int:
             runtime.launch(h, x, 0, x)
         ev[1].record()
         torch.cuda.synchronize()
-        print(f"{'profiled' if prof else 'plain'}: {ev[0].elapsed_time(ev[1]) / 10 * 1e3:.1f} us a step "
-              f"({len(h.tape)} instructions, tiling {til})", flush=True)
+        print(f"{name}: {'profiled' if prof else 'plain'}: {ev[0].elapsed_time(ev[1]) / 10 * 1e3:.1f} us a step "
+              f"({len(h.tape)} instructions)", flush=True)
         if prof:
             recs = runtime.profile_records(h).tolist()
             from schedule.tape import decode
@@ -74,7 +87,6 @@ def main(argv=None) -> int:
             for (l, n), (s0, s1) in sorted(stage.items(), key=lambda kv_: kv_[1][0]):
                 print(f"  layer {l} {n:12s} {s0 / 1e3:8.1f} .. {s1 / 1e3:8.1f} us")
         runtime.teardown(h)
-    return 0
 
 
 if __name__ == "__main__":
