@@ -4,7 +4,7 @@
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/smi.log 2>&1
-timeout 130 python3 -m bench.probes.rows_profile --R 16 --B 16 \
+timeout ${T0:-130} python3 -m bench.probes.rows_profile --R 16 --B 16 \
     --tiling "${VARIANTS:-;gu_rows=32;num_warps=4;gu_rows=32,num_warps=4;gu_rows=64}" > $OUT/prof16.log 2>&1
 timeout ${T1:-200} python3 -m bench.rows_bench --preset llama3.2-1b --out $OUT > $OUT/rows-1b.log 2>&1
 timeout ${T2:-170} python3 -m bench.rows_bench --preset llama3.1-8b --prompts ${P8:-128,1024} --out $OUT > $OUT/rows-8b.log 2>&1
