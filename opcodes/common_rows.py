@@ -17,9 +17,9 @@ from .common import mma, to_bf16
 
 
 @triton.jit
-def rows_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, xt_ptr, nw_ptr, kbase, n_left, xs,
+def rows_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, xt_ptr, kbase, n_left, xs,
                 K: tl.constexpr, KLEN: tl.constexpr, M: tl.constexpr, N_TILE: tl.constexpr, BK: tl.constexpr,
-                STAGES: tl.constexpr, TWO: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr,
+                STAGES: tl.constexpr, TWO: tl.constexpr, EVEN: tl.constexpr,
                 INTERP: tl.constexpr = False, NS: tl.constexpr = 1):
     """The streaming loop of an R-row GEMM tile: rows ``rows1`` ([M]) of the row-major bf16 matrix at
     ``w1_ptr`` (and, with ``TWO``, rows ``rows2`` of ``w2_ptr``), ``K`` columns each, times the
@@ -30,18 +30,16 @@ def rows_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, xt_ptr, nw_ptr, kbase, n
 
     Per block: ``W[M, BK]`` (read once: evicted first) and ``X^T[BK, N_TILE]`` (``.cg``: shared by the
     tiles of every weight row block, from the L2), ``acc += W . bf16(X^T)``, fp32 accumulation.
-    With ``NORM`` the B operand is ``bf16(X^T * nw[:, None])`` (the RMSNorm weight at ``nw_ptr``) and the
-    per-column sum of ``X^T^2`` is returned: the caller scales column ``n`` by ``rsqrt(ss[n] / K + eps)``
-    after the loop, as the one-row QKV tile does.
-    Returns the fp32 ``[M, N_TILE]`` accumulators (the second zero without ``TWO``) and the ``[N_TILE]``
-    sums of squares (zero without ``NORM``).
+    Returns the fp32 ``[M, N_TILE]`` accumulators (the second zero without ``TWO``).
     ``EVEN``: no masks (``KLEN % BK == 0``, every row in range, ``n_left >= N_TILE``); otherwise rows
     outside ``row_mask``, columns ``>= n_left`` and K past ``KLEN`` / ``K`` read as zero.
-    NOTE: as in ``gemv_stream``, the loop body branches on constexprs only, so every load is pipelined.
+    NOTE: a bf16 operand goes straight into the dot, so both loads are pipelined through shared memory. An
+    RMSNorm'ed operand is built by its producer (``store_normed``): normalizing inside this loop (v1's
+    ``NORM``) kept the operand's load in registers, in the loop's critical path: 37.5 us a 1B GATE_UP tile
+    against 6.4 us for DOWN's (bench/notes/s39.md, run 275).
     """
     acc1 = tl.zeros([M, N_TILE], dtype=tl.float32)
     acc2 = tl.zeros([M, N_TILE], dtype=tl.float32)
-    ss = tl.zeros([N_TILE], dtype=tl.float32)
     ncol = tl.arange(0, N_TILE)
     wrow1 = w1_ptr + rows1[:, None].to(tl.int64) * K
     wrow2 = w2_ptr + rows2[:, None].to(tl.int64) * K
@@ -50,25 +48,17 @@ def rows_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, xt_ptr, nw_ptr, kbase, n
         xptrs = xt_ptr + ks[:, None].to(tl.int64) * xs + ncol[None, :] * NS
         if EVEN:
             xt = tl.load(xptrs, cache_modifier=".cg")
-            if NORM:
-                nw = tl.load(nw_ptr + ks).to(tl.float32)
             w1 = tl.load(wrow1 + ks[None, :], eviction_policy="evict_first")
             if TWO:
                 w2 = tl.load(wrow2 + ks[None, :], eviction_policy="evict_first")
         else:
             km = ((kk + tl.arange(0, BK)) < KLEN) & (ks < K)
             xt = tl.load(xptrs, mask=km[:, None] & (ncol < n_left)[None, :], other=0.0, cache_modifier=".cg")
-            if NORM:
-                nw = tl.load(nw_ptr + ks, mask=km, other=0.0).to(tl.float32)
             wm = row_mask[:, None] & km[None, :]
             w1 = tl.load(wrow1 + ks[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
             if TWO:
                 w2 = tl.load(wrow2 + ks[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
-        if NORM:
-            xf = xt.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=0)
-            xb = to_bf16(xf * nw[:, None], INTERP)
-        elif xt_ptr.dtype.element_ty == tl.bfloat16:
+        if xt_ptr.dtype.element_ty == tl.bfloat16:
             xb = xt
         else:
             xb = to_bf16(xt.to(tl.float32), INTERP)
@@ -80,7 +70,7 @@ def rows_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, xt_ptr, nw_ptr, kbase, n
             acc1 = tl.dot(w1, xb, acc1)
             if TWO:
                 acc2 = tl.dot(w2, xb, acc2)
-    return acc1, acc2, ss
+    return acc1, acc2
 
 
 @triton.jit

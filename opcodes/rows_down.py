@@ -26,8 +26,8 @@ def down_r_device(r0, layer, kc, act_r_ptr, dpart_r_ptr, wtab_ptr, wd_ptr,
     w = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
     rows = r0 + tl.arange(0, DOWN_ROWS)
     rm = rows < D
-    acc, acc2, ss = rows_stream(w, rows, w, rows, rm, act_r_ptr + layer * (FFN * ROWS), w, kc * DOWN_K, ROWS, ROWS,
-                                FFN, DOWN_K, DOWN_ROWS, ROWS, BK, STAGES, TWO=False, NORM=False,
+    acc, acc2 = rows_stream(w, rows, w, rows, rm, act_r_ptr + layer * (FFN * ROWS), kc * DOWN_K, ROWS, ROWS,
+                            FFN, DOWN_K, DOWN_ROWS, ROWS, BK, STAGES, TWO=False,
                                 EVEN=(FFN % DOWN_K == 0) & (DOWN_K % BK == 0) & (D % DOWN_ROWS == 0), INTERP=INTERP)
     n = tl.arange(0, ROWS)
     tl.store(dpart_r_ptr + ((layer * DOWN_CHUNKS + kc) * D + rows[:, None]) * ROWS + n[None, :], acc,

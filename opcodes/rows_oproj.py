@@ -29,8 +29,8 @@ def oproj_r_device(r0, layer, x0_r_ptr, xout_r_ptr, attn_r_ptr, x1_r_ptr, wtab_p
     w = wo_ptr + tab_offset(wtab_ptr, layer, T_WO)
     rows = r0 + tl.arange(0, O_ROWS)
     rm = rows < D
-    acc, acc2, ss = rows_stream(w, rows, w, rows, rm, attn_r_ptr + layer * (ROWS * NQ * HD), w, 0, ROWS, 1,
-                                NQ * HD, NQ * HD, O_ROWS, ROWS, BK, STAGES, TWO=False, NORM=False,
+    acc, acc2 = rows_stream(w, rows, w, rows, rm, attn_r_ptr + layer * (ROWS * NQ * HD), 0, ROWS, 1,
+                            NQ * HD, NQ * HD, O_ROWS, ROWS, BK, STAGES, TWO=False,
                                 EVEN=((NQ * HD) % BK == 0) & (D % O_ROWS == 0), INTERP=INTERP, NS=NQ * HD)
     if layer == 0:
         xin = x0_r_ptr

@@ -50,14 +50,14 @@ PRESETS = {"1b": "llama3.2-1b", "8b": "llama3.1-8b"}
 
 
 @triton.jit
-def rows_gemm_kernel(w_ptr, xt_ptr, nw_ptr, yt_ptr, m_rows, n, xs, ys, eps,
+def rows_gemm_kernel(w_ptr, xt_ptr, yt_ptr, m_rows, n, xs, ys,
                      K: tl.constexpr, M: tl.constexpr, N_TILE: tl.constexpr, BK: tl.constexpr,
-                     STAGES: tl.constexpr, TWO: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr,
+                     STAGES: tl.constexpr, TWO: tl.constexpr, EVEN: tl.constexpr,
                      INTERP: tl.constexpr):
     """``Y^T = W . X^T`` for a row-major bf16 ``W`` [m_rows (x 2 with TWO), K] and feature-major ``X^T`` [K, xs]
     (columns ``[0, n)``), ``Y^T`` [rows, ys]. Tile t: weight block ``t // n_tiles`` (M rows; with ``TWO`` also
     the same rows of the second half, as QKV's RoPE halves and gate/up), column block ``t % n_tiles``
-    (``N_TILE`` columns). With ``NORM`` the columns are RMSNorm'ed (weight ``nw``) as QKV's input."""
+    (``N_TILE`` columns)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     m_tiles = tl.cdiv(m_rows, M)
@@ -68,12 +68,8 @@ def rows_gemm_kernel(w_ptr, xt_ptr, nw_ptr, yt_ptr, m_rows, n, xs, ys, eps,
         rm = rows1 < m_rows
         rows2 = rows1 + m_rows
         n0 = nt * N_TILE
-        acc1, acc2, ss = rows_stream(w_ptr, rows1, w_ptr, rows2, rm, xt_ptr + n0, nw_ptr, 0, n - n0, xs,
-                                     K, K, M, N_TILE, BK, STAGES, TWO, NORM, EVEN, INTERP)
-        if NORM:
-            rstd = 1.0 / tl.sqrt(ss / K + eps)
-            acc1 = acc1 * rstd[None, :]
-            acc2 = acc2 * rstd[None, :]
+        acc1, acc2 = rows_stream(w_ptr, rows1, w_ptr, rows2, rm, xt_ptr + n0, 0, n - n0, xs,
+                                 K, K, M, N_TILE, BK, STAGES, TWO, EVEN, INTERP)
         cols = n0 + tl.arange(0, N_TILE)
         y1 = yt_ptr + rows1[:, None].to(tl.int64) * ys + cols[None, :]
         y2 = yt_ptr + rows2[:, None].to(tl.int64) * ys + cols[None, :]
@@ -107,8 +103,8 @@ def _pow2(name: str, v: int, lo: int) -> None:
         raise ValueError(f"{name} must be a power of two >= {lo}, got {v!r}")
 
 
-def launch(w, xt, yt, n, *, m, n_tile, bk, stages, warps, grid, nw=None, eps=1e-5, two=False):
-    """Run ``rows_gemm_kernel``: ``yt[:, :n] = W . xt[:, :n]`` (with ``nw``: RMSNorm'ed columns; with ``two`` the
+def launch(w, xt, yt, n, *, m, n_tile, bk, stages, warps, grid, two=False):
+    """Run ``rows_gemm_kernel``: ``yt[:, :n] = W . xt[:, :n]`` (with ``two`` the
     tiles pair rows r and r + rows/2). ``xt`` [K, xs] and ``yt`` [rows, ys] are row-major with xs, ys >= n; the
     masks are compiled out (EVEN) when K, the rows and n are multiples of the tile's. Returns EVEN."""
     if w.dim() != 2 or w.dtype != torch.bfloat16 or not w.is_contiguous():
@@ -124,23 +120,17 @@ def launch(w, xt, yt, n, *, m, n_tile, bk, stages, warps, grid, nw=None, eps=1e-
         _pow2(name, v, lo)
     if two and rows % 2:
         raise ValueError(f"two=True needs an even number of weight rows, got {rows}")
-    if nw is not None and (nw.shape != (K,)):
-        raise ValueError(f"nw must be [K={K}], got {tuple(nw.shape)}")
     m_rows = rows // 2 if two else rows
     even = K % bk == 0 and m_rows % m == 0 and n % n_tile == 0
     interp = not w.is_cuda
-    rows_gemm_kernel[(grid,)](w, xt, nw if nw is not None else w, yt, m_rows, n, xt.shape[1], yt.shape[1], eps,
-                              K=K, M=m, N_TILE=n_tile, BK=bk, STAGES=stages, TWO=two, NORM=nw is not None,
-                              EVEN=even, INTERP=interp, num_warps=warps)
+    rows_gemm_kernel[(grid,)](w, xt, yt, m_rows, n, xt.shape[1], yt.shape[1],
+                              K=K, M=m, N_TILE=n_tile, BK=bk, STAGES=stages, TWO=two, EVEN=even, INTERP=interp, num_warps=warps)
     return even
 
 
-def reference(w, xt, n, nw=None, eps=1e-5):
-    """fp32 ``W . X^T[:, :n]`` as the tile computes it: the B operand rounded to bf16 (after the norm weight)."""
+def reference(w, xt, n):
+    """fp32 ``W . X^T[:, :n]`` as the tile computes it: the B operand rounded to bf16."""
     x = xt[:, :n].float()
-    if nw is not None:
-        rstd = torch.rsqrt((x * x).sum(0) / x.shape[0] + eps)
-        return (w.float() @ (x * nw.float()[:, None]).to(torch.bfloat16).float()) * rstd[None, :]
     return w.float() @ x.to(torch.bfloat16).float()
 
 
@@ -182,7 +172,7 @@ def _rel_err(got, ref) -> float:
     return float((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def run(shapes, ns, reps=20, opts=None, norm=False, out=None) -> list[dict]:
+def run(shapes, ns, reps=20, opts=None, out=None) -> list[dict]:
     from megatape.measure import stream_copy_bandwidth
     from opcodes.config import ModelConfig
     from opcodes.tiling import Tiling
@@ -200,7 +190,6 @@ def run(shapes, ns, reps=20, opts=None, norm=False, out=None) -> list[dict]:
         t = Tiling.for_config(cfg)
         for gname, rows, K in gemm_shapes(cfg):
             w = (torch.randn(rows, K, device=dev, generator=g) * 0.02).to(torch.bfloat16)
-            nw = (1 + 0.1 * torch.randn(K, device=dev, generator=g)).to(torch.bfloat16) if norm else None
             wbytes = rows * K * 2
             # today's GEMV (N = 1), the preset's column loop tiling
             x1 = torch.randn(K, device=dev, generator=g).to(torch.bfloat16)
@@ -225,7 +214,7 @@ def run(shapes, ns, reps=20, opts=None, norm=False, out=None) -> list[dict]:
 
                 def probe():
                     launch(w, xt, yt, npad, m=c["m"], n_tile=c["n_tile"], bk=c["bk"], stages=c["stages"],
-                           warps=c["warps"], grid=sms, nw=nw)
+                           warps=c["warps"], grid=sms)
                 while True:     # a tile whose stages do not fit the SM's shared memory: one stage fewer (reported)
                     try:
                         probe()
@@ -234,7 +223,7 @@ def run(shapes, ns, reps=20, opts=None, norm=False, out=None) -> list[dict]:
                         if c["stages"] <= 2:
                             raise
                         c["stages"] -= 1
-                err = _rel_err(yt[:, :n], reference(w, xt, n, nw))
+                err = _rel_err(yt[:, :n], reference(w, xt, n))
                 if err > TOL:
                     raise SystemExit(f"FAILED: rows {key} {gname} N {n} {c}: relative error {err:.2e} > {TOL}")
                 us = _timed(probe, reps, flush)
@@ -243,7 +232,7 @@ def run(shapes, ns, reps=20, opts=None, norm=False, out=None) -> list[dict]:
                 r = dict(preset=key, gemm=gname, rows=rows, K=K, N=n, **c, us=us, cublas_us=cub_us, gemv_us=gemv_us,
                          tbps=wbytes / us / 1e6, tflops=2 * rows * K * n / us / 1e6, x_cublas=cub_us / us,
                          copy_frac=wbytes / bw * 1e6 / us, vs_gemv=gemv_us / us, vs_n1=(us / t1) if t1 else None,
-                         err=err, copy_tbps=bw / 1e12, norm=norm)
+                         err=err, copy_tbps=bw / 1e12)
                 results.append(r)
                 print(f"  {key} {gname:7s} {rows}x{K} N {n:5d}: {us:8.1f} us (cuBLAS {cub_us:8.1f}, "
                       f"GEMV {gemv_us:7.1f}) err {err:.1e}", flush=True)
@@ -282,19 +271,17 @@ def compile_sm90(configs=None, keep_ptx=False) -> dict:
     from triton.compiler import ASTSource
     from bench.ptx_diff import triton_tool
     configs = configs or {"decode16": dict(K=4096, M=32, N_TILE=16, BK=512, STAGES=5, warps=8),
-                          "decode16_norm": dict(K=4096, M=32, N_TILE=16, BK=512, STAGES=5, warps=8, NORM=True),
-                          "decode16_norm_bk256": dict(K=4096, M=32, N_TILE=16, BK=256, STAGES=6, warps=8, NORM=True),
                           "decode32": dict(K=4096, M=32, N_TILE=32, BK=512, STAGES=4, warps=8),
                           "prefill128": dict(K=4096, M=128, N_TILE=128, BK=64, STAGES=4, warps=8)}
-    sig = {"w_ptr": "*bf16", "xt_ptr": "*bf16", "nw_ptr": "*bf16", "yt_ptr": "*bf16", "m_rows": "i32", "n": "i32",
-           "xs": "i32", "ys": "i32", "eps": "fp32"}
+    sig = {"w_ptr": "*bf16", "xt_ptr": "*bf16", "yt_ptr": "*bf16", "m_rows": "i32", "n": "i32",
+           "xs": "i32", "ys": "i32"}
     aligned = {(k,): [["tt.divisibility", 16]] for k, (nm, ty) in enumerate(sig.items())
                if ty.startswith("*") or nm in ("xs", "ys")}
     out = {}
     for name, c in configs.items():
         c = dict(c)
         warps = c.pop("warps")
-        cx = {**dict(TWO=False, NORM=False, EVEN=True, INTERP=False), **c}
+        cx = {**dict(TWO=False, EVEN=True, INTERP=False), **c}
         names = rows_gemm_kernel.arg_names
         s = {k: sig.get(k, "constexpr") for k in names}
         ck = triton.compile(ASTSource(fn=rows_gemm_kernel, signature=s,
@@ -327,7 +314,6 @@ def main(argv=None) -> int:
     for k in ("m", "n-tile", "bk", "stages", "warps"):
         ap.add_argument(f"--{k}", type=int, default=None, help=f"the tile's {k} for every N (default: by N, see "
                         "tile_config)")
-    ap.add_argument("--norm", action="store_true", help="RMSNorm'ed columns (QKV's NORM) in every probe run")
     ap.add_argument("--reps", type=int, default=20, help="timed launches a measurement (>= 20)")
     ap.add_argument("--out", default=None, help="a directory for rows_gemm.json")
     ap.add_argument("--compile", action="store_true", help="no GPU: compile for sm_90, print JSON")
@@ -350,7 +336,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("a GPU is needed (use --compile without one)")
     opts = dict(m=a.m, n_tile=a.n_tile, bk=a.bk, stages=a.stages, warps=a.warps)
-    run(shapes, ns, a.reps, opts, a.norm, a.out)
+    run(shapes, ns, a.reps, opts, a.out)
     return 0
 
 
