@@ -86,7 +86,7 @@ class GateUpR(RowsInstruction):
     def cost(self, lay: Layout) -> Cost:
         d, R = lay.cfg.d, lay.rows
         lo, hi = self._rows(lay)
-        return Cost(hbm_bytes=2 * 2 * (hi - lo) * d, l2_bytes=4 * d * R + 2 * (hi - lo) * R,
+        return Cost(hbm_bytes=2 * 2 * (hi - lo) * d, l2_bytes=2 * d * R + 2 * (hi - lo) * R,
                     flops=4 * (hi - lo) * d * R)
 
     def run_torch(self, lay: Layout, st) -> None:

@@ -94,7 +94,7 @@ class OProjR(RowsInstruction):
     def cost(self, lay: Layout) -> Cost:
         c, R = lay.cfg, lay.rows
         lo, hi = self._rows(lay)
-        return Cost(hbm_bytes=2 * (hi - lo) * c.q_dim, l2_bytes=2 * c.q_dim * R + 6 * (hi - lo) * R,
+        return Cost(hbm_bytes=2 * (hi - lo) * c.q_dim, l2_bytes=2 * c.q_dim * R + 8 * (hi - lo) * R,
                     flops=2 * (hi - lo) * c.q_dim * R)
 
     def run_torch(self, lay: Layout, st) -> None:

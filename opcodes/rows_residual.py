@@ -90,7 +90,7 @@ class ResidualR(RowsInstruction):
     def cost(self, lay: Layout) -> Cost:
         R = lay.rows
         lo, hi = self._rows(lay)
-        return Cost(hbm_bytes=0, l2_bytes=(hi - lo) * R * (4 + 4 * lay.n_down_k + 2), flops=(hi - lo) * R * lay.n_down_k)
+        return Cost(hbm_bytes=0, l2_bytes=(hi - lo) * R * (4 + 4 * lay.n_down_k + 4), flops=(hi - lo) * R * lay.n_down_k)
 
     def run_torch(self, lay: Layout, st) -> None:
         c, R = lay.cfg, lay.rows

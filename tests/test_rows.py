@@ -248,3 +248,41 @@ def test_generate_on_a_slot_of_a_batch_cache_equals_batch_one():
     teardown(h)
     teardown(h1)
 
+
+
+def test_normed_operands_summed_over_many_parts_in_the_vm_and_the_kernel():
+    """v148: the sums of squares behind each RMSNorm come in parts, one a producer tile (EMBED_R: 4 here,
+    RESIDUAL_R: 2, OPROJ_R: 4), summed by the consumers in order; layer 0's QKV takes EMBED_R's count, the
+    others' and the LM head RESIDUAL_R's. A part left out or counted twice moves the logits by far more than
+    the criterion allows."""
+    import dataclasses
+
+    from interp import runtime
+    from opcodes.rows import RowsLayout
+    from schedule.rows_program import lower_rows
+    til = dataclasses.replace(rows_tiling(CFG, 16, MAX_SEQ), red_rows=32)
+    base = RowsLayout(CFG, til, MAX_SEQ, lm_rows=32, emb_cols=16, rows=16, batch=B)
+    assert base.ss_parts == (4, 2, 4)
+
+    def lowering(lay):
+        return lower_rows(dataclasses.replace(base, tiling=lay.tiling), rows=16, batch=B)
+
+    w = decoder_weights(CFG, seed=1)
+    kv = make_kv_cache(CFG, MAX_SEQ, PREFIX, seed=2, batch=B)
+    kv0 = clone_cache(kv)
+    meta = rows_state(16, ROWS["slots"], ROWS["pos"], ROWS["toks"])
+    tape = compile_model(CFG, 1, max_seq=MAX_SEQ, tiling=til, lowering=lowering, sequential=True).tape
+    assert tape.lay.ss_parts == (4, 2, 4)
+    st = run_tape(tape, w, clone_cache(kv0), torch.zeros(1), 0, seed=3, return_state=True, state={"rows": meta})
+    lg_vm = st.buf["logits_r"].view(CFG.vocab, 16)[:, :7].T
+    _ok(lg_vm, ROWS["toks"], ROWS["slots"], ROWS["pos"], w, kv0)
+    h = runtime.build_validated(w, kv, CFG, torch.device("cpu"), MAX_SEQ, tape=tape)
+    try:
+        h.state["rows"].copy_(meta)
+        x = torch.zeros(1, CFG.d, dtype=torch.bfloat16)
+        runtime.launch(h, x, 0, x)
+        lg = h.scratch["logits_r"].view(CFG.vocab, 16)[:, :7].T.clone()
+    finally:
+        runtime.teardown(h)
+    _ok(lg, ROWS["toks"], ROWS["slots"], ROWS["pos"], w, kv0)
+    assert rel_err(lg, lg_vm) <= KERNEL_TOL
