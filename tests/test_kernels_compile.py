@@ -6,9 +6,10 @@ tape takes: a device function that does not compile in a branch no CPU tape reac
 holds every opcode's branch, the LM head's included) only fails on the GPU. This compiles each
 default kernel to a cubin with Triton's bundled toolchain (``GPUTarget("cuda", 90, 32)``, the launch
 options of ``interp.runtime``), from the tape ``compile_model`` makes for it, and checks that its
-shared memory fits an H200 SM (227 KB per block). Each compile runs in a process of its own without
+shared memory fits an H200 SM (227 KB per block). The compiles run in a process of their own without
 ``TRITON_INTERPRET`` (under it, ``@triton.jit`` functions are interpreted functions, which the
-compiler cannot take).
+compiler cannot take): one process for every case the session selected (one import of torch, one tape a
+model shared by its variants), each case's result or error reported to its own test.
 """
 from __future__ import annotations
 
@@ -79,11 +80,14 @@ def code_bytes(cubin: bytes) -> int:
     return sum(h[5] for h in heads if name(h).startswith(b".text"))
 
 
-def _main(preset: str, max_seq: int, what: str) -> None:
+def _tape(preset: str, max_seq: int, what: str, cache: dict):
     from opcodes import PRESETS
     from schedule import compile_model
     from schedule.decoder_program import decoder_lowering
     cfg = PRESETS[preset]
+    key = (preset, max_seq, "decoder" if what == "profile" else what)     # the profiling build: the decoder's tape
+    if key in cache:
+        return cache[key]
     kw = {"lowering": decoder_lowering(sample=True)} if what == "sampling" else {}
     if what.startswith("rows"):
         from opcodes.rows import rows_tiling
@@ -95,10 +99,24 @@ def _main(preset: str, max_seq: int, what: str) -> None:
         tape = compile_model(cfg, 132, max_seq=max_seq, decoder=(what == "tp-decoder"), tp=2).tapes[1]
     else:
         tape = compile_model(cfg, 132, max_seq=max_seq, decoder=(what != "layer"), **kw).tape
-    ck = compile_sm90(tape, profile=(what == "profile"))
-    cubin, ptx = ck.asm.get("cubin", b""), ck.asm["ptx"]
-    print(json.dumps({"shared": ck.metadata.shared, "cubin_bytes": len(cubin), "code_bytes": code_bytes(cubin),
-                      "stack": stack_bytes(cubin)}))
+    cache[key] = tape
+    return tape
+
+
+def _main(cases: list[str]) -> None:
+    """Compile each ``preset:max_seq:what`` case; print one JSON line a case: its numbers, or its error."""
+    import traceback
+    cache: dict = {}
+    for case in cases:
+        preset, max_seq, what = case.split(":")
+        try:
+            ck = compile_sm90(_tape(preset, int(max_seq), what, cache), profile=(what == "profile"))
+            cubin = ck.asm.get("cubin", b"")
+            got = {"shared": ck.metadata.shared, "cubin_bytes": len(cubin), "code_bytes": code_bytes(cubin),
+                   "stack": stack_bytes(cubin)}
+        except Exception:
+            got = {"error": traceback.format_exc()[-3000:]}
+        print(json.dumps({"case": case, **got}), flush=True)
 
 
 def stack_bytes(cubin: bytes) -> int:
@@ -124,17 +142,35 @@ def _id(c) -> str:
     return f"{v[0]}-{v[2]}"
 
 
-@pytest.mark.parametrize("preset,max_seq,what", CASES, ids=[_id(c) for c in CASES])
-def test_default_kernel_compiles_for_sm90(preset, max_seq, what, tmp_path):
-    from conftest import H200_SMEM_PER_BLOCK     # here: the compile subprocess runs this file without conftest's setup
+@pytest.fixture(scope="module")
+def compiled(request, tmp_path_factory) -> dict:
+    """``preset:max_seq:what`` -> the compile's JSON, for every case of this module the session runs, compiled in
+    one process (its own Triton cache: the compile runs every time; a cubin cached earlier would hide its cost)."""
+    cases = [f"{it.callspec.params['preset']}:{it.callspec.params['max_seq']}:{it.callspec.params['what']}"
+             for it in request.session.items
+             if it.module is request.module and hasattr(it, "callspec") and "what" in it.callspec.params
+             and not any(m.name == "skip" for m in it.iter_markers())]
+    tmp = tmp_path_factory.mktemp("sm90")
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # its own Triton cache: the compile runs every time (a cubin cached by an earlier run would hide the cost)
-    env.update(PYTHONPATH=str(root), MEGATAPE_CACHE=str(tmp_path), TRITON_CACHE_DIR=str(tmp_path / "triton"))
-    r = subprocess.run([sys.executable, __file__, preset, str(max_seq), what], capture_output=True, text=True,
-                       env=env, cwd=root, timeout=600)
-    assert r.returncode == 0, f"{preset} {what}: the kernel does not compile for sm_90:\n{r.stderr[-3000:]}"
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    env.update(PYTHONPATH=str(root), MEGATAPE_CACHE=str(tmp), TRITON_CACHE_DIR=str(tmp / "triton"))
+    r = subprocess.run([sys.executable, __file__, *cases], capture_output=True, text=True, env=env, cwd=root,
+                       timeout=600 * max(1, len(cases)))
+    out = {}
+    for line in r.stdout.splitlines():
+        if line.startswith('{"case"'):
+            got = json.loads(line)
+            out[got.pop("case")] = got
+    out["_stderr"] = r.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("preset,max_seq,what", CASES, ids=[_id(c) for c in CASES])
+def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
+    from conftest import H200_SMEM_PER_BLOCK     # here: the compile subprocess runs this file without conftest's setup
+    got = compiled.get(f"{preset}:{max_seq}:{what}")
+    assert got is not None, f"{preset} {what}: the compile process reported nothing:\n{compiled['_stderr']}"
+    assert "error" not in got, f"{preset} {what}: the kernel does not compile for sm_90:\n{got.get('error')}"
     assert got["cubin_bytes"] > 0
     assert got["shared"] <= H200_SMEM_PER_BLOCK, \
         f"{preset} {what}: {got['shared']} bytes of shared memory, an H200 block has {H200_SMEM_PER_BLOCK}"
@@ -150,4 +186,4 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, tmp_path):
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    _main(sys.argv[1:])
