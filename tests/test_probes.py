@@ -543,6 +543,7 @@ def test_launch_gap_probe_kernel_runs_its_loop_only_when_asked(capsys):
 
 
 # ---- bench/probes/attn_probe.py: the merged attention's links, timed after its wait ------------------------
+@pytest.mark.slow     # 7 s: a concluded probe (s35, run 268); the attention it copies compiles in test_kernels_compile
 def test_attn_probe_compiles_for_sm90(tmp_path):
     """The attention probe's kernels (sm_90, no GPU, pointers aligned as at a launch): each mode reads the clock
     more than the one before it (its stamps), the pollers sleep only when asked to, every mode polls with

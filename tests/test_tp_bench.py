@@ -559,6 +559,7 @@ os._exit(0)         # as the bench's workers: no interpreter teardown (c10d's th
 '''
 
 
+@pytest.mark.slow     # 14 s: the two-GPU lab bench end to end; its pieces (precompile, supervise, the stages) run by default
 def test_the_per_process_path_rehearsed_on_the_cpu(tmp_path):
     """interp.tp's one-rank-per-process path (what runs on the two GPUs) in two CPU processes under the
     Triton interpreter, a gloo group as tp_group and host_group, two shared files standing in for
@@ -572,7 +573,7 @@ def test_the_per_process_path_rehearsed_on_the_cpu(tmp_path):
             assert want in out, f"rank {r}: no {want!r} in\n{out[-4000:]}"
 
 
-@pytest.mark.slow     # 37 s on two cores: the lab's two-GPU bench (the per-process path below is rehearsed always)
+@pytest.mark.slow     # 37 s on two cores: the lab's two-GPU bench end to end, every stage
 def test_every_stage_rehearsed_on_the_cpu(tmp_path):
     """``python3 -m bench.tp_bench --rehearse``: the launcher, both workers and every stage's code (smoke,
     death, correct, speed with the NCCL baseline eager) on the CPU: gloo for NCCL, the Triton interpreter
