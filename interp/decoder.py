@@ -47,7 +47,7 @@ from schedule.decoder_program import decoder_lowering
 from . import runtime
 from .codegen import CTL_POS
 from .common import arg_error, check_model_tensors, check_open, check_pos, describe, parse_cfg, validate_inputs
-from .rows import decode_rows, prefill as prefill_rows
+from .rows import check_slot, decode_rows, prefill as prefill_rows
 from .runtime import LayerHandle
 
 
@@ -434,7 +434,7 @@ def generate(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos: int = 
     """
     prompt, P, start_pos, eos = _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, top_p,
                                                seed, eos_token_ids)
-    slot = _check_slot(handle, slot)
+    slot = check_slot(handle, slot)
     if eos and return_logits:
         raise arg_error(ValueError, "return_logits", "False when eos_token_ids is given", return_logits)
     block = _graph_block(handle, graph_block, bool(return_logits), bool(eos))
@@ -512,15 +512,7 @@ def generate_stream(handle: DecoderHandle, prompt_tokens, n_new: int, start_pos:
     prompt, P, start_pos, eos = _generate_args(handle, prompt_tokens, n_new, start_pos, temperature, top_k, top_p,
                                                seed, eos_token_ids)
     return _stream(handle, prompt, P, start_pos, n_new, eos, (temperature, top_k, top_p, seed),
-                   _check_bool("prefill", prefill, handle), _check_slot(handle, slot))
-
-
-def _check_slot(handle, slot) -> int:
-    if isinstance(slot, bool) or not isinstance(slot, int):
-        raise arg_error(TypeError, "slot", "a python int", describe(slot))
-    if not 0 <= slot < handle.batch:
-        raise arg_error(ValueError, "slot", f"a slot in [0, batch={handle.batch})", slot)
-    return slot
+                   _check_bool("prefill", prefill, handle), check_slot(handle, slot))
 
 
 def _stream(handle, prompt, P: int, start_pos: int, n_new: int, eos: frozenset, sampling: tuple, chunked: bool,

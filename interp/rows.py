@@ -134,6 +134,15 @@ def decode_rows(dh, tokens, pos, slots=None, min_rows: int = 1) -> torch.Tensor:
     return run_rows(dh, toks, pos, slots, min_rows=min_rows)
 
 
+def check_slot(dh, slot) -> int:
+    """``slot``, checked: a python int in [0, batch) (the error names ``slot``)."""
+    if isinstance(slot, bool) or not isinstance(slot, int):
+        raise arg_error(TypeError, "slot", "a python int", describe(slot))
+    if not 0 <= slot < dh.batch:
+        raise arg_error(ValueError, "slot", f"a slot in [0, batch={dh.batch})", slot)
+    return slot
+
+
 def prefill(dh, tokens, start_pos: int = 0, slot: int = 0, chunk: int | None = None) -> torch.Tensor:
     """Fill slot ``slot``'s cache with ``tokens`` at positions ``start_pos, start_pos + 1, ...``, in
     chunks of ``chunk`` rows (default and at most the largest bucket's, 128), one launch each; returns
@@ -145,10 +154,7 @@ def prefill(dh, tokens, start_pos: int = 0, slot: int = 0, chunk: int | None = N
         raise arg_error(ValueError, "tokens", "a non-empty 1-D token sequence", describe(tokens))
     if isinstance(start_pos, bool) or not isinstance(start_pos, int):
         raise arg_error(TypeError, "start_pos", "a python int", describe(start_pos))
-    if isinstance(slot, bool) or not isinstance(slot, int):
-        raise arg_error(TypeError, "slot", "a python int", describe(slot))
-    if not 0 <= slot < dh.batch:
-        raise arg_error(ValueError, "slot", f"a slot in [0, batch={dh.batch})", slot)
+    check_slot(dh, slot)
     if start_pos < 0 or start_pos + P > dh.max_seq:
         raise arg_error(ValueError, "start_pos / tokens", f"positions in [0, max_seq_len={dh.max_seq})",
                         f"positions {start_pos} .. {start_pos + P - 1} (past max_seq_len)" if start_pos >= 0

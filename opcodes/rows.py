@@ -188,7 +188,7 @@ def layer_input_r(st, layer: int) -> torch.Tensor:
     return st.buf["xout_r"].view(lay.cfg.layers, d, R)[layer - 1]
 
 
-def store_normed_r(st, x: torch.Tensor, lo: int, hi: int, nw: torch.Tensor, hn: torch.Tensor, ss: torch.Tensor,
+def store_normed_r(x: torch.Tensor, lo: int, hi: int, nw: torch.Tensor, hn: torch.Tensor, ss: torch.Tensor,
                    part: int) -> None:
     """VM: ``common_rows.store_normed`` for features [lo, hi) of the fp32 ``x`` [hi - lo, ROWS]; ``hn``
     [d, ROWS] and ``ss`` [parts, ROWS] are views of the operand's buffers."""

@@ -28,7 +28,7 @@ def down_r_device(r0, layer, kc, act_r_ptr, dpart_r_ptr, wtab_ptr, wd_ptr,
     rm = rows < D
     acc, acc2 = rows_stream(w, rows, w, rows, rm, act_r_ptr + layer * (FFN * ROWS), kc * DOWN_K, ROWS, ROWS,
                             FFN, DOWN_K, DOWN_ROWS, ROWS, BK, STAGES, TWO=False,
-                                EVEN=(FFN % DOWN_K == 0) & (DOWN_K % BK == 0) & (D % DOWN_ROWS == 0), INTERP=INTERP)
+                            EVEN=(FFN % DOWN_K == 0) & (DOWN_K % BK == 0) & (D % DOWN_ROWS == 0), INTERP=INTERP)
     n = tl.arange(0, ROWS)
     tl.store(dpart_r_ptr + ((layer * DOWN_CHUNKS + kc) * D + rows[:, None]) * ROWS + n[None, :], acc,
              mask=rm[:, None])

@@ -85,5 +85,5 @@ class EmbedR(RowsInstruction):
         for n, t in enumerate(toks):
             x[lo:hi, n] = st.model["embed"][min(max(t, 0), lay.cfg.vocab - 1), lo:hi]
         c, R = lay.cfg, lay.rows
-        store_normed_r(st, x[lo:hi].float(), lo, hi, st.weights[0]["in_norm"], st.buf["hn_r"].view(c.layers + 1, c.d, R)[0],
+        store_normed_r(x[lo:hi].float(), lo, hi, st.weights[0]["in_norm"], st.buf["hn_r"].view(c.layers + 1, c.d, R)[0],
                        st.buf["ss0_r"].view(-1, R), self.col0 // lay.emb_cols)

@@ -34,7 +34,7 @@ def gate_up_r_device(r0, layer, hn2_r_ptr, ss2_r_ptr, act_r_ptr, wtab_ptr, wg_pt
     rm = rows < FFN
     acc1, acc2 = rows_stream(wg, rows, wu, rows, rm, hn2_r_ptr + layer * (D * ROWS), 0, ROWS, ROWS, D, D,
                              GU_ROWS, ROWS, BK, STAGES, TWO=True,
-                                 EVEN=(D % BK == 0) & (FFN % GU_ROWS == 0), INTERP=INTERP)
+                             EVEN=(D % BK == 0) & (FFN % GU_ROWS == 0), INTERP=INTERP)
     rstd = col_rstd(ss2_r_ptr + layer * (SS2_P * ROWS), SS2_P, SS2_PP, D, EPS, ROWS)
     g = acc1 * rstd[None, :]
     u = acc2 * rstd[None, :]

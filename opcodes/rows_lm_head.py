@@ -40,7 +40,7 @@ def _lm_head_r(v0, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS: tl.constex
     rm = rows < VOCAB
     acc, acc2 = rows_stream(lmh_ptr, rows, lmh_ptr, rows, rm, hn_r_ptr + LAYERS * (D * ROWS),
                             0, ROWS, ROWS, D, D, LM_ROWS, ROWS, BK, STAGES, TWO=False,
-                                EVEN=(D % BK == 0) & (VOCAB % LM_ROWS == 0), INTERP=INTERP)
+                            EVEN=(D % BK == 0) & (VOCAB % LM_ROWS == 0), INTERP=INTERP)
     rstd = col_rstd(ss_r_ptr + (LAYERS - 1) * (SS_P * ROWS), SS_P, SS_PP, D, EPS, ROWS)
     n = tl.arange(0, ROWS)
     tl.store(logits_r_ptr + rows[:, None].to(tl.int64) * ROWS + n[None, :], acc * rstd[None, :], mask=rm[:, None])

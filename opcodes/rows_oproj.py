@@ -31,7 +31,7 @@ def oproj_r_device(r0, layer, x0_r_ptr, xout_r_ptr, attn_r_ptr, x1_r_ptr, wtab_p
     rm = rows < D
     acc, acc2 = rows_stream(w, rows, w, rows, rm, attn_r_ptr + layer * (ROWS * NQ * HD), 0, ROWS, 1,
                             NQ * HD, NQ * HD, O_ROWS, ROWS, BK, STAGES, TWO=False,
-                                EVEN=((NQ * HD) % BK == 0) & (D % O_ROWS == 0), INTERP=INTERP, NS=NQ * HD)
+                            EVEN=((NQ * HD) % BK == 0) & (D % O_ROWS == 0), INTERP=INTERP, NS=NQ * HD)
     if layer == 0:
         xin = x0_r_ptr
     else:
@@ -104,6 +104,6 @@ class OProjR(RowsInstruction):
         y = bf16_dot(st.weights[self.layer]["o"][lo:hi], a)
         x = layer_input_r(st, self.layer)[lo:hi].float()
         st.buf["x1_r"].view(c.layers, c.d, R)[self.layer, lo:hi] = x + y
-        store_normed_r(st, x + y, lo, hi, st.weights[self.layer]["post_norm"],
+        store_normed_r(x + y, lo, hi, st.weights[self.layer]["post_norm"],
                        st.buf["hn2_r"].view(c.layers, c.d, R)[self.layer],
                        st.buf["ss2_r"].view(c.layers, -1, R)[self.layer], self.r0 // lay.tiling.o_rows)

@@ -45,7 +45,7 @@ def qkv_r_device(layer, sec, head, j, rows_ptr, hn_r_ptr, ss0_r_ptr, ss_r_ptr, w
     rows2 = rows1 + HD // 2
     acc1, acc2 = rows_stream(w_ptr, rows1, w_ptr, rows2, dm, xt, 0, ROWS, ROWS, D, D, QKV_M, ROWS,
                              BK, STAGES, TWO=True, EVEN=(D % BK == 0) & (QKV_M == HALF),
-                                 INTERP=INTERP)
+                             INTERP=INTERP)
     if layer == 0:
         ss_ptr = ss0_r_ptr
     else:

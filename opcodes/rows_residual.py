@@ -101,6 +101,6 @@ class ResidualR(RowsInstruction):
             y += dp[self.layer, kc, lo:hi]
         st.buf["xout_r"].view(c.layers, c.d, R)[self.layer, lo:hi] = y.to(torch.bfloat16)
         nw = st.model["final_norm"] if self.layer == c.layers - 1 else st.weights[self.layer + 1]["in_norm"]
-        store_normed_r(st, y.to(torch.bfloat16).float(), lo, hi, nw,
+        store_normed_r(y.to(torch.bfloat16).float(), lo, hi, nw,
                        st.buf["hn_r"].view(c.layers + 1, c.d, R)[self.layer + 1],
                        st.buf["ss_r"].view(c.layers, -1, R)[self.layer], self.r0 // lay.tiling.red_rows)
