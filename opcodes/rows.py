@@ -89,9 +89,9 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int) -> Tiling:
     M = 32 weight rows (16 of gate and 16 of up; the O projection 16 where d / 32 would leave SMs idle) by
     the ``rows`` columns, the column loop only (no row loop, residual fold, split O, waits inside), one
     merged attention instruction per (KV head, row), the down projection in K chunks of 2048 (the 1B:
-    256 tiles, not 64). 8 warps and K blocks of 128 (64 from 128 rows): the normed operands' blocks are
-    pipelined in registers, and 4 warps or 256-wide blocks spilled (bench/notes/s38.md: 760 bytes of
-    stack at 4 warps, BK 256, R16: the step 3.7x the one-row kernel's). Past 32 rows the attention tiles
+    256 tiles, not 64). K blocks of 128 (64 from 128 rows). 4 warps in the decode buckets (<= 32 rows:
+    run 276, 1B R16 B16: 1575 us a step against 1933 at 8 warps; 8 bytes of stack on the 1B, 32-40 on the
+    8B), 8 past them (4 warps spilled 40-56 bytes at 128 rows). Past 32 rows the attention tiles
     pipeline 2 key blocks deep, not 3 (3 spilled 16 bytes on the 1B at 128 rows)."""
     base = Tiling.for_config(cfg, max_seq=max_seq)
     bk = min(128 if rows <= 64 else 64, next_pow2(cfg.d))
@@ -102,7 +102,7 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int) -> Tiling:
     return dataclasses.replace(
         base, qkv_rows=min(32, cfg.hd), kv_rows=0, o_rows=o_rows, o_bk=0, o_k=0, gu_rows=16, gu_tiles=0,
         down_rows=32, down_bk=0, down_k=min(cfg.ffn, 2048), red_rows=red, attn_splits=1, key_in_reduce=0, bk=bk,
-        stages=stages, row_bytes=0, res_fold=0, down_wait=0, warp_rows=0, num_warps=8,
+        stages=stages, row_bytes=0, res_fold=0, down_wait=0, warp_rows=0, num_warps=4 if rows <= 32 else 8,
         attn_stages=2 if rows > 32 else base.attn_stages)
 
 

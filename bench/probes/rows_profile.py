@@ -2,6 +2,8 @@
 execution and wait time across SMs, the step's span, and the stage spans per layer.
 
     python -m bench.probes.rows_profile --preset llama3.2-1b --R 16 --B 16 --pos 1024 [--tiling "k=v,...;k=v"]
+    python -m bench.probes.rows_profile --R 128 --prefill     # a prefill chunk: slot 0's positions pos .. pos + R - 1
+
 
 ``--tiling``: variants separated by ``;`` (an empty one: the default tiling), each timed; the first profiled.
 """
@@ -22,13 +24,17 @@ def main(argv=None) -> int:
     p.add_argument("--B", type=int, default=16)
     p.add_argument("--pos", type=int, default=1024)
     p.add_argument("--tiling", default="")
+    p.add_argument("--prefill", action="store_true",
+                   help="one slot's R consecutive positions from --pos, no LM head (a prefill chunk), not B slots")
     a = p.parse_args(argv)
+    if a.prefill:
+        a.B = 1
     from bench.decoder_bench import make_decoder_weights
     from opcodes.config import ModelConfig
     from opcodes.reference import make_kv_cache
     from opcodes.rows import rows_tiling
     cfg = ModelConfig.from_name(a.preset)
-    ms = a.pos + 128
+    ms = a.pos + max(128, a.R)
     w = make_decoder_weights(cfg, 0, "cuda")
     kv = make_kv_cache(cfg, ms, a.pos, seed=1, device="cuda", batch=a.B)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -50,7 +56,11 @@ def run_variant(a, cfg, w, kv, ms, til, dev, name, profile):
     for prof in ((False, True) if profile else (False,)):
         h = runtime.build_validated(w, kv, cfg, dev, ms, tiling=til, lowering=rows_lowering(a.R, a.B),
                                     profile=prof)
-        h.state["rows"].copy_(rows_state(a.R, list(range(a.B)), [a.pos] * a.B, [7] * a.B))
+        if a.prefill:
+            st = rows_state(a.R, [0] * a.R, range(a.pos, a.pos + a.R), [7] * a.R, logits=False)
+        else:
+            st = rows_state(a.R, list(range(a.B)), [a.pos] * a.B, [7] * a.B)
+        h.state["rows"].copy_(st)
         x = torch.zeros(1, cfg.d, dtype=torch.bfloat16, device="cuda")
         for _ in range(3):
             runtime.launch(h, x, 0, x)
