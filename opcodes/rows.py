@@ -39,6 +39,10 @@ ROWS_HEADER = 4
 ROW_WORDS = 4
 #: the row buckets a handle builds tapes for (``ROWS``), smallest first
 BUCKETS = (16, 32, 64, 128)
+#: the decode buckets: tiled alike but for the dots' N (the same M, K blocks, warps, one attention instruction
+#: a row, the normed operands' sums of squares in the same parts), so a row's logits and K/V are bitwise the
+#: same in any of them: a server may run a step in the smallest that holds its rows
+DECODE_BUCKETS = (16, 32)
 
 
 def rows_state_shape(rows: int) -> tuple[int]:
@@ -94,16 +98,18 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int) -> Tiling:
     8B), 8 past them (4 warps spilled 40-56 bytes at 128 rows). Past 32 rows the attention tiles
     pipeline 2 key blocks deep, not 3 (3 spilled 16 bytes on the 1B at 128 rows)."""
     base = Tiling.for_config(cfg, max_seq=max_seq)
+    decode = rows <= DECODE_BUCKETS[-1]
     bk = min(128 if rows <= 64 else 64, next_pow2(cfg.d))
-    stage = 2 * bk * (32 + rows)
+    stage = 2 * bk * (32 + max(rows, DECODE_BUCKETS[-1]))
     stages = max(2, min(5, (200 * 1024) // stage))
-    red = max(32, 2048 // rows)     # RESIDUAL_R's [red, rows] blocks, normed for the next GEMM: 4096 spilled
+    # RESIDUAL_R's [red, rows] blocks, normed for the next GEMM (4096 spilled); one part size in the decode buckets
+    red = max(32, 2048 // max(rows, DECODE_BUCKETS[-1]))
     o_rows = 16 if cfg.d // 32 < H200_SMS else 32
     return dataclasses.replace(
         base, qkv_rows=min(32, cfg.hd), kv_rows=0, o_rows=o_rows, o_bk=0, o_k=0, gu_rows=16, gu_tiles=0,
         down_rows=32, down_bk=0, down_k=min(cfg.ffn, 2048), red_rows=red, attn_splits=1, key_in_reduce=0, bk=bk,
-        stages=stages, row_bytes=0, res_fold=0, down_wait=0, warp_rows=0, num_warps=4 if rows <= 32 else 8,
-        attn_stages=2 if rows > 32 else base.attn_stages)
+        stages=stages, row_bytes=0, res_fold=0, down_wait=0, warp_rows=0, num_warps=4 if decode else 8,
+        attn_stages=base.attn_stages if decode else 2)
 
 
 @register_layout
@@ -136,7 +142,7 @@ class RowsLayout(DecoderLayout):
 
     @classmethod
     def of(cls, lay, rows: int = 16, batch: int = 1, **tiles) -> "RowsLayout":
-        emb = tiles.pop("emb_cols", 0) or min(next_pow2(lay.cfg.d), max(16, 8192 // rows))
+        emb = tiles.pop("emb_cols", 0) or min(next_pow2(lay.cfg.d), max(16, 8192 // max(rows, DECODE_BUCKETS[-1])))
         return cls(lay.cfg, lay.tiling, lay.max_seq, lm_rows=tiles.pop("lm_rows", 0) or 32, emb_cols=emb,
                    rows=rows, batch=batch)
 
@@ -145,7 +151,7 @@ class RowsLayout(DecoderLayout):
         """Rows per attention instruction: 1 in the decode buckets (<= 32 rows: rows are other slots', and
         R x n_kv instructions fill the SMs), else min(64, 2048 / hd) (row, head) pairs of one slot's rows
         (32 at hd 64, 16 at hd 128: more spilled registers on the 1B and 8B at 128 rows)."""
-        if self.rows <= 32:
+        if self.rows <= DECODE_BUCKETS[-1]:
             return 1
         return min(self.rows, max(1, min(64, 2048 // self.cfg.hd) // next_pow2(self.cfg.group)))
 

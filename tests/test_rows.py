@@ -195,12 +195,38 @@ def test_serve_kernel_backend_matches_the_ref_backend():
         assert rel_err(kb.prefill([44, 2], slot=0, start_pos=0), rb.prefill([44, 2], slot=0, start_pos=0)) <= 3e-2
         lk, lr = kb.decode([7, 8], [0, 1], [2, 4]), rb.decode([7, 8], [0, 1], [2, 4])
         assert lk.shape == lr.shape == (2, CFG.vocab) and rel_err(lk, lr) <= 3e-2
-        assert 32 in kb.h.rows            # decode runs in the bucket of all 20 slots, whatever the rows
+        assert list(kb.h.rows) == [16]     # 2 rows of 20 slots: the smallest decode bucket
+    finally:
+        kb.close()
+    kb = KernelBackend(w, CFG, 40, MAX_SEQ, device="cpu")
+    try:
+        kb.decode([7, 8], [0, 1], [2, 4])
+        assert list(kb.h.rows) == [64]     # past the decode buckets: the bucket of all 40 slots
     finally:
         kb.close()
     with pytest.raises(ValueError) as e:
         KernelBackend(w, CFG, 129, MAX_SEQ, device="cpu")
     check_message(e.value, ["max_batch", "128"])
+
+
+@pytest.mark.parametrize("preset", ["llama3.2-1b", "llama3.1-8b", None])
+def test_decode_buckets_differ_only_in_rows(preset):
+    """The decode buckets' kernels differ in ``ROWS`` (the dots' N) only: the same tiling, warps, sums-of-squares
+    parts and one attention instruction a row, so a row's results are the same in either (the server runs a
+    step in the smallest that holds its rows); the instructions but ATTN_R's (one a row) are the same."""
+    from opcodes import PRESETS
+    from opcodes.decoder import DecoderLayout
+    from opcodes.rows import DECODE_BUCKETS, RowsLayout
+    cfg = PRESETS[preset] if preset else CFG
+    lays = [RowsLayout.of(DecoderLayout(cfg, rows_tiling(cfg, R, 1152), 1152), rows=R, batch=32) for R in DECODE_BUCKETS]
+    base = {k: v for k, v in lays[0].constexprs().items() if k != "ROWS"}
+    for lay in lays[1:]:
+        assert {k: v for k, v in lay.constexprs().items() if k != "ROWS"} == base
+        assert lay.tiling == lays[0].tiling and lay.attn_rt == lays[0].attn_rt == 1
+    if preset is None:
+        progs = [rows_lowering(R, 4)(lay) for R, lay in zip(DECODE_BUCKETS, lays)]
+        ins = [sorted(repr(i) for i in p.instrs if i.NAME != "attn_r") for p in progs]
+        assert all(x == ins[0] for x in ins[1:])
 
 
 def test_a_prefill_bucket_tiles_one_slots_rows_and_runs_mixed_tiles_row_by_row():

@@ -141,10 +141,12 @@ def batched_kernel_available() -> bool:
 class KernelBackend:
     """The megakernel with B sequence slots (``interp.rows``): ``build_decoder(..., batch=B)``, a prompt
     chunk per ``prefill(h, tokens, start_pos, slot)`` (one rows launch per 128 tokens), the running
-    requests' next tokens in one ``decode_step(h, tokens (R,), pos (R,), slots=(R,))`` launch, always in
-    the rows bucket of all the slots: a row's logits are bitwise the same whatever else runs (the columns
-    of a tile are independent; a bucket of other shape may sum otherwise). The logits
-    come back to the host for sampling (``Engine`` samples there).
+    requests' next tokens in one ``decode_step(h, tokens (R,), pos (R,), slots=(R,))`` launch. A row's logits
+    must be bitwise the same whatever else runs: the columns of a tile are independent, and the decode
+    buckets (``opcodes.rows.DECODE_BUCKETS``, 16 and 32 rows) are tiled alike but for N, so with up to 32
+    slots a step runs in the smallest bucket that holds its rows; past 32 (buckets 64 and 128 tile
+    attention otherwise) every step runs in the bucket of all the slots. The logits come back to the
+    host for sampling (``Engine`` samples there).
     """
 
     name = "kernel"
@@ -153,6 +155,7 @@ class KernelBackend:
         import interp
         from interp.rows import BUCKETS, decode_rows
         from opcodes import ModelConfig
+        from opcodes.rows import DECODE_BUCKETS
         if not batched_kernel_available():
             raise RuntimeError("the kernel backend needs interp's batched API (prefill and "
                                "build_decoder(..., batch=B)), which this build does not have")
@@ -170,15 +173,14 @@ class KernelBackend:
         self._d = interp
         self._decode_rows = decode_rows
         self.h = interp.build_decoder(weights, kv, self.cfg.to_dict(), max_seq, batch=max_batch, **options)
+        self._min_rows = 1 if max_batch <= DECODE_BUCKETS[-1] else max_batch
 
     def prefill(self, tokens: list[int], slot: int, start_pos: int) -> torch.Tensor:
         logits = self._d.prefill(self.h, list(tokens), start_pos=start_pos, slot=slot)
         return logits.reshape(-1).float().cpu()
 
     def decode(self, tokens: list[int], slots: list[int], pos: list[int]) -> torch.Tensor:
-        # every decode step in the bucket of all the slots: a request's tokens bitwise the same however
-        # many others run beside it (across buckets a row's sums can differ: another MMA shape)
-        logits = self._decode_rows(self.h, list(tokens), list(pos), list(slots), min_rows=self.max_batch)
+        logits = self._decode_rows(self.h, list(tokens), list(pos), list(slots), min_rows=self._min_rows)
         return logits.float().cpu()
 
     def close(self) -> None:
