@@ -195,13 +195,13 @@ def test_serve_kernel_backend_matches_the_ref_backend():
         assert rel_err(kb.prefill([44, 2], slot=0, start_pos=0), rb.prefill([44, 2], slot=0, start_pos=0)) <= 3e-2
         lk, lr = kb.decode([7, 8], [0, 1], [2, 4]), rb.decode([7, 8], [0, 1], [2, 4])
         assert lk.shape == lr.shape == (2, CFG.vocab) and rel_err(lk, lr) <= 3e-2
-        assert list(kb.h.rows) == [16]     # 2 rows of 20 slots: the smallest decode bucket
-    finally:
-        kb.close()
-    kb = KernelBackend(w, CFG, 40, MAX_SEQ, device="cpu")
-    try:
-        kb.decode([7, 8], [0, 1], [2, 4])
-        assert list(kb.h.rows) == [64]     # past the decode buckets: the bucket of all 40 slots
+        assert list(kb.h.rows) == [16, 32, 64, 128]     # every bucket built up front (a build stalls a server)
+        # 2 rows run in bucket 16, 20 in bucket 32: the two rows' logits bitwise the same
+        # (a bucket's ``rows`` state holds the row count of its last launch)
+        assert [int(kb.h.rows[b].state["rows"][0]) for b in (16, 32)] == [2, 0]
+        l20 = kb.decode([7, 8] + [3] * 18, list(range(20)), [2, 4] + [1] * 18)
+        assert [int(kb.h.rows[b].state["rows"][0]) for b in (16, 32)] == [2, 20]
+        assert bitwise_equal(l20[:2], lk)
     finally:
         kb.close()
     with pytest.raises(ValueError) as e:
