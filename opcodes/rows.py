@@ -88,28 +88,34 @@ def row_meta(rows_ptr, n, ROWS: tl.constexpr):
     return live, slot, pos, tok
 
 
-def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int) -> Tiling:
+def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
     """The tiling of an R-row program: ``Tiling.for_config``'s attention, every GEMM a ``tl.dot`` tile of
-    M = 32 weight rows (16 of gate and 16 of up; the O projection 16 where d / 32 would leave SMs idle) by
-    the ``rows`` columns, the column loop only (no row loop, residual fold, split O, waits inside), one
-    merged attention instruction per (KV head, row), the down projection in K chunks of 2048 (the 1B:
-    256 tiles, not 64). K blocks of 128 (64 from 128 rows). 4 warps in the decode buckets (<= 32 rows:
-    run 276, 1B R16 B16: 1575 us a step against 1933 at 8 warps; 8 bytes of stack on the 1B, 32-40 on the
-    8B), 8 past them (4 warps spilled 40-56 bytes at 128 rows). Past 32 rows the attention tiles
-    pipeline 2 key blocks deep, not 3 (3 spilled 16 bytes on the 1B at 128 rows)."""
+    weight rows (M) by the ``rows`` columns, the column loop only (no row loop, residual fold, split O, waits
+    inside), one merged attention instruction per (KV head, row), the down projection in K chunks of 2048
+    (the 1B: 256 tiles, not 64), K blocks of 128 (64 from 128 rows).
+    Decode buckets (<= 32 rows): 4 warps (run 277: 1B R16 B16 1598 us against 1935 at 8 warps, the 8B 7855
+    against 9897) and gate/up tiles of 32 + 32 rows (run 277 / 279: -6% on the 1B, -4.8% on the 8B; 32 bytes
+    of stack). Past them: 8 warps, gate/up 16 + 16, attention tiles pipelined 2 key blocks deep, not 3 (3
+    spilled on the 1B at 128 rows). The O projection 16 rows where d / 32 would leave SMs idle.
+    ``over``: fields to set instead (a probe's variants); the pipeline depth then fits their tiles: as many
+    stages (2-5) as 200 KB of shared memory holds blocks of the largest weight tile plus the rows."""
     base = Tiling.for_config(cfg, max_seq=max_seq)
     decode = rows <= DECODE_BUCKETS[-1]
     bk = min(128 if rows <= 64 else 64, next_pow2(cfg.d))
-    stage = 2 * bk * (32 + max(rows, DECODE_BUCKETS[-1]))
-    stages = max(2, min(5, (200 * 1024) // stage))
     # RESIDUAL_R's [red, rows] blocks, normed for the next GEMM (4096 spilled); one part size in the decode buckets
     red = max(32, 2048 // max(rows, DECODE_BUCKETS[-1]))
     o_rows = 16 if cfg.d // 32 < H200_SMS else 32
-    return dataclasses.replace(
-        base, qkv_rows=min(32, cfg.hd), kv_rows=0, o_rows=o_rows, o_bk=0, o_k=0, gu_rows=16, gu_tiles=0,
-        down_rows=32, down_bk=0, down_k=min(cfg.ffn, 2048), red_rows=red, attn_splits=1, key_in_reduce=0, bk=bk,
-        stages=stages, row_bytes=0, res_fold=0, down_wait=0, warp_rows=0, num_warps=4 if decode else 8,
+    t = dataclasses.replace(
+        base, qkv_rows=min(32, cfg.hd), kv_rows=0, o_rows=o_rows, o_bk=0, o_k=0, gu_rows=32 if decode else 16,
+        gu_tiles=0, down_rows=32, down_bk=0, down_k=min(cfg.ffn, 2048), red_rows=red, attn_splits=1,
+        key_in_reduce=0, bk=bk, row_bytes=0, res_fold=0, down_wait=0, warp_rows=0, num_warps=4 if decode else 8,
         attn_stages=base.attn_stages if decode else 2)
+    t = dataclasses.replace(t, **{k: v for k, v in over.items() if k != "stages"})
+    if "stages" in over:
+        return dataclasses.replace(t, stages=over["stages"])
+    m = max(2 * t.gu_rows, 2 * max(16, t.qkv_rows // 2), t.o_rows, t.down_rows, 32)    # a block's weight rows
+    stage = 2 * t.bk * (m + max(rows, DECODE_BUCKETS[-1]))
+    return dataclasses.replace(t, stages=max(2, min(5, (200 * 1024) // stage)))
 
 
 @register_layout

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import sys
 
 import torch
@@ -39,9 +38,8 @@ def main(argv=None) -> int:
     kv = make_kv_cache(cfg, ms, a.pos, seed=1, device="cuda", batch=a.B)
     dev = torch.device("cuda", torch.cuda.current_device())
     for vi, var in enumerate(a.tiling.split(";")):
-        til = rows_tiling(cfg, a.R, ms)
-        if var:
-            til = dataclasses.replace(til, **{k: int(v) for k, v in (kv_.split("=") for kv_ in var.split(","))})
+        til = rows_tiling(cfg, a.R, ms, **({k: int(v) for k, v in (kv_.split("=") for kv_ in var.split(","))}
+                                            if var else {}))
         try:
             run_variant(a, cfg, w, kv, ms, til, dev, var or "default", profile=vi == 0)
         except Exception as e:   # a variant that does not build is reported, the others still run
