@@ -95,8 +95,11 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
     (the 1B: 256 tiles, not 64), K blocks of 128 (64 from 128 rows).
     Decode buckets (<= 32 rows): 4 warps (run 277: 1B R16 B16 1598 us against 1935 at 8 warps, the 8B 7855
     against 9897) and gate/up tiles of 32 + 32 rows (run 277 / 279: -6% on the 1B, -4.8% on the 8B; 32 bytes
-    of stack). Past them: 8 warps, gate/up 16 + 16, attention tiles pipelined 2 key blocks deep, not 3 (3
-    spilled on the 1B at 128 rows). The O projection 16 rows where d / 32 would leave SMs idle.
+    of stack). The prefill bucket (128 rows): 4 warps, gate/up 64 + 64, down and residual tiles of 64 rows
+    (run 280, a 1B chunk: 1708 us against 2438 at 8 warps and M 32; 4 warps at M 128 or M 64 at 256 rows
+    ran 2x slower). Between them (64 rows): 8 warps, gate/up 16 + 16. Past the decode buckets the attention
+    tiles pipeline 2 key blocks deep, not 3 (3 spilled on the 1B at 128 rows). The O projection 16 rows
+    where d / 32 would leave SMs idle.
     ``over``: fields to set instead (a probe's variants); the pipeline depth then fits their tiles: as many
     stages (2-5) as 200 KB of shared memory holds blocks of the largest weight tile plus the rows."""
     base = Tiling.for_config(cfg, max_seq=max_seq)
@@ -110,6 +113,8 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
         gu_tiles=0, down_rows=32, down_bk=0, down_k=min(cfg.ffn, 2048), red_rows=red, attn_splits=1,
         key_in_reduce=0, bk=bk, row_bytes=0, res_fold=0, down_wait=0, warp_rows=0, num_warps=4 if decode else 8,
         attn_stages=base.attn_stages if decode else 2)
+    if rows >= 128:
+        t = dataclasses.replace(t, num_warps=4, gu_rows=64, down_rows=64, red_rows=max(red, 64))
     t = dataclasses.replace(t, **{k: v for k, v in over.items() if k != "stages"})
     if "stages" in over:
         return dataclasses.replace(t, stages=over["stages"])

@@ -176,9 +176,12 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
         f"{preset} {what}: {got['shared']} bytes of shared memory, an H200 block has {H200_SMEM_PER_BLOCK}"
     if what.startswith("rows"):
         # v1's rows kernels spilled 760 bytes a thread (bench/notes/s38.md); removing that changed nothing
-        # measurable (s39.md, run 274), and since v148 no operand is pipelined through registers. The
-        # guard stays against a return of large spills: the 1B's prefill bucket keeps 16 bytes.
-        assert got["stack"] <= 32, f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills)"
+        # measurable (s39.md, run 274). The tilings the GPU measured fastest spill a little (bench/notes/
+        # s40.md): 4 warps and M 64 tiles in the 1B's prefill bucket 312 bytes (1708 us a chunk against
+        # 2438 spill-free, run 280), 4 warps and gate/up 32 + 32 on the 8B's R32 56 bytes; the 1B's R16 none.
+        # The bounds guard against more than those.
+        bound = {"rows16": 0, "rows32": 64, "rows128": 320}[what]
+        assert got["stack"] <= bound, f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills)"
     if what in CODE_LIMITED:
         assert 0 < got["code_bytes"] <= ICACHE_BYTES, \
             f"{preset} {what}: {got['code_bytes']} bytes of SASS, over the {ICACHE_BYTES} an H200 SM's instruction " \
