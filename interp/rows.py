@@ -11,7 +11,8 @@ Row r is token ``tokens[r]`` of slot ``slots[r]`` at ``pos[r]``; every row's K/V
 (slot, position) in place before any row attends, then row r attends to its slot's keys
 ``[0, pos[r]]`` (``opcodes.decoder.decoder_ref_rows``). Each row's logits are a function of that
 row's inputs and its slot's cache alone: another request in the batch changes nothing in them
-(``tl.dot`` columns are independent), bitwise within one bucket.
+(``tl.dot`` columns are independent), bitwise within one bucket and across the decode buckets
+(``opcodes.rows.DECODE_BUCKETS``).
 Every check runs before anything is written: on an error the cache is untouched.
 """
 from __future__ import annotations
@@ -145,7 +146,7 @@ def check_slot(dh, slot) -> int:
 
 def prefill(dh, tokens, start_pos: int = 0, slot: int = 0, chunk: int | None = None) -> torch.Tensor:
     """Fill slot ``slot``'s cache with ``tokens`` at positions ``start_pos, start_pos + 1, ...``, in
-    chunks of ``chunk`` rows (default and at most the largest bucket's, 128), one launch each; returns
+    chunks of ``chunk`` rows (default and at most the largest bucket's, 256), one launch each; returns
     the last position's fp32 logits (1, vocab). Errors (tokens, positions past max_seq_len, the slot,
     the chunk) come before any launch."""
     toks = _int_vector("tokens", tokens)

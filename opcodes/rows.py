@@ -38,7 +38,7 @@ from .tiling import H200_SMS, Tiling, next_pow2
 ROWS_HEADER = 4
 ROW_WORDS = 4
 #: the row buckets a handle builds tapes for (``ROWS``), smallest first
-BUCKETS = (16, 32, 64, 128)
+BUCKETS = (16, 32, 64, 128, 256)
 #: the decode buckets: tiled alike but for the dots' N (the same M, K blocks, warps, one attention instruction
 #: a row, the normed operands' sums of squares in the same parts), so a row's logits and K/V are bitwise the
 #: same in any of them: a server may run a step in the smallest that holds its rows
@@ -95,9 +95,10 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
     (the 1B: 256 tiles, not 64), K blocks of 128 (64 from 128 rows).
     Decode buckets (<= 32 rows): 4 warps (run 277: 1B R16 B16 1598 us against 1935 at 8 warps, the 8B 7855
     against 9897) and gate/up tiles of 32 + 32 rows (run 277 / 279: -6% on the 1B, -4.8% on the 8B; 32 bytes
-    of stack). The prefill bucket (128 rows): 4 warps, gate/up 64 + 64, down and residual tiles of 64 rows
-    (run 280, a 1B chunk: 1708 us against 2438 at 8 warps and M 32; 4 warps at M 128 or M 64 at 256 rows
-    ran 2x slower). Between them (64 rows): 8 warps, gate/up 16 + 16. Past the decode buckets the attention
+    of stack). The prefill buckets: at 128 rows 4 warps, gate/up 64 + 64, down and residual tiles of 64 rows
+    (run 280, a 1B chunk: 1708 us against 2438 at 8 warps and M 32; 4 warps at M 128 ran 2.2x slower); at 256
+    rows 8 warps (4 at M 64 ran 2x slower), gate/up 64 + 64, O, down and residual 64, 3 stages (run 280: 2862 us
+    a 1B chunk, 11.2 us a token). Between them (64 rows): 8 warps, gate/up 16 + 16. Past the decode buckets the attention
     tiles pipeline 2 key blocks deep, not 3 (3 spilled on the 1B at 128 rows). The O projection 16 rows
     where d / 32 would leave SMs idle.
     ``over``: fields to set instead (a probe's variants); the pipeline depth then fits their tiles: as many
@@ -113,8 +114,11 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
         gu_tiles=0, down_rows=32, down_bk=0, down_k=min(cfg.ffn, 2048), red_rows=red, attn_splits=1,
         key_in_reduce=0, bk=bk, row_bytes=0, res_fold=0, down_wait=0, warp_rows=0, num_warps=4 if decode else 8,
         attn_stages=base.attn_stages if decode else 2)
-    if rows >= 128:
+    if rows == 128:
         t = dataclasses.replace(t, num_warps=4, gu_rows=64, down_rows=64, red_rows=max(red, 64))
+    elif rows >= 256:
+        t = dataclasses.replace(t, gu_rows=64, o_rows=64, down_rows=64, red_rows=max(red, 64))
+        over = {"stages": 3, **over}
     t = dataclasses.replace(t, **{k: v for k, v in over.items() if k != "stages"})
     if "stages" in over:
         return dataclasses.replace(t, stages=over["stages"])

@@ -112,6 +112,29 @@ def test_prefill_in_chunks_matches_the_oracle_and_one_launch():
     teardown(h)
 
 
+def test_a_prompt_past_128_tokens_in_one_256_row_launch():
+    """150 prompt tokens: one launch of the 256-row bucket (its own tiling: 8 warps, M 64 tiles, 3 stages)
+    meets the criterion against the oracle over the prompt and writes the cache the 128 + 22 chunks write."""
+    w = decoder_weights(CFG, seed=1)
+    kv = make_kv_cache(CFG, 160, 0, seed=2, batch=2)
+    kv0 = clone_cache(kv)
+    h = build_decoder(w, kv, CFG, 160, batch=2)
+    prompt = [(53 * i + 5) % CFG.vocab for i in range(150)]
+    n = len(prompt)
+    lg = prefill(h, prompt, 0, slot=0)
+    assert list(h.rows) == [256]
+    ref32 = decoder_ref_rows_fp32(w, [tuple(t.float() for t in p) for p in kv0], CFG, prompt, [0] * n, list(range(n)))
+    ref = decoder_ref_rows(w, clone_cache(kv0), CFG, prompt, [0] * n, list(range(n)))
+    assert rel_err(lg, ref32[-1:]) <= 1.1 * rel_err(ref[-1:], ref32[-1:])
+    chunked = prefill(h, prompt, 0, slot=1, chunk=128)
+    assert sorted(h.rows) == [32, 128, 256]
+    assert rel_err(chunked, lg) <= KERNEL_TOL
+    for k, v in kv:
+        assert rel_err(k[1, :, :n], k[0, :, :n]) <= KERNEL_TOL and rel_err(v[1, :, :n], v[0, :, :n]) <= KERNEL_TOL
+        assert not k[:, :, n:].any() and not v[:, :, n:].any()          # nothing past the prompt
+    teardown(h)
+
+
 def test_a_rows_logits_do_not_depend_on_the_other_rows():
     """Row 0 alone, and beside other slots' rows at other positions: its logits and K/V bitwise the same
     (one bucket: the columns of a dot are independent, attention is per row)."""
@@ -142,7 +165,7 @@ def test_bad_rows_inputs_fail_before_the_cache_is_touched():
         (lambda: decode_step(h, [1, 200], [3, 4]), ValueError, ["tokens[1]", "vocab=200"]),
         (lambda: decode_step(h, [1.0, 2.0], [3, 4]), TypeError, ["tokens"]),
         (lambda: decode_step(h, torch.tensor([[1, 2]]), [3, 4]), ValueError, ["tokens", "1-D"]),
-        (lambda: decode_step(h, list(range(129)), list(range(129)), slots=[0] * 129), ValueError, ["at most 128"]),
+        (lambda: decode_step(h, list(range(257)), list(range(257)), slots=[0] * 257), ValueError, ["at most 256"]),
         (lambda: prefill(h, [1, 2, 3], MAX_SEQ - 2), ValueError, ["past max_seq_len"]),
         (lambda: prefill(h, [], 0), ValueError, ["tokens"]),
         (lambda: prefill(h, [1, 2], 0, slot=3), ValueError, ["slot", "batch=3"]),
@@ -195,7 +218,7 @@ def test_serve_kernel_backend_matches_the_ref_backend():
         assert rel_err(kb.prefill([44, 2], slot=0, start_pos=0), rb.prefill([44, 2], slot=0, start_pos=0)) <= 3e-2
         lk, lr = kb.decode([7, 8], [0, 1], [2, 4]), rb.decode([7, 8], [0, 1], [2, 4])
         assert lk.shape == lr.shape == (2, CFG.vocab) and rel_err(lk, lr) <= 3e-2
-        assert list(kb.h.rows) == [16, 32, 64, 128]     # every bucket built up front (a build stalls a server)
+        assert list(kb.h.rows) == [16, 32, 64, 128, 256]     # every bucket built up front (a build stalls a server)
         # 2 rows run in bucket 16, 20 in bucket 32: the two rows' logits bitwise the same
         # (a bucket's ``rows`` state holds the row count of its last launch)
         assert [int(kb.h.rows[b].state["rows"][0]) for b in (16, 32)] == [2, 0]
@@ -205,8 +228,8 @@ def test_serve_kernel_backend_matches_the_ref_backend():
     finally:
         kb.close()
     with pytest.raises(ValueError) as e:
-        KernelBackend(w, CFG, 129, MAX_SEQ, device="cpu")
-    check_message(e.value, ["max_batch", "128"])
+        KernelBackend(w, CFG, 257, MAX_SEQ, device="cpu")
+    check_message(e.value, ["max_batch", "256"])
 
 
 @pytest.mark.parametrize("preset", ["llama3.2-1b", "llama3.1-8b", None])
