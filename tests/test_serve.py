@@ -602,6 +602,44 @@ def test_engine_chunks_prefill_one_chunk_a_step_beside_the_decodes(checkpoint, w
     assert st["finished"] == 5 and st["free_slots"] == 2 and st["peak_running"] == 2
 
 
+class DeviceLogits(torch.Tensor):
+    """Logits that must stay where the backend made them: ``.cpu()`` counts (the engine may copy only the
+    rows it samples on the host)."""
+
+    copies = 0
+
+    def cpu(self, *a, **k):
+        DeviceLogits.copies += 1
+        return super().cpu(*a, **k)
+
+
+class OnDevice(Recording):
+    def prefill(self, tokens, slot, start_pos):
+        return super().prefill(tokens, slot, start_pos).as_subclass(DeviceLogits)
+
+    def decode(self, tokens, slots, pos):
+        return super().decode(tokens, slots, pos).as_subclass(DeviceLogits)
+
+
+def test_engine_takes_greedy_tokens_where_the_logits_are(checkpoint, weights):
+    """Greedy rows' tokens come from one batched argmax over the backend's logits (no copy of them to the
+    host); sampled rows' logits alone come over, one copy a token; the texts are those of the plain run."""
+    tok = checkpoint.tokenizer
+
+    def make():
+        return [Request(checkpoint.encode(p), 8, Sampling(temperature=0.0 if i % 2 == 0 else 0.9, seed=i))
+                for i, p in enumerate(PROMPTS)]
+    plain = Engine(RefBackend(weights, checkpoint.cfg, 4, 64), tok, checkpoint.eos_token_ids).start()
+    want = [(r.text, r.tokens) for r in run_engine(plain, make())]
+    plain.shutdown()
+    DeviceLogits.copies = 0
+    eng = Engine(OnDevice(RefBackend(weights, checkpoint.cfg, 4, 64)), tok, checkpoint.eos_token_ids).start()
+    got = run_engine(eng, make())
+    eng.shutdown()
+    assert [(r.text, r.tokens) for r in got] == want
+    assert DeviceLogits.copies == sum(len(r.tokens) for r in got if r.sampling.temperature > 0)
+
+
 def test_engine_eos_ends_a_request_unprinted(checkpoint, weights):
     tok = checkpoint.tokenizer
     ids = checkpoint.encode(PROMPT)
