@@ -556,6 +556,7 @@ def cmd_serve(a, prog: str = "megatape serve") -> int:
         return fail(f"serving needs the 'serve' extra (pip install 'megatape[serve]'): {e}")
     from interp.textgen import Checkpoint
     from megatape.serve import Engine, KernelBackend, RefBackend, batched_kernel_available
+    from opcodes.rows import BUCKETS
 
     log = _Log(prog)
     try:
@@ -591,8 +592,11 @@ def cmd_serve(a, prog: str = "megatape serve") -> int:
     except (FileNotFoundError, ValueError) as e:
         return fail(f"argument --model: {e}")
     try:
-        cls = KernelBackend if backend_name == "kernel" else RefBackend
-        backend = cls(weights, ck.cfg, a.max_batch, max_seq, device=device)
+        if backend_name == "kernel":
+            log(f"building the rows kernels ({len(BUCKETS)} buckets: {', '.join(map(str, BUCKETS))} rows a step)")
+            backend = KernelBackend(weights, ck.cfg, a.max_batch, max_seq, device=device, log=log)
+        else:
+            backend = RefBackend(weights, ck.cfg, a.max_batch, max_seq, device=device)
     except (ValueError, TypeError, RuntimeError) as e:
         return fail(f"argument --backend: {backend_name}: {e}")
     engine = Engine(backend, ck.tokenizer, ck.eos_token_ids, prefill_chunk=a.prefill_chunk, max_queue=a.max_queue,

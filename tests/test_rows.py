@@ -211,7 +211,9 @@ def test_serve_kernel_backend_matches_the_ref_backend():
     same prefill and decode rows: within the criterion's scale (the two round differently)."""
     from megatape.serve import KernelBackend, RefBackend
     w = decoder_weights(CFG, seed=1)
-    kb = KernelBackend(w, CFG, 20, MAX_SEQ, device="cpu")
+    lines = []
+    kb = KernelBackend(w, CFG, 20, MAX_SEQ, device="cpu", log=lines.append)
+    assert [ln.split(" built in ")[0] for ln in lines] == [f"the {b}-row kernel" for b in (16, 32, 64, 128, 256)]
     rb = RefBackend(w, CFG, 20, MAX_SEQ, device="cpu")
     try:
         assert rel_err(kb.prefill([5, 9, 17, 3], slot=1, start_pos=0), rb.prefill([5, 9, 17, 3], slot=1, start_pos=0)) <= 3e-2

@@ -154,7 +154,8 @@ class KernelBackend:
 
     name = "kernel"
 
-    def __init__(self, weights: dict, cfg, max_batch: int, max_seq: int, device=None, **options):
+    def __init__(self, weights: dict, cfg, max_batch: int, max_seq: int, device=None,
+                 log: Callable[[str], None] | None = None, **options):
         import interp
         from interp.rows import BUCKETS, decode_rows, rows_handle
         from opcodes import ModelConfig
@@ -180,7 +181,10 @@ class KernelBackend:
         # every bucket a step may take, compiled now: built on first use, a bucket stalled every running
         # stream for its compile (~7 s on the GPU; run 279: 32 clients' TTFT p99 6.6 s)
         for b in BUCKETS:
+            t = time.perf_counter()
             rows_handle(self.h, b)
+            if log is not None:
+                log(f"the {b}-row kernel built in {time.perf_counter() - t:.1f} s")
 
     def prefill(self, tokens: list[int], slot: int, start_pos: int) -> torch.Tensor:
         return self._d.prefill(self.h, list(tokens), start_pos=start_pos, slot=slot).reshape(-1).float()
