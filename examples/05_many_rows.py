@@ -4,7 +4,7 @@ Many rows per step: chunked prefill and batched decode
 
 One decode step of the megakernel can carry R rows, each a (sequence slot, position): a prefill chunk is
 R consecutive positions of one slot, batched decode is one row per slot, and both are one launch of a rows
-kernel (buckets of 16, 32, 64, 128 and 256 rows). In this tutorial you will learn how to:
+kernel (buckets of 16 to 512 rows). In this tutorial you will learn how to:
 
 * build a decoder over a KV cache of B sequence slots (``build_decoder(..., batch=B)``);
 * fill two slots with prompts of different lengths (``prefill``), in chunks;
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     # 2. Prefill two slots
     # --------------------
     # ``prefill(h, tokens, start_pos, slot)`` writes the prompt's K/V into the slot's cache a chunk a launch
-    # (``chunk`` rows, default 256) and returns the last position's logits ``(1, vocab)``.
+    # (``chunk`` rows, default 512) and returns the last position's logits ``(1, vocab)``.
     g = torch.Generator().manual_seed(7)
     prompts = {0: torch.randint(0, cfg.vocab, (21,), generator=g).tolist(),
                2: torch.randint(0, cfg.vocab, (9,), generator=g).tolist()}

@@ -115,13 +115,17 @@ def run_rows(dh, toks: list[int], pos: list[int], slots: list[int], logits_rows=
         runtime.launch(h, dh.x0, 0, dh.hidden)
         if h.sync_check:
             h.check(sync=True)
-        lg = h.scratch["logits_r"].view(dh.cfg.vocab, h.lay.rows)
-        if logits_rows is None:
-            return lg[:, :R].T.contiguous()
-        sel = list(logits_rows)
+        sel = list(range(R)) if logits_rows is None else list(logits_rows)
         if not sel:
             return None
-        out = lg[:, sel].T.contiguous()
+        # [vocab, ROWS] in column blocks of NT (opcodes.rows): row n's logits are column n % NT of block n // NT
+        lay = h.lay
+        if lay.n_blocks == 1:
+            lg = h.scratch["logits_r"].view(dh.cfg.vocab, lay.rows)
+            return (lg[:, :R] if logits_rows is None else lg[:, sel]).T.contiguous()
+        lg = h.scratch["logits_r"].view(lay.n_blocks, dh.cfg.vocab, lay.n_tile)
+        n = torch.tensor(sel, device=lg.device)
+        out = lg[n // lay.n_tile, :, n % lay.n_tile]         # (len(sel), vocab), a fresh tensor
     return out
 
 
@@ -146,7 +150,7 @@ def check_slot(dh, slot) -> int:
 
 def prefill(dh, tokens, start_pos: int = 0, slot: int = 0, chunk: int | None = None) -> torch.Tensor:
     """Fill slot ``slot``'s cache with ``tokens`` at positions ``start_pos, start_pos + 1, ...``, in
-    chunks of ``chunk`` rows (default and at most the largest bucket's, 256), one launch each; returns
+    chunks of ``chunk`` rows (default and at most the largest bucket's, 512), one launch each; returns
     the last position's fp32 logits (1, vocab). Errors (tokens, positions past max_seq_len, the slot,
     the chunk) come before any launch."""
     toks = _int_vector("tokens", tokens)

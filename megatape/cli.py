@@ -556,7 +556,6 @@ def cmd_serve(a, prog: str = "megatape serve") -> int:
         return fail(f"serving needs the 'serve' extra (pip install 'megatape[serve]'): {e}")
     from interp.textgen import Checkpoint
     from megatape.serve import Engine, KernelBackend, RefBackend, batched_kernel_available
-    from opcodes.rows import BUCKETS
 
     log = _Log(prog)
     try:
@@ -593,8 +592,9 @@ def cmd_serve(a, prog: str = "megatape serve") -> int:
         return fail(f"argument --model: {e}")
     try:
         if backend_name == "kernel":
-            log(f"building the rows kernels ({len(BUCKETS)} buckets: {', '.join(map(str, BUCKETS))} rows a step)")
-            backend = KernelBackend(weights, ck.cfg, a.max_batch, max_seq, device=device, log=log)
+            log("building the rows kernels (a bucket per step size up to the slots or the prefill chunk)")
+            backend = KernelBackend(weights, ck.cfg, a.max_batch, max_seq, device=device,
+                                    prefill_chunk=a.prefill_chunk, log=log)
         else:
             backend = RefBackend(weights, ck.cfg, a.max_batch, max_seq, device=device)
     except (ValueError, TypeError, RuntimeError) as e:

@@ -74,24 +74,27 @@ def rows_stream(w1_ptr, rows1, w2_ptr, rows2, row_mask, xt_ptr, kbase, n_left, x
 
 
 @triton.jit
-def store_normed(x, rows, rm, nw_ptr, hn_ptr, ss_ptr, part, ROWS: tl.constexpr, INTERP: tl.constexpr):
+def store_normed(x, rows, rm, nw_ptr, hn_ptr, ss_ptr, part, n0, D: tl.constexpr, P: tl.constexpr,
+                 NT: tl.constexpr, INTERP: tl.constexpr):
     """A producer's share of an RMSNorm'ed GEMM operand (rows-design.md; bench/notes/s39.md v148): for the
-    fp32 block ``x`` [T, ROWS] (features ``rows``, valid where ``rm``) of an activation that a GEMM reads
-    normed, store ``bf16(x * nw)`` at ``hn_ptr`` (feature-major ``[d, ROWS]``) and the block's per-column
-    sum of squares at ``ss_ptr + part * ROWS``. The consumer sums the parts in order (``col_rstd``) and
-    scales its dot by ``rsqrt(ss / d + eps)``: its loop streams a bf16 operand, no math before the dot."""
-    n = tl.arange(0, ROWS)
+    fp32 block ``x`` [T, NT] (features ``rows``, valid where ``rm``; column block ``n0``) of an activation
+    that a GEMM reads normed, store ``bf16(x * nw)`` at ``hn_ptr`` (feature-major ``[d]``, blocked by ``NT``
+    columns: ``opcodes.rows``) and the block's per-column sum of squares at part ``part`` of ``ss_ptr``
+    (``[P]`` parts, blocked likewise). The consumer sums the parts in order (``col_rstd``) and scales its
+    dot by ``rsqrt(ss / d + eps)``: its loop streams a bf16 operand, no math before the dot."""
+    n = tl.arange(0, NT)
     nw = tl.load(nw_ptr + rows, mask=rm, other=0.0).to(tl.float32)
-    tl.store(hn_ptr + rows[:, None] * ROWS + n[None, :], to_bf16(x * nw[:, None], INTERP), mask=rm[:, None])
+    tl.store(hn_ptr + n0 * D + rows[:, None] * NT + n[None, :], to_bf16(x * nw[:, None], INTERP), mask=rm[:, None])
     xm = tl.where(rm[:, None], x, 0.0)
-    tl.store(ss_ptr + part * ROWS + n, tl.sum(xm * xm, axis=0))
+    tl.store(ss_ptr + n0 * P + part * NT + n, tl.sum(xm * xm, axis=0))
 
 
 @triton.jit
-def col_rstd(ss_ptr, P, PP: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr, ROWS: tl.constexpr):
+def col_rstd(ss_ptr, P, PP: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr, NT: tl.constexpr):
     """``rsqrt(sum_p ss[p, n] / D + EPS)`` over the ``P`` (<= ``PP``, a power of two) parts ``store_normed``
-    wrote at ``ss_ptr``, [ROWS] fp32; the parts summed in one fixed order."""
+    wrote at ``ss_ptr`` (one column block: the caller adds the block's offset), [NT] fp32; the parts summed
+    in one fixed order."""
     p = tl.arange(0, PP)
-    n = tl.arange(0, ROWS)
-    ss = tl.load(ss_ptr + p[:, None] * ROWS + n[None, :], mask=(p < P)[:, None], other=0.0, cache_modifier=".cg")
+    n = tl.arange(0, NT)
+    ss = tl.load(ss_ptr + p[:, None] * NT + n[None, :], mask=(p < P)[:, None], other=0.0, cache_modifier=".cg")
     return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)

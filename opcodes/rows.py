@@ -14,9 +14,12 @@ buffer ``rows`` (int32) the host writes before each launch::
 
 (``logits`` 0: the step's LM head tiles return at once: a prefill chunk before the prompt's last.)
 
-Activations are feature-major, ``[L, width, ROWS]`` (a K block of a GEMM's B operand is one contiguous
-span; a tile's output one region), except the attention output ``attn_r`` ``[L, ROWS, q_dim]``: an
-attention instruction computes one row. Columns ``n >= R`` are padding: zero from the embedding on,
+Activations are feature-major in blocks of ``NT`` columns (``RowsLayout.n_tile``: every row of a bucket up to
+256 rows, 256 past it): ``[L, ROWS / NT, width, NT]``, element (f, n) of a layer at
+``(n // NT) * width * NT + f * NT + n % NT`` (a K block of a GEMM's B operand is one contiguous span; a tile's
+output one region). A GEMM tile covers one block of columns (its ``n0`` operand, a multiple of ``NT``):
+the tiles of a bucket past 256 rows stream the same weight rows once a block, adjacent in the tape. The
+attention output ``attn_r`` is ``[L, ROWS, q_dim]``: an attention instruction computes one row. Columns ``n >= R`` are padding: zero from the embedding on,
 never mixed with real columns (the columns of a dot are independent), never stored to the cache.
 See bench/notes/rows-design.md.
 """
@@ -38,7 +41,9 @@ from .tiling import H200_SMS, Tiling, next_pow2
 ROWS_HEADER = 4
 ROW_WORDS = 4
 #: the row buckets a handle builds tapes for (``ROWS``), smallest first
-BUCKETS = (16, 32, 64, 128, 256)
+BUCKETS = (16, 32, 64, 128, 256, 512)
+#: the widest column block of a GEMM tile (``RowsLayout.n_tile``): a 512-row bucket's tiles are 2 blocks wide
+N_TILE_MAX = 256
 #: the decode buckets: tiled alike but for the dots' N (the same M, K blocks, warps, one attention instruction
 #: a row, the normed operands' sums of squares in the same parts), so a row's logits and K/V are bitwise the
 #: same in any of them: a server may run a step in the smallest that holds its rows
@@ -123,7 +128,7 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
     if "stages" in over:
         return dataclasses.replace(t, stages=over["stages"])
     m = max(2 * t.gu_rows, 2 * max(16, t.qkv_rows // 2), t.o_rows, t.down_rows, 32)    # a block's weight rows
-    stage = 2 * t.bk * (m + max(rows, DECODE_BUCKETS[-1]))
+    stage = 2 * t.bk * (m + min(max(rows, DECODE_BUCKETS[-1]), N_TILE_MAX))
     return dataclasses.replace(t, stages=max(2, min(5, (200 * 1024) // stage)))
 
 
@@ -171,6 +176,19 @@ class RowsLayout(DecoderLayout):
         return min(self.rows, max(1, min(64, 2048 // self.cfg.hd) // next_pow2(self.cfg.group)))
 
     @property
+    def n_tile(self) -> int:
+        """Columns of a GEMM tile (``NT``), the block of the activations' layout: every row up to 256."""
+        return min(self.rows, N_TILE_MAX)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.rows // self.n_tile
+
+    def col_blocks(self) -> range:
+        """The ``n0`` operands of a GEMM tile: the first column of each block."""
+        return range(0, self.rows, self.n_tile)
+
+    @property
     def ss_parts(self) -> tuple[int, int, int]:
         """Sum-of-squares parts of the normed GEMM operands (``common_rows.store_normed``): of the layer-0
         input (one an EMBED_R tile), of the other layers' inputs and the LM head's (one a RESIDUAL_R tile),
@@ -180,7 +198,7 @@ class RowsLayout(DecoderLayout):
 
     def constexprs(self, interp: bool = False) -> dict:
         p_emb, p_res, p_o = self.ss_parts
-        return {**super().constexprs(interp), "ROWS": self.rows, "BATCH": self.batch, "SS_P0": p_emb,
+        return {**super().constexprs(interp), "ROWS": self.rows, "NT": self.n_tile, "BATCH": self.batch, "SS_P0": p_emb,
                 "SS_P": p_res, "SS_PP": next_pow2(max(p_emb, p_res)), "SS2_P": p_o, "SS2_PP": next_pow2(p_o)}
 
     def extra(self) -> dict:
@@ -200,25 +218,54 @@ class RowsInstruction(Instruction):
         return isinstance(lay, RowsLayout)
 
 
-def layer_input_r(st, layer: int) -> torch.Tensor:
-    """VM: the feature-major ``[d, ROWS]`` residual stream entering ``layer`` (bf16)."""
+@triton.jit
+def blk(n, F: tl.constexpr, NT: tl.constexpr, ROWS: tl.constexpr):
+    """The offset of column(s) ``n`` of a feature-major ``[width F]`` activation in its blocked layout
+    (``opcodes.rows``): ``n`` itself when one block holds every row."""
+    if NT == ROWS:
+        return n
+    else:
+        return (n // NT) * (F * NT) + n % NT
+
+
+def bview(buf: torch.Tensor, lay, width: int, *lead: int) -> torch.Tensor:
+    """VM: a blocked activation buffer as ``[*lead, n_blocks, width, NT]``."""
+    return buf.view(*lead, lay.n_blocks, width, lay.n_tile)
+
+
+def bregion(buf: str, lay, width: int, lead: int, lo: int, hi: int, n0: int) -> "Region":
+    """Features ``[lo, hi)`` of column block ``n0`` of the ``lead``-th ``[width, ROWS]`` slice of a blocked
+    activation buffer: one contiguous region."""
+    from .base import Region
+    base = lead * width * lay.rows + n0 * width
+    return Region(buf, base + lo * lay.n_tile, base + hi * lay.n_tile)
+
+
+def check_n0(n0: int, lay) -> list[str]:
+    """``[]`` or the message for a column block start that is not a multiple of ``NT`` in ``[0, ROWS)``."""
+    return [] if 0 <= n0 < lay.rows and n0 % lay.n_tile == 0 else \
+        [f"n0 {n0} not a multiple of NT = {lay.n_tile} in [0, {lay.rows})"]
+
+
+def layer_input_r(st, layer: int, b: int = 0) -> torch.Tensor:
+    """VM: column block ``b`` of the feature-major residual stream entering ``layer``, ``[d, NT]`` (bf16)."""
     lay = st.lay
-    d, R = lay.cfg.d, lay.rows
+    d = lay.cfg.d
     if layer == 0:
-        return st.buf["x0_r"].view(d, R)
-    return st.buf["xout_r"].view(lay.cfg.layers, d, R)[layer - 1]
+        return bview(st.buf["x0_r"], lay, d)[b]
+    return bview(st.buf["xout_r"], lay, d, lay.cfg.layers)[layer - 1, b]
 
 
 def store_normed_r(x: torch.Tensor, lo: int, hi: int, nw: torch.Tensor, hn: torch.Tensor, ss: torch.Tensor,
                    part: int) -> None:
-    """VM: ``common_rows.store_normed`` for features [lo, hi) of the fp32 ``x`` [hi - lo, ROWS]; ``hn``
-    [d, ROWS] and ``ss`` [parts, ROWS] are views of the operand's buffers."""
+    """VM: ``common_rows.store_normed`` for features [lo, hi) of the fp32 ``x`` [hi - lo, NT]; ``hn``
+    [d, NT] and ``ss`` [parts, NT] are views of a column block of the operand's buffers."""
     hn[lo:hi] = (x * nw[lo:hi].float()[:, None]).to(torch.bfloat16)
     ss[part] = (x * x).sum(0)
 
 
 def col_rstd_r(ss: torch.Tensor, parts: int, d: int, eps: float) -> torch.Tensor:
-    """VM: ``common_rows.col_rstd`` over the first ``parts`` rows of ``ss`` [parts, ROWS]."""
+    """VM: ``common_rows.col_rstd`` over the first ``parts`` rows of ``ss`` [parts, NT] (a column block)."""
     return torch.rsqrt(ss[:parts].sum(0) / d + eps)
 
 

@@ -26,7 +26,7 @@ import triton.language as tl
 from .attn_partial import AttnPartial
 from .base import Cost, Layout, Region, Timing, register
 from .common import T_KC, T_VC, mma, tab_offset, to_bf16
-from .rows import RowsInstruction, read_rows
+from .rows import RowsInstruction, blk, bregion, bview, read_rows
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def _row_slot(rows_ptr, r):
 def _attn_tile(layer, g, r0, slot, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr,
                NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
                MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr,
-               ROWS: tl.constexpr, ATTN_RT: tl.constexpr, INTERP: tl.constexpr):
+               ROWS: tl.constexpr, NT: tl.constexpr, ATTN_RT: tl.constexpr, INTERP: tl.constexpr):
     """Rows [r0, r0 + ATTN_RT) of one slot (one row, or a prefill chunk's): tl.dot's M rows are (row, head)
     pairs, ATTN_RT x GP (one row: GP = GROUP_PAD, its heads padded to 16); each K/V block is loaded once for
     all of them, each M row masked to its row's keys [0, pos] (causal within a chunk). Rows >= R store zeros."""
@@ -53,7 +53,8 @@ def _attn_tile(layer, g, r0, slot, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, 
     pos = tl.load(rows_ptr + 5 + 4 * ri, mask=valid, other=0)
     maxp = tl.max(pos, axis=0)
     qrow = g * GROUP + hi
-    q = tl.load(q_r_ptr + layer * (NQ * HD * ROWS) + (qrow[:, None] * HD + dcol[None, :]) * ROWS + ri[:, None],
+    q = tl.load(q_r_ptr + layer * (NQ * HD * ROWS) + (qrow[:, None] * HD + dcol[None, :]) * NT
+                + blk(ri, NQ * HD, NT, ROWS)[:, None],
                 mask=valid[:, None], other=0.0, cache_modifier=".cg")
     qs = to_bf16(q * QSCALE, INTERP)
     base = slot.to(tl.int64) * (NKV * MAX_SEQ * HD) + g * (MAX_SEQ * HD)
@@ -85,11 +86,11 @@ def _attn_tile(layer, g, r0, slot, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, 
 def attn_r_device(layer, g, t, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr,
                   NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
                   GROUP_PAD: tl.constexpr, GP: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr,
-                  ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, ROWS: tl.constexpr, ATTN_RT: tl.constexpr,
-                  INTERP: tl.constexpr):
+                  ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, ROWS: tl.constexpr, NT: tl.constexpr,
+                  ATTN_RT: tl.constexpr, INTERP: tl.constexpr):
     if ATTN_RT == 1:
         _attn_tile(layer, g, t, _row_slot(rows_ptr, t), rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr, NQ,
-                   NKV, HD, GROUP, GROUP_PAD, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, 1, INTERP)
+                   NKV, HD, GROUP, GROUP_PAD, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, NT, 1, INTERP)
     else:
         r0 = t * ATTN_RT
         rt = r0 + tl.arange(0, ATTN_RT)
@@ -100,13 +101,13 @@ def attn_r_device(layer, g, t, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn
         s_hi = tl.max(tl.where(live, sl, -1), axis=0)
         if s_lo >= s_hi:         # one slot (a prefill chunk's rows), or no live row (then slot 0, all masked)
             _attn_tile(layer, g, r0, tl.where(s_lo > s_hi, 0, s_lo), rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr,
-                       attn_r_ptr, NQ, NKV, HD, GROUP, GP, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, ATTN_RT,
+                       attn_r_ptr, NQ, NKV, HD, GROUP, GP, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, NT, ATTN_RT,
                        INTERP)
         else:                    # rows of several slots: one at a time
             for i in range(ATTN_RT):
                 _attn_tile(layer, g, r0 + i, _row_slot(rows_ptr, r0 + i), rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr,
                            attn_r_ptr, NQ, NKV, HD, GROUP, GROUP_PAD, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS,
-                           1, INTERP)
+                           NT, 1, INTERP)
 
 @register
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class AttnR(RowsInstruction):
     STAGE = 1
     ARGS = ("rows_ptr", "wtab_ptr", "kc_ptr", "vc_ptr", "q_r_ptr", "attn_r_ptr",
             "NQ", "NKV", "HD", "GROUP", "GROUP_PAD", "GP", "MAX_SEQ", "QSCALE", "ATTN_BLOCK", "ATTN_STAGES", "ROWS",
-            "ATTN_RT", "INTERP")
+            "NT", "ATTN_RT", "INTERP")
     CONSTEXPRS = {**{k: AttnPartial.CONSTEXPRS[k] for k in ("GROUP", "GROUP_PAD", "QSCALE", "ATTN_BLOCK", "ATTN_STAGES")},
                   "GP": lambda lay: triton.next_power_of_2(lay.cfg.group),       # a row's heads in a tile's M
                   "ATTN_RT": lambda lay: lay.attn_rt if AttnR.applies(lay) else 1}
@@ -152,11 +153,14 @@ class AttnR(RowsInstruction):
         return range(self.t * lay.attn_rt, (self.t + 1) * lay.attn_rt)
 
     def reads(self, lay: Layout) -> list[Region]:
-        c, R = lay.cfg, lay.rows
-        qb = (self.layer * c.q_dim + self.g * c.group * c.hd) * R
-        kb = self.layer * c.kv_dim + self.g * c.hd
-        return [Region("q_r", qb, qb + c.group * c.hd * R),
-                Region("kv_new_k_r", kb, kb + c.hd), Region("kv_new_v_r", kb, kb + c.hd)]
+        c = lay.cfg
+        h0 = self.g * c.group * c.hd
+        n0 = (self.t * lay.attn_rt) // lay.n_tile * lay.n_tile          # the block of the tile's rows
+        out = [bregion("q_r", lay, c.q_dim, self.layer, h0, h0 + c.group * c.hd, n0)]
+        for b in range(lay.n_blocks):                                   # every row's K/V: every block's tiles
+            kb = (self.layer * lay.n_blocks + b) * c.kv_dim + self.g * c.hd
+            out += [Region("kv_new_k_r", kb, kb + c.hd), Region("kv_new_v_r", kb, kb + c.hd)]
+        return out
 
     def writes(self, lay: Layout) -> list[Region]:
         c = lay.cfg
@@ -182,7 +186,8 @@ class AttnR(RowsInstruction):
                 a[self.layer, row, heads] = 0
                 continue
             s, p = slots[row], pos[row]
-            q = st.buf["q_r"].view(c.layers, c.n_q, c.hd, NR)[self.layer, heads, :, row]   # [group, hd]
+            q = bview(st.buf["q_r"], lay, c.q_dim, c.layers)[self.layer, row // lay.n_tile].view(
+                c.n_q, c.hd, lay.n_tile)[heads, :, row % lay.n_tile]                    # [group, hd]
             K = st.kv[self.layer][0][s, self.g, :p + 1].float()
             V = st.kv[self.layer][1][s, self.g, :p + 1].float()
             sc = (q @ K.T) / math.sqrt(c.hd)

@@ -15,22 +15,24 @@ from .base import Cost, Layout, Region, register, tile_start
 from .common import T_WD, tab_offset
 from .common_rows import rows_stream
 from .down import Down
-from .rows import RowsInstruction, bf16_dot
+from .rows import RowsInstruction, bf16_dot, bregion, bview, check_n0
 
 
 @triton.jit
-def down_r_device(r0, layer, kc, act_r_ptr, dpart_r_ptr, wtab_ptr, wd_ptr,
+def down_r_device(r0, layer, kc, n0, act_r_ptr, dpart_r_ptr, wtab_ptr, wd_ptr,
                   D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
                   DOWN_CHUNKS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, ROWS: tl.constexpr,
-                  INTERP: tl.constexpr):
+                  NT: tl.constexpr, INTERP: tl.constexpr):
+    if NT == ROWS:
+        n0 = 0
     w = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
     rows = r0 + tl.arange(0, DOWN_ROWS)
     rm = rows < D
-    acc, acc2 = rows_stream(w, rows, w, rows, rm, act_r_ptr + layer * (FFN * ROWS), kc * DOWN_K, ROWS, ROWS,
-                            FFN, DOWN_K, DOWN_ROWS, ROWS, BK, STAGES, TWO=False,
+    acc, acc2 = rows_stream(w, rows, w, rows, rm, act_r_ptr + layer * (FFN * ROWS) + n0 * FFN, kc * DOWN_K, NT, NT,
+                            FFN, DOWN_K, DOWN_ROWS, NT, BK, STAGES, TWO=False,
                             EVEN=(FFN % DOWN_K == 0) & (DOWN_K % BK == 0) & (D % DOWN_ROWS == 0), INTERP=INTERP)
-    n = tl.arange(0, ROWS)
-    tl.store(dpart_r_ptr + ((layer * DOWN_CHUNKS + kc) * D + rows[:, None]) * ROWS + n[None, :], acc,
+    n = tl.arange(0, NT)
+    tl.store(dpart_r_ptr + (layer * DOWN_CHUNKS + kc) * (D * ROWS) + n0 * D + rows[:, None] * NT + n[None, :], acc,
              mask=rm[:, None])
 
 
@@ -40,11 +42,12 @@ class DownR(RowsInstruction):
     r0: int
     layer: int
     kc: int       # K chunk of the ffn
+    n0: int = 0   # the column block (opcodes.rows)
 
     NAME = "down_r"
     STAGE = 4
     ARGS = ("act_r_ptr", "dpart_r_ptr", "wtab_ptr", "wd_ptr",
-            "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS", "BK", "STAGES", "ROWS", "INTERP")
+            "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS", "BK", "STAGES", "ROWS", "NT", "INTERP")
     CONSTEXPRS = {k: Down.CONSTEXPRS[k] for k in ("DOWN_ROWS", "DOWN_K")}
     SCRATCH = {"dpart_r": "fp32"}
     device = down_r_device
@@ -58,7 +61,7 @@ class DownR(RowsInstruction):
         return lay.tiling.down_rows
 
     def check_operands(self, lay: Layout) -> list[str]:
-        bad = tile_start("r0", self.r0, lay.tiling.down_rows, lay.cfg.d)
+        bad = tile_start("r0", self.r0, lay.tiling.down_rows, lay.cfg.d) + check_n0(self.n0, lay)
         if not 0 <= self.kc < lay.n_down_k:
             bad.append(f"kc {self.kc} not in [0, {lay.n_down_k})")
         return bad + ([] if 0 <= self.layer < lay.cfg.layers else [f"layer {self.layer} not in [0, {lay.cfg.layers})"])
@@ -71,27 +74,24 @@ class DownR(RowsInstruction):
         return self.kc * k, min((self.kc + 1) * k, lay.cfg.ffn)
 
     def reads(self, lay: Layout) -> list[Region]:
-        f, R = lay.cfg.ffn, lay.rows
         k0, k1 = self._ks(lay)
-        return [Region("act_r", (self.layer * f + k0) * R, (self.layer * f + k1) * R)]
+        return [bregion("act_r", lay, lay.cfg.ffn, self.layer, k0, k1, self.n0)]
 
     def writes(self, lay: Layout) -> list[Region]:
-        c, R = lay.cfg, lay.rows
         lo, hi = self._rows(lay)
-        b = (self.layer * lay.n_down_k + self.kc) * c.d
-        return [Region("dpart_r", (b + lo) * R, (b + hi) * R)]
+        return [bregion("dpart_r", lay, lay.cfg.d, self.layer * lay.n_down_k + self.kc, lo, hi, self.n0)]
 
     def cost(self, lay: Layout) -> Cost:
-        R = lay.rows
+        R = lay.n_tile
         lo, hi = self._rows(lay)
         k0, k1 = self._ks(lay)
         return Cost(hbm_bytes=2 * (hi - lo) * (k1 - k0), l2_bytes=2 * (k1 - k0) * R + 4 * (hi - lo) * R,
                     flops=2 * (hi - lo) * (k1 - k0) * R)
 
     def run_torch(self, lay: Layout, st) -> None:
-        c, R = lay.cfg, lay.rows
+        c, b = lay.cfg, self.n0 // lay.n_tile
         lo, hi = self._rows(lay)
         k0, k1 = self._ks(lay)
-        a = st.buf["act_r"].view(c.layers, c.ffn, R)[self.layer, k0:k1]
+        a = bview(st.buf["act_r"], lay, c.ffn, c.layers)[self.layer, b, k0:k1]
         y = bf16_dot(st.weights[self.layer]["down"][lo:hi, k0:k1], a)
-        st.buf["dpart_r"].view(c.layers, lay.n_down_k, c.d, R)[self.layer, self.kc, lo:hi] = y
+        bview(st.buf["dpart_r"], lay, c.d, c.layers, lay.n_down_k)[self.layer, self.kc, b, lo:hi] = y

@@ -20,27 +20,29 @@ from .base import Cost, Layout, Region, register, tile_start
 from .common import T_WG, T_WU, tab_offset, to_bf16
 from .common_rows import col_rstd, rows_stream
 from .gate_up import GateUp
-from .rows import RowsInstruction, bf16_dot, col_rstd_r
+from .rows import RowsInstruction, bf16_dot, bregion, bview, check_n0, col_rstd_r
 
 
 @triton.jit
-def gate_up_r_device(r0, layer, hn2_r_ptr, ss2_r_ptr, act_r_ptr, wtab_ptr, wg_ptr, wu_ptr,
+def gate_up_r_device(r0, layer, n0, hn2_r_ptr, ss2_r_ptr, act_r_ptr, wtab_ptr, wg_ptr, wu_ptr,
                      D: tl.constexpr, FFN: tl.constexpr, EPS: tl.constexpr, GU_ROWS: tl.constexpr, BK: tl.constexpr,
                      STAGES: tl.constexpr, SS2_P: tl.constexpr, SS2_PP: tl.constexpr, ROWS: tl.constexpr,
-                     INTERP: tl.constexpr):
+                     NT: tl.constexpr, INTERP: tl.constexpr):
+    if NT == ROWS:
+        n0 = 0
     wg = wg_ptr + tab_offset(wtab_ptr, layer, T_WG)
     wu = wu_ptr + tab_offset(wtab_ptr, layer, T_WU)
     rows = r0 + tl.arange(0, GU_ROWS)
     rm = rows < FFN
-    acc1, acc2 = rows_stream(wg, rows, wu, rows, rm, hn2_r_ptr + layer * (D * ROWS), 0, ROWS, ROWS, D, D,
-                             GU_ROWS, ROWS, BK, STAGES, TWO=True,
+    acc1, acc2 = rows_stream(wg, rows, wu, rows, rm, hn2_r_ptr + layer * (D * ROWS) + n0 * D, 0, NT, NT, D, D,
+                             GU_ROWS, NT, BK, STAGES, TWO=True,
                              EVEN=(D % BK == 0) & (FFN % GU_ROWS == 0), INTERP=INTERP)
-    rstd = col_rstd(ss2_r_ptr + layer * (SS2_P * ROWS), SS2_P, SS2_PP, D, EPS, ROWS)
+    rstd = col_rstd(ss2_r_ptr + layer * (SS2_P * ROWS) + n0 * SS2_P, SS2_P, SS2_PP, D, EPS, NT)
     g = acc1 * rstd[None, :]
     u = acc2 * rstd[None, :]
     act = g / (1.0 + tl.exp(-g)) * u
-    n = tl.arange(0, ROWS)
-    tl.store(act_r_ptr + layer * (FFN * ROWS) + rows[:, None] * ROWS + n[None, :], to_bf16(act, INTERP),
+    n = tl.arange(0, NT)
+    tl.store(act_r_ptr + layer * (FFN * ROWS) + n0 * FFN + rows[:, None] * NT + n[None, :], to_bf16(act, INTERP),
              mask=rm[:, None])
 
 
@@ -49,11 +51,12 @@ def gate_up_r_device(r0, layer, hn2_r_ptr, ss2_r_ptr, act_r_ptr, wtab_ptr, wg_pt
 class GateUpR(RowsInstruction):
     r0: int
     layer: int
+    n0: int = 0       # the column block (opcodes.rows)
 
     NAME = "gate_up_r"
     STAGE = 3
     ARGS = ("hn2_r_ptr", "ss2_r_ptr", "act_r_ptr", "wtab_ptr", "wg_ptr", "wu_ptr",
-            "D", "FFN", "EPS", "GU_ROWS", "BK", "STAGES", "SS2_P", "SS2_PP", "ROWS", "INTERP")
+            "D", "FFN", "EPS", "GU_ROWS", "BK", "STAGES", "SS2_P", "SS2_PP", "ROWS", "NT", "INTERP")
     CONSTEXPRS = {"GU_ROWS": GateUp.CONSTEXPRS["GU_ROWS"]}
     SCRATCH = {"act_r": "bf16"}
     device = gate_up_r_device
@@ -67,35 +70,33 @@ class GateUpR(RowsInstruction):
         return 2 * lay.tiling.gu_rows
 
     def check_operands(self, lay: Layout) -> list[str]:
-        bad = tile_start("r0", self.r0, lay.tiling.gu_rows, lay.cfg.ffn)
+        bad = tile_start("r0", self.r0, lay.tiling.gu_rows, lay.cfg.ffn) + check_n0(self.n0, lay)
         return bad + ([] if 0 <= self.layer < lay.cfg.layers else [f"layer {self.layer} not in [0, {lay.cfg.layers})"])
 
     def _rows(self, lay: Layout) -> tuple[int, int]:
         return self.r0, min(self.r0 + lay.tiling.gu_rows, lay.cfg.ffn)
 
     def reads(self, lay: Layout) -> list[Region]:
-        d, R, l = lay.cfg.d, lay.rows, self.layer
-        p = lay.ss_parts[2]
-        return [Region("hn2_r", l * d * R, (l + 1) * d * R), Region("ss2_r", l * p * R, (l + 1) * p * R)]
+        d, l, p = lay.cfg.d, self.layer, lay.ss_parts[2]
+        return [bregion("hn2_r", lay, d, l, 0, d, self.n0), bregion("ss2_r", lay, p, l, 0, p, self.n0)]
 
     def writes(self, lay: Layout) -> list[Region]:
-        f, R = lay.cfg.ffn, lay.rows
         lo, hi = self._rows(lay)
-        return [Region("act_r", (self.layer * f + lo) * R, (self.layer * f + hi) * R)]
+        return [bregion("act_r", lay, lay.cfg.ffn, self.layer, lo, hi, self.n0)]
 
     def cost(self, lay: Layout) -> Cost:
-        d, R = lay.cfg.d, lay.rows
+        d, R = lay.cfg.d, lay.n_tile
         lo, hi = self._rows(lay)
         return Cost(hbm_bytes=2 * 2 * (hi - lo) * d, l2_bytes=2 * d * R + 2 * (hi - lo) * R,
                     flops=4 * (hi - lo) * d * R)
 
     def run_torch(self, lay: Layout, st) -> None:
-        c, R = lay.cfg, lay.rows
+        c, b, p = lay.cfg, self.n0 // lay.n_tile, lay.ss_parts[2]
         lo, hi = self._rows(lay)
         lw = st.weights[self.layer]
-        xb = st.buf["hn2_r"].view(c.layers, c.d, R)[self.layer]
-        rstd = col_rstd_r(st.buf["ss2_r"].view(c.layers, -1, R)[self.layer], lay.ss_parts[2], c.d, c.eps)
+        xb = bview(st.buf["hn2_r"], lay, c.d, c.layers)[self.layer, b]
+        rstd = col_rstd_r(bview(st.buf["ss2_r"], lay, p, c.layers)[self.layer, b], p, c.d, c.eps)
         g = bf16_dot(lw["gate"][lo:hi], xb) * rstd[None, :]
         u = bf16_dot(lw["up"][lo:hi], xb) * rstd[None, :]
         act = torch.nn.functional.silu(g) * u
-        st.buf["act_r"].view(c.layers, c.ffn, R)[self.layer, lo:hi] = act.to(torch.bfloat16)
+        bview(st.buf["act_r"], lay, c.ffn, c.layers)[self.layer, b, lo:hi] = act.to(torch.bfloat16)

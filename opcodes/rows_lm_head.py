@@ -18,43 +18,47 @@ from .base import Cost, Layout, Region, register, tile_start
 from .common_rows import col_rstd, rows_stream
 from .embed import Embed
 from .lm_head import LMHead
-from .rows import RowsInstruction, bf16_dot, col_rstd_r, wants_logits
+from .rows import RowsInstruction, bf16_dot, bregion, bview, check_n0, col_rstd_r, wants_logits
 
 
 @triton.jit
-def lm_head_r_device(v0, rows_ptr, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS: tl.constexpr,
+def lm_head_r_device(v0, n0, rows_ptr, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS: tl.constexpr,
                      D: tl.constexpr, VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr, BK: tl.constexpr,
                      STAGES: tl.constexpr, SS_P: tl.constexpr, SS_PP: tl.constexpr, ROWS: tl.constexpr,
-                     INTERP: tl.constexpr):
+                     NT: tl.constexpr, INTERP: tl.constexpr):
+    if NT == ROWS:
+        n0 = 0
     if tl.load(rows_ptr + 1) != 0:     # the step wants logits (not a prefill chunk before the prompt's last)
-        _lm_head_r(v0, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS, D, VOCAB, EPS, LM_ROWS, BK, STAGES, SS_P,
-                   SS_PP, ROWS, INTERP)
+        _lm_head_r(v0, n0, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS, D, VOCAB, EPS, LM_ROWS, BK, STAGES,
+                   SS_P, SS_PP, ROWS, NT, INTERP)
 
 
 @triton.jit
-def _lm_head_r(v0, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS: tl.constexpr, D: tl.constexpr,
+def _lm_head_r(v0, n0, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS: tl.constexpr, D: tl.constexpr,
                VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr, BK: tl.constexpr,
                STAGES: tl.constexpr, SS_P: tl.constexpr, SS_PP: tl.constexpr, ROWS: tl.constexpr,
-               INTERP: tl.constexpr):
+               NT: tl.constexpr, INTERP: tl.constexpr):
     rows = v0 + tl.arange(0, LM_ROWS)
     rm = rows < VOCAB
-    acc, acc2 = rows_stream(lmh_ptr, rows, lmh_ptr, rows, rm, hn_r_ptr + LAYERS * (D * ROWS),
-                            0, ROWS, ROWS, D, D, LM_ROWS, ROWS, BK, STAGES, TWO=False,
+    acc, acc2 = rows_stream(lmh_ptr, rows, lmh_ptr, rows, rm, hn_r_ptr + LAYERS * (D * ROWS) + n0 * D,
+                            0, NT, NT, D, D, LM_ROWS, NT, BK, STAGES, TWO=False,
                             EVEN=(D % BK == 0) & (VOCAB % LM_ROWS == 0), INTERP=INTERP)
-    rstd = col_rstd(ss_r_ptr + (LAYERS - 1) * (SS_P * ROWS), SS_P, SS_PP, D, EPS, ROWS)
-    n = tl.arange(0, ROWS)
-    tl.store(logits_r_ptr + rows[:, None].to(tl.int64) * ROWS + n[None, :], acc * rstd[None, :], mask=rm[:, None])
+    rstd = col_rstd(ss_r_ptr + (LAYERS - 1) * (SS_P * ROWS) + n0 * SS_P, SS_P, SS_PP, D, EPS, NT)
+    n = tl.arange(0, NT)
+    tl.store(logits_r_ptr + n0 * VOCAB + rows[:, None].to(tl.int64) * NT + n[None, :],
+             acc * rstd[None, :], mask=rm[:, None])
 
 
 @register
 @dataclass(frozen=True)
 class LMHeadR(RowsInstruction):
     v0: int
+    n0: int = 0       # the column block (opcodes.rows)
 
     NAME = "lm_head_r"
     STAGE = 6
     ARGS = ("rows_ptr", "hn_r_ptr", "ss_r_ptr", "lmh_ptr", "logits_r_ptr", "LAYERS", "D", "VOCAB", "EPS", "LM_ROWS",
-            "BK", "STAGES", "SS_P", "SS_PP", "ROWS", "INTERP")
+            "BK", "STAGES", "SS_P", "SS_PP", "ROWS", "NT", "INTERP")
     CONSTEXPRS = {"VOCAB": Embed.CONSTEXPRS["VOCAB"], "LM_ROWS": LMHead.CONSTEXPRS["LM_ROWS"]}
     SCRATCH = {"logits_r": "fp32"}
     device = lm_head_r_device
@@ -68,31 +72,29 @@ class LMHeadR(RowsInstruction):
         return lay.lm_rows
 
     def check_operands(self, lay: Layout) -> list[str]:
-        return tile_start("v0", self.v0, lay.lm_rows, lay.cfg.vocab)
+        return tile_start("v0", self.v0, lay.lm_rows, lay.cfg.vocab) + check_n0(self.n0, lay)
 
     def _rows(self, lay: Layout) -> tuple[int, int]:
         return self.v0, min(self.v0 + lay.lm_rows, lay.cfg.vocab)
 
     def reads(self, lay: Layout) -> list[Region]:
-        c, R, L = lay.cfg, lay.rows, lay.cfg.layers
-        p = lay.ss_parts[1]
-        return [Region("hn_r", L * c.d * R, (L + 1) * c.d * R), Region("ss_r", (L - 1) * p * R, L * p * R)]
+        c, L, p = lay.cfg, lay.cfg.layers, lay.ss_parts[1]
+        return [bregion("hn_r", lay, c.d, L, 0, c.d, self.n0), bregion("ss_r", lay, p, L - 1, 0, p, self.n0)]
 
     def writes(self, lay: Layout) -> list[Region]:
-        R = lay.rows
         lo, hi = self._rows(lay)
-        return [Region("logits_r", lo * R, hi * R)]
+        return [bregion("logits_r", lay, lay.cfg.vocab, 0, lo, hi, self.n0)]
 
     def cost(self, lay: Layout) -> Cost:
-        d, R = lay.cfg.d, lay.rows
+        d, R = lay.cfg.d, lay.n_tile
         lo, hi = self._rows(lay)
         return Cost(hbm_bytes=2 * (hi - lo) * d, l2_bytes=2 * d * R + 4 * (hi - lo) * R, flops=2 * (hi - lo) * d * R)
 
     def run_torch(self, lay: Layout, st) -> None:
         if not wants_logits(st):
             return
-        c, R = lay.cfg, lay.rows
+        c, b, p = lay.cfg, self.n0 // lay.n_tile, lay.ss_parts[1]
         lo, hi = self._rows(lay)
-        xb = st.buf["hn_r"].view(c.layers + 1, c.d, R)[c.layers]
-        rstd = col_rstd_r(st.buf["ss_r"].view(c.layers, -1, R)[c.layers - 1], lay.ss_parts[1], c.d, c.eps)
-        st.buf["logits_r"].view(c.vocab, R)[lo:hi] = bf16_dot(st.model["lm_head"][lo:hi], xb) * rstd[None, :]
+        xb = bview(st.buf["hn_r"], lay, c.d, c.layers + 1)[c.layers, b]
+        rstd = col_rstd_r(bview(st.buf["ss_r"], lay, p, c.layers)[c.layers - 1, b], p, c.d, c.eps)
+        bview(st.buf["logits_r"], lay, c.vocab)[b, lo:hi] = bf16_dot(st.model["lm_head"][lo:hi], xb) * rstd[None, :]

@@ -25,36 +25,38 @@ from .base import Cost, Layout, Region, register
 from .common import T_KC, T_VC, tab_offset, to_bf16
 from .common_rows import col_rstd, rows_stream
 from .qkv import QKV, SECTIONS, section_weights
-from .rows import RowsInstruction, bf16_dot, col_rstd_r, read_rows, row_meta
+from .rows import RowsInstruction, bf16_dot, bregion, bview, check_n0, col_rstd_r, read_rows, row_meta
 
 
 @triton.jit
-def qkv_r_device(layer, sec, head, j, rows_ptr, hn_r_ptr, ss0_r_ptr, ss_r_ptr, wtab_ptr, wq_ptr, wk_ptr, wv_ptr,
+def qkv_r_device(layer, sec, head, j, n0, rows_ptr, hn_r_ptr, ss0_r_ptr, ss_r_ptr, wtab_ptr, wq_ptr, wk_ptr, wv_ptr,
                  kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_r_ptr,
                  D: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr,
                  EPS: tl.constexpr, QKV_ROWS: tl.constexpr, QKV_M: tl.constexpr, BK: tl.constexpr,
                  STAGES: tl.constexpr, SS_P0: tl.constexpr, SS_P: tl.constexpr, SS_PP: tl.constexpr,
-                 ROWS: tl.constexpr, INTERP: tl.constexpr):
+                 ROWS: tl.constexpr, NT: tl.constexpr, INTERP: tl.constexpr):
+    if NT == ROWS:
+        n0 = 0
     HALF: tl.constexpr = QKV_ROWS // 2
     w_ptr = section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr)
-    xt = hn_r_ptr + layer * (D * ROWS)
+    xt = hn_r_ptr + layer * (D * ROWS) + n0 * D
     # QKV_M >= 16 rows a half (tl.dot's M): the HALF dims of the tile, the rest masked (hd < 32)
     dm = tl.arange(0, QKV_M) < HALF
     dims = j * HALF + tl.arange(0, QKV_M)
     rows1 = head * HD + dims
     rows2 = rows1 + HD // 2
-    acc1, acc2 = rows_stream(w_ptr, rows1, w_ptr, rows2, dm, xt, 0, ROWS, ROWS, D, D, QKV_M, ROWS,
+    acc1, acc2 = rows_stream(w_ptr, rows1, w_ptr, rows2, dm, xt, 0, NT, NT, D, D, QKV_M, NT,
                              BK, STAGES, TWO=True, EVEN=(D % BK == 0) & (QKV_M == HALF),
                              INTERP=INTERP)
     if layer == 0:
-        ss_ptr = ss0_r_ptr
+        ss_ptr = ss0_r_ptr + n0 * SS_P0
     else:
-        ss_ptr = ss_r_ptr + (layer - 1) * (SS_P * ROWS)
-    rstd = col_rstd(ss_ptr, tl.where(layer == 0, SS_P0, SS_P), SS_PP, D, EPS, ROWS)
+        ss_ptr = ss_r_ptr + (layer - 1) * (SS_P * ROWS) + n0 * SS_P
+    rstd = col_rstd(ss_ptr, tl.where(layer == 0, SS_P0, SS_P), SS_PP, D, EPS, NT)
     y1 = acc1 * rstd[None, :]
     y2 = acc2 * rstd[None, :]
-    n = tl.arange(0, ROWS)
-    live, slot, pos, tok = row_meta(rows_ptr, n, ROWS)
+    n = tl.arange(0, NT)
+    live, slot, pos, tok = row_meta(rows_ptr, n0 + n, ROWS)
     rot = sec < 2
     c = tl.load(cos_ptr + pos[None, :] * (HD // 2) + dims[:, None], mask=dm[:, None], other=1.0)
     s = tl.load(sin_ptr + pos[None, :] * (HD // 2) + dims[:, None], mask=dm[:, None], other=0.0)
@@ -63,9 +65,9 @@ def qkv_r_device(layer, sec, head, j, rows_ptr, hn_r_ptr, ss0_r_ptr, ss_r_ptr, w
     o1 = y1 * c - y2 * s
     o2 = y2 * c + y1 * s
     if sec == 0:
-        qb = q_r_ptr + layer * (NQ * HD * ROWS)
-        tl.store(qb + rows1[:, None] * ROWS + n[None, :], o1, mask=dm[:, None])
-        tl.store(qb + rows2[:, None] * ROWS + n[None, :], o2, mask=dm[:, None])
+        qb = q_r_ptr + layer * (NQ * HD * ROWS) + n0 * (NQ * HD)
+        tl.store(qb + rows1[:, None] * NT + n[None, :], o1, mask=dm[:, None])
+        tl.store(qb + rows2[:, None] * NT + n[None, :], o2, mask=dm[:, None])
     else:
         if sec == 1:
             cb = kc_ptr + tab_offset(wtab_ptr, layer, T_KC)
@@ -84,17 +86,19 @@ class QKVR(RowsInstruction):
     sec: int      # 0: q, 1: k, 2: v
     head: int     # query head (sec 0) or KV head (sec 1, 2)
     j: int        # which QKV_ROWS/2-wide block of the half-head
+    n0: int = 0   # the column block (opcodes.rows)
 
     NAME = "qkv_r"
     STAGE = 0
     ARGS = ("rows_ptr", "hn_r_ptr", "ss0_r_ptr", "ss_r_ptr", "wtab_ptr", "wq_ptr", "wk_ptr", "wv_ptr", "kc_ptr",
             "vc_ptr", "cos_ptr", "sin_ptr", "q_r_ptr",
             "D", "NQ", "NKV", "HD", "MAX_SEQ", "EPS", "QKV_ROWS", "QKV_M", "BK", "STAGES", "SS_P0", "SS_P", "SS_PP",
-            "ROWS", "INTERP")
+            "ROWS", "NT", "INTERP")
     CONSTEXPRS = {"QKV_ROWS": QKV.CONSTEXPRS["QKV_ROWS"],
                   "QKV_M": lambda lay: max(16, lay.tiling.qkv_rows // 2)}   # tl.dot's M: >= 16
     TABLES = QKV.TABLES
-    # the new K/V rows live in the caller's cache: tracked by the verifier as a whole layer's, not allocated
+    # the new K/V rows live in the caller's cache: tracked by the verifier as a whole layer's (a column block's),
+    # not allocated
     VIRTUAL = ("kv_new_k_r", "kv_new_v_r")
     SCRATCH = {"q_r": "fp32", "kv_new_k_r": "bf16", "kv_new_v_r": "bf16"}
     device = qkv_r_device
@@ -102,8 +106,8 @@ class QKVR(RowsInstruction):
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
         c = lay.cfg
-        return {"q_r": (c.layers, c.q_dim, lay.rows), "kv_new_k_r": (c.layers, c.kv_dim),
-                "kv_new_v_r": (c.layers, c.kv_dim)}
+        return {"q_r": (c.layers, c.q_dim, lay.rows), "kv_new_k_r": (c.layers, lay.n_blocks, c.kv_dim),
+                "kv_new_v_r": (c.layers, lay.n_blocks, c.kv_dim)}
 
     @classmethod
     def tables(cls, lay: Layout, device) -> dict:
@@ -114,39 +118,42 @@ class QKVR(RowsInstruction):
         return lay.tiling.qkv_rows
 
     def check_operands(self, lay: Layout) -> list[str]:
-        return QKV(self.layer, self.sec, self.head, self.j).check_operands(lay)
+        return QKV(self.layer, self.sec, self.head, self.j).check_operands(lay) + check_n0(self.n0, lay)
 
     def _dims(self, lay: Layout) -> tuple[int, int]:
         half = lay.tiling.qkv_rows // 2
         return self.j * half, (self.j + 1) * half
 
     def writes(self, lay: Layout) -> list[Region]:
-        c, R = lay.cfg, lay.rows
+        c = lay.cfg
         lo, hi = self._dims(lay)
         if self.sec == 0:
-            base = (self.layer * c.q_dim + self.head * c.hd) * R
-            return [Region("q_r", base + lo * R, base + hi * R),
-                    Region("q_r", base + (c.hd // 2 + lo) * R, base + (c.hd // 2 + hi) * R)]
+            h0 = self.head * c.hd
+            return [bregion("q_r", lay, c.q_dim, self.layer, h0 + lo, h0 + hi, self.n0),
+                    bregion("q_r", lay, c.q_dim, self.layer, h0 + c.hd // 2 + lo, h0 + c.hd // 2 + hi, self.n0)]
         buf = ("kv_new_k_r", "kv_new_v_r")[self.sec - 1]
-        base = self.layer * c.kv_dim + self.head * c.hd
+        base = (self.layer * lay.n_blocks + self.n0 // lay.n_tile) * c.kv_dim + self.head * c.hd
         return [Region(buf, base + lo, base + hi), Region(buf, base + c.hd // 2 + lo, base + c.hd // 2 + hi)]
 
     def reads(self, lay: Layout) -> list[Region]:
-        d, R, l = lay.cfg.d, lay.rows, self.layer
+        d, l = lay.cfg.d, self.layer
         p0, p, _ = lay.ss_parts
-        ss = Region("ss0_r", 0, p0 * R) if l == 0 else Region("ss_r", (l - 1) * p * R, l * p * R)
-        return [Region("hn_r", l * d * R, (l + 1) * d * R), ss]
+        ss = bregion("ss0_r", lay, p0, 0, 0, p0, self.n0) if l == 0 else bregion("ss_r", lay, p, l - 1, 0, p, self.n0)
+        return [bregion("hn_r", lay, d, l, 0, d, self.n0), ss]
 
     def cost(self, lay: Layout) -> Cost:
-        d, rows, R = lay.cfg.d, lay.tiling.qkv_rows, lay.rows
+        d, rows, R = lay.cfg.d, lay.tiling.qkv_rows, lay.n_tile
         return Cost(hbm_bytes=2 * rows * d, l2_bytes=2 * d * R + 4 * rows * R, flops=2 * rows * d * R)
 
     def run_torch(self, lay: Layout, st) -> None:
-        c, NR = lay.cfg, lay.rows
+        c, NR, b, n0 = lay.cfg, lay.n_tile, self.n0 // lay.n_tile, self.n0
         R, slots, pos, _ = read_rows(st)
+        R, slots, pos = max(0, min(R - n0, NR)), slots[n0:n0 + NR], pos[n0:n0 + NR]      # the block's rows
         w = st.weights[self.layer][SECTIONS[self.sec]]
-        xb = st.buf["hn_r"].view(c.layers + 1, c.d, NR)[self.layer]
-        ss = st.buf["ss0_r"].view(-1, NR) if self.layer == 0 else st.buf["ss_r"].view(c.layers, -1, NR)[self.layer - 1]
+        xb = bview(st.buf["hn_r"], lay, c.d, c.layers + 1)[self.layer, b]
+        p0, p, _ = lay.ss_parts
+        ss = bview(st.buf["ss0_r"], lay, p0)[b] if self.layer == 0 else \
+            bview(st.buf["ss_r"], lay, p, c.layers)[self.layer - 1, b]
         rstd = col_rstd_r(ss, ss.shape[0], c.d, c.eps)              # [ROWS]
         lo, hi = self._dims(lay)
         dims = torch.arange(lo, hi)
@@ -159,9 +166,9 @@ class QKVR(RowsInstruction):
             cos, sin = st.tables["cos_ptr"][p][:, lo:hi].T, st.tables["sin_ptr"][p][:, lo:hi].T
             y1, y2 = y1 * cos - y2 * sin, y2 * cos + y1 * sin
         if self.sec == 0:
-            q = st.buf["q_r"].view(c.layers, c.n_q, c.hd, NR)
-            q[self.layer, self.head, lo:hi] = y1
-            q[self.layer, self.head, c.hd // 2 + lo: c.hd // 2 + hi] = y2
+            q = bview(st.buf["q_r"], lay, c.q_dim, c.layers)[self.layer, b].view(c.n_q, c.hd, NR)
+            q[self.head, lo:hi] = y1
+            q[self.head, c.hd // 2 + lo: c.hd // 2 + hi] = y2
         else:
             cache = st.kv[self.layer][self.sec - 1]
             for n in range(R):

@@ -16,17 +16,20 @@ from .base import Cost, Layout, Region, register, tile_start
 from .common import T_N1, tab_offset, to_bf16
 from .common_rows import store_normed
 from .residual import Residual
-from .rows import RowsInstruction, store_normed_r
+from .rows import RowsInstruction, bregion, bview, check_n0, store_normed_r
 
 
 @triton.jit
-def residual_r_device(r0, layer, x1_r_ptr, dpart_r_ptr, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr, fnorm_ptr,
-                      LAYERS: tl.constexpr, D: tl.constexpr, DOWN_CHUNKS: tl.constexpr, RED_ROWS: tl.constexpr,
-                      SS_P: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
+def residual_r_device(r0, layer, n0, x1_r_ptr, dpart_r_ptr, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr,
+                      fnorm_ptr, LAYERS: tl.constexpr, D: tl.constexpr, DOWN_CHUNKS: tl.constexpr,
+                      RED_ROWS: tl.constexpr, SS_P: tl.constexpr, ROWS: tl.constexpr, NT: tl.constexpr,
+                      INTERP: tl.constexpr):
+    if NT == ROWS:
+        n0 = 0
     rows = r0 + tl.arange(0, RED_ROWS)
     rm = rows < D
-    n = tl.arange(0, ROWS)
-    off = rows[:, None] * ROWS + n[None, :]
+    n = tl.arange(0, NT)
+    off = n0 * D + rows[:, None] * NT + n[None, :]
     y = tl.load(x1_r_ptr + layer * (D * ROWS) + off, mask=rm[:, None], other=0.0, cache_modifier=".cg")
     for kc in tl.static_range(DOWN_CHUNKS):
         y += tl.load(dpart_r_ptr + (layer * DOWN_CHUNKS + kc) * (D * ROWS) + off, mask=rm[:, None], other=0.0,
@@ -38,7 +41,7 @@ def residual_r_device(r0, layer, x1_r_ptr, dpart_r_ptr, xout_r_ptr, hn_r_ptr, ss
     else:
         nw = n1_ptr + tab_offset(wtab_ptr, layer + 1, T_N1)
     store_normed(yb.to(tl.float32), rows, rm, nw, hn_r_ptr + (layer + 1) * (D * ROWS),
-                 ss_r_ptr + layer * (SS_P * ROWS), r0 // RED_ROWS, ROWS, INTERP)
+                 ss_r_ptr + layer * (SS_P * ROWS), r0 // RED_ROWS, n0, D, SS_P, NT, INTERP)
 
 
 @register
@@ -46,11 +49,12 @@ def residual_r_device(r0, layer, x1_r_ptr, dpart_r_ptr, xout_r_ptr, hn_r_ptr, ss
 class ResidualR(RowsInstruction):
     r0: int
     layer: int
+    n0: int = 0       # the column block (opcodes.rows)
 
     NAME = "residual_r"
     STAGE = 5
     ARGS = ("x1_r_ptr", "dpart_r_ptr", "xout_r_ptr", "hn_r_ptr", "ss_r_ptr", "wtab_ptr", "n1_ptr", "fnorm_ptr",
-            "LAYERS", "D", "DOWN_CHUNKS", "RED_ROWS", "SS_P", "ROWS", "INTERP")
+            "LAYERS", "D", "DOWN_CHUNKS", "RED_ROWS", "SS_P", "ROWS", "NT", "INTERP")
     CONSTEXPRS = {"RED_ROWS": Residual.CONSTEXPRS["RED_ROWS"]}
     # hn_r [L + 1, d, ROWS]: the normed QKV operand of each layer (0: EMBED_R's) and the LM head's (L);
     # ss_r [L, parts, ROWS]: its sums of squares after layer l (layer 0's input: EMBED_R's ss0_r)
@@ -64,43 +68,42 @@ class ResidualR(RowsInstruction):
                 "ss_r": (c.layers, lay.ss_parts[1], R)}
 
     def check_operands(self, lay: Layout) -> list[str]:
-        bad = tile_start("r0", self.r0, lay.tiling.red_rows, lay.cfg.d)
+        bad = tile_start("r0", self.r0, lay.tiling.red_rows, lay.cfg.d) + check_n0(self.n0, lay)
         return bad + ([] if 0 <= self.layer < lay.cfg.layers else [f"layer {self.layer} not in [0, {lay.cfg.layers})"])
 
     def _rows(self, lay: Layout) -> tuple[int, int]:
         return self.r0, min(self.r0 + lay.tiling.red_rows, lay.cfg.d)
 
     def reads(self, lay: Layout) -> list[Region]:
-        c, R = lay.cfg, lay.rows
+        c, n0 = lay.cfg, self.n0
         lo, hi = self._rows(lay)
-        out = [Region("x1_r", (self.layer * c.d + lo) * R, (self.layer * c.d + hi) * R)]
+        out = [bregion("x1_r", lay, c.d, self.layer, lo, hi, n0)]
         for kc in range(lay.n_down_k):
-            b = (self.layer * lay.n_down_k + kc) * c.d
-            out.append(Region("dpart_r", (b + lo) * R, (b + hi) * R))
+            out.append(bregion("dpart_r", lay, c.d, self.layer * lay.n_down_k + kc, lo, hi, n0))
         return out
 
     def writes(self, lay: Layout) -> list[Region]:
-        c, R = lay.cfg, lay.rows
+        c, n0 = lay.cfg, self.n0
         lo, hi = self._rows(lay)
-        nxt = self.layer + 1
-        ss0 = (self.layer * lay.ss_parts[1] + self.r0 // lay.tiling.red_rows) * R
-        return [Region("xout_r", (self.layer * c.d + lo) * R, (self.layer * c.d + hi) * R),
-                Region("hn_r", (nxt * c.d + lo) * R, (nxt * c.d + hi) * R), Region("ss_r", ss0, ss0 + R)]
+        part = self.r0 // lay.tiling.red_rows
+        return [bregion("xout_r", lay, c.d, self.layer, lo, hi, n0), bregion("hn_r", lay, c.d, self.layer + 1, lo, hi, n0),
+                bregion("ss_r", lay, lay.ss_parts[1], self.layer, part, part + 1, n0)]
 
     def cost(self, lay: Layout) -> Cost:
-        R = lay.rows
+        R = lay.n_tile
         lo, hi = self._rows(lay)
         return Cost(hbm_bytes=0, l2_bytes=(hi - lo) * R * (4 + 4 * lay.n_down_k + 4), flops=(hi - lo) * R * lay.n_down_k)
 
     def run_torch(self, lay: Layout, st) -> None:
-        c, R = lay.cfg, lay.rows
+        c, b = lay.cfg, self.n0 // lay.n_tile
         lo, hi = self._rows(lay)
-        y = st.buf["x1_r"].view(c.layers, c.d, R)[self.layer, lo:hi].clone()
-        dp = st.buf["dpart_r"].view(c.layers, lay.n_down_k, c.d, R)
+        y = bview(st.buf["x1_r"], lay, c.d, c.layers)[self.layer, b, lo:hi].clone()
+        dp = bview(st.buf["dpart_r"], lay, c.d, c.layers, lay.n_down_k)
         for kc in range(lay.n_down_k):
-            y += dp[self.layer, kc, lo:hi]
-        st.buf["xout_r"].view(c.layers, c.d, R)[self.layer, lo:hi] = y.to(torch.bfloat16)
+            y += dp[self.layer, kc, b, lo:hi]
+        bview(st.buf["xout_r"], lay, c.d, c.layers)[self.layer, b, lo:hi] = y.to(torch.bfloat16)
         nw = st.model["final_norm"] if self.layer == c.layers - 1 else st.weights[self.layer + 1]["in_norm"]
         store_normed_r(y.to(torch.bfloat16).float(), lo, hi, nw,
-                       st.buf["hn_r"].view(c.layers + 1, c.d, R)[self.layer + 1],
-                       st.buf["ss_r"].view(c.layers, -1, R)[self.layer], self.r0 // lay.tiling.red_rows)
+                       bview(st.buf["hn_r"], lay, c.d, c.layers + 1)[self.layer + 1, b],
+                       bview(st.buf["ss_r"], lay, lay.ss_parts[1], c.layers)[self.layer, b],
+                       self.r0 // lay.tiling.red_rows)

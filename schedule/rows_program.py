@@ -9,6 +9,8 @@
       DOWN_R(l, rows in block rb, *) --dpart[l,rb]--> RESIDUAL_R(l, rb) --out[l]--> QKV_R(l+1, *)
     RESIDUAL_R(L-1, *) --out[L-1]--> LM_HEAD_R(v0) x n_lm                    (logits_r)
 
+Every instruction but ATTN_R is one per column block too (``n0``, ``RowsLayout.col_blocks``: one block up to
+256 rows), the blocks of the same weight rows adjacent (their weights streamed once, the rest from the L2).
 The tape depends on the bucket ``ROWS`` only; the step's actual rows are device data (``rows``).
 """
 from __future__ import annotations
@@ -27,9 +29,11 @@ def lower_rows(lay: Layout, rows: int = 16, batch: int = 1) -> Program:
     check_layout(rl)
     c, t = rl.cfg, rl.tiling
     p = Program(rl)
+    nb = rl.col_blocks()
     ce = p.counter("embed")
     for c0 in range(0, c.d, rl.emb_cols):
-        p.add(EmbedR(c0), (), ce)
+        for n0 in nb:
+            p.add(EmbedR(c0, n0), (), ce)
     prev = ce
     n_rb = cdiv(c.d, t.red_rows)
     for l in range(c.layers):
@@ -43,26 +47,33 @@ def lower_rows(lay: Layout, rows: int = 16, batch: int = 1) -> Program:
         for g in range(c.n_kv):
             for h in range(g * c.group, (g + 1) * c.group):
                 for j in range(rl.n_tiles_per_head(0)):
-                    p.add(QKVR(l, 0, h, j), (prev,), cq[g])
+                    for n0 in nb:
+                        p.add(QKVR(l, 0, h, j, n0), (prev,), cq[g])
         for g in range(c.n_kv):
             for sec in (1, 2):
                 for j in range(rl.n_tiles_per_head(sec)):
-                    p.add(QKVR(l, sec, g, j), (prev,), ckv[g])
+                    for n0 in nb:
+                        p.add(QKVR(l, sec, g, j, n0), (prev,), ckv[g])
         for t_ in range(rows // rl.attn_rt):
             for g in range(c.n_kv):
                 p.add(AttnR(l, g, t_), (cq[g], ckv[g]), ca)
         for r0 in range(0, c.d, t.o_rows):
-            p.add(OProjR(r0, l), (ca,), cx)
+            for n0 in nb:
+                p.add(OProjR(r0, l, n0), (ca,), cx)
         for r0 in range(0, c.ffn, t.gu_rows):
-            p.add(GateUpR(r0, l), (cx,), cact[r0 // t.down_k])
+            for n0 in nb:
+                p.add(GateUpR(r0, l, n0), (cx,), cact[r0 // t.down_k])
         for kc in range(rl.n_down_k):
             for r0 in range(0, c.d, t.down_rows):
-                p.add(DownR(r0, l, kc), (cact[kc],), cd[r0 // t.red_rows])
+                for n0 in nb:
+                    p.add(DownR(r0, l, kc, n0), (cact[kc],), cd[r0 // t.red_rows])
         for rb in range(n_rb):
-            p.add(ResidualR(rb * t.red_rows, l), (cd[rb],), cout)
+            for n0 in nb:
+                p.add(ResidualR(rb * t.red_rows, l, n0), (cd[rb],), cout)
         prev = cout
     for v0 in range(0, c.vocab, rl.lm_rows):
-        p.add(LMHeadR(v0), (prev,), NO_COUNTER)
+        for n0 in nb:
+            p.add(LMHeadR(v0, n0), (prev,), NO_COUNTER)
     return p
 
 

@@ -39,7 +39,7 @@ CASES = [
     ("llama3.2-1b", 1152, "tp-decoder"),          # ... the whole model: TP_ARGMAX_PUSH / TP_ARGMAX too
     ("llama3.2-1b", 1152, "rows16"),              # many rows (issue 50): the decode bucket, tl.dot M 32 x N 16
     pytest.param("llama3.2-1b", 1152, "rows128", marks=pytest.mark.slow),   # ... the prefill bucket, N 128
-    pytest.param("llama3.1-8b", 1152, "rows256", marks=pytest.mark.slow),   # ... the largest prefill bucket, N 256
+    pytest.param("llama3.1-8b", 1152, "rows512", marks=pytest.mark.slow),   # ... the largest: two column blocks of 256
     pytest.param("llama3.1-8b", 1152, "rows32", marks=pytest.mark.slow),    # ... hd 128, the 8B's shapes
 ]
 
@@ -180,9 +180,9 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
         # measurable (s39.md, run 274). The tilings the GPU measured fastest spill a little (bench/notes/
         # s40.md): 4 warps and M 64 tiles in the 1B's prefill bucket 312 bytes (1708 us a chunk against
         # 2438 spill-free, run 280), 4 warps and gate/up 32 + 32 on the 8B's R32 56 bytes; the 1B's R16 none;
-        # the 256-row bucket (8 warps, M 64, 3 stages: 2862 us a 1B chunk in run 280) 296 bytes on the 1B, 232
-        # on the 8B. The bounds guard against more than those.
-        bound = {"rows16": 0, "rows32": 64, "rows128": 320, "rows256": 256}[what]
+        # the 256-row tiling (8 warps, M 64, 3 stages: 2862 us a 1B chunk in run 280) 280 bytes on the 1B, 240
+        # on the 8B's 512-row bucket (its tiles: 2 column blocks of 256). The bounds guard against more than those.
+        bound = {"rows16": 0, "rows32": 64, "rows128": 320, "rows512": 256}[what]
         assert got["stack"] <= bound, f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills)"
     if what in CODE_LIMITED:
         assert 0 < got["code_bytes"] <= ICACHE_BYTES, \

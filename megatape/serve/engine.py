@@ -147,17 +147,17 @@ class KernelBackend:
     requests' next tokens in one ``decode_step(h, tokens (R,), pos (R,), slots=(R,))`` launch. A row's logits
     must be bitwise the same whatever else runs: the columns of a tile are independent, and the decode
     buckets (``opcodes.rows.DECODE_BUCKETS``, 16 and 32 rows) are tiled alike but for N, so with up to 32
-    slots a step runs in the smallest bucket that holds its rows; past 32 (buckets 64, 128 and 256 tile
+    slots a step runs in the smallest bucket that holds its rows; past 32 (buckets 64 to 512 tile
     attention otherwise) every step runs in the bucket of all the slots. The logits come back to the
     host for sampling (``Engine`` samples there).
     """
 
     name = "kernel"
 
-    def __init__(self, weights: dict, cfg, max_batch: int, max_seq: int, device=None,
+    def __init__(self, weights: dict, cfg, max_batch: int, max_seq: int, device=None, prefill_chunk: int = 128,
                  log: Callable[[str], None] | None = None, **options):
         import interp
-        from interp.rows import BUCKETS, decode_rows, rows_handle
+        from interp.rows import BUCKETS, bucket, decode_rows, rows_handle
         from opcodes import ModelConfig
         from opcodes.rows import DECODE_BUCKETS
         if not batched_kernel_available():
@@ -178,9 +178,11 @@ class KernelBackend:
         self._decode_rows = decode_rows
         self.h = interp.build_decoder(weights, kv, self.cfg.to_dict(), max_seq, batch=max_batch, **options)
         self._min_rows = 1 if max_batch <= DECODE_BUCKETS[-1] else max_batch
-        # every bucket a step may take, compiled now: built on first use, a bucket stalled every running
-        # stream for its compile (~7 s on the GPU; run 279: 32 clients' TTFT p99 6.6 s)
-        for b in BUCKETS:
+        # every bucket a step may take (up to max_batch rows or a prefill chunk of ``prefill_chunk``, the
+        # engine's), compiled now: built on first use, a bucket stalled every running stream for its compile
+        # (~7 s on the GPU; run 279: 32 clients' TTFT p99 6.6 s)
+        top = bucket(min(max(max_batch, prefill_chunk), BUCKETS[-1]))
+        for b in [b for b in BUCKETS if b <= top]:
             t = time.perf_counter()
             rows_handle(self.h, b)
             if log is not None:
