@@ -19,8 +19,9 @@ Activations are feature-major in blocks of ``NT`` columns (``RowsLayout.n_tile``
 ``(n // NT) * width * NT + f * NT + n % NT`` (a K block of a GEMM's B operand is one contiguous span; a tile's
 output one region). A GEMM tile covers one block of columns (its ``n0`` operand, a multiple of ``NT``):
 the tiles of a bucket past 256 rows stream the same weight rows once a block, adjacent in the tape. The
-attention output ``attn_r`` is ``[L, ROWS, q_dim]``: an attention instruction computes one row. Columns ``n >= R`` are padding: zero from the embedding on,
-never mixed with real columns (the columns of a dot are independent), never stored to the cache.
+attention output ``attn_r`` is ``[L, ROWS, q_dim]``: an attention instruction computes one row. Columns
+``n >= R`` are padding: zero from the embedding on, never mixed with real columns (the columns of a dot are
+independent), never stored to the cache.
 See bench/notes/rows-design.md.
 """
 from __future__ import annotations
@@ -103,9 +104,9 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
     of stack). The prefill buckets: at 128 rows 4 warps, gate/up 64 + 64, down and residual tiles of 64 rows
     (run 280, a 1B chunk: 1708 us against 2438 at 8 warps and M 32; 4 warps at M 128 ran 2.2x slower); at 256
     rows 8 warps (4 at M 64 ran 2x slower), gate/up 64 + 64, O, down and residual 64, 3 stages (run 280: 2862 us
-    a 1B chunk, 11.2 us a token). Between them (64 rows): 8 warps, gate/up 16 + 16. Past the decode buckets the attention
-    tiles pipeline 2 key blocks deep, not 3 (3 spilled on the 1B at 128 rows). The O projection 16 rows
-    where d / 32 would leave SMs idle.
+    a 1B chunk, 11.2 us a token; 512 rows: those tiles on two column blocks of 256). Between them (64 rows):
+    8 warps, gate/up 16 + 16. Past the decode buckets the attention tiles pipeline 2 key blocks deep, not 3
+    (3 spilled on the 1B at 128 rows). The O projection 16 rows where d / 32 would leave SMs idle.
     ``over``: fields to set instead (a probe's variants); the pipeline depth then fits their tiles: as many
     stages (2-5) as 200 KB of shared memory holds blocks of the largest weight tile plus the rows."""
     base = Tiling.for_config(cfg, max_seq=max_seq)
@@ -162,7 +163,8 @@ class RowsLayout(DecoderLayout):
 
     @classmethod
     def of(cls, lay, rows: int = 16, batch: int = 1, **tiles) -> "RowsLayout":
-        emb = tiles.pop("emb_cols", 0) or min(next_pow2(lay.cfg.d), max(16, 8192 // max(rows, DECODE_BUCKETS[-1])))
+        emb = tiles.pop("emb_cols", 0) or min(next_pow2(lay.cfg.d),
+                                               max(16, 8192 // max(rows, DECODE_BUCKETS[-1])))
         return cls(lay.cfg, lay.tiling, lay.max_seq, lm_rows=tiles.pop("lm_rows", 0) or 32, emb_cols=emb,
                    rows=rows, batch=batch)
 

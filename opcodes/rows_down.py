@@ -28,8 +28,8 @@ def down_r_device(r0, layer, kc, n0, act_r_ptr, dpart_r_ptr, wtab_ptr, wd_ptr,
     w = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
     rows = r0 + tl.arange(0, DOWN_ROWS)
     rm = rows < D
-    acc, acc2 = rows_stream(w, rows, w, rows, rm, act_r_ptr + layer * (FFN * ROWS) + n0 * FFN, kc * DOWN_K, NT, NT,
-                            FFN, DOWN_K, DOWN_ROWS, NT, BK, STAGES, TWO=False,
+    acc, acc2 = rows_stream(w, rows, w, rows, rm, act_r_ptr + layer * (FFN * ROWS) + n0 * FFN, kc * DOWN_K, NT,
+                            NT, FFN, DOWN_K, DOWN_ROWS, NT, BK, STAGES, TWO=False,
                             EVEN=(FFN % DOWN_K == 0) & (DOWN_K % BK == 0) & (D % DOWN_ROWS == 0), INTERP=INTERP)
     n = tl.arange(0, NT)
     tl.store(dpart_r_ptr + (layer * DOWN_CHUNKS + kc) * (D * ROWS) + n0 * D + rows[:, None] * NT + n[None, :], acc,

@@ -109,4 +109,5 @@ class OProjR(RowsInstruction):
         bview(st.buf["x1_r"], lay, c.d, c.layers)[self.layer, b, lo:hi] = x + y
         store_normed_r(x + y, lo, hi, st.weights[self.layer]["post_norm"],
                        bview(st.buf["hn2_r"], lay, c.d, c.layers)[self.layer, b],
-                       bview(st.buf["ss2_r"], lay, lay.ss_parts[2], c.layers)[self.layer, b], self.r0 // lay.tiling.o_rows)
+                       bview(st.buf["ss2_r"], lay, lay.ss_parts[2], c.layers)[self.layer, b],
+                       self.r0 // lay.tiling.o_rows)

@@ -86,7 +86,8 @@ class ResidualR(RowsInstruction):
         c, n0 = lay.cfg, self.n0
         lo, hi = self._rows(lay)
         part = self.r0 // lay.tiling.red_rows
-        return [bregion("xout_r", lay, c.d, self.layer, lo, hi, n0), bregion("hn_r", lay, c.d, self.layer + 1, lo, hi, n0),
+        return [bregion("xout_r", lay, c.d, self.layer, lo, hi, n0),
+                bregion("hn_r", lay, c.d, self.layer + 1, lo, hi, n0),
                 bregion("ss_r", lay, lay.ss_parts[1], self.layer, part, part + 1, n0)]
 
     def cost(self, lay: Layout) -> Cost:

@@ -530,6 +530,8 @@ class Engine:
             return
         picked = dict(zip(greedy, ids))
         for i, (r, lg) in enumerate(rows):
+            if r.cancelled:                     # since the step began (a client went away)
+                continue
             try:
                 tok = picked[i] if i in picked else sample_token(lg.float().cpu(), r.sampling, r.gen)
                 self._take(r, tok)
