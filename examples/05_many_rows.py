@@ -35,25 +35,11 @@ if not CUDA:                                       # no GPU: the kernel runs in 
 
 from interp import build_decoder, decode_step, prefill, teardown  # noqa: E402
 from opcodes import ModelConfig  # noqa: E402
-from opcodes.decoder import decoder_ref_rows, decoder_ref_rows_fp32  # noqa: E402
-from opcodes.reference import make_kv_cache, make_weights, rel_err  # noqa: E402
+from opcodes.decoder import decoder_ref_rows, decoder_ref_rows_fp32, random_model_weights  # noqa: E402
+from opcodes.reference import make_kv_cache, rel_err  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 TINY = ModelConfig(layers=2, d=64, ffn=160, n_q=4, n_kv=2, hd=16, theta=10000.0, vocab=200, name="tiny")
-
-
-def model_weights(cfg: ModelConfig, seed: int = 0) -> dict:
-    # %%
-    # 1. Weights and a cache of B slots
-    # ---------------------------------
-    # A whole model's weights: ``make_weights``' layers plus the embedding, the final norm and the LM
-    # head. The cache: per layer a (k, v) pair, each ``(B, n_kv, max_seq_len, hd)`` bf16, written in place.
-    w = make_weights(cfg, seed=seed, device=DEV)
-    g = torch.Generator(device=DEV).manual_seed(100 + seed)
-    w["embed"] = torch.randn(cfg.vocab, cfg.d, generator=g, device=DEV).to(torch.bfloat16)
-    w["final_norm"] = (1.0 + 0.1 * torch.randn(cfg.d, generator=g, device=DEV)).to(torch.bfloat16)
-    w["lm_head"] = (torch.randn(cfg.vocab, cfg.d, generator=g, device=DEV) * (3.0 / math.sqrt(cfg.d))).to(torch.bfloat16)
-    return w
 
 
 def main(argv=None) -> int:
@@ -62,7 +48,12 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     cfg = ModelConfig.from_name(a.preset) if a.preset else TINY
     B, max_seq = 4, (48 if cfg is TINY else 1152)
-    w = model_weights(cfg)
+    # %%
+    # 1. Weights and a cache of B slots
+    # ---------------------------------
+    # A whole model's weights: random layers plus the embedding, the final norm and the LM head. The cache:
+    # per layer a (k, v) pair, each ``(B, n_kv, max_seq_len, hd)`` bf16, written in place.
+    w = random_model_weights(cfg, device=DEV)
     kv = make_kv_cache(cfg, max_seq, 0, device=DEV, batch=B)           # every slot empty
     h = build_decoder(w, kv, cfg.to_dict(), max_seq, batch=B)
     kv32 = [tuple(t.float() for t in pair) for pair in kv]              # the fp32 reference's own cache

@@ -17,6 +17,7 @@ position) of ``opcodes.reference.model_ref_rows``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from .base import Layout, register_layout
 from .tiling import cdiv, next_pow2
 from .config import ModelConfig
-from .reference import model_ref, model_ref_fp32, model_ref_rows, model_ref_rows_fp32, rel_err, rmsnorm
+from .reference import make_weights, model_ref, model_ref_fp32, model_ref_rows, model_ref_rows_fp32, rel_err, rmsnorm
 
 #: extra weights of a whole model beyond ``weights["layers"]``
 DECODER_KEYS = ("embed", "final_norm", "lm_head")
@@ -90,6 +91,21 @@ class DecoderLayout(Layout):
 
     def extra(self) -> dict:
         return {"lm_rows": self.lm_rows, "emb_cols": self.emb_cols}
+
+
+def random_model_weights(cfg: ModelConfig, seed: int = 0, device="cpu") -> dict:
+    """Random whole-model weights: ``make_weights``' layers plus a unit-normal embedding, a final norm
+    (1 + N(0, 0.1^2)) and an untied LM head (entries N(0, (3 / sqrt(d))^2)), all bf16, drawn on the CPU
+    (the same bits on every device) and moved to ``device``."""
+    w = make_weights(cfg, seed=seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    w["embed"] = torch.randn(cfg.vocab, cfg.d, generator=g).to(torch.bfloat16)
+    w["final_norm"] = (1.0 + 0.1 * torch.randn(cfg.d, generator=g)).to(torch.bfloat16)
+    w["lm_head"] = (torch.randn(cfg.vocab, cfg.d, generator=g) * (3.0 / math.sqrt(cfg.d))).to(torch.bfloat16)
+    if torch.device(device).type != "cpu":
+        w = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in w.items()}
+        w["layers"] = [{n: t.to(device) for n, t in lw.items()} for lw in w["layers"]]
+    return w
 
 
 def decoder_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -126,17 +125,9 @@ def rand_x(d: int, seed: int, device="cpu") -> torch.Tensor:
 
 
 def decoder_weights(cfg, seed: int = 0, device="cpu") -> dict:
-    """Random whole-model weights: ``make_weights``' layers plus embedding, final norm and LM head."""
-    from opcodes.reference import make_weights
-    w = make_weights(cfg, seed=seed)
-    g = torch.Generator().manual_seed(100 + seed)
-    w["embed"] = torch.randn(cfg.vocab, cfg.d, generator=g).to(torch.bfloat16)
-    w["final_norm"] = (1.0 + 0.1 * torch.randn(cfg.d, generator=g)).to(torch.bfloat16)
-    w["lm_head"] = (torch.randn(cfg.vocab, cfg.d, generator=g) * (3.0 / math.sqrt(cfg.d))).to(torch.bfloat16)
-    if torch.device(device).type != "cpu":
-        w = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in w.items()}
-        w["layers"] = [{n: t.to(device) for n, t in lw.items()} for lw in w["layers"]]
-    return w
+    """Random whole-model weights (``opcodes.decoder.random_model_weights``)."""
+    from opcodes.decoder import random_model_weights
+    return random_model_weights(cfg, seed, device)
 
 
 def decode_tokens(w: dict, cfg, tiling, tokens=(5, 17, 3), max_seq: int = 16):

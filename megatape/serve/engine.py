@@ -524,7 +524,7 @@ class Engine:
             # the greedy rows' tokens: one argmax over all of them where the logits are, their ids to the
             # host (32 rows' logits were 16 MB a step, and 32 host argmaxes over 128K logits ~4-12 ms)
             greedy = [i for i, (r, _) in enumerate(rows) if r.sampling.temperature == 0]
-            ids = torch.argmax(torch.stack([rows[i][1] for i in greedy]).float(), dim=-1).tolist() if greedy else []
+            ids = torch.argmax(torch.stack([rows[i][1] for i in greedy]), dim=-1).tolist() if greedy else []
         except Exception as e:
             self._fail([r for r in ([prefill] if prefill is not None else []) + decode], e)
             return
