@@ -683,6 +683,30 @@ def test_engine_a_failing_step_is_an_error_event_and_the_engine_goes_on(checkpoi
         eng.check(Request([1] * 60, 5))
 
 
+def test_engine_counts_a_request_before_its_last_event(checkpoint, weights):
+    """The engine's stats (/health) count a request finished, or failed, and free its slot before the client
+    gets its last event: a client that asks /health after its stream ended sees it (the other order raced)."""
+    seen = []
+
+    def run(eng, n_tokens):
+        r = Request(checkpoint.encode(PROMPT), n_tokens, Sampling(temperature=0))
+        done = threading.Event()
+        r.sink = lambda ev: (ev.kind != "text" and (seen.append((ev.kind, eng.stats())), done.set()))
+        eng.submit(r)
+        assert done.wait(60)
+
+    eng = Engine(RefBackend(weights, checkpoint.cfg, 2, 64), checkpoint.tokenizer, checkpoint.eos_token_ids).start()
+    run(eng, 3)
+    eng.shutdown()
+    rec = Recording(RefBackend(weights, checkpoint.cfg, 2, 64), fail_at=2)
+    eng = Engine(rec, checkpoint.tokenizer, checkpoint.eos_token_ids, log=lambda m: None).start()
+    run(eng, 5)
+    eng.shutdown()
+    (k1, s1), (k2, s2) = seen
+    assert (k1, s1["finished"], s1["running"], s1["free_slots"]) == ("done", 1, 0, 2)
+    assert (k2, s2["failed"], s2["running"], s2["free_slots"]) == ("error", 1, 0, 2)
+
+
 def test_app_answers_503_while_draining(checkpoint, weights):
     from starlette.testclient import TestClient
 
