@@ -103,9 +103,10 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
     against 9897) and gate/up tiles of 32 + 32 rows (run 277 / 279: -6% on the 1B, -4.8% on the 8B; 32 bytes
     of stack). The prefill buckets: at 128 rows 4 warps, gate/up 64 + 64, down and residual tiles of 64 rows
     (run 280, a 1B chunk: 1708 us against 2438 at 8 warps and M 32; 4 warps at M 128 ran 2.2x slower); at 256
-    rows 8 warps (4 at M 64 ran 2x slower), gate/up 64 + 64, O, down and residual 64, 3 stages (run 280: 2862 us
-    a 1B chunk, 11.2 us a token; 512 rows: those tiles on two column blocks of 256). Between them (64 rows):
-    8 warps, gate/up 16 + 16. Past the decode buckets the attention tiles pipeline 2 key blocks deep, not 3
+    rows 8 warps (4 at M 64 ran 2x slower), gate/up 64 + 64, O, down and residual 64 (run 280: 2862 us a 1B
+    chunk, 11.2 us a token; 512 rows: those tiles on two column blocks of 256), QKV 64 (at most hd) and 4 stages
+    (run 285, 512 rows: 1B 4015 us against 4469 at QKV 32 and 3 stages, the 8B 21957 against 23214). Between
+    them (64 rows): 8 warps, gate/up 16 + 16. Past the decode buckets the attention tiles pipeline 2 key blocks deep, not 3
     (3 spilled on the 1B at 128 rows). The O projection 16 rows where d / 32 would leave SMs idle.
     ``over``: fields to set instead (a probe's variants); the pipeline depth then fits their tiles: as many
     stages (2-5) as 200 KB of shared memory holds blocks of the largest weight tile plus the rows."""
@@ -123,8 +124,8 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
     if rows == 128:
         t = dataclasses.replace(t, num_warps=4, gu_rows=64, down_rows=64, red_rows=max(red, 64))
     elif rows >= 256:
-        t = dataclasses.replace(t, gu_rows=64, o_rows=64, down_rows=64, red_rows=max(red, 64))
-        over = {"stages": 3, **over}
+        t = dataclasses.replace(t, gu_rows=64, o_rows=64, down_rows=64, red_rows=max(red, 64), qkv_rows=min(64, cfg.hd))
+        over = {"stages": 4, **over}
     t = dataclasses.replace(t, **{k: v for k, v in over.items() if k != "stages"})
     if "stages" in over:
         return dataclasses.replace(t, stages=over["stages"])
