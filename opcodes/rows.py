@@ -172,11 +172,13 @@ class RowsLayout(DecoderLayout):
     @property
     def attn_rt(self) -> int:
         """Rows per attention instruction: 1 in the decode buckets (<= 32 rows: rows are other slots', and
-        R x n_kv instructions fill the SMs), else min(64, 2048 / hd) (row, head) pairs of one slot's rows
-        (32 at hd 64, 16 at hd 128: more spilled registers on the 1B and 8B at 128 rows)."""
+        R x n_kv instructions fill the SMs), else ``Tiling.attn_pairs`` (row, head) pairs of one slot's rows,
+        by default min(64, 2048 / hd) (32 at hd 64, 16 at hd 128: more spilled registers on the 1B and 8B at
+        128 rows)."""
         if self.rows <= DECODE_BUCKETS[-1]:
             return 1
-        return min(self.rows, max(1, min(64, 2048 // self.cfg.hd) // next_pow2(self.cfg.group)))
+        pairs = self.tiling.attn_pairs or min(64, 2048 // self.cfg.hd)
+        return min(self.rows, max(1, pairs // next_pow2(self.cfg.group)))
 
     @property
     def n_tile(self) -> int:

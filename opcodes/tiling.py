@@ -32,7 +32,7 @@ H200_SMS = 132
 
 #: fields where 0 is allowed: off, or "take another field's value" (each field's comment says which)
 _ZERO_ALLOWED = ("kv_rows", "o_bk", "o_k", "gu_tiles", "down_bk", "key_in_reduce", "row_bytes", "res_fold",
-                "down_wait", "warp_rows")
+                "down_wait", "warp_rows", "attn_pairs")
 #: fields that are switches (0 or 1)
 _SWITCHES = ("res_fold", "key_in_reduce", "down_wait", "warp_rows")
 
@@ -65,6 +65,9 @@ class Tiling:
     # a one-key split in between
     key_in_reduce: int = 0
     attn_block: int = 128   # keys per attention inner block
+    # the many-rows kernels' prefill buckets (> 32 rows): (row, head) pairs of one attention tile, tl.dot's M,
+    # each K/V block loaded once for them (opcodes.rows.RowsLayout.attn_rt); 0: min(64, 2048 / hd)
+    attn_pairs: int = 0
     # software-pipelining depth of the attention key loop: 3 keeps two K/V blocks in flight, so a
     # split of a few blocks costs about two loaded HBM round trips instead of one per block
     attn_stages: int = 3
@@ -101,7 +104,7 @@ class Tiling:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Tiling.{f.name} must be a positive int, got {v!r}")
         for k in ("qkv_rows", "kv_rows", "o_rows", "gu_rows", "down_rows", "red_rows", "attn_block", "bk", "num_warps",
-                  "o_bk", "down_bk"):
+                  "o_bk", "down_bk", "attn_pairs"):
             v = getattr(self, k)
             if v & (v - 1):
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
@@ -276,4 +279,6 @@ DEFAULTS: tuple[Default, ...] = (
 #: the knobs no default sets (``--tiling`` / ``MEGATAPE_TILING`` set them for experiments), and why
 EXPERIMENTAL: dict[str, str] = {
     "o_k": "the O projection split along K (O_REDUCE adds the chunks): measured slower (TP 70B +1.2%)",
+    "attn_pairs": "the rows kernels' prefill attention tiles of more (row, head) pairs: not yet measured (s41 v156; "
+                  "bench/leases/s42a.sh sweeps it); removed if no variant gains",
 }

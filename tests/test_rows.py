@@ -135,6 +135,28 @@ def test_a_prompt_past_128_tokens_in_one_256_row_launch():
     teardown(h)
 
 
+def test_prefill_attention_tiles_of_more_pairs_meet_the_criterion(monkeypatch):
+    """``Tiling.attn_pairs`` sets a prefill attention tile's (row, head) pairs: at 256 (128 rows of this model's
+    groups of 2, against 32 by default) a 150-token prompt in the 256-row bucket is two tiles, one whole
+    and one of 22 live rows, and still meets the criterion against the oracle."""
+    import interp.rows
+    monkeypatch.setattr(interp.rows, "rows_tiling", lambda cfg, r, ms: rows_tiling(cfg, r, ms, attn_pairs=256))
+    w = decoder_weights(CFG, seed=1)
+    kv = make_kv_cache(CFG, 160, 0, seed=2, batch=1)
+    kv0 = clone_cache(kv)
+    h = build_decoder(w, kv, CFG, 160, batch=1)
+    prompt = [(53 * i + 5) % CFG.vocab for i in range(150)]
+    n = len(prompt)
+    lg = prefill(h, prompt, 0, slot=0)
+    assert h.rows[256].lay.attn_rt == 128 and h.rows[256].lay.tiling.attn_pairs == 256
+    ref32 = decoder_ref_rows_fp32(w, [tuple(t.float() for t in p) for p in kv0], CFG, prompt, [0] * n, list(range(n)))
+    ref = decoder_ref_rows(w, clone_cache(kv0), CFG, prompt, [0] * n, list(range(n)))
+    assert rel_err(lg, ref32[-1:]) <= 1.1 * rel_err(ref[-1:], ref32[-1:])
+    teardown(h)
+    with pytest.raises(ValueError, match="attn_pairs must be a power of two"):
+        rows_tiling(CFG, 256, 160, attn_pairs=48)
+
+
 def test_a_512_row_step_in_two_column_blocks_in_the_vm_and_the_kernel():
     """The 512-row bucket's tiles are two column blocks of 256 (``n0``): a step of 300 rows (a prefill chunk of
     slot 0 at 0..279 across both blocks, decode rows of slots 1 and 2 in the second) meets the criterion in the
