@@ -5,6 +5,10 @@
     python -m bench decoder [--preset NAME] [--pos P] [--steps N] [--tiling SPEC] [--variants ...]
                             [--profile] [--no-compile] [--tp 2]          (bench/decoder_bench.py;
                                                                           --tp 2: bench/tp_bench.py)
+    python -m bench rows    [--preset NAME] [--B 1,4,8,16,32] [--pos P] [--prompts 128,1024,4096]
+                            [--skip PARTS] [--no-hf]                     (bench/rows_bench.py)
+    python -m bench serve   [--preset NAME] [--clients 1,8,32] [--prompt N] [--new N]
+                                                                         (bench/serve_bench.py)
 
 Every argument is checked here before any GPU work; an argument error is one line naming the
 argument, exit status 2. The product's own GPU check is ``megatape run`` (``megatape.measure``).
@@ -91,7 +95,62 @@ def _decoder_tp(a, prog: str = f"{PROG} decoder") -> int:
     return int(tp_bench.main(argv) or 0)
 
 
-COMMANDS = {"layer": cmd_layer, "decoder": cmd_decoder}
+#: the parts of the rows bench ``--skip`` can leave out (bench/rows_bench.py)
+ROWS_PARTS = ("decode", "accuracy", "invariance", "ttft")
+
+
+def _int_list(lo: int, hi: int):
+    """An argparse type: a comma-separated list of ints in [lo, hi]."""
+    def parse(text: str) -> list[int]:
+        try:
+            vals = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        bad = [v for v in vals if not lo <= v <= hi]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad[0]} is not in [{lo}, {hi}]")
+        return vals
+    return parse
+
+
+def _one_int(lo: int, hi: int):
+    """An argparse type: one int in [lo, hi]."""
+    many = _int_list(lo, hi)
+
+    def parse(text: str) -> int:
+        if "," in text:
+            raise argparse.ArgumentTypeError(f"expected one integer, got {text!r}")
+        return many(text)[0]
+    return parse
+
+
+def _skip_list(text: str) -> list[str]:
+    parts = [x for x in text.split(",") if x]
+    bad = [x for x in parts if x not in ROWS_PARTS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of {', '.join(ROWS_PARTS)}")
+    return parts
+
+
+def _csv(vals) -> str:
+    return ",".join(str(v) for v in vals)
+
+
+def cmd_rows(a, prog: str = f"{PROG} rows") -> int:
+    from . import rows_bench
+    argv = ["--preset", a.preset, "--B", _csv(a.B), "--pos", str(a.pos), "--prompts", _csv(a.prompts),
+            "--reps", str(a.reps), "--skip", _csv(a.skip), "--out", a.out] + (["--no-hf"] if a.no_hf else [])
+    return int(rows_bench.main(argv) or 0)
+
+
+def cmd_serve(a, prog: str = f"{PROG} serve") -> int:
+    from . import serve_bench
+    argv = ["--preset", a.preset, "--clients", _csv(a.clients), "--prompt", str(a.prompt), "--new", str(a.new),
+            "--requests-per-client", str(a.requests_per_client), "--out", a.out]
+    return int(serve_bench.main(argv) or 0)
+
+
+COMMANDS = {"layer": cmd_layer, "decoder": cmd_decoder, "rows": cmd_rows, "serve": cmd_serve}
 
 
 def _add_layer(sub, presets, policies) -> None:
@@ -157,6 +216,47 @@ def _add_decoder(sub, presets) -> None:
     d.add_argument("--out", default=RESULTS, metavar="DIR", help=f"results directory (default {RESULTS})")
 
 
+def _add_rows(sub, presets) -> None:
+    from opcodes.rows import BUCKETS
+    whole = [n for n, c in presets.items() if c.vocab]
+    r = sub.add_parser("rows", help="many rows per step: batched decode, time to first token, accuracy, invariance",
+                       description="The many-rows kernels on the GPU (bench/rows_bench.py): batched decode "
+                       "tokens/s at each B beside the one-row kernel's B=1, time to the first token of each prompt "
+                       "length beside transformers' forward over the prompt, every row's accuracy against the "
+                       "fp32 reference, a row's logits alone and in a batch. Writes <out>/rows-<preset>.json "
+                       f"(default {RESULTS}).")
+    r.add_argument("--preset", default="llama3.2-1b", choices=whole, metavar="NAME",
+                   help=f"a whole-model preset, one of: {', '.join(whole)} (default llama3.2-1b)")
+    r.add_argument("--B", type=_int_list(1, BUCKETS[-1]), default=[1, 4, 8, 16, 32],
+                   help=f"batch sizes of the decode part, each in [1, {BUCKETS[-1]}] (default 1,4,8,16,32)")
+    r.add_argument("--pos", type=_one_int(0, 1 << 20), default=1024,
+                   help="the decode rows' position (the KV cache holds that many random rows; default 1024)")
+    r.add_argument("--prompts", type=_int_list(1, 1 << 20), default=[128, 1024, 4096],
+                   help="prompt lengths of the time-to-first-token part (default 128,1024,4096)")
+    r.add_argument("--reps", type=_positive_int, default=10, help="timed repetitions of each prefill (default 10)")
+    r.add_argument("--skip", type=_skip_list, default=[],
+                   help=f"parts to leave out, comma-separated: {', '.join(ROWS_PARTS)}")
+    r.add_argument("--no-hf", action="store_true", help="no transformers baseline")
+    r.add_argument("--out", default=RESULTS, metavar="DIR", help=f"results directory (default {RESULTS})")
+
+
+def _add_serve(sub, presets) -> None:
+    whole = [n for n, c in presets.items() if c.vocab]
+    s = sub.add_parser("serve", help="the serving engine under 1 / 8 / 32 concurrent clients",
+                       description="megatape serve's engine over the kernel backend on the GPU "
+                       "(bench/serve_bench.py): tokens/s and time to first token (p50 / p99) at each number of "
+                       "concurrent clients beside single-stream generate. Writes <out>/serve-<preset>.json "
+                       f"(default {RESULTS}).")
+    s.add_argument("--preset", default="llama3.2-1b", choices=whole, metavar="NAME",
+                   help=f"a whole-model preset, one of: {', '.join(whole)} (default llama3.2-1b)")
+    s.add_argument("--clients", type=_int_list(1, 512), default=[1, 8, 32],
+                   help="numbers of concurrent clients, each in [1, 512] (default 1,8,32)")
+    s.add_argument("--prompt", type=_positive_int, default=128, help="prompt tokens a request (default 128)")
+    s.add_argument("--new", type=_positive_int, default=64, help="new tokens a request (default 64)")
+    s.add_argument("--requests-per-client", type=_positive_int, default=2)
+    s.add_argument("--out", default=RESULTS, metavar="DIR", help=f"results directory (default {RESULTS})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from opcodes import PRESETS
     from schedule.compile import POLICIES
@@ -166,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
     _add_layer(sub, PRESETS, POLICIES)
     _add_decoder(sub, PRESETS)
+    _add_rows(sub, PRESETS)
+    _add_serve(sub, PRESETS)
     return ap
 
 

@@ -41,6 +41,24 @@ def test_decoder_parses_here(monkeypatch):
     assert main(["decoder", "--pos", "128"]) == 0 and seen[1].prefill == 128
 
 
+def test_rows_and_serve_parse_here_and_run_their_benches(monkeypatch):
+    """``rows`` and ``serve`` check their arguments here and hand them to bench/rows_bench.py and
+    bench/serve_bench.py as those modules' own command lines (which they parse back)."""
+    import bench.rows_bench
+    import bench.serve_bench
+    seen = []
+    monkeypatch.setattr(bench.rows_bench, "main", lambda argv: seen.append(("rows", argv)) or 0)
+    monkeypatch.setattr(bench.serve_bench, "main", lambda argv: seen.append(("serve", argv)) or 3)
+    assert main(["rows", "--preset", "llama3.1-8b", "--B", "16,32", "--skip", "decode,ttft", "--no-hf"]) == 0
+    assert main(["serve", "--clients", "4", "--out", "x"]) == 3
+    (k1, a1), (k2, a2) = seen
+    assert k1 == "rows" and a1 == ["--preset", "llama3.1-8b", "--B", "16,32", "--pos", "1024", "--prompts",
+                                   "128,1024,4096", "--reps", "10", "--skip", "decode,ttft", "--out",
+                                   "bench/results/latest", "--no-hf"]
+    assert k2 == "serve" and a2 == ["--preset", "llama3.2-1b", "--clients", "4", "--prompt", "128", "--new", "64",
+                                    "--requests-per-client", "2", "--out", "x"]
+
+
 def test_bench_max_seq(monkeypatch, capsys):
     """Without --max-seq a bench sizes the cache for its positions (a long --pos works as given); a
     --max-seq too small for them, or a negative --pos, is one line naming the argument, before any GPU work."""
@@ -93,6 +111,14 @@ def test_decoder_tiling(monkeypatch, capsys):
     (["decoder", "--preset", "tiny"], "--preset"),                # not a whole model
     (["decoder", "--tp", "3"], "--tp"),
     (["frobnicate"], "frobnicate"),
+    (["rows", "--B", "0,16"], "--B"),                           # a batch of no rows
+    (["rows", "--B", "1024"], "--B"),                           # past the largest bucket
+    (["rows", "--skip", "speed"], "--skip"),
+    (["rows", "--pos", "-1"], "--pos"),
+    (["rows", "--prompts", "128,x"], "--prompts"),
+    (["rows", "--preset", "tiny"], "--preset"),
+    (["serve", "--clients", "0"], "--clients"),
+    (["serve", "--new", "0"], "--new"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, arg):
     rc, out, err = run_main(capsys, *argv)
