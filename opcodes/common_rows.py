@@ -90,11 +90,13 @@ def store_normed(x, rows, rm, nw_ptr, hn_ptr, ss_ptr, part, n0, D: tl.constexpr,
 
 
 @triton.jit
-def col_rstd(ss_ptr, P, PP: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr, NT: tl.constexpr):
+def col_rstd(ss_ptr, P, PP: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr, NT: tl.constexpr,
+             STRIDE: tl.constexpr = 0):
     """``rsqrt(sum_p ss[p, n] / D + EPS)`` over the ``P`` (<= ``PP``, a power of two) parts ``store_normed``
     wrote at ``ss_ptr`` (one column block: the caller adds the block's offset), [NT] fp32; the parts summed
-    in one fixed order."""
+    in one fixed order. ``STRIDE``: a part's columns (default ``NT``), for ``NT`` columns of a wider block."""
     p = tl.arange(0, PP)
     n = tl.arange(0, NT)
-    ss = tl.load(ss_ptr + p[:, None] * NT + n[None, :], mask=(p < P)[:, None], other=0.0, cache_modifier=".cg")
+    ps: tl.constexpr = NT if STRIDE == 0 else STRIDE
+    ss = tl.load(ss_ptr + p[:, None] * ps + n[None, :], mask=(p < P)[:, None], other=0.0, cache_modifier=".cg")
     return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)

@@ -12,7 +12,9 @@ buffer ``rows`` (int32) the host writes before each launch::
 
     [R, logits, 0, 0,  slot_0, pos_0, tok_0, 0,  slot_1, pos_1, tok_1, 0,  ...]
 
-(``logits`` 0: the step's LM head tiles return at once: a prefill chunk before the prompt's last.)
+(``logits`` 0: the step's LM head tiles return at once: a prefill chunk before the prompt's last; 1: every
+row's logits; ``2 + k``: only columns ``[16 k, 16 k + 16)``'s (the prompt's last row, in the prefill buckets:
+``LOGIT_GROUP`` columns, tl.dot's narrowest N, instead of the bucket's; the decode buckets compute every column).)
 
 Activations are feature-major in blocks of ``NT`` columns (``RowsLayout.n_tile``: every row of a bucket up to
 256 rows, 256 past it): ``[L, ROWS / NT, width, NT]``, element (f, n) of a layer at
@@ -41,6 +43,8 @@ from .tiling import H200_SMS, Tiling, next_pow2
 #: words of the ``rows`` state buffer before the rows, and per row
 ROWS_HEADER = 4
 ROW_WORDS = 4
+#: columns of the LM head's one-group mode (the ``rows`` buffer's logits word ``2 + k``)
+LOGIT_GROUP = 16
 #: the row buckets a handle builds tapes for (``ROWS``), smallest first
 BUCKETS = (16, 32, 64, 128, 256, 512)
 #: the widest column block of a GEMM tile (``RowsLayout.n_tile``): a 512-row bucket's tiles are 2 blocks wide
@@ -55,13 +59,16 @@ def rows_state_shape(rows: int) -> tuple[int]:
     return (ROWS_HEADER + ROW_WORDS * rows,)
 
 
-def rows_state(rows: int, slots, pos, tokens, logits: bool = True) -> torch.Tensor:
+def rows_state(rows: int, slots, pos, tokens, logits: bool = True, group: int | None = None) -> torch.Tensor:
     """The ``rows`` state buffer's contents (int32, CPU) for ``len(slots)`` rows of a ``rows`` bucket;
-    ``logits`` False: the LM head is skipped (a prefill chunk before the prompt's last)."""
+    ``logits`` False: the LM head is skipped (a prefill chunk before the prompt's last); ``group`` k: only
+    columns ``[16 k, 16 k + 16)`` get logits (the rows of the others are not computed)."""
     R = len(slots)
+    if group is not None and not 0 <= group < rows // LOGIT_GROUP:
+        raise ValueError(f"group {group} not in [0, {rows // LOGIT_GROUP}) for a {rows}-row bucket")
     out = torch.zeros(rows_state_shape(rows), dtype=torch.int32)
     out[0] = R
-    out[1] = int(bool(logits))
+    out[1] = 0 if not logits else 1 if group is None else 2 + group
     body = out[ROWS_HEADER:].view(rows, ROW_WORDS)
     body[:R, 0] = torch.as_tensor(list(slots), dtype=torch.int32)
     body[:R, 1] = torch.as_tensor(list(pos), dtype=torch.int32)
@@ -69,9 +76,12 @@ def rows_state(rows: int, slots, pos, tokens, logits: bool = True) -> torch.Tens
     return out
 
 
-def wants_logits(st) -> bool:
-    """VM: the ``rows`` buffer's logits flag."""
-    return bool(int(st.state["rows"].reshape(-1)[1]))
+def logit_columns(st, rows: int) -> range:
+    """VM: the step's columns that get logits, from the ``rows`` buffer's logits word."""
+    w = int(st.state["rows"].reshape(-1)[1])
+    if w < 2:
+        return range(rows if w else 0)
+    return range(LOGIT_GROUP * (w - 2), LOGIT_GROUP * (w - 1))
 
 
 def read_rows(st) -> tuple[int, list[int], list[int], list[int]]:

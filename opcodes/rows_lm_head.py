@@ -3,8 +3,13 @@
     logits_r[v, n] = (lm_head[v, :] . bf16(xout_r[L-1, :, n] * final_norm)) * rstd[n]     v in [v0, v0 + LM_ROWS)
 
 ``bf16(xout_r[L-1] * final_norm)`` and the parts of ``sum(xout_r[L-1]^2)`` come built by the last layer's
-RESIDUAL_R tiles (``hn_r[L]``, ``ss_r[L - 1]``: ``common_rows.store_normed``). Logits fp32, feature-major ``[vocab, ROWS]``: the host reads row n's logits as column n. A step whose ``rows``
-buffer says no logits (a prefill chunk before the prompt's last) returns at once: no LM head weights read.
+RESIDUAL_R tiles (``hn_r[L]``, ``ss_r[L - 1]``: ``common_rows.store_normed``). Logits fp32, feature-major
+``[vocab, ROWS]``: the host reads row n's logits as column n. A step whose ``rows`` buffer says no logits (a
+prefill chunk before the prompt's last) returns at once: no LM head weights read. One that asks for one group of
+16 columns (a prompt's last row: ``opcodes.rows.LOGIT_GROUP``) computes those alone, a dot of N 16 instead of the
+block's NT, in the tiles of the group's column block (the other block's return at once); the weights are read
+as before, the MMA work is 16 / NT of it (a 1B prompt's last 128-row chunk: 59 of 67 GFLOP spared). The decode
+buckets (16 and 32 rows) compute every column in either mode.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from .base import Cost, Layout, Region, register, tile_start
 from .common_rows import col_rstd, rows_stream
 from .embed import Embed
 from .lm_head import LMHead
-from .rows import RowsInstruction, bf16_dot, bregion, bview, check_n0, col_rstd_r, wants_logits
+from .rows import RowsInstruction, bf16_dot, bregion, bview, check_n0, col_rstd_r, logit_columns
 
 
 @triton.jit
@@ -28,23 +33,34 @@ def lm_head_r_device(v0, n0, rows_ptr, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr
                      NT: tl.constexpr, INTERP: tl.constexpr):
     if NT == ROWS:
         n0 = 0
-    if tl.load(rows_ptr + 1) != 0:     # the step wants logits (not a prefill chunk before the prompt's last)
-        _lm_head_r(v0, n0, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS, D, VOCAB, EPS, LM_ROWS, BK, STAGES,
-                   SS_P, SS_PP, ROWS, NT, INTERP)
+    w = tl.load(rows_ptr + 1)           # 0: no logits (a prefill chunk before the prompt's last); 1: all
+    if ROWS <= 32:                      # the decode buckets compute every column (2 + k, column group k, too):
+        if w != 0:                      # their kernels stay as they were (the 8B's 32-row one spilled more)
+            _lm_head_r(v0, n0, 0, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS, D, VOCAB, EPS, LM_ROWS, BK,
+                       STAGES, SS_P, SS_PP, ROWS, NT, NT, INTERP)
+    elif w == 1:
+        _lm_head_r(v0, n0, 0, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS, D, VOCAB, EPS, LM_ROWS, BK, STAGES,
+                   SS_P, SS_PP, ROWS, NT, NT, INTERP)
+    elif w >= 2:
+        c = (w - 2) * 16 - n0           # the group's first column in this tile's block
+        if (c >= 0) & (c < NT):
+            _lm_head_r(v0, n0, c, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS, D, VOCAB, EPS, LM_ROWS, BK,
+                       STAGES, SS_P, SS_PP, ROWS, NT, 16, INTERP)
 
 
 @triton.jit
-def _lm_head_r(v0, n0, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS: tl.constexpr, D: tl.constexpr,
+def _lm_head_r(v0, n0, c, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS: tl.constexpr, D: tl.constexpr,
                VOCAB: tl.constexpr, EPS: tl.constexpr, LM_ROWS: tl.constexpr, BK: tl.constexpr,
                STAGES: tl.constexpr, SS_P: tl.constexpr, SS_PP: tl.constexpr, ROWS: tl.constexpr,
-               NT: tl.constexpr, INTERP: tl.constexpr):
+               NT: tl.constexpr, N: tl.constexpr, INTERP: tl.constexpr):
+    """Columns [c, c + N) of column block n0 (N: NT, or one 16-column group)."""
     rows = v0 + tl.arange(0, LM_ROWS)
     rm = rows < VOCAB
-    acc, acc2 = rows_stream(lmh_ptr, rows, lmh_ptr, rows, rm, hn_r_ptr + LAYERS * (D * ROWS) + n0 * D,
-                            0, NT, NT, D, D, LM_ROWS, NT, BK, STAGES, TWO=False,
+    acc, acc2 = rows_stream(lmh_ptr, rows, lmh_ptr, rows, rm, hn_r_ptr + LAYERS * (D * ROWS) + n0 * D + c,
+                            0, N, NT, D, D, LM_ROWS, N, BK, STAGES, TWO=False,
                             EVEN=(D % BK == 0) & (VOCAB % LM_ROWS == 0), INTERP=INTERP)
-    rstd = col_rstd(ss_r_ptr + (LAYERS - 1) * (SS_P * ROWS) + n0 * SS_P, SS_P, SS_PP, D, EPS, NT)
-    n = tl.arange(0, NT)
+    rstd = col_rstd(ss_r_ptr + (LAYERS - 1) * (SS_P * ROWS) + n0 * SS_P + c, SS_P, SS_PP, D, EPS, N, NT)
+    n = c + tl.arange(0, N)
     tl.store(logits_r_ptr + n0 * VOCAB + rows[:, None].to(tl.int64) * NT + n[None, :],
              acc * rstd[None, :], mask=rm[:, None])
 
@@ -91,10 +107,12 @@ class LMHeadR(RowsInstruction):
         return Cost(hbm_bytes=2 * (hi - lo) * d, l2_bytes=2 * d * R + 4 * (hi - lo) * R, flops=2 * (hi - lo) * d * R)
 
     def run_torch(self, lay: Layout, st) -> None:
-        if not wants_logits(st):
+        cols = [n - self.n0 for n in logit_columns(st, lay.rows) if self.n0 <= n < self.n0 + lay.n_tile]
+        if not cols:
             return
         c, b, p = lay.cfg, self.n0 // lay.n_tile, lay.ss_parts[1]
         lo, hi = self._rows(lay)
-        xb = bview(st.buf["hn_r"], lay, c.d, c.layers + 1)[c.layers, b]
-        rstd = col_rstd_r(bview(st.buf["ss_r"], lay, p, c.layers)[c.layers - 1, b], p, c.d, c.eps)
-        bview(st.buf["logits_r"], lay, c.vocab)[b, lo:hi] = bf16_dot(st.model["lm_head"][lo:hi], xb) * rstd[None, :]
+        n = slice(cols[0], cols[-1] + 1)
+        xb = bview(st.buf["hn_r"], lay, c.d, c.layers + 1)[c.layers, b][:, n]
+        rstd = col_rstd_r(bview(st.buf["ss_r"], lay, p, c.layers)[c.layers - 1, b][:, n], p, c.d, c.eps)
+        bview(st.buf["logits_r"], lay, c.vocab)[b, lo:hi, n] = bf16_dot(st.model["lm_head"][lo:hi], xb) * rstd[None, :]

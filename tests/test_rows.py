@@ -157,6 +157,37 @@ def test_prefill_attention_tiles_of_more_pairs_meet_the_criterion(monkeypatch):
         rows_tiling(CFG, 256, 160, attn_pairs=48)
 
 
+def test_a_prompts_last_logits_alone_in_one_group_of_16_columns():
+    """A step that wants one row's logits (a prompt's last) computes the LM head over that row's group of 16
+    columns only (``rows_state(group=)``): in the kernel and the VM those 16 columns are written and no other,
+    and the row's logits equal those of the same step asking for every row's."""
+    from interp.rows import run_rows
+    w = decoder_weights(CFG, seed=1)
+    kv = make_kv_cache(CFG, 64, 0, seed=2, batch=2)
+    kv0 = clone_cache(kv)
+    toks = [(29 * i + 3) % CFG.vocab for i in range(40)]
+    pos = list(range(40))
+    h = build_decoder(w, kv, CFG, 64, batch=2)
+    every = run_rows(h, toks, pos, [0] * 40)                      # the 64-row bucket, every row's logits
+    scratch = h.rows[64].scratch["logits_r"].view(CFG.vocab, 64)
+    scratch.fill_(7.0)
+    last = run_rows(h, toks, pos, [1] * 40, logits_rows=[39])     # the same prompt on slot 1, row 39's alone
+    assert sorted(h.rows) == [64] and last.shape == (1, CFG.vocab)
+    written = (scratch != 7.0).all(dim=0)
+    assert written[32:48].all() and not written[:32].any() and not written[48:].any()
+    assert rel_err(last[0], every[39]) <= KERNEL_TOL
+    teardown(h)
+    tape = compile_model(CFG, 1, max_seq=64, tiling=rows_tiling(CFG, 64, 64), lowering=rows_lowering(64, 2),
+                         sequential=True).tape
+    vm, none = (run_tape(tape, w, clone_cache(kv0), torch.zeros(1), 0, seed=3, return_state=True,
+                         state={"rows": rows_state(64, [0] * 40, pos, toks, **kw)}).buf["logits_r"].view(CFG.vocab, 64)
+                for kw in (dict(group=2), dict(logits=False)))          # (the VM's scratch starts as seeded junk)
+    assert bitwise_equal(vm[:, :32], none[:, :32]) and bitwise_equal(vm[:, 48:], none[:, 48:])
+    assert rel_err(vm[:, 39], last[0]) <= KERNEL_TOL
+    with pytest.raises(ValueError, match="group 4 not in"):
+        rows_state(64, [0], [0], [1], group=4)
+
+
 def test_a_512_row_step_in_two_column_blocks_in_the_vm_and_the_kernel():
     """The 512-row bucket's tiles are two column blocks of 256 (``n0``): a step of 300 rows (a prefill chunk of
     slot 0 at 0..279 across both blocks, decode rows of slots 1 and 2 in the second) meets the criterion in the
