@@ -6,7 +6,8 @@ Row ``row`` is token ``tok[row]`` of slot ``slot[row]`` at ``pos[row]``: it atte
 ``[0, pos[row]]``, its own included. It waits for every Q tile of the group and every K/V tile of KV head
 ``g`` (``q[l,g]``, ``kv[l,g]``): all the step's rows' K/V are in the cache before any row attends, so a
 prefill chunk's rows see each other's keys (causally: each stops at its own position), as the oracle
-``opcodes.reference.layer_ref_rows``. A row ``>= R`` stores zeros. A tile is ``ATTN_RT`` rows
+``opcodes.reference.layer_ref_rows``. A row ``>= R`` stores zeros; a tile with no live row stores them
+without reading the cache. A tile is ``ATTN_RT`` rows
 (``RowsLayout.attn_rt``: 1 in the decode buckets, where rows are different slots; 64 / GP in the
 prefill buckets). One row: ``ATTN_PARTIAL``'s loop (GQA: the group's heads are tl.dot's M rows,
 ``GROUP_PAD``) over ``2 * (pos + 1) * hd * 2`` bytes of K/V. A tile of one slot's rows (a prefill chunk):
@@ -83,12 +84,30 @@ def _attn_tile(layer, g, r0, slot, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, 
 
 
 @triton.jit
+def _attn_zeros(layer, g, r0, attn_r_ptr, NQ: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
+                GP: tl.constexpr, ROWS: tl.constexpr, ATTN_RT: tl.constexpr, INTERP: tl.constexpr):
+    """Rows [r0, r0 + ATTN_RT), none of them live (every row >= R): their heads of group g are zeros (the
+    padding columns the O projection reads stay zero), and no K/V is read."""
+    M: tl.constexpr = ATTN_RT * GP
+    mi = tl.arange(0, M)
+    ri = r0 + mi // GP
+    qrow = g * GROUP + mi % GP
+    dcol = tl.arange(0, HD)
+    out = attn_r_ptr + layer * (ROWS * NQ * HD) + ri[:, None] * (NQ * HD) + qrow[:, None] * HD + dcol[None, :]
+    tl.store(out, to_bf16(tl.zeros([M, HD], dtype=tl.float32), INTERP),
+             mask=((mi % GP < GROUP) & (ri < ROWS))[:, None])
+
+
+@triton.jit
 def attn_r_device(layer, g, t, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr,
                   NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
                   GROUP_PAD: tl.constexpr, GP: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr,
                   ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, ROWS: tl.constexpr, NT: tl.constexpr,
                   ATTN_RT: tl.constexpr, INTERP: tl.constexpr):
-    if ATTN_RT == 1:
+    if t * ATTN_RT >= tl.load(rows_ptr):     # no live row (a batch or chunk shorter than the bucket): zeros
+        _attn_zeros(layer, g, t * ATTN_RT, attn_r_ptr, NQ, HD, GROUP, GROUP_PAD if ATTN_RT == 1 else GP, ROWS,
+                    ATTN_RT, INTERP)
+    elif ATTN_RT == 1:
         _attn_tile(layer, g, t, _row_slot(rows_ptr, t), rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr, NQ,
                    NKV, HD, GROUP, GROUP_PAD, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, NT, 1, INTERP)
     else:
@@ -99,8 +118,8 @@ def attn_r_device(layer, g, t, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn
         sl = tl.load(rows_ptr + 4 + 4 * rt, mask=live, other=0)
         s_lo = tl.min(tl.where(live, sl, 2147483647), axis=0)
         s_hi = tl.max(tl.where(live, sl, -1), axis=0)
-        if s_lo >= s_hi:         # one slot (a prefill chunk's rows), or no live row (then slot 0, all masked)
-            _attn_tile(layer, g, r0, tl.where(s_lo > s_hi, 0, s_lo), rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr,
+        if s_lo >= s_hi:         # one slot (a prefill chunk's rows)
+            _attn_tile(layer, g, r0, s_lo, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr,
                        attn_r_ptr, NQ, NKV, HD, GROUP, GP, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, NT, ATTN_RT,
                        INTERP)
         else:                    # rows of several slots: one at a time
