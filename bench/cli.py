@@ -185,15 +185,21 @@ def _add_layer(sub, presets, policies) -> None:
     b.add_argument("--tag", default="", help="appended to the result files' name: <preset>-<tag>.json")
 
 
-def _add_decoder(sub, presets) -> None:
+def _whole_model_args(p, presets) -> None:
+    """The ``--preset`` (a whole-model preset) and ``--out`` arguments of the whole-model benches."""
     whole = [n for n, c in presets.items() if c.vocab]
+    p.add_argument("--preset", default="llama3.2-1b", choices=whole, metavar="NAME",
+                   help=f"a whole-model preset, one of: {', '.join(whole)} (default llama3.2-1b)")
+    p.add_argument("--out", default=RESULTS, metavar="DIR", help=f"results directory (default {RESULTS})")
+
+
+def _add_decoder(sub, presets) -> None:
     d = sub.add_parser("decoder", help="whole-model GPU benchmark: logits, greedy tokens, timing",
                        description="A whole model (embedding, layers, final norm, LM head) on the GPU "
                        "(bench/decoder_bench.py): logits against the eager reference, greedy tokens of "
                        "generate, timing beside torch.compile. Writes <out>/decoder-<preset>-pos<P>.json and .md "
                        f"(default {RESULTS}).")
-    d.add_argument("--preset", default="llama3.2-1b", choices=whole, metavar="NAME",
-                   help=f"a whole-model preset, one of: {', '.join(whole)} (default llama3.2-1b)")
+    _whole_model_args(d, presets)
     d.add_argument("--pos", "--prefill", dest="prefill", type=int, default=1024, metavar="P",
                    help="the first decode position (the KV cache holds P random rows; default 1024)")
     d.add_argument("--steps", type=_positive_int, default=32)
@@ -213,20 +219,17 @@ def _add_decoder(sub, presets) -> None:
                    help="2: tensor parallel over two GPUs, one process each (bench/tp_bench.py: smoke, peer-death, "
                    "correctness and speed stages; writes <out>/decoder-<preset>-tp2.json and .md; --no-compile "
                    "skips the NCCL baseline)")
-    d.add_argument("--out", default=RESULTS, metavar="DIR", help=f"results directory (default {RESULTS})")
 
 
 def _add_rows(sub, presets) -> None:
     from opcodes.rows import BUCKETS
-    whole = [n for n, c in presets.items() if c.vocab]
     r = sub.add_parser("rows", help="many rows per step: batched decode, time to first token, accuracy, invariance",
                        description="The many-rows kernels on the GPU (bench/rows_bench.py): batched decode "
                        "tokens/s at each B beside the one-row kernel's B=1, time to the first token of each prompt "
                        "length beside transformers' forward over the prompt, every row's accuracy against the "
                        "fp32 reference, a row's logits alone and in a batch. Writes <out>/rows-<preset>.json "
                        f"(default {RESULTS}).")
-    r.add_argument("--preset", default="llama3.2-1b", choices=whole, metavar="NAME",
-                   help=f"a whole-model preset, one of: {', '.join(whole)} (default llama3.2-1b)")
+    _whole_model_args(r, presets)
     r.add_argument("--B", type=_int_list(1, BUCKETS[-1]), default=[1, 4, 8, 16, 32],
                    help=f"batch sizes of the decode part, each in [1, {BUCKETS[-1]}] (default 1,4,8,16,32)")
     r.add_argument("--pos", type=_one_int(0, 1 << 20), default=1024,
@@ -237,24 +240,20 @@ def _add_rows(sub, presets) -> None:
     r.add_argument("--skip", type=_skip_list, default=[],
                    help=f"parts to leave out, comma-separated: {', '.join(ROWS_PARTS)}")
     r.add_argument("--no-hf", action="store_true", help="no transformers baseline")
-    r.add_argument("--out", default=RESULTS, metavar="DIR", help=f"results directory (default {RESULTS})")
 
 
 def _add_serve(sub, presets) -> None:
-    whole = [n for n, c in presets.items() if c.vocab]
     s = sub.add_parser("serve", help="the serving engine under 1 / 8 / 32 concurrent clients",
                        description="megatape serve's engine over the kernel backend on the GPU "
                        "(bench/serve_bench.py): tokens/s and time to first token (p50 / p99) at each number of "
                        "concurrent clients beside single-stream generate. Writes <out>/serve-<preset>.json "
                        f"(default {RESULTS}).")
-    s.add_argument("--preset", default="llama3.2-1b", choices=whole, metavar="NAME",
-                   help=f"a whole-model preset, one of: {', '.join(whole)} (default llama3.2-1b)")
+    _whole_model_args(s, presets)
     s.add_argument("--clients", type=_int_list(1, 512), default=[1, 8, 32],
                    help="numbers of concurrent clients, each in [1, 512] (default 1,8,32)")
     s.add_argument("--prompt", type=_positive_int, default=128, help="prompt tokens a request (default 128)")
     s.add_argument("--new", type=_positive_int, default=64, help="new tokens a request (default 64)")
     s.add_argument("--requests-per-client", type=_positive_int, default=2)
-    s.add_argument("--out", default=RESULTS, metavar="DIR", help=f"results directory (default {RESULTS})")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -112,13 +112,13 @@ def test_prefill_in_chunks_matches_the_oracle_and_one_launch():
     teardown(h)
 
 
-def test_a_prompt_past_128_tokens_in_one_256_row_launch():
-    """150 prompt tokens: one launch of the 256-row bucket (its own tiling: 8 warps, M 64 tiles, 3 stages)
-    meets the criterion against the oracle over the prompt and writes the cache the 128 + 22 chunks write."""
+def _a_150_token_prompt(batch: int):
+    """Prefill a 150-token prompt on slot 0 of a fresh ``batch``-slot model (one 256-row launch) and check its
+    last logits against the oracle over the prompt; (handle, cache, prompt, logits)."""
     w = decoder_weights(CFG, seed=1)
-    kv = make_kv_cache(CFG, 160, 0, seed=2, batch=2)
+    kv = make_kv_cache(CFG, 160, 0, seed=2, batch=batch)
     kv0 = clone_cache(kv)
-    h = build_decoder(w, kv, CFG, 160, batch=2)
+    h = build_decoder(w, kv, CFG, 160, batch=batch)
     prompt = [(53 * i + 5) % CFG.vocab for i in range(150)]
     n = len(prompt)
     lg = prefill(h, prompt, 0, slot=0)
@@ -126,6 +126,14 @@ def test_a_prompt_past_128_tokens_in_one_256_row_launch():
     ref32 = decoder_ref_rows_fp32(w, [tuple(t.float() for t in p) for p in kv0], CFG, prompt, [0] * n, list(range(n)))
     ref = decoder_ref_rows(w, clone_cache(kv0), CFG, prompt, [0] * n, list(range(n)))
     assert rel_err(lg, ref32[-1:]) <= 1.1 * rel_err(ref[-1:], ref32[-1:])
+    return h, kv, prompt, lg
+
+
+def test_a_prompt_past_128_tokens_in_one_256_row_launch():
+    """150 prompt tokens: one launch of the 256-row bucket (its own tiling: 8 warps, M 64 tiles, 4 stages)
+    meets the criterion against the oracle over the prompt and writes the cache the 128 + 22 chunks write."""
+    h, kv, prompt, lg = _a_150_token_prompt(batch=2)
+    n = len(prompt)
     chunked = prefill(h, prompt, 0, slot=1, chunk=128)
     assert sorted(h.rows) == [32, 128, 256]
     assert rel_err(chunked, lg) <= KERNEL_TOL
@@ -141,17 +149,8 @@ def test_prefill_attention_tiles_of_more_pairs_meet_the_criterion(monkeypatch):
     and one of 22 live rows, and still meets the criterion against the oracle."""
     import interp.rows
     monkeypatch.setattr(interp.rows, "rows_tiling", lambda cfg, r, ms: rows_tiling(cfg, r, ms, attn_pairs=256))
-    w = decoder_weights(CFG, seed=1)
-    kv = make_kv_cache(CFG, 160, 0, seed=2, batch=1)
-    kv0 = clone_cache(kv)
-    h = build_decoder(w, kv, CFG, 160, batch=1)
-    prompt = [(53 * i + 5) % CFG.vocab for i in range(150)]
-    n = len(prompt)
-    lg = prefill(h, prompt, 0, slot=0)
+    h, _, _, _ = _a_150_token_prompt(batch=1)
     assert h.rows[256].lay.attn_rt == 128 and h.rows[256].lay.tiling.attn_pairs == 256
-    ref32 = decoder_ref_rows_fp32(w, [tuple(t.float() for t in p) for p in kv0], CFG, prompt, [0] * n, list(range(n)))
-    ref = decoder_ref_rows(w, clone_cache(kv0), CFG, prompt, [0] * n, list(range(n)))
-    assert rel_err(lg, ref32[-1:]) <= 1.1 * rel_err(ref[-1:], ref32[-1:])
     teardown(h)
     with pytest.raises(ValueError, match="attn_pairs must be a power of two"):
         rows_tiling(CFG, 256, 160, attn_pairs=48)
