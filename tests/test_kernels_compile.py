@@ -33,10 +33,10 @@ CASES = [
     ("small-gqa4", 256, "layer"),                 # a layer kernel on the row loop (d <= 2048)
     ("llama3.2-1b", 1152, "decoder"),             # row loop, folded residual, LM head, ARGMAX
     ("llama3.2-1b", 1152, "sampling"),            # ... SAMPLE instead of ARGMAX
-    ("llama3.2-1b", 1152, "profile"),             # ... the profiling build (globaltimer stamps)
+    pytest.param("llama3.2-1b", 1152, "profile", marks=pytest.mark.slow),   # ... the profiling build (globaltimer)
     ("llama3.1-8b", 1152, "decoder"),             # the column loop, whole model
     ("llama70b-layer", 4224, "tp-layer"),         # tensor parallel (rank 1 of 2): TP_PUSH / TP_REDUCE, peer signals
-    ("llama3.2-1b", 1152, "tp-decoder"),          # ... the whole model: TP_ARGMAX_PUSH / TP_ARGMAX too
+    pytest.param("llama3.2-1b", 1152, "tp-decoder", marks=pytest.mark.slow),   # ... the whole model: TP_ARGMAX too
     ("llama3.2-1b", 1152, "rows16"),              # many rows (issue 50): the decode bucket, tl.dot M 32 x N 16
     pytest.param("llama3.2-1b", 1152, "rows128", marks=pytest.mark.slow),   # ... the prefill bucket, N 128
     pytest.param("llama3.1-8b", 1152, "rows512", marks=pytest.mark.slow),   # ... the largest: two column blocks of 256

@@ -187,7 +187,8 @@ def _ws_compile(tmp_path, ring, gap_us=0):
     return got, (tmp_path / "chain_ws.ptx").read_text(), (tmp_path / "chain_ws.ttgir").read_text()
 
 
-@pytest.mark.parametrize("gap_us", [0, 6], ids=["no-gap", "gap"])
+# the gapped variant: slow (3 s; the suite's 300 s, s41): the default run compiles the ungapped one
+@pytest.mark.parametrize("gap_us", [0, pytest.param(6, marks=pytest.mark.slow)], ids=["no-gap", "gap"])
 def test_gluon_chain_ws_compiles_for_sm90(tmp_path, gap_us):
     import re
     ring = 5
@@ -229,6 +230,7 @@ def test_gluon_chain_ws_compiles_for_sm90(tmp_path, gap_us):
     assert int(m.group(2)) == 0 and int(m.group(3)) == 0, got["resources"]
 
 
+@pytest.mark.slow     # 6 s: the halves of the probe above (the suite's 300 s, s41)
 @pytest.mark.parametrize("mode", ["NO_TMA", "NO_MATH"])
 def test_gluon_chain_ws_halves_compile_for_sm90(tmp_path, mode):
     """--halves: NO_TMA's loader copies nothing and arrives on the slot's ready barrier itself; NO_MATH's
@@ -360,6 +362,7 @@ def test_probe_arguments_are_checked_before_any_gpu_work(capsys, monkeypatch):
         assert len(err.strip().splitlines()) == 1 and named in err, err
 
 
+@pytest.mark.slow     # 4 s: a concluded probe's sm_90 compile (the suite's 300 s, s41)
 def test_poll_probe_compiles_for_sm90(tmp_path):
     """The poll probe's kernels (sm_90, no GPU): the TMA one issues its 4 blocks as 4 bulk tensor
     copies, the cp.async one as 64 16-byte copies a thread, the plain one neither; 128 KB of blocks
@@ -479,6 +482,7 @@ def test_icache_probe_orders_and_arguments(capsys, monkeypatch):
         assert len(err.strip().splitlines()) == 1 and "FMAs" in err, err
 
 
+@pytest.mark.slow     # 11-14 s: a lab probe's layouts under the interpreter (the suite's 300 s, s41)
 def test_stage_probe_layouts_compute_their_stage():
     # bench/probes/stage_probe.py: both layouts and every loader of each stage cover every row block once
     # (uneven splits over 3 programs: 128 / 16 gate/up blocks, 64 / 16 down blocks; QKV and O in the
@@ -494,6 +498,7 @@ def test_stage_probe_layouts_compute_their_stage():
         assert check() < 1e-4, name
 
 
+@pytest.mark.slow     # 4 s: a lab probe (the suite's 300 s, s41)
 def test_sm_probe_shares_cover_the_stage():
     # bench/probes/sm_probe.py: equal, rotated and weighted shares each cover every row block once and compute
     # the gate/up stage; each program records its SM (its program id under the interpreter) and its layer
