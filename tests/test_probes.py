@@ -482,7 +482,6 @@ def test_icache_probe_orders_and_arguments(capsys, monkeypatch):
         assert len(err.strip().splitlines()) == 1 and "FMAs" in err, err
 
 
-@pytest.mark.slow     # 11-14 s: a lab probe's layouts under the interpreter (the suite's 300 s, s41)
 def test_stage_probe_layouts_compute_their_stage():
     # bench/probes/stage_probe.py: both layouts and every loader of each stage cover every row block once
     # (uneven splits over 3 programs: 128 / 16 gate/up blocks, 64 / 16 down blocks; QKV and O in the
@@ -498,7 +497,6 @@ def test_stage_probe_layouts_compute_their_stage():
         assert check() < 1e-4, name
 
 
-@pytest.mark.slow     # 4 s: a lab probe (the suite's 300 s, s41)
 def test_sm_probe_shares_cover_the_stage():
     # bench/probes/sm_probe.py: equal, rotated and weighted shares each cover every row block once and compute
     # the gate/up stage; each program records its SM (its program id under the interpreter) and its layer
