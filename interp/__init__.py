@@ -11,6 +11,7 @@
     from interp.tp import build_tp_layers, build_tp_decoder     # tensor parallel, 2 ranks: a CPU loopback, or one
                                                                 # rank per process on GPUs (tp_group=)
 """
+from .interpreter import speed_up_device_calls
 from .runtime import MegakernelError, build_layer, layer_step
 from .decoder import DecoderHandle, build_decoder, decode_step, generate, generate_stream
 from .hf import load_hf_llama
@@ -20,3 +21,5 @@ from .model import build_model, model_step, teardown
 __all__ = ["MegakernelError", "build_layer", "layer_step", "teardown", "build_model", "model_step",
            "DecoderHandle", "build_decoder", "decode_step", "generate", "generate_stream", "load_hf_llama",
            "prefill"]
+
+speed_up_device_calls()          # under TRITON_INTERPRET=1 only (interp/interpreter.py)

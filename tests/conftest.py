@@ -44,59 +44,14 @@ if not HAS_CUDA and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _device_calls_inside_a_launch_skip_the_repatch() -> None:
-    """Triton 3.6's interpreter patches ``triton.language`` for a launch (``GridExecutor.__call__``, restored
-    at its end) and again on every device-function call inside it (``InterpretedFunction.__call__``:
-    ``inspect.getmembers`` over the language's modules, a scope never restored); once a launch has patched the
-    language modules a device function's globals hold, patching them again changes nothing, and it was ~25% of
-    a CPU kernel test's time (cProfile of tutorial 5). Here a device call inside a launch patches only modules
-    the launch has not patched yet; outside a launch (or on another Triton) the interpreter's own path is taken. What a kernel computes is unchanged: tests compare
-    bitwise-stable outputs across runs and against the VM either way."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    import triton
-    if triton.__version__ != "3.6.0":
-        return
-    from triton.runtime import interpreter as ti
-    if getattr(ti.InterpretedFunction.__call__, "megatape_fast", False):
-        return
-    import inspect
-    import triton.language as tl
-    depth = [0]
-    patched: set = set()          # this launch's patched language modules (their ids)
-    langs_of: dict = {}           # a device function -> the language modules its globals hold
-    grid_call, fn_call = ti.GridExecutor.__call__, ti.InterpretedFunction.__call__
-
-    def launch(self, *args, **kwargs):
-        if not depth[0]:
-            patched.clear()
-        depth[0] += 1
-        try:
-            return grid_call(self, *args, **kwargs)
-        finally:
-            depth[0] -= 1
-
-    def device_call(self, *args, **kwargs):
-        if not depth[0]:
-            return fn_call(self, *args, **kwargs)
-        key = langs_of.get(self.fn)
-        if key is None:
-            key = langs_of[self.fn] = frozenset(id(v) for v in self.fn.__globals__.values()
-                                                if inspect.ismodule(v) and v in (tl, tl.core))
-        if not key <= patched:     # a module this launch has not patched yet: the interpreter's own patch
-            ti._patch_lang(self.fn)
-            patched.update(key)
-        fn = self.rewrite()
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:
-            raise ti.InterpreterError(repr(e)) from e
-
-    device_call.megatape_fast = True
-    ti.GridExecutor.__call__, ti.InterpretedFunction.__call__ = launch, device_call
+def _interpreter_device_calls() -> None:
+    """``interp.interpreter.speed_up_device_calls`` (``interp`` installs it on import; a module that runs the
+    kernel imports interp, this covers one that imports the opcodes alone)."""
+    from interp.interpreter import speed_up_device_calls
+    speed_up_device_calls()
 
 
-_device_calls_inside_a_launch_skip_the_repatch()
+_interpreter_device_calls()
 
 
 # ---- pytest options -----------------------------------------------------------------------------
