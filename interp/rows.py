@@ -151,10 +151,12 @@ def check_slot(dh, slot) -> int:
     return slot
 
 
-def prefill(dh, tokens, start_pos: int = 0, slot: int = 0, chunk: int | None = None) -> torch.Tensor:
+def prefill(dh, tokens, start_pos: int = 0, slot: int = 0, chunk: int | None = None,
+            logits: bool = True) -> torch.Tensor | None:
     """Fill slot ``slot``'s cache with ``tokens`` at positions ``start_pos, start_pos + 1, ...``, in
     chunks of ``chunk`` rows (default and at most the largest bucket's, 512), one launch each; returns
-    the last position's fp32 logits (1, vocab). Errors (tokens, positions past max_seq_len, the slot,
+    the last position's fp32 logits (1, vocab), or with ``logits`` False None and no launch runs the LM
+    head (a part of a prompt that continues). Errors (tokens, positions past max_seq_len, the slot,
     the chunk) come before any launch."""
     toks = _int_vector("tokens", tokens)
     P = len(toks)
@@ -171,6 +173,8 @@ def prefill(dh, tokens, start_pos: int = 0, slot: int = 0, chunk: int | None = N
     for i, t in enumerate(toks):
         if not 0 <= t < vocab:
             raise arg_error(ValueError, f"tokens[{i}]", f"a token id in [0, vocab={vocab})", t)
+    if not isinstance(logits, bool):
+        raise arg_error(TypeError, "logits", "a bool", describe(logits))
     if chunk is None:
         chunk = BUCKETS[-1]
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= BUCKETS[-1]:
@@ -183,5 +187,5 @@ def prefill(dh, tokens, start_pos: int = 0, slot: int = 0, chunk: int | None = N
         n = len(chunk)
         p = [start_pos + c0 + i for i in range(n)]
         last = c0 + n == P
-        out = run_rows(dh, chunk, p, [slot] * n, logits_rows=[n - 1] if last else [])
+        out = run_rows(dh, chunk, p, [slot] * n, logits_rows=[n - 1] if last and logits else [])
     return out

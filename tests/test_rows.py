@@ -109,6 +109,10 @@ def test_prefill_in_chunks_matches_the_oracle_and_one_launch():
     h.rows[16].scratch["logits_r"].fill_(7.0)
     assert run_rows(h, prompt[:3], [0, 1, 2], [0, 0, 0], logits_rows=[]) is None
     assert bool((h.rows[16].scratch["logits_r"] == 7.0).all())
+    assert prefill(h, prompt[:5], 0, slot=0, logits=False) is None         # a prompt's part: no LM head either
+    assert bool((h.rows[16].scratch["logits_r"] == 7.0).all())
+    with pytest.raises(TypeError, match="logits"):
+        prefill(h, prompt[:5], 0, slot=0, logits=1)
     teardown(h)
 
 

@@ -531,9 +531,9 @@ class Recording:
         self.inner, self.calls, self.fail_at = inner, [], fail_at
         self.name, self.max_batch, self.max_seq, self.vocab = "rec", inner.max_batch, inner.max_seq, inner.vocab
 
-    def prefill(self, tokens, slot, start_pos):
-        self.calls.append(("prefill", slot, start_pos, len(tokens)))
-        return self.inner.prefill(tokens, slot, start_pos)
+    def prefill(self, tokens, slot, start_pos, logits=True):
+        self.calls.append(("prefill", slot, start_pos, len(tokens), logits))
+        return self.inner.prefill(tokens, slot, start_pos, logits=logits)
 
     def decode(self, tokens, slots, pos):
         self.calls.append(("decode", tuple(slots), tuple(pos)))
@@ -600,6 +600,15 @@ def test_engine_chunks_prefill_one_chunk_a_step_beside_the_decodes(checkpoint, w
             assert len(set(c[1])) == len(c[1])                  # one row a slot
     st = eng.stats()
     assert st["finished"] == 5 and st["free_slots"] == 2 and st["peak_running"] == 2
+    # a prompt's chunks before its last ask for no logits (the kernel skips its LM head), its last one does
+    rec.calls = []
+    e1 = Engine(rec, tok, checkpoint.eos_token_ids, prefill_chunk=1).start()
+    (r,) = run_engine(e1, [Request(checkpoint.encode(PROMPTS[0]), 2, Sampling(temperature=0))])
+    e1.shutdown()
+    pre = [(c[2], c[3], c[4]) for c in rec.calls if c[0] == "prefill"]
+    n = len(r.prompt_ids)
+    assert n > 1 and [s for s, _, _ in pre] == list(range(n))
+    assert [lg for _, _, lg in pre] == [s + k == n for s, k, _ in pre] and r.tokens == want[0][1][:2]
 
 
 class DeviceLogits(torch.Tensor):
@@ -614,8 +623,9 @@ class DeviceLogits(torch.Tensor):
 
 
 class OnDevice(Recording):
-    def prefill(self, tokens, slot, start_pos):
-        return super().prefill(tokens, slot, start_pos).as_subclass(DeviceLogits)
+    def prefill(self, tokens, slot, start_pos, logits=True):
+        out = super().prefill(tokens, slot, start_pos, logits=logits)
+        return None if out is None else out.as_subclass(DeviceLogits)
 
     def decode(self, tokens, slots, pos):
         return super().decode(tokens, slots, pos).as_subclass(DeviceLogits)

@@ -51,9 +51,10 @@ from interp.textgen import TextStream
 class Backend(Protocol):
     """What the engine runs a step on: B sequence slots of ``max_seq`` positions each (one KV cache).
 
-    ``prefill(tokens, slot, start_pos)``: the prompt tokens ``tokens`` of slot ``slot`` at positions
-    ``start_pos, start_pos + 1, ...`` (their K/V written into the slot's cache); returns the fp32 logits
-    (vocab,) of the last one.
+    ``prefill(tokens, slot, start_pos, logits=True)``: the prompt tokens ``tokens`` of slot ``slot`` at
+    positions ``start_pos, start_pos + 1, ...`` (their K/V written into the slot's cache); returns the fp32
+    logits (vocab,) of the last one, or with ``logits`` False None (a chunk before the prompt's last: the
+    kernel skips its LM head).
     ``decode(tokens, slots, pos)``: R independent rows, row r token ``tokens[r]`` of slot ``slots[r]`` at
     position ``pos[r]`` (its K/V written); returns fp32 logits (R, vocab), row r's next-token logits.
     Logits stay on the backend's device (the engine copies to the host only the rows it samples there).
@@ -65,7 +66,7 @@ class Backend(Protocol):
     max_seq: int
     vocab: int
 
-    def prefill(self, tokens: list[int], slot: int, start_pos: int) -> torch.Tensor: ...
+    def prefill(self, tokens: list[int], slot: int, start_pos: int, logits: bool = True) -> torch.Tensor | None: ...
 
     def decode(self, tokens: list[int], slots: list[int], pos: list[int]) -> torch.Tensor: ...
 
@@ -110,9 +111,10 @@ class RefBackend:
         with torch.inference_mode():
             return decoder_ref_rows(self.weights, self.kv, self.cfg, list(tokens), list(slots), list(pos), self.cos_sin)
 
-    def prefill(self, tokens: list[int], slot: int, start_pos: int) -> torch.Tensor:
+    def prefill(self, tokens: list[int], slot: int, start_pos: int, logits: bool = True) -> torch.Tensor | None:
         n = len(tokens)
-        return self._rows(tokens, [slot] * n, range(start_pos, start_pos + n))[-1]
+        out = self._rows(tokens, [slot] * n, range(start_pos, start_pos + n))[-1]
+        return out if logits else None
 
     def decode(self, tokens: list[int], slots: list[int], pos: list[int]) -> torch.Tensor:
         if not self.row_calls or len(tokens) == 1:
@@ -188,8 +190,9 @@ class KernelBackend:
             if log is not None:
                 log(f"the {b}-row kernel built in {time.perf_counter() - t:.1f} s")
 
-    def prefill(self, tokens: list[int], slot: int, start_pos: int) -> torch.Tensor:
-        return self._d.prefill(self.h, list(tokens), start_pos=start_pos, slot=slot).reshape(-1).float()
+    def prefill(self, tokens: list[int], slot: int, start_pos: int, logits: bool = True) -> torch.Tensor | None:
+        out = self._d.prefill(self.h, list(tokens), start_pos=start_pos, slot=slot, logits=logits)
+        return None if out is None else out.reshape(-1).float()
 
     def decode(self, tokens: list[int], slots: list[int], pos: list[int]) -> torch.Tensor:
         return self._decode_rows(self.h, list(tokens), list(pos), list(slots), min_rows=self._min_rows).float()
@@ -512,9 +515,10 @@ class Engine:
             if prefill is not None:
                 start = prefill.prefilled
                 chunk = prefill.prompt_ids[start:start + self.prefill_chunk]
-                logits = self.backend.prefill(chunk, prefill.slot, start)
+                last = start + len(chunk) == len(prefill.prompt_ids)      # only the prompt's last chunk's logits
+                logits = self.backend.prefill(chunk, prefill.slot, start, logits=last)
                 prefill.prefilled += len(chunk)
-                if prefill.prefilled == len(prefill.prompt_ids):
+                if last:
                     rows.append((prefill, logits.reshape(-1)))
             if decode:
                 logits = self.backend.decode([r.tokens[-1] for r in decode], [r.slot for r in decode],
