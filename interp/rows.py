@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from opcodes.rows import BUCKETS, DECODE_BUCKETS, LOGIT_GROUP, rows_state, rows_tiling
+from opcodes.rows import BUCKETS, LOGIT_GROUP, rows_state, rows_tiling
 from schedule.rows_program import rows_lowering
 
 from . import runtime
@@ -112,7 +112,7 @@ def run_rows(dh, toks: list[int], pos: list[int], slots: list[int], logits_rows=
     # one group of 16 columns holds every row asked for (a prompt's last): the LM head computes those alone
     groups = {r // LOGIT_GROUP for r in logits_rows} if logits_rows is not None else set()
     meta = rows_state(h.lay.rows, slots, pos, toks, logits=logits_rows is None or len(logits_rows) > 0,
-                      group=groups.pop() if len(groups) == 1 and h.lay.rows > DECODE_BUCKETS[-1] else None)
+                      group=groups.pop() if len(groups) == 1 else None)
     with runtime.Stepping(h):
         h.state["rows"].copy_(meta)
         runtime.launch(h, dh.x0, 0, dh.hidden)

@@ -53,6 +53,8 @@ N_TILE_MAX = 256
 #: a row, the normed operands' sums of squares in the same parts), so a row's logits and K/V are bitwise the
 #: same in any of them: a server may run a step in the smallest that holds its rows
 DECODE_BUCKETS = (16, 32)
+#: the largest decode bucket, for the kernels (a constexpr)
+DECODE_ROWS_MAX = tl.constexpr(DECODE_BUCKETS[-1])
 
 
 def rows_state_shape(rows: int) -> tuple[int]:
@@ -62,10 +64,13 @@ def rows_state_shape(rows: int) -> tuple[int]:
 def rows_state(rows: int, slots, pos, tokens, logits: bool = True, group: int | None = None) -> torch.Tensor:
     """The ``rows`` state buffer's contents (int32, CPU) for ``len(slots)`` rows of a ``rows`` bucket;
     ``logits`` False: the LM head is skipped (a prefill chunk before the prompt's last); ``group`` k: only
-    columns ``[16 k, 16 k + 16)`` get logits (the rows of the others are not computed)."""
+    columns ``[16 k, 16 k + 16)`` get logits (the rows of the others are not computed), past the decode
+    buckets (theirs compute every column: the word says all)."""
     R = len(slots)
     if group is not None and not 0 <= group < rows // LOGIT_GROUP:
         raise ValueError(f"group {group} not in [0, {rows // LOGIT_GROUP}) for a {rows}-row bucket")
+    if rows <= DECODE_BUCKETS[-1]:
+        group = None
     out = torch.zeros(rows_state_shape(rows), dtype=torch.int32)
     out[0] = R
     out[1] = 0 if not logits else 1 if group is None else 2 + group
@@ -116,8 +121,9 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
     rows 8 warps (4 at M 64 ran 2x slower), gate/up 64 + 64, O, down and residual 64 (run 280: 2862 us a 1B
     chunk, 11.2 us a token; 512 rows: those tiles on two column blocks of 256), QKV 64 (at most hd) and 4 stages
     (run 285, 512 rows: 1B 4015 us against 4469 at QKV 32 and 3 stages, the 8B 21957 against 23214). Between
-    them (64 rows): 8 warps, gate/up 16 + 16. Past the decode buckets the attention tiles pipeline 2 key blocks deep, not 3
-    (3 spilled on the 1B at 128 rows). The O projection 16 rows where d / 32 would leave SMs idle.
+    them (64 rows): 8 warps, gate/up 16 + 16. Past the decode buckets the attention tiles pipeline 2 key
+    blocks deep, not 3 (3 spilled on the 1B at 128 rows). The O projection 16 rows where d / 32 would leave SMs
+    idle.
     ``over``: fields to set instead (a probe's variants); the pipeline depth then fits their tiles: as many
     stages (2-5) as 200 KB of shared memory holds blocks of the largest weight tile plus the rows."""
     base = Tiling.for_config(cfg, max_seq=max_seq)

@@ -23,7 +23,7 @@ from .base import Cost, Layout, Region, register, tile_start
 from .common_rows import col_rstd, rows_stream
 from .embed import Embed
 from .lm_head import LMHead
-from .rows import RowsInstruction, bf16_dot, bregion, bview, check_n0, col_rstd_r, logit_columns
+from .rows import DECODE_ROWS_MAX, RowsInstruction, bf16_dot, bregion, bview, check_n0, col_rstd_r, logit_columns
 
 
 @triton.jit
@@ -33,17 +33,13 @@ def lm_head_r_device(v0, n0, rows_ptr, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr
                      NT: tl.constexpr, INTERP: tl.constexpr):
     if NT == ROWS:
         n0 = 0
-    w = tl.load(rows_ptr + 1)           # 0: no logits (a prefill chunk before the prompt's last); 1: all
-    if ROWS <= 32:                      # the decode buckets compute every column (2 + k, column group k, too):
-        if w != 0:                      # their kernels stay as they were (the 8B's 32-row one spilled more)
-            _lm_head_r(v0, n0, 0, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS, D, VOCAB, EPS, LM_ROWS, BK,
-                       STAGES, SS_P, SS_PP, ROWS, NT, NT, INTERP)
-    elif w == 1:
+    w = tl.load(rows_ptr + 1)           # 0: no logits (a prefill chunk before the prompt's last); 1: all;
+    if w == 1:                          # 2 + k: column group k (never in the decode buckets: rows_state)
         _lm_head_r(v0, n0, 0, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS, D, VOCAB, EPS, LM_ROWS, BK, STAGES,
                    SS_P, SS_PP, ROWS, NT, NT, INTERP)
-    elif w >= 2:
+    if ROWS > DECODE_ROWS_MAX:          # (the decode buckets compile no group path: the 8B's 32-row one spilled)
         c = (w - 2) * 16 - n0           # the group's first column in this tile's block
-        if (c >= 0) & (c < NT):
+        if (w >= 2) & (c >= 0) & (c < NT):
             _lm_head_r(v0, n0, c, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS, D, VOCAB, EPS, LM_ROWS, BK,
                        STAGES, SS_P, SS_PP, ROWS, NT, 16, INTERP)
 
