@@ -113,7 +113,9 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
     """The tiling of an R-row program: ``Tiling.for_config``'s attention, every GEMM a ``tl.dot`` tile of
     weight rows (M) by the ``rows`` columns, the column loop only (no row loop, residual fold, split O, waits
     inside), one merged attention instruction per (KV head, row), the down projection in K chunks of 2048
-    (the 1B: 256 tiles, not 64), K blocks of 128 (64 from 128 rows).
+    (the 1B: 256 tiles, not 64), K blocks of 128 (64 from 128 rows; 256 in the decode buckets lost, runs 291-292:
+    R16 -2.7% in the profile, R32 +6..7% in the rows bench, 88 bytes of stack on the 8B's R32; the buckets share
+    one tiling so a row's bits do not depend on its batch).
     Decode buckets (<= 32 rows): 4 warps (run 277: 1B R16 B16 1598 us against 1935 at 8 warps, the 8B 7855
     against 9897) and gate/up tiles of 32 + 32 rows (run 277 / 279: -6% on the 1B, -4.8% on the 8B; 32 bytes
     of stack). The prefill buckets: at 128 rows 4 warps, gate/up 64 + 64, down and residual tiles of 64 rows
@@ -122,8 +124,10 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
     chunk, 11.2 us a token; 512 rows: those tiles on two column blocks of 256), QKV 64 (at most hd) and 4 stages
     (run 285, 512 rows: 1B 4015 us against 4469 at QKV 32 and 3 stages, the 8B 21957 against 23214). Between
     them (64 rows): 8 warps, gate/up 16 + 16. Past the decode buckets the attention tiles pipeline 2 key
-    blocks deep, not 3 (3 spilled on the 1B at 128 rows). The O projection 16 rows where d / 32 would leave SMs
-    idle.
+    blocks deep, not 3 (3 spilled on the 1B at 128 rows), but from 256 rows 3 deep over tiles of 128 (row,
+    head) pairs (runs 289-293, H200, the last 512-row chunk of a 4096-token prompt: 1B 6846.9 -> 4121.3 us at
+    128 pairs against 32 (5630.2 at 256: 64 tiles leave half the SMs idle), the 8B 32888.1 -> 20432.3 against 16
+    pairs; 3 stages -2.8% / -2.2% more). The O projection 16 rows where d / 32 would leave SMs idle.
     ``over``: fields to set instead (a probe's variants); the pipeline depth then fits their tiles: as many
     stages (2-5) as 200 KB of shared memory holds blocks of the largest weight tile plus the rows."""
     base = Tiling.for_config(cfg, max_seq=max_seq)
@@ -140,7 +144,8 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
     if rows == 128:
         t = dataclasses.replace(t, num_warps=4, gu_rows=64, down_rows=64, red_rows=max(red, 64))
     elif rows >= 256:
-        t = dataclasses.replace(t, gu_rows=64, o_rows=64, down_rows=64, red_rows=max(red, 64), qkv_rows=min(64, cfg.hd))
+        t = dataclasses.replace(t, gu_rows=64, o_rows=64, down_rows=64, red_rows=max(red, 64), qkv_rows=min(64, cfg.hd),
+                                attn_pairs=128, attn_stages=3)
         over = {"stages": 4, **over}
     t = dataclasses.replace(t, **{k: v for k, v in over.items() if k != "stages"})
     if "stages" in over:
@@ -188,9 +193,9 @@ class RowsLayout(DecoderLayout):
     @property
     def attn_rt(self) -> int:
         """Rows per attention instruction: 1 in the decode buckets (<= 32 rows: rows are other slots', and
-        R x n_kv instructions fill the SMs), else ``Tiling.attn_pairs`` (row, head) pairs of one slot's rows,
-        by default min(64, 2048 / hd) (32 at hd 64, 16 at hd 128: more spilled registers on the 1B and 8B at
-        128 rows)."""
+        R x n_kv instructions fill the SMs), else ``Tiling.attn_pairs`` (row, head) pairs of one slot's rows
+        (``rows_tiling``: 128 from 256 rows), where 0: min(64, 2048 / hd) (32 at hd 64, 16 at hd 128: more
+        spilled registers on the 1B and 8B at 128 rows)."""
         if self.rows <= DECODE_BUCKETS[-1]:
             return 1
         pairs = self.tiling.attn_pairs or min(64, 2048 // self.cfg.hd)

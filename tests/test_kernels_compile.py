@@ -182,8 +182,10 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
         # 2438 spill-free, run 280), 4 warps and gate/up 32 + 32 on the 8B's R32 56 bytes; the 1B's R16 none;
         # the 256-row tiling (8 warps, M 64, 3 stages: 2862 us a 1B chunk in run 280) 280 bytes on the 1B, 240
         # on the 8B's 512-row bucket (its tiles: 2 column blocks of 256). The prefill buckets' LM head one-group
-        # path (v157, s41.md) took the 1B's 128-row kernel from 312 to 344. The bounds guard against more than those.
-        bound = {"rows16": 0, "rows32": 64, "rows128": 352, "rows512": 256}[what]
+        # path (v157, s41.md) took the 1B's 128-row kernel from 312 to 344; the 512-row bucket's attention tiles
+        # of 128 (row, head) pairs in 3 stages (s42.md, runs 289-294: the 8B's last chunk of a 4096-token prompt
+        # 32888 -> 20000 us) the 8B's from 208 to 464. The bounds guard against more than those.
+        bound = {"rows16": 0, "rows32": 64, "rows128": 352, "rows512": 464}[what]
         assert got["stack"] <= bound, f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills)"
     if what in CODE_LIMITED:
         assert 0 < got["code_bytes"] <= ICACHE_BYTES, \

@@ -14,8 +14,8 @@ if [ "${PART:-1}" = 1 ]; then
         --tiling ";attn_pairs=32;attn_pairs=64;attn_pairs=64,attn_block=64" > $OUT/p512-8b.log 2>&1
     timeout ${T5:-120} python3 -m bench.probes.rows_profile --R 512 --prefill --pos 512 \
         --tiling ";down_rows=128,o_rows=128,red_rows=128;gu_rows=128,stages=3" > $OUT/p512g-1b.log 2>&1
-    timeout ${T2:-120} python3 -m bench.probes.rows_profile --R 16 --B 16 --pos 1024 \
-        --tiling ";attn_block=64;attn_stages=4;gu_rows=16;stages=3;bk=64" > $OUT/p16-1b.log 2>&1
+    timeout ${T2:-150} python3 -m bench.probes.rows_profile --R 16 --B 16 --pos 1024 \
+        --tiling ";attn_block=64;attn_stages=4;gu_rows=16;stages=3;bk=64;bk=256;gu_rows=64" > $OUT/p16-1b.log 2>&1
 else
     timeout ${T3:-200} python3 -m bench.rows_bench --preset llama3.2-1b --skip decode --out $OUT > $OUT/ttft-1b.log 2>&1
     timeout ${T4:-250} python3 -m bench.rows_bench --preset llama3.1-8b --skip decode --out $OUT > $OUT/ttft-8b.log 2>&1
