@@ -6,8 +6,8 @@ Row ``row`` is token ``tok[row]`` of slot ``slot[row]`` at ``pos[row]``: it atte
 ``[0, pos[row]]``, its own included. It waits for every Q tile of the group and every K/V tile of KV head
 ``g`` (``q[l,g]``, ``kv[l,g]``): all the step's rows' K/V are in the cache before any row attends, so a
 prefill chunk's rows see each other's keys (causally: each stops at its own position), as the oracle
-``opcodes.reference.layer_ref_rows``. A row ``>= R`` stores zeros; a tile with no live row stores them
-without reading the cache. A tile is ``ATTN_RT`` rows
+``opcodes.reference.layer_ref_rows``. A row ``>= R`` stores zeros; a prefill tile with no live row stores
+them without reading the cache. A tile is ``ATTN_RT`` rows
 (``RowsLayout.attn_rt``: 1 in the decode buckets, where rows are different slots; 64 / GP in the
 prefill buckets). One row: ``ATTN_PARTIAL``'s loop (GQA: the group's heads are tl.dot's M rows,
 ``GROUP_PAD``) over ``2 * (pos + 1) * hd * 2`` bytes of K/V. A tile of one slot's rows (a prefill chunk):
@@ -104,12 +104,12 @@ def attn_r_device(layer, g, t, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn
                   GROUP_PAD: tl.constexpr, GP: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr,
                   ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, ROWS: tl.constexpr, NT: tl.constexpr,
                   ATTN_RT: tl.constexpr, INTERP: tl.constexpr):
-    if t * ATTN_RT >= tl.load(rows_ptr):     # no live row (a batch or chunk shorter than the bucket): zeros
-        _attn_zeros(layer, g, t * ATTN_RT, attn_r_ptr, NQ, HD, GROUP, GROUP_PAD if ATTN_RT == 1 else GP, ROWS,
-                    ATTN_RT, INTERP)
-    elif ATTN_RT == 1:
+    if ATTN_RT == 1:    # a decode bucket: a row >= R runs over slot 0's position 0 masked and stores zeros (v158's
+        # early return for it cost +3.7% a 16-row step at B=1 and +2.4% at B=16, rows all live: bench/notes/s42.md)
         _attn_tile(layer, g, t, _row_slot(rows_ptr, t), rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr, NQ,
                    NKV, HD, GROUP, GROUP_PAD, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, NT, 1, INTERP)
+    elif t * ATTN_RT >= tl.load(rows_ptr):     # no live row (a chunk shorter than the bucket): zeros, no cache read
+        _attn_zeros(layer, g, t * ATTN_RT, attn_r_ptr, NQ, HD, GROUP, GP, ROWS, ATTN_RT, INTERP)
     else:
         r0 = t * ATTN_RT
         rt = r0 + tl.arange(0, ATTN_RT)
