@@ -19,7 +19,7 @@ def _i64(v):
 
 def _reference(planner, tab, w, x, nout):
     """Every output row group's sum from the table alone (torch, fp32)."""
-    if planner is cp.plan:
+    if planner in (cp.plan, cp.plan_decoder):
         ref, acc = torch.zeros(nout * cp.ROWS_), torch.zeros(cp.ROWS_)
         for r in tab:
             blk = w[r[0]:r[0] + cp.ROWS_ * cp.COLS_].float().view(cp.ROWS_, cp.COLS_)
@@ -91,6 +91,60 @@ def test_chain_probe_plan_is_one_wave_per_stage():
     # the second stage's tile waits for both tiles of the first; every tile's last block signals
     assert [r[2:4] for r in tab if r[2] >= 0] == [[0, 2]]
     assert sorted(r[5] for r in tab if r[5] >= 0) == [0, 0, 1]
+
+
+def test_chain_probe_decoder_plan_splits_each_stage_evenly():
+    # --plan decoder (issue 53's fair ring probe): a stage's 16-row groups over its tiles as evenly as they go
+    # (5 groups on 2 tiles: 2 + 3; 4 on 3: 1 + 1 + 2), tile t on SM t, in the table format every kernel reads
+    shapes = ((2, 80, 2048), (3, 48, 1024), (3, 64, 4096))
+    tab, start, tiles, tstart, nw, nout, ncnt = cp.plan_decoder(2, 3, shapes)
+    sizes = [tiles[i + 1] - tiles[i] for i in range(len(tiles) - 1)]
+    # per SM and layer: stage 0's 2 / 3 groups of 2 blocks, stage 1's one block, stage 2's 1 / 1 / 2 groups of 4
+    assert sizes == [4, 1, 4] * 2 + [6, 1, 4] * 2 + [1, 8] * 2
+    assert nout == 2 * (5 + 3 + 4) and nw == len(tab) * cp.ROWS_ * cp.COLS_ and ncnt == 6
+    assert [r[2:4] for r in tab if r[2] >= 0][:3] == [[0, 2], [1, 3], [2, 3]]     # SM 0: each stage waits the one before
+
+
+@pytest.mark.parametrize("name", ["per_tile", "flat"])
+def test_chain_probe_decoder_plan_kernels(name):
+    # the decoder plan's tiles of several row groups and K 4096 through the interpreter's kernels (one SM: the
+    # interpreter runs programs one after another, so a plan over several SMs would wait on SMs not yet run)
+    shapes = ((1, 80, 2048), (1, 48, 1024), (1, 32, 4096))
+    tab, start, tiles, tstart, nw, nout, ncnt = cp.plan_decoder(2, 1, shapes)
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(nw, generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(4096, generator=g)
+    tables = (_i64(tab).reshape(-1), _i64(start), _i64(tiles), _i64(tstart))
+    cnt, err, out = torch.zeros(ncnt, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(nout * cp.ROWS_)
+    for epoch in (1, 2):
+        cp.launch(name, tables, x, w, out, cnt, err, epoch, 1, 3)
+    assert int(err) == 0 and cnt.tolist() == [2] * ncnt
+    torch.testing.assert_close(out, _reference(cp.plan_decoder, tab, w, x, nout), rtol=1e-5, atol=1e-5)
+
+
+def test_chain_probe_decoder_plan_cuts_the_1b_as_the_decoder():
+    # DECODER_STAGES: the chain's bytes in the decoder's tiles (opcodes.tiling's 1B defaults), gate/up on all 132
+    # SMs in 7 or 8 groups of 16 rows, each stage waiting for every tile of the one before
+    from opcodes.config import PRESETS
+    from opcodes.tiling import Tiling
+    c, t = PRESETS["llama3.2-1b"], Tiling.for_config(PRESETS["llama3.2-1b"], max_seq=256)
+    assert cp.DECODER_STAGES == (((c.q_dim + 2 * c.kv_dim) // t.qkv_rows, c.q_dim + 2 * c.kv_dim, c.d),
+                                 (c.d // t.o_rows, c.d, c.q_dim), (t.gu_tiles, 2 * c.ffn, c.d),
+                                 (c.d // t.down_rows, c.d, t.down_k))
+    tab, start, tiles, tstart, nw, nout, ncnt = cp.plan_decoder(1, 132)
+    assert nw == cp.plan(1, 132)[4] and ncnt == 4
+    groups = {}
+    for r in tab:
+        if r[5] >= 0:
+            groups.setdefault(r[5], 0)
+            groups[r[5]] += 1                     # tiles a stage (one signal each)
+    assert groups == {0: 96, 1: 128, 2: 132, 3: 128}
+    waits = [r[2:4] for r in tab if r[2] >= 0]
+    assert sorted(set(map(tuple, waits))) == [(0, 96), (1, 128), (2, 132)]
+    gu = [tiles[i + 1] - tiles[i] for i in range(len(tiles) - 1) if tab[tiles[i + 1] - 1][5] == 2]
+    assert len(gu) == 132 and set(gu) == {14, 16} and sum(gu) == 2 * c.ffn * 2 // cp.ROWS_
+    with pytest.raises(ValueError, match="whole 16-row groups"):
+        cp.plan_decoder(1, 4, ((4, 48, 1024),))
 
 
 # ---- bench/probes/gluon_chain_probe.py: the chain streamed by a warp-specialized TMA loader (Gluon) ----------
@@ -231,10 +285,11 @@ def test_gluon_chain_ws_compiles_for_sm90(tmp_path, gap_us):
 
 
 @pytest.mark.slow     # 6 s: the halves of the probe above (the suite's 300 s, s41)
-@pytest.mark.parametrize("mode", ["NO_TMA", "NO_MATH"])
+@pytest.mark.parametrize("mode", ["NO_TMA", "NO_MATH", "LOADER"])
 def test_gluon_chain_ws_halves_compile_for_sm90(tmp_path, mode):
     """--halves: NO_TMA's loader copies nothing and arrives on the slot's ready barrier itself; NO_MATH's
-    consumer never reads the ring (its only shared-memory reads are gone, the vector's store stays)."""
+    consumer never reads the ring (its only shared-memory reads are gone, the vector's store stays);
+    LOADER's consumer neither reads the ring nor polls nor stages the vector (no acquire, no local store)."""
     code = ("import sys; from bench.probes import gluon_chain_probe as g; "
             "sys.stdout.write(g.compile_sm90(5, 0, getattr(g, sys.argv[1] + '_')).asm['ttgir'])")
     ttgir = _without_interpreter(tmp_path, "-c", code, mode).stdout
@@ -244,7 +299,9 @@ def test_gluon_chain_ws_halves_compile_for_sm90(tmp_path, mode):
         assert "ttng.arrive_barrier" in worker and "ttg.local_load" in default
     else:
         assert worker.count("ttng.async_tma_copy_global_to_local") == 4
-        assert "ttg.local_load" not in default and "ttg.local_store" in default
+        assert "ttg.local_load" not in default
+        assert ("ttg.local_store" in default) == (mode == "NO_MATH")
+        assert ("acquire" in default) == (mode == "NO_MATH")
         assert "ttng.wait_barrier" in default and "ttng.arrive_barrier" in default
 
 
@@ -256,7 +313,7 @@ def test_gluon_chain_probe_arguments(capsys, monkeypatch):
     monkeypatch.setattr(gcp, "run", lambda **kw: pytest.fail(f"ran {kw}"))
     assert gcp.main(["--help"]) == 0 and "--gap-us G" in capsys.readouterr().out
     for bad, what in ((["x"], "'x'"), (["0"], "'0'"), (["6", "--gap-us", "-1"], "--gap-us"), (["--gap-us"], "--gap-us"),
-                      (["--halves", "y"], "'y'")):
+                      (["--halves", "y"], "'y'"), (["--plan", "70b"], "--plan"), (["--plan"], "--plan")):
         assert gcp.main(bad) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and what in err, err

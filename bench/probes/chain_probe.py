@@ -233,9 +233,32 @@ def plan_rows(layers: int, sms: int, stages=STAGE_SHAPES):
 
 def plan(layers: int, sms: int, stages=STAGE_SHAPES):
     """The block table: per SM its tiles in layer / stage order, each tile's blocks row group by row
-    group (the columns of a row group in order, the sum stored at its last block). Returns the table
-    [blocks, 6], each SM's first block, the tiles' first blocks, each SM's first tile, the weight
-    elements and the output rows."""
+    group (the columns of a row group in order, the sum stored at its last block). A stage is (tiles,
+    rows a tile, K). Returns the table [blocks, 6], each SM's first block, the tiles' first blocks, each
+    SM's first tile, the weight elements and the output rows."""
+    return _plan(layers, sms, stages, lambda ntiles, rows, t: rows // ROWS_)
+
+
+#: the 1B decoder's GEMV stages as its default tiling cuts them at a short cache (``Tiling.for_config``,
+#: s42): per layer (tiles, the stage's rows, K): QKV 96 tiles of 32 rows, O 128 of 16, gate/up 132 tiles of
+#: ~124 rows (62 gate + 62 up on every SM: ragged, 7 or 8 groups of 16), down 128 tiles of 16 rows x 8192
+#: (one K chunk); 121.6 MB a layer, STAGE_SHAPES' 121.6 MB cut into the decoder's tiles
+DECODER_STAGES = ((96, 3072, 2048), (128, 2048, 2048), (132, 16384, 2048), (128, 2048, 8192))
+
+
+def plan_decoder(layers: int, sms: int, stages=DECODER_STAGES):
+    """:func:`plan` with each stage's 16-row groups split over its tiles as evenly as they go (a stage is
+    (tiles, the stage's rows, K); tile t of ``rows / 16`` groups takes [t * groups / tiles, (t + 1) * groups
+    / tiles)), tile t on SM t, as the decoder's ragged gate/up (``Tiling.gu_tiles``)."""
+    for si, (ntiles, rows, _) in enumerate(stages):
+        if rows % ROWS_ or rows // ROWS_ < ntiles:
+            raise ValueError(f"stage {si}: {rows} rows are not {ntiles} tiles of whole {ROWS_}-row groups")
+    return _plan(layers, sms, stages, lambda ntiles, rows, t: (t + 1) * (rows // ROWS_) // ntiles
+                 - t * (rows // ROWS_) // ntiles)
+
+
+def _plan(layers: int, sms: int, stages, groups):
+    # groups(tiles, rows, t): tile t's row groups
     queues = [[] for _ in range(sms)]
     out = cnt = 0
     for _ in range(layers):
@@ -246,7 +269,7 @@ def plan(layers: int, sms: int, stages=STAGE_SHAPES):
             prev_tiles = stages[si - 1][0] if si > 0 else stages[-1][0]
             for t in range(ntiles):
                 blocks = []
-                for rg in range(rows // ROWS_):
+                for rg in range(groups(ntiles, rows, t)):
                     for cb in range(k // COLS_):
                         blocks.append([0, 0, -1, 0, out if cb == k // COLS_ - 1 else -1, -1])
                     out += 1

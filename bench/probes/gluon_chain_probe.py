@@ -1,13 +1,20 @@
 """chain_probe's chain of dependent one-wave GEMV stages, streamed by a warp-specialized TMA loader
 (Gluon), against chain_probe's `per_tile` and `flat` Triton kernels in the same process.
 
-    python3 -m bench.probes.gluon_chain_probe [stages...] [--gap-us G] [--halves]   (a GPU (H200); default 5; ring min(stages, 6))
+    python3 -m bench.probes.gluon_chain_probe [stages...] [--gap-us G] [--halves] [--plan chain|decoder]
+        (a GPU (H200); default 5; ring min(stages, 6))
     python3 -m bench.probes.gluon_chain_probe --compile [RING [DIR]] [--gap-us G]   (no GPU: sm_90 offline)
 
 ``--halves``: also ``ws``'s two halves alone, in the same alternation: ``ws_no_tma`` (the consumer at
 its own pace: the loader copies nothing and marks each free slot ready at once) and ``ws_no_math`` (the
-loader and the HBM at theirs: the consumer frees each slot unread); their counters and waits are
-checked, not their sums. Whichever half is as slow as ``ws`` bounds it.
+loader and the HBM at theirs: the consumer frees each slot unread, but still polls each tile's wait and
+stages its vector) and ``ws_loader`` (the loader and the HBM alone: no polls, no vector, each slot freed
+unread: the pace a loader partition could keep); their counters and waits are checked, not their sums.
+Whichever half is as slow as ``ws`` bounds it.
+
+``--plan decoder``: the stages cut into the 1B decoder's tiles (chain_probe.DECODER_STAGES: QKV 96 tiles
+of 32 rows, O 128 of 16, gate/up ragged on all 132 SMs, down 128 tiles of 16 x 8192) instead of
+chain_probe's equal tiles (STAGE_SHAPES: O 64, gate/up 128, down 128 of 32 x 4096); the same bytes.
 
 ``--gap-us G``: after every layer's QKV stage each O tile spins G us after its wait (chain_probe.gaps),
 as the 1B's attention sits between QKV and O (~6 us a layer of idle HBM, run 137): ``per_tile`` idles
@@ -90,6 +97,11 @@ BLOCK_BYTES = gl.constexpr(BLOCK_BYTES_)
 #: the HBM alone (the consumer waits for each slot and frees it without reading it)
 NO_TMA_, NO_MATH_ = 1, 2
 NO_TMA, NO_MATH = gl.constexpr(NO_TMA_), gl.constexpr(NO_MATH_)
+#: LOADER, the loader and the HBM alone without the consumer's polls and vector (NO_MATH still polled the
+#: previous stage's counter and staged the vector at each tile, so its "loader alone" was paced by the chain:
+#: issue 53); the consumer waits for each slot, frees it unread, and releases its tile's counter
+LOADER_ = 3
+LOADER = gl.constexpr(LOADER_)
 #: the launch's options (the offline compile uses the same)
 #: GLUON_WS_WARPS=8: 8 consumer warps (12 with the loader's group: 168 registers a thread); run 125: no faster
 _W = os.environ.get("GLUON_WS_WARPS", "4")
@@ -145,14 +157,15 @@ def _consumer(tab_ptr, x_ptr, out_ptr, cnt_ptr, err_ptr, epoch, b0, b1, bufs, xs
     wc, tg, oi, sc = _row(tab_ptr, b0, b0 < b1)
     for j in range(b0, b1):
         nwc, ntg, noi, nsc = _row(tab_ptr, j + 1, j + 1 < b1)     # the next block's row, a block early
-        if wc >= 0:                                                  # a tile's first block
-            cp._wait(cnt_ptr, err_ptr, wc, tg * epoch)     # chain_probe's bounded acquire poll (a @triton.jit helper)
-            if GAP:                                  # the counter's gap (chain_probe.gaps): nothing streams but the loader
-                cp._gap_on(gap_ptr, wc, False)
-        if (wc >= 0) | (j == b0):                                    # a tile's first block (the chain's first: no wait)
-            xs.store(gl.load(x_ptr + xo, cache_modifier=".cg"))
-            gl.thread_barrier()     # the previous tile's readers passed its last block's barrier; these stores are seen
-        if MODE == NO_MATH:
+        if MODE != LOADER:
+            if wc >= 0:                                              # a tile's first block
+                cp._wait(cnt_ptr, err_ptr, wc, tg * epoch)     # chain_probe's bounded acquire poll (a @triton.jit helper)
+                if GAP:                              # the counter's gap (chain_probe.gaps): nothing streams but the loader
+                    cp._gap_on(gap_ptr, wc, False)
+            if (wc >= 0) | (j == b0):                                # a tile's first block (the chain's first: no wait)
+                xs.store(gl.load(x_ptr + xo, cache_modifier=".cg"))
+                gl.thread_barrier()     # the previous tile's readers passed its last block's barrier; these stores are seen
+        if (MODE == NO_MATH) | (MODE == LOADER):
             mbarrier.wait(ready.index(s), ph)
         else:
             r = (j % 4) * NSUB                                       # chain_probe's x[(j % 4) * 1024:][:1024]
@@ -221,8 +234,8 @@ def launch_ws(tables, x, desc, out, cnt, err, epoch, sms, ring, gap=None, mode=0
     ``mode``: 0, or one half of the pipeline alone (:data:`NO_TMA`, :data:`NO_MATH`: wrong sums)."""
     if not 1 <= ring <= MAX_RING:
         raise ValueError(f"ring {ring}: 1..{MAX_RING} slots of 32 KB fit an H200 block's shared memory")
-    if mode not in (0, NO_TMA_, NO_MATH_):
-        raise ValueError(f"mode {mode!r}: 0, NO_TMA ({NO_TMA_}) or NO_MATH ({NO_MATH_})")
+    if mode not in (0, NO_TMA_, NO_MATH_, LOADER_):
+        raise ValueError(f"mode {mode!r}: 0, NO_TMA ({NO_TMA_}), NO_MATH ({NO_MATH_}) or LOADER ({LOADER_})")
     tab_t, start_t = tables[0], tables[1]
     chain_ws[(sms,)](tab_t, start_t, x, desc, out, cnt, err, epoch, tab_t if gap is None else gap, RING=ring,
                      GAP=int(gap is not None), MODE=mode, **LAUNCH)
@@ -313,15 +326,19 @@ def _compile_main(ring: int, out_dir: str | None, gap: int = 0) -> int:
 # ---- the GPU run ------------------------------------------------------------------------------------------
 NAMES = ("per_tile", "flat", "ws")
 #: ws's halves alone (``--halves``): wrong sums, counters and waits checked
-HALVES = {"ws_no_tma": NO_TMA_, "ws_no_math": NO_MATH_}
+HALVES = {"ws_no_tma": NO_TMA_, "ws_no_math": NO_MATH_, "ws_loader": LOADER_}
+#: ``--plan``: chain_probe's plans (``chain``: its equal tiles, STAGE_SHAPES; ``decoder``: the 1B decoder's tiles,
+#: DECODER_STAGES, gate/up ragged on all 132 SMs)
+PLANS = {"chain": (cp.plan, cp.STAGE_SHAPES), "decoder": (cp.plan_decoder, cp.DECODER_STAGES)}
 
 
-def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0, halves=False):
+def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0, halves=False, plan="chain"):
     """Every variant checked once against the reference, then timed alternated: ``stages`` is the
     Triton kernels' pipeline depth and the ws ring's slots. ``gap_us`` > 0: after every layer's QKV
     stage each O tile spins that long after its wait (chain_probe.gaps), a phase that streams nothing
     but what a variant loads ahead (the 1B's attention). ``halves``: also ws's consumer alone and its
-    loader alone (:data:`HALVES`; counters and waits checked, not their sums)."""
+    loader alone (:data:`HALVES`; counters and waits checked, not their sums). ``plan``: a key of :data:`PLANS`."""
+    planner, shapes = PLANS[plan]
     dev = torch.device(device)
     sms = sms or torch.cuda.get_device_properties(dev).multi_processor_count
     ring = min(stages, MAX_RING)
@@ -329,13 +346,13 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0, halv
     i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)      # noqa: E731
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(4096, generator=g).to(dev)
-    tab, start, tiles, tstart, nw, nout, ncnt = cp.plan(layers, sms)
+    tab, start, tiles, tstart, nw, nout, ncnt = planner(layers, sms)
     w = (torch.randn(nw, generator=g) * 0.02).to(torch.bfloat16).to(dev)
     tables = (i64(tab).reshape(-1), i64(start), i64(tiles), i64(tstart))
     desc = make_desc(w)
     ref = reference(tab, w, x, nout)
     per_call = signals_per_call(tab, ncnt).to(dev)
-    gap = i64(cp.gaps(ncnt, len(cp.STAGE_SHAPES), round(gap_us * 1e3))) if gap_us > 0 else None
+    gap = i64(cp.gaps(ncnt, len(shapes), round(gap_us * 1e3))) if gap_us > 0 else None
 
     names = NAMES + (tuple(HALVES) if halves else ())
 
@@ -361,7 +378,7 @@ def run(device="cuda", layers=16, sms=None, steps=20, stages=5, gap_us=0.0, halv
         t = cp.timed_median(lambda step: call(name, out, cnt, err, step), steps)
         check(name, out, cnt, err, steps, want(name), per_call)
         res.setdefault(name, []).append(t)
-    what = f"pipeline {stages} (ws: ring of {ring} x 32 KB)"
+    what = f"{plan} plan, pipeline {stages} (ws: ring of {ring} x 32 KB)"
     if gap is not None:
         what += f"; a {gap_us:g} us gap after each layer's QKV ({layers * gap_us:g} us a call beside the floor)"
     floor_us = cp.report(dev, layers, sms, w.numel() * 2, bw, what, res, 10)
@@ -378,6 +395,14 @@ def main(argv=None) -> int:
         return 2
     halves = "--halves" in args
     args = [a for a in args if a != "--halves"]
+    plan = "chain"
+    if "--plan" in args:
+        i = args.index("--plan")
+        plan = args[i + 1] if i + 1 < len(args) else ""
+        if plan not in PLANS:
+            print(f"--plan {plan!r}: one of {', '.join(PLANS)}", file=sys.stderr)
+            return 2
+        args = args[:i] + args[i + 2:]
     gap_us = 0.0
     if "--gap-us" in args:
         i = args.index("--gap-us")
@@ -397,10 +422,10 @@ def main(argv=None) -> int:
     bad = [s for s in args if not s.isdigit() or int(s) < 1]
     if bad:
         print(f"{bad[0]!r}: a pipeline depth is an integer >= 1 (usage: python3 -m bench.probes.gluon_chain_probe "
-              "[stages...] [--gap-us G] [--halves] | --compile [RING [DIR]])", file=sys.stderr)
+              "[stages...] [--gap-us G] [--halves] [--plan chain|decoder] | --compile [RING [DIR]])", file=sys.stderr)
         return 2
     for st in [int(s) for s in (args or ["5"])]:
-        run(stages=st, gap_us=gap_us, halves=halves)
+        run(stages=st, gap_us=gap_us, halves=halves, plan=plan)
     return 0
 
 
