@@ -8,9 +8,9 @@ Row ``row`` is token ``tok[row]`` of slot ``slot[row]`` at ``pos[row]``: it atte
 prefill chunk's rows see each other's keys (causally: each stops at its own position), as the oracle
 ``opcodes.reference.layer_ref_rows``. A row ``>= R`` stores zeros; a prefill tile with no live row stores
 them without reading the cache. A tile is ``ATTN_RT`` rows
-(``RowsLayout.attn_rt``: 1 in the decode buckets, where rows are different slots; 64 / GP in the
-prefill buckets). One row: ``ATTN_PARTIAL``'s loop (GQA: the group's heads are tl.dot's M rows,
-``GROUP_PAD``) over ``2 * (pos + 1) * hd * 2`` bytes of K/V. A tile of one slot's rows (a prefill chunk):
+(``RowsLayout.attn_rt``: 1 in the decode buckets, where rows are different slots; ``Tiling.attn_pairs`` / GP
+in the prefill buckets, 128 / GP from 256 rows). One row: ``ATTN_PARTIAL``'s loop (GQA: the group's heads are
+tl.dot's M rows, ``GROUP_PAD``) over ``2 * (pos + 1) * hd * 2`` bytes of K/V. A tile of one slot's rows (a prefill chunk):
 its (row, head) pairs are M, each K/V block loaded once for all of them, masked per row (causal); a
 tile of several slots' rows runs them one at a time.
 Output: bf16 ``attn_r[layer, row, q_dim]`` (the O projection's operand, rounded as the oracle rounds it).
@@ -105,7 +105,7 @@ def attn_r_device(layer, g, t, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn
                   ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, ROWS: tl.constexpr, NT: tl.constexpr,
                   ATTN_RT: tl.constexpr, INTERP: tl.constexpr):
     if ATTN_RT == 1:    # a decode bucket: a row >= R runs over slot 0's position 0 masked and stores zeros (v158's
-        # early return for it cost +3.7% a 16-row step at B=1 and +2.4% at B=16, rows all live: bench/notes/s42.md)
+        # early return for it cost +3.7% a 16-row step at B=1 and +2.3% at B=16, rows all live: bench/notes/s42.md)
         _attn_tile(layer, g, t, _row_slot(rows_ptr, t), rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr, NQ,
                    NKV, HD, GROUP, GROUP_PAD, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, NT, 1, INTERP)
     elif t * ATTN_RT >= tl.load(rows_ptr):     # no live row (a chunk shorter than the bucket): zeros, no cache read
