@@ -53,8 +53,9 @@ N_TILE_MAX = 256
 #: a row, the normed operands' sums of squares in the same parts), so a row's logits and K/V are bitwise the
 #: same in any of them: a server may run a step in the smallest that holds its rows
 DECODE_BUCKETS = (16, 32)
-#: the largest decode bucket, for the kernels (a constexpr)
+#: the largest decode bucket, and the one-group LM head's columns, for the kernels (constexprs)
 DECODE_ROWS_MAX = tl.constexpr(DECODE_BUCKETS[-1])
+LOGIT_GROUP_C = tl.constexpr(LOGIT_GROUP)
 
 
 def rows_state_shape(rows: int) -> tuple[int]:

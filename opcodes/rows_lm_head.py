@@ -23,7 +23,8 @@ from .base import Cost, Layout, Region, register, tile_start
 from .common_rows import col_rstd, rows_stream
 from .embed import Embed
 from .lm_head import LMHead
-from .rows import DECODE_ROWS_MAX, RowsInstruction, bf16_dot, bregion, bview, check_n0, col_rstd_r, logit_columns
+from .rows import (DECODE_ROWS_MAX, LOGIT_GROUP_C, RowsInstruction, bf16_dot, bregion, bview, check_n0, col_rstd_r,
+                   logit_columns)
 
 
 @triton.jit
@@ -38,10 +39,10 @@ def lm_head_r_device(v0, n0, rows_ptr, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr
         _lm_head_r(v0, n0, 0, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS, D, VOCAB, EPS, LM_ROWS, BK, STAGES,
                    SS_P, SS_PP, ROWS, NT, NT, INTERP)
     if ROWS > DECODE_ROWS_MAX:          # (the decode buckets compile no group path: the 8B's 32-row one spilled)
-        c = (w - 2) * 16 - n0           # the group's first column in this tile's block
+        c = (w - 2) * LOGIT_GROUP_C - n0      # the group's first column in this tile's block
         if (w >= 2) & (c >= 0) & (c < NT):
             _lm_head_r(v0, n0, c, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS, D, VOCAB, EPS, LM_ROWS, BK,
-                       STAGES, SS_P, SS_PP, ROWS, NT, 16, INTERP)
+                       STAGES, SS_P, SS_PP, ROWS, NT, LOGIT_GROUP_C, INTERP)
 
 
 @triton.jit
