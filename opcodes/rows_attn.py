@@ -37,6 +37,32 @@ def _row_slot(rows_ptr, r):
 
 
 @triton.jit
+def _attn_block(kbase, vbase, kb, qs, pos, maxp, m_i, l_i, acc, HD: tl.constexpr, ATTN_BLOCK: tl.constexpr,
+                MASK: tl.constexpr, INTERP: tl.constexpr):
+    """One block of keys [kb, kb + ATTN_BLOCK) into the running softmax (m_i, l_i, acc) of the M rows.
+    MASK: keys past ``maxp`` are not loaded and each M row's keys past its own ``pos`` score -inf; without it
+    every key of the block is below every row's position (a prefill tile's blocks under the chunk)."""
+    keys = kb + tl.arange(0, ATTN_BLOCK)
+    dcol = tl.arange(0, HD)
+    if MASK:
+        kin = keys <= maxp
+        k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=kin[:, None], other=0.0, cache_modifier=".cg")
+        v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=kin[:, None], other=0.0, cache_modifier=".cg")
+    else:
+        k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], cache_modifier=".cg")
+        v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], cache_modifier=".cg")
+    sc = mma(qs, tl.trans(k), INTERP)
+    if MASK:    # key 0 is every row's, so each M row's running max is finite after the first block
+        sc = tl.where(keys[None, :] <= pos[:, None], sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    p = tl.exp2(sc - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attn_tile(layer, g, r0, slot, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr,
                NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
                MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr,
@@ -64,20 +90,16 @@ def _attn_tile(layer, g, r0, slot, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, 
     m_i = tl.full([M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([M], dtype=tl.float32)
     acc = tl.zeros([M, HD], dtype=tl.float32)
-    for kb in tl.range(0, maxp + 1, ATTN_BLOCK, num_stages=ATTN_STAGES):
-        keys = kb + tl.arange(0, ATTN_BLOCK)
-        kin = keys <= maxp
-        k = tl.load(kbase + keys[:, None] * HD + dcol[None, :], mask=kin[:, None], other=0.0, cache_modifier=".cg")
-        v = tl.load(vbase + keys[:, None] * HD + dcol[None, :], mask=kin[:, None], other=0.0, cache_modifier=".cg")
-        sc = mma(qs, tl.trans(k), INTERP)
-        # key 0 is every row's, so each M row's running max is finite after the first block
-        sc = tl.where(keys[None, :] <= pos[:, None], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        p = tl.exp2(sc - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
-        m_i = m_new
+    k_lo = 0
+    if ATTN_RT > 1:     # a prefill tile: the blocks below every live row's position need no mask
+        minp = tl.min(tl.where(valid, pos, maxp), axis=0)
+        k_lo = (minp + 1) // ATTN_BLOCK * ATTN_BLOCK
+        for kb in tl.range(0, k_lo, ATTN_BLOCK, num_stages=ATTN_STAGES):
+            m_i, l_i, acc = _attn_block(kbase, vbase, kb, qs, pos, maxp, m_i, l_i, acc, HD, ATTN_BLOCK, False, INTERP)
+    # a prefill tile's masked blocks are the last one or two (its rows' positions span ATTN_RT): not pipelined
+    MASKED_STAGES: tl.constexpr = ATTN_STAGES if ATTN_RT == 1 else 1
+    for kb in tl.range(k_lo, maxp + 1, ATTN_BLOCK, num_stages=MASKED_STAGES):
+        m_i, l_i, acc = _attn_block(kbase, vbase, kb, qs, pos, maxp, m_i, l_i, acc, HD, ATTN_BLOCK, True, INTERP)
     o = tl.where(valid[:, None], acc / l_i[:, None], 0.0)
     out = attn_r_ptr + layer * (ROWS * NQ * HD) + ri[:, None] * (NQ * HD) + qrow[:, None] * HD + dcol[None, :]
     tl.store(out, to_bf16(o, INTERP), mask=((hi < GROUP) & (ri < ROWS))[:, None])
