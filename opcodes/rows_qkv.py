@@ -45,9 +45,18 @@ def qkv_r_device(layer, sec, head, j, n0, rows_ptr, hn_r_ptr, ss0_r_ptr, ss_r_pt
     dims = j * HALF + tl.arange(0, QKV_M)
     rows1 = head * HD + dims
     rows2 = rows1 + HD // 2
-    acc1, acc2 = rows_stream(w_ptr, rows1, w_ptr, rows2, dm, xt, 0, NT, NT, D, D, QKV_M, NT,
-                             BK, STAGES, TWO=True, EVEN=(D % BK == 0) & (QKV_M == HALF),
-                             INTERP=INTERP)
+    if QKV_M == HALF and QKV_M >= 32:
+        # one dot of both halves' rows (M = 2 * HALF >= 64: a wgmma, not two mma.sync of M 32; bench/notes/s43.md
+        # v165), its accumulator split into the halves for RoPE
+        i = tl.arange(0, 2 * QKV_M)
+        rows12 = head * HD + j * HALF + i % HALF + (i // HALF) * (HD // 2)
+        acc, _ = rows_stream(w_ptr, rows12, w_ptr, rows12, i < 2 * QKV_M, xt, 0, NT, NT, D, D, 2 * QKV_M, NT,
+                             BK, STAGES, TWO=False, EVEN=(D % BK == 0), INTERP=INTERP)
+        acc1, acc2 = tl.split(tl.permute(tl.reshape(acc, [2, QKV_M, NT]), [1, 2, 0]))
+    else:
+        acc1, acc2 = rows_stream(w_ptr, rows1, w_ptr, rows2, dm, xt, 0, NT, NT, D, D, QKV_M, NT,
+                                 BK, STAGES, TWO=True, EVEN=(D % BK == 0) & (QKV_M == HALF),
+                                 INTERP=INTERP)
     if layer == 0:
         ss_ptr = ss0_r_ptr + n0 * SS_P0
     else:

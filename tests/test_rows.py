@@ -147,6 +147,33 @@ def test_a_prompt_past_128_tokens_in_one_256_row_launch():
     teardown(h)
 
 
+def test_a_head_of_64_dims_projects_both_rope_halves_in_one_dot():
+    """hd 64 in a 256-row bucket: a QKV tile's two RoPE halves of 32 rows each are one dot of M 64 (a wgmma on
+    sm_90, not two mma.sync; bench/notes/s43.md v165), its accumulator split into the halves: a 140-token prompt's
+    last logits meet the criterion against the oracle and its K/V cache matches the oracle's."""
+    from opcodes.decoder import DecoderLayout
+    from opcodes.rows_qkv import QKVR
+    cfg = ModelConfig(layers=1, d=128, ffn=128, n_q=2, n_kv=1, hd=64, theta=10000.0, vocab=64, name="hd64-rows")
+    til = rows_tiling(cfg, 256, 160)
+    lay = DecoderLayout(cfg, til, 160)
+    assert QKVR.CONSTEXPRS["QKV_M"](lay) == QKVR.CONSTEXPRS["QKV_ROWS"](lay) // 2 == 32
+    w = decoder_weights(cfg, seed=1)
+    kv = make_kv_cache(cfg, 160, 0, seed=2)
+    kv0 = clone_cache(kv)
+    h = build_decoder(w, kv, cfg, 160)
+    prompt = [(29 * i + 3) % cfg.vocab for i in range(140)]
+    n = len(prompt)
+    lg = prefill(h, prompt, 0)
+    assert list(h.rows) == [256]
+    ref32 = decoder_ref_rows_fp32(w, [tuple(t.float() for t in p) for p in kv0], cfg, prompt, [0] * n, list(range(n)))
+    kv_ref = clone_cache(kv0)
+    ref = decoder_ref_rows(w, kv_ref, cfg, prompt, [0] * n, list(range(n)))
+    assert rel_err(lg, ref32[-1:]) <= 1.1 * rel_err(ref[-1:], ref32[-1:])
+    for (k, v), (kr, vr) in zip(kv, kv_ref):
+        assert rel_err(k[:, :, :n], kr[:, :, :n]) <= KERNEL_TOL and rel_err(v[:, :, :n], vr[:, :, :n]) <= KERNEL_TOL
+    teardown(h)
+
+
 def test_prefill_attention_tiles_of_more_pairs_meet_the_criterion(monkeypatch):
     """``Tiling.attn_pairs`` sets a prefill attention tile's (row, head) pairs: at 256 (128 rows of this model's
     groups of 2, against 32 by default) a 150-token prompt in the 256-row bucket is two tiles, one whole
