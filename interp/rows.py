@@ -151,11 +151,27 @@ def check_slot(dh, slot) -> int:
     return slot
 
 
+def prefill_chunks(P: int, chunk: int | None = None) -> list[tuple[int, int]]:
+    """The launches of a ``P``-token prompt as (first token, tokens): ``chunk`` tokens each (the last the
+    rest), or by default the largest bucket's (1024) while that many remain and the rest in chunks of the
+    next (512): a chunk shorter than its bucket still runs every column block of its GEMM tiles, so a rest
+    of 600 runs as 512 + 88 (640 columns), not in one 1024-row launch. The 1B's last 1024 tokens of a
+    4096-token prompt ran at 6.95 us a token in one chunk against 7.48 for its last 512 (bench/notes/s43.md,
+    run 299, H100: ~5% of it fuller waves, the rest the 1024 chunk's fewer keys on average)."""
+    out, c0 = [], 0
+    while c0 < P:
+        left = P - c0
+        n = min(left, chunk) if chunk else (BUCKETS[-1] if left >= BUCKETS[-1] else min(left, BUCKETS[-2]))
+        out.append((c0, n))
+        c0 += n
+    return out
+
+
 def prefill(dh, tokens, start_pos: int = 0, slot: int = 0, chunk: int | None = None,
             logits: bool = True) -> torch.Tensor | None:
     """Fill slot ``slot``'s cache with ``tokens`` at positions ``start_pos, start_pos + 1, ...``, in
-    chunks of ``chunk`` rows (default and at most the largest bucket's, 512), one launch each; returns
-    the last position's fp32 logits (1, vocab), or with ``logits`` False None and no launch runs the LM
+    chunks of ``chunk`` rows (at most the largest bucket's, 1024; default: :func:`prefill_chunks`), one launch
+    each; returns the last position's fp32 logits (1, vocab), or with ``logits`` False None and no launch runs the LM
     head (a part of a prompt that continues). Errors (tokens, positions past max_seq_len, the slot,
     the chunk) come before any launch."""
     toks = _int_vector("tokens", tokens)
@@ -175,17 +191,13 @@ def prefill(dh, tokens, start_pos: int = 0, slot: int = 0, chunk: int | None = N
             raise arg_error(ValueError, f"tokens[{i}]", f"a token id in [0, vocab={vocab})", t)
     if not isinstance(logits, bool):
         raise arg_error(TypeError, "logits", "a bool", describe(logits))
-    if chunk is None:
-        chunk = BUCKETS[-1]
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= BUCKETS[-1]:
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= BUCKETS[-1]):
         raise arg_error(ValueError if isinstance(chunk, int) and not isinstance(chunk, bool) else TypeError,
                         "chunk", f"an int in [1, {BUCKETS[-1]}]", describe(chunk))
-    step = chunk
     out = None
-    for c0 in range(0, P, step):
-        chunk = toks[c0:c0 + step]
-        n = len(chunk)
+    for c0, n in prefill_chunks(P, chunk):
+        chunk_toks = toks[c0:c0 + n]
         p = [start_pos + c0 + i for i in range(n)]
         last = c0 + n == P
-        out = run_rows(dh, chunk, p, [slot] * n, logits_rows=[n - 1] if last and logits else [])
+        out = run_rows(dh, chunk_toks, p, [slot] * n, logits_rows=[n - 1] if last and logits else [])
     return out

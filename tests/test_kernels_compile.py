@@ -39,7 +39,8 @@ CASES = [
     pytest.param("llama3.2-1b", 1152, "tp-decoder", marks=pytest.mark.slow),   # ... the whole model: TP_ARGMAX too
     ("llama3.2-1b", 1152, "rows16"),              # many rows (issue 50): the decode bucket, tl.dot M 32 x N 16
     pytest.param("llama3.2-1b", 1152, "rows128", marks=pytest.mark.slow),   # ... the prefill bucket, N 128
-    pytest.param("llama3.1-8b", 1152, "rows512", marks=pytest.mark.slow),   # ... the largest: two column blocks of 256
+    pytest.param("llama3.1-8b", 1152, "rows512", marks=pytest.mark.slow),   # ... two column blocks of 256
+    pytest.param("llama3.2-1b", 1152, "rows1024", marks=pytest.mark.slow),  # ... the largest: four
     pytest.param("llama3.1-8b", 1152, "rows32", marks=pytest.mark.slow),    # ... hd 128, the 8B's shapes
 ]
 
@@ -184,8 +185,10 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
         # on the 8B's 512-row bucket (its tiles: 2 column blocks of 256). The prefill buckets' LM head one-group
         # path (v157, s41.md) took the 1B's 128-row kernel from 312 to 344; the 512-row bucket's attention tiles
         # of 128 (row, head) pairs in 3 stages (s42.md, runs 289-294: the 8B's last chunk of a 4096-token prompt
-        # 32888 -> 20000 us) the 8B's from 208 to 464. The bounds guard against more than those.
-        bound = {"rows16": 0, "rows32": 64, "rows128": 352, "rows512": 464}[what]
+        # 32888 -> 20000 us) the 8B's from 208 to 464; the unmasked key blocks and QKV's one dot of M 64 (s43.md
+        # v163 + v165, runs 299-300: the 8B's chunk 20668 -> 19061 us on an H100) to 624. The bounds guard
+        # against more than those.
+        bound = {"rows16": 0, "rows32": 64, "rows128": 352, "rows512": 624, "rows1024": 536}[what]
         assert got["stack"] <= bound, f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills)"
     if what in CODE_LIMITED:
         assert 0 < got["code_bytes"] <= ICACHE_BYTES, \

@@ -254,6 +254,40 @@ def test_a_512_row_step_in_two_column_blocks_in_the_vm_and_the_kernel():
     teardown(h)
 
 
+def test_prefill_chunks_take_the_largest_bucket_while_it_fills():
+    from interp.rows import prefill_chunks
+    assert prefill_chunks(4096) == [(0, 1024), (1024, 1024), (2048, 1024), (3072, 1024)]
+    assert prefill_chunks(1700) == [(0, 1024), (1024, 512), (1536, 164)]     # the rest: 512 + 164, not 1024
+    assert prefill_chunks(600) == [(0, 512), (512, 88)]
+    assert prefill_chunks(9) == [(0, 9)]
+    assert prefill_chunks(9, chunk=4) == [(0, 4), (4, 4), (8, 1)]
+    assert prefill_chunks(2000, chunk=1024) == [(0, 1024), (1024, 976)]
+
+
+def test_a_1024_token_chunk_runs_four_column_blocks_in_one_launch():
+    """A 1030-token prompt: one 1024-row launch (its GEMM tiles on 4 column blocks of 256) and one of 6 rows;
+    the last logits meet the criterion against the oracle and the cache matches the oracle's."""
+    from schedule.tape import decode
+    ms = 1040
+    w = decoder_weights(CFG, seed=1)
+    kv = make_kv_cache(CFG, ms, 0, seed=2)
+    kv0 = clone_cache(kv)
+    h = build_decoder(w, kv, CFG, ms)
+    prompt = [(41 * i + 13) % CFG.vocab for i in range(1030)]
+    n = len(prompt)
+    lg = prefill(h, prompt, 0)
+    assert sorted(h.rows) == [16, 1024]
+    assert {getattr(d.ins, "n0", 0) for d in decode(h.rows[1024].tape)} == {0, 256, 512, 768}
+    ref32 = decoder_ref_rows_fp32(w, [tuple(t.float() for t in p) for p in kv0], CFG, prompt, [0] * n, list(range(n)))
+    kv_ref = clone_cache(kv0)
+    ref = decoder_ref_rows(w, kv_ref, CFG, prompt, [0] * n, list(range(n)))
+    assert rel_err(lg, ref32[-1:]) <= 1.1 * rel_err(ref[-1:], ref32[-1:])
+    for (k, v), (kr, vr) in zip(kv, kv_ref):
+        assert rel_err(k[:, :, :n], kr[:, :, :n]) <= KERNEL_TOL and rel_err(v[:, :, :n], vr[:, :, :n]) <= KERNEL_TOL
+        assert not k[:, :, n:].any() and not v[:, :, n:].any()
+    teardown(h)
+
+
 def test_a_rows_logits_do_not_depend_on_the_other_rows():
     """Row 0 alone, and beside other slots' rows at other positions: its logits and K/V bitwise the same
     (one bucket: the columns of a dot are independent, attention is per row)."""
@@ -284,7 +318,7 @@ def test_bad_rows_inputs_fail_before_the_cache_is_touched():
         (lambda: decode_step(h, [1, 200], [3, 4]), ValueError, ["tokens[1]", "vocab=200"]),
         (lambda: decode_step(h, [1.0, 2.0], [3, 4]), TypeError, ["tokens"]),
         (lambda: decode_step(h, torch.tensor([[1, 2]]), [3, 4]), ValueError, ["tokens", "1-D"]),
-        (lambda: decode_step(h, list(range(513)), list(range(513)), slots=[0] * 513), ValueError, ["at most 512"]),
+        (lambda: decode_step(h, list(range(1025)), list(range(1025)), slots=[0] * 1025), ValueError, ["at most 1024"]),
         (lambda: prefill(h, [1, 2, 3], MAX_SEQ - 2), ValueError, ["past max_seq_len"]),
         (lambda: prefill(h, [], 0), ValueError, ["tokens"]),
         (lambda: prefill(h, [1, 2], 0, slot=3), ValueError, ["slot", "batch=3"]),
@@ -349,8 +383,8 @@ def test_serve_kernel_backend_matches_the_ref_backend():
     finally:
         kb.close()
     with pytest.raises(ValueError) as e:
-        KernelBackend(w, CFG, 513, MAX_SEQ, device="cpu")
-    check_message(e.value, ["max_batch", "512"])
+        KernelBackend(w, CFG, 1025, MAX_SEQ, device="cpu")
+    check_message(e.value, ["max_batch", "1024"])
 
 
 @pytest.mark.parametrize("preset", ["llama3.2-1b", "llama3.1-8b", None])
