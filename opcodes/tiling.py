@@ -225,7 +225,7 @@ def _merged_max_seq() -> int:
 def _gu_tiles_fill_the_sms(s) -> bool:
     from .gate_up import GateUp             # (gate_up imports base, which imports this module)
     bounds = GateUp.tile_bounds(s.cfg, s.t)
-    return not isinstance(bounds, str) and bounds[0] < H200_SMS <= bounds[1]
+    return s.t.down_k >= s.ffn and not isinstance(bounds, str) and bounds[0] < H200_SMS <= bounds[1]
 
 
 #: every default of ``Tiling.for_config`` and why, in the order it applies them
