@@ -46,6 +46,13 @@ def _attn_block(qs, k, v, km, m_i, l_i, acc, INTERP: tl.constexpr):
     """One K/V block of the online softmax: (m, l, acc) updated with the block's keys ``km``."""
     sc = mma(qs, tl.trans(k), INTERP)                           # [GROUP_PAD, ATTN_BLOCK] fp32
     sc = tl.where(km[None, :], sc, float("-inf"))
+    return softmax_step(sc, v, m_i, l_i, acc, INTERP)
+
+
+@triton.jit
+def softmax_step(sc, v, m_i, l_i, acc, INTERP: tl.constexpr):
+    """The online softmax's (m, l, acc) with one block more: its scores ``sc`` (fp32, base 2, masked keys
+    -inf; each row's running max finite after its first block) and values ``v`` (bf16)."""
     m_new = tl.maximum(m_i, tl.max(sc, axis=1))
     p = tl.exp2(sc - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attn_partial import AttnPartial
+from .attn_partial import AttnPartial, softmax_step
 from .base import Cost, Layout, Region, Timing, register
 from .common import T_KC, T_VC, mma, tab_offset, to_bf16
 from .rows import RowsInstruction, blk, bregion, bview, read_rows
@@ -37,7 +37,7 @@ def _row_slot(rows_ptr, r):
 
 
 @triton.jit
-def _attn_block(kbase, vbase, kb, qs, pos, maxp, m_i, l_i, acc, HD: tl.constexpr, ATTN_BLOCK: tl.constexpr,
+def _rows_block(kbase, vbase, kb, qs, pos, maxp, m_i, l_i, acc, HD: tl.constexpr, ATTN_BLOCK: tl.constexpr,
                 MASK: tl.constexpr, INTERP: tl.constexpr):
     """One block of keys [kb, kb + ATTN_BLOCK) into the running softmax (m_i, l_i, acc) of the M rows.
     MASK: keys past ``maxp`` are not loaded and each M row's keys past its own ``pos`` score -inf; without it
@@ -54,12 +54,7 @@ def _attn_block(kbase, vbase, kb, qs, pos, maxp, m_i, l_i, acc, HD: tl.constexpr
     sc = mma(qs, tl.trans(k), INTERP)
     if MASK:    # key 0 is every row's, so each M row's running max is finite after the first block
         sc = tl.where(keys[None, :] <= pos[:, None], sc, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-    p = tl.exp2(sc - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
-    return m_new, l_i, acc
+    return softmax_step(sc, v, m_i, l_i, acc, INTERP)
 
 
 @triton.jit
@@ -95,11 +90,11 @@ def _attn_tile(layer, g, r0, slot, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, 
         minp = tl.min(tl.where(valid, pos, maxp), axis=0)
         k_lo = (minp + 1) // ATTN_BLOCK * ATTN_BLOCK
         for kb in tl.range(0, k_lo, ATTN_BLOCK, num_stages=ATTN_STAGES):
-            m_i, l_i, acc = _attn_block(kbase, vbase, kb, qs, pos, maxp, m_i, l_i, acc, HD, ATTN_BLOCK, False, INTERP)
+            m_i, l_i, acc = _rows_block(kbase, vbase, kb, qs, pos, maxp, m_i, l_i, acc, HD, ATTN_BLOCK, False, INTERP)
     # a prefill tile's masked blocks are the last one or two (its rows' positions span ATTN_RT): not pipelined
     MASKED_STAGES: tl.constexpr = ATTN_STAGES if ATTN_RT == 1 else 1
     for kb in tl.range(k_lo, maxp + 1, ATTN_BLOCK, num_stages=MASKED_STAGES):
-        m_i, l_i, acc = _attn_block(kbase, vbase, kb, qs, pos, maxp, m_i, l_i, acc, HD, ATTN_BLOCK, True, INTERP)
+        m_i, l_i, acc = _rows_block(kbase, vbase, kb, qs, pos, maxp, m_i, l_i, acc, HD, ATTN_BLOCK, True, INTERP)
     o = tl.where(valid[:, None], acc / l_i[:, None], 0.0)
     out = attn_r_ptr + layer * (ROWS * NQ * HD) + ri[:, None] * (NQ * HD) + qrow[:, None] * HD + dcol[None, :]
     tl.store(out, to_bf16(o, INTERP), mask=((hi < GROUP) & (ri < ROWS))[:, None])
