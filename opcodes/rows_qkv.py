@@ -11,7 +11,9 @@ EMBED_R's ``ss0_r``, or the previous layer's RESIDUAL_R's ``ss_r[layer - 1]``; `
 
 As QKV, a tile covers ``QKV_ROWS`` rows of one head, ``QKV_ROWS/2`` dims of each RoPE half; it is one
 ``tl.dot`` tile of ``QKV_ROWS/2`` weight rows per half (``QKV_M``: at least 16, the rest masked) by
-``ROWS`` columns (``opcodes.common_rows``).
+``ROWS`` columns (``opcodes.common_rows``), or, where a half is 32 rows or more, one dot of both halves'
+rows (M 64 or more: Hopper's ``wgmma``, not two ``mma.sync``; runs 299-300: QKV -34% / -38% a tile) split
+for RoPE after it.
 """
 from __future__ import annotations
 
