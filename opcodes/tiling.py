@@ -50,8 +50,8 @@ class Tiling:
     o_k: int = 0
     gu_rows: int = 16       # rows of gate AND of up per gate/up tile (with gu_tiles: at most)
     # > 0: that many gate/up tiles, the ffn rows split as evenly as the row loop's stages allow (each
-    # at most gu_rows). Needs the row loop (row_bytes) and one down K chunk. 0: ffn / gu_rows tiles
-    # of gu_rows rows
+    # at most gu_rows). Needs the row loop (row_bytes); with down K chunks, a multiple of them (as many tiles
+    # in each chunk, listed in chunk order: GateUp.spans). 0: ffn / gu_rows tiles of gu_rows rows
     gu_tiles: int = 0
     down_rows: int = 32     # output rows per down-projection tile
     down_bk: int = 0        # columns a down tile streams per pipeline stage (0: bk)
