@@ -157,7 +157,9 @@ def prefill_chunks(P: int, chunk: int | None = None) -> list[tuple[int, int]]:
     next (512): a chunk shorter than its bucket still runs every column block of its GEMM tiles, so a rest
     of 600 runs as 512 + 88 (640 columns), not in one 1024-row launch. The 1B's last 1024 tokens of a
     4096-token prompt ran at 6.95 us a token in one chunk against 7.48 for its last 512 (bench/notes/s43.md,
-    run 299, H100: ~5% of it fuller waves, the rest the 1024 chunk's fewer keys on average)."""
+    run 299, H100: ~5% of it fuller waves, the rest the 1024 chunk's fewer keys on average). A bucket's scratch is
+    built on first use: the 1024-row one's is 1.75 GiB on the 1B shape, 6.9 GiB on the 8B (a chunk of 512 keeps
+    it unbuilt)."""
     out, c0 = [], 0
     while c0 < P:
         left = P - c0
