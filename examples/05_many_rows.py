@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     # 2. Prefill two slots
     # --------------------
     # ``prefill(h, tokens, start_pos, slot)`` writes the prompt's K/V into the slot's cache a chunk a launch
-    # (``chunk`` rows, default 512) and returns the last position's logits ``(1, vocab)``.
+    # (``chunk`` rows; by default 1024 while that many remain, then 512s) and returns the last position's
+    # logits ``(1, vocab)``.
     g = torch.Generator().manual_seed(7)
     prompts = {0: torch.randint(0, cfg.vocab, (21,), generator=g).tolist(),
                2: torch.randint(0, cfg.vocab, (9,), generator=g).tolist()}
