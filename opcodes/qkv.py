@@ -39,8 +39,9 @@ def section_weights(layer, sec, wtab_ptr, wq_ptr, wk_ptr, wv_ptr):
 
 @triton.jit
 def _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
-                NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr, INTERP: tl.constexpr):
-    """RoPE on (q, k) dims ``dims`` of both halves of the head, then q -> scratch, k / v -> cache row ``pos``."""
+                NQ: tl.constexpr, HD: tl.constexpr, MAX_SEQ: tl.constexpr, INTERP: tl.constexpr, mask=None):
+    """RoPE on (q, k) dims ``dims`` of both halves of the head, then q -> scratch, k / v -> cache row ``pos``.
+    ``head``: the head, or each lane's (a run of pairs); ``mask``: the lanes that store (None: all)."""
     rot = sec < 2
     c = tl.load(cos_ptr + pos * (HD // 2) + dims)
     s = tl.load(sin_ptr + pos * (HD // 2) + dims)
@@ -50,16 +51,39 @@ def _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, c
     o2 = y2 * c + y1 * s
     if sec == 0:
         qb = q_ptr + layer * (NQ * HD) + head * HD
-        tl.store(qb + dims, o1)
-        tl.store(qb + HD // 2 + dims, o2)
+        tl.store(qb + dims, o1, mask=mask)
+        tl.store(qb + HD // 2 + dims, o2, mask=mask)
     else:
         if sec == 1:
             cb = kc_ptr + tab_offset(wtab_ptr, layer, T_KC)
         else:
             cb = vc_ptr + tab_offset(wtab_ptr, layer, T_VC)
         cb = cb + head * (MAX_SEQ * HD) + pos * HD
-        tl.store(cb + dims, to_bf16(o1, INTERP))
-        tl.store(cb + HD // 2 + dims, to_bf16(o2, INTERP))
+        tl.store(cb + dims, to_bf16(o1, INTERP), mask=mask)
+        tl.store(cb + HD // 2 + dims, to_bf16(o2, INTERP), mask=mask)
+
+
+@triton.jit
+def _qkv_rows(w_ptr, xin, nw_ptr, rows1, rows2, layer, x1_ptr, dpart_ptr, D: tl.constexpr, EPS: tl.constexpr,
+              M: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, DOWN_CHUNKS: tl.constexpr,
+              RES_FOLD: tl.constexpr, INTERP: tl.constexpr):
+    """(y1, y2): rows ``rows1`` and ``rows2`` ([M] each) of the weights at ``w_ptr`` dotted with the layer input
+    ``xin``, RMSNorm'ed by ``nw_ptr`` (the norm's scale applied after the dot)."""
+    if RES_FOLD:
+        if layer > 0:
+            # the previous layer's RESIDUAL, folded in: x = bf16(x1 + dpart[0] + ...), as RESIDUAL rounds it
+            acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, x1_ptr + (layer - 1) * D, nw_ptr, 0, D,
+                                         D, M, BK, STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0),
+                                         xp_ptr=dpart_ptr + (layer - 1) * DOWN_CHUNKS * D, XP=DOWN_CHUNKS,
+                                         INTERP=INTERP)
+        else:
+            acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xin, nw_ptr, 0, D, D, M, BK,
+                                         STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0))
+    else:
+        acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xin, nw_ptr, 0, D, D, M, BK, STAGES,
+                                     TWO=True, NORM=True, EVEN=(D % BK == 0))
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
+    return tl.sum(acc1, axis=1) * rstd, tl.sum(acc2, axis=1) * rstd
 
 
 @triton.jit
@@ -81,39 +105,10 @@ def _qkv_pairs(layer, sec, head, j, n, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, 
     ph = pr // H2                                             # its head
     dims = pr % H2
     rows1 = ph * HD + dims
-    rows2 = rows1 + H2
-    if RES_FOLD:
-        if layer > 0:
-            acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, x1_ptr + (layer - 1) * D, nw_ptr, 0, D,
-                                         D, NP, BK, STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0),
-                                         xp_ptr=dpart_ptr + (layer - 1) * DOWN_CHUNKS * D, XP=DOWN_CHUNKS,
-                                         INTERP=INTERP)
-        else:
-            acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xin, nw_ptr, 0, D, D, NP, BK,
-                                         STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0))
-    else:
-        acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xin, nw_ptr, 0, D, D, NP, BK, STAGES,
-                                     TWO=True, NORM=True, EVEN=(D % BK == 0))
-    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
-    y1 = tl.sum(acc1, axis=1) * rstd
-    y2 = tl.sum(acc2, axis=1) * rstd
-    rot = sec < 2
-    c = tl.where(rot, tl.load(cos_ptr + pos * H2 + dims), 1.0)
-    s = tl.where(rot, tl.load(sin_ptr + pos * H2 + dims), 0.0)
-    o1 = y1 * c - y2 * s
-    o2 = y2 * c + y1 * s
-    if sec == 0:
-        qb = q_ptr + layer * (NQ * HD)
-        tl.store(qb + rows1, o1, mask=live)
-        tl.store(qb + rows2, o2, mask=live)
-    else:
-        if sec == 1:
-            cb = kc_ptr + tab_offset(wtab_ptr, layer, T_KC)
-        else:
-            cb = vc_ptr + tab_offset(wtab_ptr, layer, T_VC)
-        cb = cb + ph * (MAX_SEQ * HD) + pos * HD + dims
-        tl.store(cb, to_bf16(o1, INTERP), mask=live)
-        tl.store(cb + H2, to_bf16(o2, INTERP), mask=live)
+    y1, y2 = _qkv_rows(w_ptr, xin, nw_ptr, rows1, rows1 + H2, layer, x1_ptr, dpart_ptr, D, EPS, NP, BK, STAGES,
+                       DOWN_CHUNKS, RES_FOLD, INTERP)
+    _rope_store(y1, y2, dims, layer, sec, ph, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
+                NQ, HD, MAX_SEQ, INTERP, mask=live)
 
 
 @triton.jit
@@ -155,22 +150,8 @@ def _qkv_tile(layer, sec, head, j, pos, x_ptr, xout_ptr, x1_ptr, dpart_ptr, wtab
     dims = j * HALF + tl.arange(0, HALF)                       # [HALF] in [0, HD/2)
     rows1 = head * HD + dims
     rows2 = rows1 + HD // 2
-    if RES_FOLD:
-        if layer > 0:
-            # the previous layer's RESIDUAL, folded in: x = bf16(x1 + dpart[0] + ...), as RESIDUAL rounds it
-            acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, x1_ptr + (layer - 1) * D, nw_ptr, 0, D,
-                                         D, HALF, BK, STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0),
-                                         xp_ptr=dpart_ptr + (layer - 1) * DOWN_CHUNKS * D, XP=DOWN_CHUNKS,
-                                         INTERP=INTERP)
-        else:
-            acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xin, nw_ptr, 0, D, D, HALF, BK,
-                                         STAGES, TWO=True, NORM=True, EVEN=(D % BK == 0))
-    else:
-        acc1, acc2, ss = gemv_stream(w_ptr, rows1, w_ptr, rows2, rows1 >= 0, xin, nw_ptr, 0, D, D, HALF, BK, STAGES,
-                                     TWO=True, NORM=True, EVEN=(D % BK == 0))
-    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
-    y1 = tl.sum(acc1, axis=1) * rstd
-    y2 = tl.sum(acc2, axis=1) * rstd
+    y1, y2 = _qkv_rows(w_ptr, xin, nw_ptr, rows1, rows2, layer, x1_ptr, dpart_ptr, D, EPS, HALF, BK, STAGES,
+                       DOWN_CHUNKS, RES_FOLD, INTERP)
     _rope_store(y1, y2, dims, layer, sec, head, pos, wtab_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr,
                 NQ, HD, MAX_SEQ, INTERP)
 
