@@ -197,6 +197,16 @@ class QKV(Instruction):
     def stream_rows(cls, lay: Layout) -> int:
         return 2 * cls.CONSTEXPRS["QKV_PAIRS"](lay) or lay.tiling.qkv_rows
 
+    @classmethod
+    def tiles(cls, lay: Layout, sec: int, g: int) -> list[tuple[int, int, int]]:
+        """Section ``sec``'s tiles of KV group ``g`` as (head, j, n) operands, in tape order: with
+        ``Tiling.qkv_pairs`` its runs of pairs (:meth:`pair_spans`), else each head's ``n_tiles_per_head``
+        blocks (q: the group's heads; k, v: head g)."""
+        if lay.tiling.qkv_pairs:
+            return cls.pair_spans(lay, sec, g)
+        heads = range(g * lay.cfg.group, (g + 1) * lay.cfg.group) if sec == 0 else (g,)
+        return [(h, j, 0) for h in heads for j in range(lay.n_tiles_per_head(sec))]
+
     @staticmethod
     def pair_spans(lay: Layout, sec: int, g: int) -> list[tuple[int, int, int]]:
         """``Tiling.qkv_pairs`` = P: section ``sec``'s RoPE pairs of KV group ``g`` (q: its ``group`` heads;

@@ -135,13 +135,7 @@ def _attn_row_kg(layer, g, r, slot, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr,
         v = tl.load(vbase + keys[:, :, None] * HD + d3, mask=kin, other=0.0, cache_modifier=".cg")
         sc = mma(qs, tl.trans(k, 0, 2, 1), INTERP)                            # [KG, GP, KB]
         sc = tl.where((keys <= pos)[:, None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=2))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)      # a group with no key yet: p = 0, not NaN
-        p = tl.exp2(sc - m_use[:, :, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=2)
-        acc = acc * alpha[:, :, None] + mma(to_bf16(p, INTERP), v, INTERP)
-        m_i = m_new
+        m_i, l_i, acc = softmax_step(sc, v, m_i, l_i, acc, INTERP, AX=2, EMPTY=True)
     # key 0 is group 0's: every row's merged max is finite
     m = tl.max(m_i, axis=0)
     w = tl.exp2(m_i - m[None, :])

@@ -139,23 +139,13 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
         cout = p.counter(f"out[{l}]") if (not last or signal_last) and not fold else NO_COUNTER
         w_in = (prev_out,) if prev_out != NO_COUNTER else ()
         # Q tiles first, grouped by KV head: a group's prefix attention starts when its Q is done
-        if t.qkv_pairs:             # runs of RoPE pairs within a KV group (QKV.pair_spans)
-            for g in range(c.n_kv):
-                for h, j, n in QKV.pair_spans(lay, 0, g):
-                    p.add(QKV(l, 0, h, j, n), w_in, cq[g])
-            for g in range(c.n_kv):
-                for sec in (1, 2):
-                    for h, j, n in QKV.pair_spans(lay, sec, g):
-                        p.add(QKV(l, sec, h, j, n), w_in, ckv[g])
-        else:
-            for g in range(c.n_kv):
-                for h in range(g * c.group, (g + 1) * c.group):
-                    for j in range(lay.n_tiles_per_head(0)):
-                        p.add(QKV(l, 0, h, j), w_in, cq[g])
-            for g in range(c.n_kv):
-                for sec in (1, 2):
-                    for j in range(lay.n_tiles_per_head(sec)):
-                        p.add(QKV(l, sec, g, j), w_in, ckv[g])
+        for g in range(c.n_kv):
+            for h, j, n in QKV.tiles(lay, 0, g):
+                p.add(QKV(l, 0, h, j, n), w_in, cq[g])
+        for g in range(c.n_kv):
+            for sec in (1, 2):
+                for h, j, n in QKV.tiles(lay, sec, g):
+                    p.add(QKV(l, sec, h, j, n), w_in, ckv[g])
         if lay.attn_merged:         # one instruction a KV head, over every key, writing the merged output
             for g in range(c.n_kv):
                 p.add(AttnPartial(l, g, 0), (cq[g], ckv[g]), ca[(g * c.group * c.hd) // lay.o_k])

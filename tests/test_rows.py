@@ -147,6 +147,26 @@ def test_a_prompt_past_128_tokens_in_one_256_row_launch():
     teardown(h)
 
 
+def _prompt_meets_the_oracle(cfg, ms: int, prompt: list, **kw):
+    """Prefill ``prompt`` on slot 0 of a fresh model (``kw``: prefill's options); its last logits meet the criterion
+    against the oracle over the prompt, its K/V is the oracle's within the kernel tolerance and nothing is written
+    past it. Returns the handle."""
+    w = decoder_weights(cfg, seed=1)
+    kv = make_kv_cache(cfg, ms, 0, seed=2)
+    kv0 = clone_cache(kv)
+    h = build_decoder(w, kv, cfg, ms)
+    n = len(prompt)
+    lg = prefill(h, prompt, 0, **kw)
+    ref32 = decoder_ref_rows_fp32(w, [tuple(t.float() for t in p) for p in kv0], cfg, prompt, [0] * n, list(range(n)))
+    kv_ref = clone_cache(kv0)
+    ref = decoder_ref_rows(w, kv_ref, cfg, prompt, [0] * n, list(range(n)))
+    assert rel_err(lg, ref32[-1:]) <= 1.1 * rel_err(ref[-1:], ref32[-1:])
+    for (k, v), (kr, vr) in zip(kv, kv_ref):
+        assert rel_err(k[:, :, :n], kr[:, :, :n]) <= KERNEL_TOL and rel_err(v[:, :, :n], vr[:, :, :n]) <= KERNEL_TOL
+        assert not k[:, :, n:].any() and not v[:, :, n:].any()
+    return h
+
+
 def test_a_head_of_64_dims_projects_both_rope_halves_in_one_dot():
     """hd 64 in a 256-row bucket: a QKV tile's two RoPE halves of 32 rows each are one dot of M 64 (a wgmma on
     sm_90, not two mma.sync; bench/notes/s43.md v165), its accumulator split into the halves: a 140-token prompt's
@@ -157,20 +177,8 @@ def test_a_head_of_64_dims_projects_both_rope_halves_in_one_dot():
     til = rows_tiling(cfg, 256, 160)
     lay = DecoderLayout(cfg, til, 160)
     assert QKVR.CONSTEXPRS["QKV_M"](lay) == QKVR.CONSTEXPRS["QKV_ROWS"](lay) // 2 == 32
-    w = decoder_weights(cfg, seed=1)
-    kv = make_kv_cache(cfg, 160, 0, seed=2)
-    kv0 = clone_cache(kv)
-    h = build_decoder(w, kv, cfg, 160)
-    prompt = [(29 * i + 3) % cfg.vocab for i in range(140)]
-    n = len(prompt)
-    lg = prefill(h, prompt, 0)
+    h = _prompt_meets_the_oracle(cfg, 160, [(29 * i + 3) % cfg.vocab for i in range(140)])
     assert list(h.rows) == [256]
-    ref32 = decoder_ref_rows_fp32(w, [tuple(t.float() for t in p) for p in kv0], cfg, prompt, [0] * n, list(range(n)))
-    kv_ref = clone_cache(kv0)
-    ref = decoder_ref_rows(w, kv_ref, cfg, prompt, [0] * n, list(range(n)))
-    assert rel_err(lg, ref32[-1:]) <= 1.1 * rel_err(ref[-1:], ref32[-1:])
-    for (k, v), (kr, vr) in zip(kv, kv_ref):
-        assert rel_err(k[:, :, :n], kr[:, :, :n]) <= KERNEL_TOL and rel_err(v[:, :, :n], vr[:, :, :n]) <= KERNEL_TOL
     teardown(h)
 
 
@@ -293,23 +301,9 @@ def test_a_1024_row_launch_runs_four_column_blocks():
     256, the last with no live row): the last logits meet the criterion against the oracle and the cache matches
     the oracle's, nothing written past the prompt."""
     from schedule.tape import decode
-    ms = 528
-    w = decoder_weights(CFG, seed=1)
-    kv = make_kv_cache(CFG, ms, 0, seed=2)
-    kv0 = clone_cache(kv)
-    h = build_decoder(w, kv, CFG, ms)
-    prompt = [(41 * i + 13) % CFG.vocab for i in range(520)]
-    n = len(prompt)
-    lg = prefill(h, prompt, 0, chunk=1024)
+    h = _prompt_meets_the_oracle(CFG, 528, [(41 * i + 13) % CFG.vocab for i in range(520)], chunk=1024)
     assert sorted(h.rows) == [1024]
     assert {getattr(d.ins, "n0", 0) for d in decode(h.rows[1024].tape)} == {0, 256, 512, 768}
-    ref32 = decoder_ref_rows_fp32(w, [tuple(t.float() for t in p) for p in kv0], CFG, prompt, [0] * n, list(range(n)))
-    kv_ref = clone_cache(kv0)
-    ref = decoder_ref_rows(w, kv_ref, CFG, prompt, [0] * n, list(range(n)))
-    assert rel_err(lg, ref32[-1:]) <= 1.1 * rel_err(ref[-1:], ref32[-1:])
-    for (k, v), (kr, vr) in zip(kv, kv_ref):
-        assert rel_err(k[:, :, :n], kr[:, :, :n]) <= KERNEL_TOL and rel_err(v[:, :, :n], vr[:, :, :n]) <= KERNEL_TOL
-        assert not k[:, :, n:].any() and not v[:, :, n:].any()
     teardown(h)
 
 
