@@ -25,6 +25,9 @@ def main(argv=None) -> int:
     p.add_argument("--tiling", default="")
     p.add_argument("--prefill", action="store_true",
                    help="one slot's R consecutive positions from --pos, no LM head (a prefill chunk), not B slots")
+    p.add_argument("--tokens", choices=("distinct", "same"), default="distinct",
+                   help="the rows' tokens: distinct ((17 r + 5) mod vocab, as the rows bench's decode) or all 7 "
+                        "(every probe before session 44: identical columns, less toggling in the MMAs)")
     a = p.parse_args(argv)
     if a.prefill:
         a.B = 1
@@ -54,10 +57,12 @@ def run_variant(a, cfg, w, kv, ms, til, dev, name, profile):
     for prof in ((False, True) if profile else (False,)):
         h = runtime.build_validated(w, kv, cfg, dev, ms, tiling=til, lowering=rows_lowering(a.R, a.B),
                                     profile=prof)
+        n = a.R if a.prefill else a.B
+        toks = [7] * n if a.tokens == "same" else [(17 * r + 5) % cfg.vocab for r in range(n)]
         if a.prefill:
-            st = rows_state(a.R, [0] * a.R, range(a.pos, a.pos + a.R), [7] * a.R, logits=False)
+            st = rows_state(a.R, [0] * a.R, range(a.pos, a.pos + a.R), toks, logits=False)
         else:
-            st = rows_state(a.R, list(range(a.B)), [a.pos] * a.B, [7] * a.B)
+            st = rows_state(a.R, list(range(a.B)), [a.pos] * a.B, toks)
         h.state["rows"].copy_(st)
         x = torch.zeros(1, cfg.d, dtype=torch.bfloat16, device="cuda")
         for _ in range(3):
