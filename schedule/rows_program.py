@@ -71,8 +71,10 @@ def lower_rows(lay: Layout, rows: int = 16, batch: int = 1) -> Program:
             for n0 in nb:
                 p.add(ResidualR(rb * t.red_rows, l, n0), (cd[rb],), cout)
         prev = cout
-    for v0 in range(0, c.vocab, rl.lm_rows):
-        for n0 in nb:
+    # block-major: a prompt's last row asks one column block for logits (``opcodes.rows_lm_head``), and the
+    # schedule deals a block's tiles to every SM this way (v0-major put block b on the SMs = b mod n_blocks alone)
+    for n0 in nb:
+        for v0 in range(0, c.vocab, rl.lm_rows):
             p.add(LMHeadR(v0, n0), (prev,), NO_COUNTER)
     return p
 

@@ -24,6 +24,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", default="1024,4096")
     p.add_argument("--batch", type=int, default=32, help="the decoder's slots (the rows bench's TTFT: 32)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--lm-rows", type=int, default=0,
+                   help="vocabulary rows per LM head tile in the buckets past the decode ones (0: the layout's)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("python -m bench.probes.prefill_timeline: needs a CUDA GPU", file=sys.stderr)
@@ -36,6 +38,15 @@ def main(argv=None) -> int:
     from opcodes.config import ModelConfig
     from opcodes.reference import make_kv_cache
 
+    if a.lm_rows:
+        from opcodes.rows import DECODE_BUCKETS, RowsLayout
+        of = RowsLayout.of.__func__
+
+        def of_lm(cls, lay, rows=16, batch=1, **tiles):
+            if rows > DECODE_BUCKETS[-1]:
+                tiles.setdefault("lm_rows", a.lm_rows)
+            return of(cls, lay, rows=rows, batch=batch, **tiles)
+        RowsLayout.of = classmethod(of_lm)
     cfg = ModelConfig.from_name(a.preset)
     prompts = [int(x) for x in a.prompts.split(",")]
     max_seq = -(-(max(prompts) + 8) // 128) * 128
@@ -45,8 +56,9 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(3)
     for n in prompts:
         toks = torch.randint(0, cfg.vocab, (n,), generator=g).tolist()
-        prefill(h, toks, 0, slot=1)
+        lg = prefill(h, toks, 0, slot=1)
         torch.cuda.synchronize()
+        print(f"prompt {n}: logits argmax {int(lg.argmax())}, sum {float(lg.double().sum()):.6e}", flush=True)
         walls, hosts = [], []
         for _ in range(a.reps):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
