@@ -94,26 +94,22 @@ class GateUp(Instruction):
     @staticmethod
     def tile_bounds(cfg, tiling) -> tuple[int, int] | str:
         """The fewest and most tiles ``Tiling.gu_tiles`` may ask for (tiles of at most ``gu_rows`` rows,
-        at least one stage of the row loop each, none across a down K chunk), or why it cannot ask for any.
-        With K chunks (``down_k < ffn``) the count is a multiple of the chunks: as many tiles in each."""
-        ffn, k = cfg.ffn, min(tiling.down_k, cfg.ffn)
+        at least one stage of the row loop each), or why it cannot ask for any."""
+        ffn = cfg.ffn
         rb = tiling.rows_per_block(cfg.d, 2, tiling.gu_rows)
         if not rb or ffn % rb:
             return (f"Tiling.gu_tiles needs the row loop (row_bytes > 0) over whole stages of rows: ffn = {ffn}, "
                     f"{rb} rows a stage")
-        if ffn % k or k % rb:
-            return (f"Tiling.gu_tiles needs equal down K chunks of whole stages: ffn = {ffn}, down_k = {k}, "
-                    f"{rb} rows a stage (a gate/up tile signals the counter of one chunk)")
-        chunks = ffn // k
-        return chunks * cdiv(k, tiling.gu_rows), ffn // rb
+        if tiling.down_k < ffn:
+            return (f"Tiling.gu_tiles needs one down K chunk (down_k >= ffn = {ffn}), got down_k = {tiling.down_k}: "
+                    "a gate/up tile signals the counter of one chunk")
+        return cdiv(ffn, tiling.gu_rows), ffn // rb
 
     @classmethod
     def spans(cls, lay: Layout) -> list[tuple[int, int]]:
         """The layer's tiles as (row0, rows) operands: ``ffn / gu_rows`` tiles of ``gu_rows`` rows (rows
-        0), or with ``Tiling.gu_tiles`` = N, N tiles of whole pipeline stages (``GU_RB`` rows), at most
-        ``gu_rows`` rows each: N / C tiles in each of the C down K chunks, in chunk order (an SM given one
-        tile of each chunk releases chunk 0 first; bench/notes/s43.md v167), each chunk's larger tiles
-        first from a place that turns with the chunk, so that no tile index is the larger one in every chunk."""
+        0), or with ``Tiling.gu_tiles`` = N, N tiles of whole pipeline stages (``GU_RB`` rows), the
+        larger ones first, at most ``gu_rows`` rows each."""
         t, ffn = lay.tiling, lay.cfg.ffn
         if not t.gu_tiles:
             return [(r, 0) for r in range(0, ffn, t.gu_rows)]
@@ -122,21 +118,15 @@ class GateUp(Instruction):
             raise ValueError(bounds)
         least, units = bounds
         rb = cls.CONSTEXPRS["GU_RB"](lay)
-        k = min(t.down_k, ffn)
-        chunks = ffn // k
-        if not least <= n <= units or n % chunks:
-            raise ValueError(f"Tiling.gu_tiles = {n} must be in [{least}, {units}]" + (
-                f" and a multiple of the {chunks} down K chunks" if chunks > 1 else "") + f": tiles of at most "
-                f"gu_rows = {t.gu_rows} rows, at least one stage of {rb} rows each")
-        per = n // chunks
-        q, extra = divmod(k // rb, per)
-        out = []
-        for c in range(chunks):
-            r, turn = c * k, (c * extra) % per
-            for i in range(per):
-                n_units = q + ((i - turn) % per < extra)
-                out.append((r, n_units * rb))
-                r += n_units * rb
+        if not least <= n <= units:
+            raise ValueError(f"Tiling.gu_tiles = {n} must be in [{least}, {units}]: tiles of at most gu_rows = "
+                             f"{t.gu_rows} rows, at least one stage of {rb} rows each")
+        q, extra = divmod(units, n)
+        out, r = [], 0
+        for i in range(n):
+            k = (q + (i < extra)) * rb
+            out.append((r, k))
+            r += k
         return out
 
     def check_operands(self, lay: Layout) -> list[str]:
@@ -150,10 +140,6 @@ class GateUp(Instruction):
         if not (0 < self.rows <= lay.tiling.gu_rows and self.rows % rb == 0 and self.row0 + self.rows <= lay.cfg.ffn):
             bad.append(f"rows {self.rows} not a multiple of {rb} in (0, {lay.tiling.gu_rows}] ending by ffn "
                        f"{lay.cfg.ffn}")
-        k = lay.tiling.down_k
-        if k < lay.cfg.ffn and self.rows and self.row0 // k != (self.row0 + self.rows - 1) // k:
-            bad.append(f"rows {self.row0} .. {self.row0 + self.rows - 1} cross a down K chunk (down_k = {k}): a "
-                       "gate/up tile signals the counter of one chunk")
         return bad
 
     def _rows(self, lay: Layout) -> tuple[int, int]:

@@ -53,8 +53,8 @@ class Tiling:
     o_k: int = 0
     gu_rows: int = 16       # rows of gate AND of up per gate/up tile (with gu_tiles: at most)
     # > 0: that many gate/up tiles, the ffn rows split as evenly as the row loop's stages allow (each
-    # at most gu_rows). Needs the row loop (row_bytes); with down K chunks, a multiple of them (as many tiles
-    # in each chunk, listed in chunk order: GateUp.spans). 0: ffn / gu_rows tiles of gu_rows rows
+    # at most gu_rows). Needs the row loop (row_bytes) and one down K chunk. 0: ffn / gu_rows tiles
+    # of gu_rows rows
     gu_tiles: int = 0
     down_rows: int = 32     # output rows per down-projection tile
     down_bk: int = 0        # columns a down tile streams per pipeline stage (0: bk)
@@ -235,7 +235,7 @@ def _merged_max_seq() -> int:
 def _gu_tiles_fill_the_sms(s) -> bool:
     from .gate_up import GateUp             # (gate_up imports base, which imports this module)
     bounds = GateUp.tile_bounds(s.cfg, s.t)
-    return s.t.down_k >= s.ffn and not isinstance(bounds, str) and bounds[0] < H200_SMS <= bounds[1]
+    return not isinstance(bounds, str) and bounds[0] < H200_SMS <= bounds[1]
 
 
 #: every default of ``Tiling.for_config`` and why, in the order it applies them

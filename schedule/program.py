@@ -90,7 +90,7 @@ class Program:
 
 def check_layout(lay: Layout) -> None:
     t = lay.tiling
-    if not t.gu_tiles and t.down_k % t.gu_rows and t.down_k < lay.cfg.ffn:     # (gu_tiles: GateUp.tile_bounds)
+    if t.down_k % t.gu_rows and t.down_k < lay.cfg.ffn:
         raise ValueError(f"Tiling.down_k = {t.down_k} must be a multiple of gu_rows = {t.gu_rows} "
                          "(a gate/up tile signals the counter of one K chunk)")
     if lay.o_partial and t.red_rows % t.o_rows and t.red_rows < lay.cfg.d:
