@@ -32,7 +32,7 @@ H200_SMS = 132
 
 #: fields where 0 is allowed: off, or "take another field's value" (each field's comment says which)
 _ZERO_ALLOWED = ("kv_rows", "o_bk", "o_k", "gu_tiles", "down_bk", "key_in_reduce", "row_bytes", "res_fold",
-                "down_wait", "warp_rows", "attn_pairs", "attn_kg", "qkv_pairs")
+                "down_wait", "warp_rows", "attn_pairs", "attn_kg")
 #: fields that are switches (0 or 1)
 _SWITCHES = ("res_fold", "key_in_reduce", "down_wait", "warp_rows")
 
@@ -42,9 +42,6 @@ class Tiling:
     """How a layer is cut into instructions. Every field is a kernel constexpr."""
 
     qkv_rows: int = 32      # output rows per QKV tile: qkv_rows/2 from each RoPE half of one head
-    # > 0: the one-row kernel's QKV tiles are runs of at most that many RoPE pairs within one KV group, across
-    # its heads (QKV.pair_spans: the 1B at 13, 128 tiles for 132 SMs, not 96); 0: qkv_rows / kv_rows tiles
-    qkv_pairs: int = 0
     kv_rows: int = 0        # output rows per K or V tile (0: qkv_rows)
     o_rows: int = 32        # output rows per O-projection tile
     o_bk: int = 0           # columns an O tile streams per pipeline stage (0: bk)
@@ -289,8 +286,6 @@ DEFAULTS: tuple[Default, ...] = (
 #: the knobs no default sets (``--tiling`` / ``MEGATAPE_TILING`` set them for experiments), and why
 EXPERIMENTAL: dict[str, str] = {
     "o_k": "the O projection split along K (O_REDUCE adds the chunks): measured slower (TP 70B +1.2%)",
-    "qkv_pairs": "the one-row kernel's QKV tiles as runs of RoPE pairs across a KV group's heads (s43.md v170): not "
-                 "measured yet",
     "attn_kg": "the rows kernels' decode attention in key groups, warps on the groups (s43.md v169): not measured yet",
     "attn_pairs": "the rows kernels' prefill attention tiles' (row, head) pairs; only opcodes.rows.rows_tiling sets it "
                   "(128 from 256 rows: runs 289-293, a 4096-token prompt's last 1B chunk -40%, the 8B's -38%)",

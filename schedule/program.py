@@ -116,8 +116,6 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
     """
     check_layout(lay)
     tp = getattr(lay, "tp_size", 1) > 1
-    if tp and lay.tiling.qkv_pairs:
-        raise ValueError("Tiling.qkv_pairs is for one GPU's kernel: a tensor-parallel rank's QKV tiles are kv_rows'")
     c, t = lay.cfg, lay.tiling
     p = prog if prog is not None else Program(lay)
     prev_out = input_counter
@@ -140,12 +138,13 @@ def lower(lay: Layout, prog: Program | None = None, input_counter: int = NO_COUN
         w_in = (prev_out,) if prev_out != NO_COUNTER else ()
         # Q tiles first, grouped by KV head: a group's prefix attention starts when its Q is done
         for g in range(c.n_kv):
-            for h, j, n in QKV.tiles(lay, 0, g):
-                p.add(QKV(l, 0, h, j, n), w_in, cq[g])
+            for h in range(g * c.group, (g + 1) * c.group):
+                for j in range(lay.n_tiles_per_head(0)):
+                    p.add(QKV(l, 0, h, j), w_in, cq[g])
         for g in range(c.n_kv):
             for sec in (1, 2):
-                for h, j, n in QKV.tiles(lay, sec, g):
-                    p.add(QKV(l, sec, h, j, n), w_in, ckv[g])
+                for j in range(lay.n_tiles_per_head(sec)):
+                    p.add(QKV(l, sec, g, j), w_in, ckv[g])
         if lay.attn_merged:         # one instruction a KV head, over every key, writing the merged output
             for g in range(c.n_kv):
                 p.add(AttnPartial(l, g, 0), (cq[g], ckv[g]), ca[(g * c.group * c.hd) // lay.o_k])
