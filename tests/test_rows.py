@@ -283,6 +283,26 @@ def test_a_1024_row_launch_runs_four_column_blocks():
     teardown(h)
 
 
+def test_each_column_blocks_lm_head_tiles_reach_every_sm():
+    """A prompt's last chunk computes one column block's logits (one group of 16 columns): that block's LM head
+    tiles are dealt over every SM, not to the SMs = block mod n_blocks (the v0-major listing of session 43 left
+    a 1B prompt's last 1024-row chunk 2.6 ms of LM head on 34 SMs: bench/notes/s44.md, run 304)."""
+    import dataclasses
+
+    from schedule.tape import decode
+    sms, cfg = 8, dataclasses.replace(CFG, vocab=8192)      # 256 LM head tiles a block (a pool takes a few)
+    tape = compile_model(cfg, sms, max_seq=1032, tiling=rows_tiling(cfg, 1024, 1032), lowering=rows_lowering(1024, 2),
+                         decoder=True).tape
+    by_block: dict = {}
+    for d in decode(tape):
+        if d.ins.NAME == "lm_head_r":
+            by_block.setdefault(d.ins.n0, []).append(d.sm)
+    assert sorted(by_block) == [0, 256, 512, 768]
+    for n0, on in by_block.items():
+        counts = [on.count(s) for s in range(sms)]   # the rest (SM -1): a pool any SM takes from
+        assert max(counts) <= -(-len(on) // sms), (n0, counts)
+
+
 def test_a_rows_logits_do_not_depend_on_the_other_rows():
     """Row 0 alone, and beside other slots' rows at other positions: its logits and K/V bitwise the same
     (one bucket: the columns of a dot are independent, attention is per row)."""

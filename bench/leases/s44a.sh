@@ -9,6 +9,7 @@
 # PART=3: v167 / v170 against the default, v166's TTFT (s43b PART=1).
 # PART=4: v164 again, v168 (s43b PART=2's), v171 (the 1B's R512 O projection in tiles of 32 rows: 128, not 64).
 # PART=5: v169 on the 8B (B=16) and the 1B at B=1 (if PART=1's 1B says it is worth it).
+# (v169, v167 and v170 left the code after runs 304-305: PART=1's first line and PART=3 / 5 need c1828a5's tree.)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 case "${PART:-1}" in
