@@ -121,15 +121,24 @@ def run_rows(dh, toks: list[int], pos: list[int], slots: list[int], logits_rows=
         sel = list(range(R)) if logits_rows is None else list(logits_rows)
         if not sel:
             return None
-        # [vocab, ROWS] in column blocks of NT (opcodes.rows): row n's logits are column n % NT of block n // NT
         lay = h.lay
-        if lay.n_blocks == 1:
-            lg = h.scratch["logits_r"].view(dh.cfg.vocab, lay.rows)
-            return (lg[:, :R] if logits_rows is None else lg[:, sel]).T.contiguous()
-        lg = h.scratch["logits_r"].view(lay.n_blocks, dh.cfg.vocab, lay.n_tile)
-        n = torch.tensor(sel, device=lg.device)
-        out = lg[n // lay.n_tile, :, n % lay.n_tile]         # (len(sel), vocab), a fresh tensor
-    return out
+        return read_logits(h.scratch["logits_r"].view(lay.n_blocks, dh.cfg.vocab, lay.n_tile), R, sel)
+
+
+def read_logits(lg: torch.Tensor, R: int, sel: list[int]) -> torch.Tensor:
+    """Rows ``sel`` of a step's logits, (len(sel), vocab), a fresh tensor: ``lg`` is the ``logits_r`` scratch as
+    [column blocks, vocab, NT] (``opcodes.rows``: row n is column n % NT of block n // NT). One strided copy
+    where ``sel`` is 0 .. R-1 or one row (a prompt's last): no index tensor to send and no index arithmetic on
+    the device (run 304, H100: a prompt's last chunk was followed by three small kernels and a copy, ~0.37 ms)."""
+    nt = lg.shape[2]
+    if len(sel) == 1:
+        return lg[sel[0] // nt, :, sel[0] % nt].unsqueeze(0).clone()
+    if sel == list(range(R)):
+        if R <= nt:
+            return lg[0, :, :R].T.contiguous()
+        return torch.cat([lg[b, :, :min(nt, R - b * nt)].T for b in range(-(-R // nt))])
+    n = torch.tensor(sel, device=lg.device)
+    return lg[n // nt, :, n % nt]
 
 
 def decode_rows(dh, tokens, pos, slots=None, min_rows: int = 1) -> torch.Tensor:

@@ -303,6 +303,19 @@ def test_each_column_blocks_lm_head_tiles_reach_every_sm():
         assert max(counts) <= -(-len(on) // sms), (n0, counts)
 
 
+def test_read_logits_takes_the_rows_asked_for_from_the_blocked_scratch():
+    """``read_logits`` (one row, rows 0 .. R-1 within one block or across blocks, any list) against indexing the
+    blocked [blocks, vocab, NT] scratch row by row; each result a fresh contiguous tensor."""
+    from interp.rows import read_logits
+    lg = torch.randn(4, 37, 16, generator=torch.Generator().manual_seed(0))
+    for R, sel in ((50, [49]), (50, [0]), (9, list(range(9))), (50, list(range(50))), (64, list(range(64))),
+                   (50, [3, 17, 40, 41]), (50, [40, 3])):
+        got = read_logits(lg, R, sel)
+        want = torch.stack([lg[n // 16, :, n % 16] for n in sel])
+        assert got.shape == (len(sel), 37) and got.is_contiguous() and torch.equal(got, want), (R, sel)
+        assert got.untyped_storage().data_ptr() != lg.untyped_storage().data_ptr()
+
+
 def test_a_rows_logits_do_not_depend_on_the_other_rows():
     """Row 0 alone, and beside other slots' rows at other positions: its logits and K/V bitwise the same
     (one bucket: the columns of a dot are independent, attention is per row)."""
