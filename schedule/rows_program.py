@@ -23,59 +23,71 @@ from .program import Program, check_layout
 
 def lower_rows(lay: Layout, rows: int = 16, batch: int = 1) -> Program:
     """The program of one R-row step (R <= ``rows``) over a cache of ``batch`` slots, for ``lay``'s config,
-    tiling (``opcodes.rows.rows_tiling``) and cache length."""
+    tiling (``opcodes.rows.rows_tiling``) and cache length. With ``Tiling.col_deps`` and several column
+    blocks, every counter is one a block (:func:`_counters`): block b's tiles wait for block b's producers
+    alone, so one block's stage runs while another's ends; the K/V tiles of block b also wait for block
+    b - 1's (a chain), so ATTN_R of block b, waiting on block b's, has every earlier block's K/V written (the
+    host keeps each slot's rows in position order across blocks: ``interp.rows.block_causal``)."""
     rl = lay if isinstance(lay, RowsLayout) and lay.rows == rows and lay.batch == batch else \
         RowsLayout.of(lay, rows=rows, batch=batch)
     check_layout(rl)
     c, t = rl.cfg, rl.tiling
     p = Program(rl)
     nb = rl.col_blocks()
-    ce = p.counter("embed")
+    per = t.col_deps and len(nb) > 1
+    bi = (lambda n0: n0 // rl.n_tile) if per else (lambda n0: 0)
+
+    def counters(name: str) -> list[int]:
+        return [p.counter(f"{name}@{n0}" if per else name) for n0 in (nb if per else nb[:1])]
+
+    ce = counters("embed")
     for c0 in range(0, c.d, rl.emb_cols):
         for n0 in nb:
-            p.add(EmbedR(c0, n0), (), ce)
+            p.add(EmbedR(c0, n0), (), ce[bi(n0)])
     prev = ce
     n_rb = cdiv(c.d, t.red_rows)
     for l in range(c.layers):
-        cq = [p.counter(f"q[{l},{g}]") for g in range(c.n_kv)]
-        ckv = [p.counter(f"kv[{l},{g}]") for g in range(c.n_kv)]
-        ca = p.counter(f"attn[{l}]")
-        cx = p.counter(f"x1[{l}]")
-        cact = [p.counter(f"act[{l},{kc}]") for kc in range(rl.n_down_k)]
-        cd = [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
-        cout = p.counter(f"out[{l}]")
+        cq = [counters(f"q[{l},{g}]") for g in range(c.n_kv)]
+        ckv = [counters(f"kv[{l},{g}]") for g in range(c.n_kv)]
+        ca = counters(f"attn[{l}]")
+        cx = counters(f"x1[{l}]")
+        cact = [counters(f"act[{l},{kc}]") for kc in range(rl.n_down_k)]
+        cd = [counters(f"dpart[{l},{rb}]") for rb in range(n_rb)]
+        cout = counters(f"out[{l}]")
         for g in range(c.n_kv):
             for h in range(g * c.group, (g + 1) * c.group):
                 for j in range(rl.n_tiles_per_head(0)):
                     for n0 in nb:
-                        p.add(QKVR(l, 0, h, j, n0), (prev,), cq[g])
+                        p.add(QKVR(l, 0, h, j, n0), (prev[bi(n0)],), cq[g][bi(n0)])
         for g in range(c.n_kv):
             for sec in (1, 2):
                 for j in range(rl.n_tiles_per_head(sec)):
                     for n0 in nb:
-                        p.add(QKVR(l, sec, g, j, n0), (prev,), ckv[g])
+                        b = bi(n0)
+                        p.add(QKVR(l, sec, g, j, n0), (prev[b],) + ((ckv[g][b - 1],) if b else ()), ckv[g][b])
         for t_ in range(rows // rl.attn_rt):
+            b = bi(t_ * rl.attn_rt)
             for g in range(c.n_kv):
-                p.add(AttnR(l, g, t_), (cq[g], ckv[g]), ca)
+                p.add(AttnR(l, g, t_), (cq[g][b], ckv[g][b]), ca[b])
         for r0 in range(0, c.d, t.o_rows):
             for n0 in nb:
-                p.add(OProjR(r0, l, n0), (ca,), cx)
+                p.add(OProjR(r0, l, n0), (ca[bi(n0)],), cx[bi(n0)])
         for r0 in range(0, c.ffn, t.gu_rows):
             for n0 in nb:
-                p.add(GateUpR(r0, l, n0), (cx,), cact[r0 // t.down_k])
+                p.add(GateUpR(r0, l, n0), (cx[bi(n0)],), cact[r0 // t.down_k][bi(n0)])
         for kc in range(rl.n_down_k):
             for r0 in range(0, c.d, t.down_rows):
                 for n0 in nb:
-                    p.add(DownR(r0, l, kc, n0), (cact[kc],), cd[r0 // t.red_rows])
+                    p.add(DownR(r0, l, kc, n0), (cact[kc][bi(n0)],), cd[r0 // t.red_rows][bi(n0)])
         for rb in range(n_rb):
             for n0 in nb:
-                p.add(ResidualR(rb * t.red_rows, l, n0), (cd[rb],), cout)
+                p.add(ResidualR(rb * t.red_rows, l, n0), (cd[rb][bi(n0)],), cout[bi(n0)])
         prev = cout
     # block-major: a prompt's last row asks one column block for logits (``opcodes.rows_lm_head``), and the
-    # schedule deals a block's tiles to every SM this way (v0-major put block b on the SMs = b mod n_blocks alone)
+    # schedule deals a block's tiles to every SM this way (v0-major put block b on the SMs = block mod n_blocks alone)
     for n0 in nb:
         for v0 in range(0, c.vocab, rl.lm_rows):
-            p.add(LMHeadR(v0, n0), (prev,), NO_COUNTER)
+            p.add(LMHeadR(v0, n0), (prev[bi(n0)],), NO_COUNTER)
     return p
 
 
