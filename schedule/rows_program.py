@@ -7,11 +7,13 @@
       ATTN_R(l, *, *) --attn[l]--> OPROJ_R(l, *) --x1[l]--> GATE_UP_R(l, *)
       GATE_UP_R(l, rows in K chunk kc) --act[l,kc]--> DOWN_R(l, *, kc)
       DOWN_R(l, rows in block rb, *) --dpart[l,rb]--> RESIDUAL_R(l, rb) --out[l]--> QKV_R(l+1, *)
-    RESIDUAL_R(L-1, *) --out[L-1]--> LM_HEAD_R(v0) x n_lm                    (logits_r)
+    RESIDUAL_R(L-1, *) --out[L-1]--> LM_HEAD_R(v0) x n_lm                    (logits_r, block by block)
 
 Every instruction but ATTN_R is one per column block too (``n0``, ``RowsLayout.col_blocks``: one block up to
 256 rows), the blocks of the same weight rows adjacent (their weights streamed once, the rest from the L2).
 The tape depends on the bucket ``ROWS`` only; the step's actual rows are device data (``rows``).
+With ``Tiling.col_deps`` each counter above is one a column block (``q[l,g]@n0``, ...), the K/V tiles of a
+block also waiting for the previous block's (v173, bench/notes/s44.md).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from .program import Program, check_layout
 def lower_rows(lay: Layout, rows: int = 16, batch: int = 1) -> Program:
     """The program of one R-row step (R <= ``rows``) over a cache of ``batch`` slots, for ``lay``'s config,
     tiling (``opcodes.rows.rows_tiling``) and cache length. With ``Tiling.col_deps`` and several column
-    blocks, every counter is one a block (:func:`_counters`): block b's tiles wait for block b's producers
+    blocks, every counter is one a block (``counters``): block b's tiles wait for block b's producers
     alone, so one block's stage runs while another's ends; the K/V tiles of block b also wait for block
     b - 1's (a chain), so ATTN_R of block b, waiting on block b's, has every earlier block's K/V written (the
     host keeps each slot's rows in position order across blocks: ``interp.rows.block_causal``)."""
@@ -84,7 +86,9 @@ def lower_rows(lay: Layout, rows: int = 16, batch: int = 1) -> Program:
                 p.add(ResidualR(rb * t.red_rows, l, n0), (cd[rb][bi(n0)],), cout[bi(n0)])
         prev = cout
     # block-major: a prompt's last row asks one column block for logits (``opcodes.rows_lm_head``), and the
-    # schedule deals a block's tiles to every SM this way (v0-major put block b on the SMs = block mod n_blocks alone)
+    # schedule deals a block's tiles to every SM this way (v0-major put block b on the SMs = block mod n_blocks alone).
+    # The cost: a step asking every row's logits in a bucket of several blocks (more than 256 rows, all decode)
+    # streams the LM head's weights once a block, not once and the other blocks from the L2
     for n0 in nb:
         for v0 in range(0, c.vocab, rl.lm_rows):
             p.add(LMHeadR(v0, n0), (prev[bi(n0)],), NO_COUNTER)
