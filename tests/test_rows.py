@@ -262,44 +262,44 @@ def test_a_512_row_step_in_two_column_blocks_in_the_vm_and_the_kernel():
     teardown(h)
 
 
-def test_column_block_counters_keep_every_bit_and_order_a_slots_rows():
-    """``Tiling.col_deps`` (v173): the 512-row program's counters one a column block (the tape verified, more
+def test_column_block_counters_keep_every_bit_and_order_a_slots_rows(R=1024, chunk=580):
+    """``Tiling.col_deps`` (v173): an R-row program's counters one a column block (the tape verified, more
     counters, no tile waiting on another block's producer but the K/V chain). A step whose slot-0 chunk comes in
-    descending positions across both blocks (not block-causal: the host orders it) beside decode rows of slots
+    descending positions across 3 blocks (not block-causal: the host orders it) beside decode rows of slots
     1 and 2 gives bitwise the logits and the cache of the default program."""
     from interp import runtime
     from interp.rows import ROWS_OPTIONS, block_causal, run_rows
     assert block_causal([0] * 300, list(range(300)), 256)
     assert not block_causal([0] * 300, list(range(299, -1, -1)), 256)
     assert block_causal([1] * 10 + [0] * 290, list(range(10)) + list(range(290)), 256)
-    ms = 320
+    ms = chunk + 40
     w = decoder_weights(CFG, seed=1)
     kv0 = make_kv_cache(CFG, ms, 0, seed=2, batch=3)
     for k, v in kv0:
         k[1:, :, :40].normal_(0, 1, generator=torch.Generator().manual_seed(3))
         v[1:, :, :40].normal_(0, 1, generator=torch.Generator().manual_seed(4))
-    slots = [0] * 280 + [1] * 10 + [2] * 10
-    pos = list(range(279, -1, -1)) + list(range(30, 40)) + list(range(40, 50))
-    toks = [(31 * i + 7) % CFG.vocab for i in range(300)]
-    check = [0, 1, 200, 279, 285, 299]
+    slots = [0] * chunk + [1] * 10 + [2] * 10
+    pos = list(range(chunk - 1, -1, -1)) + list(range(30, 40)) + list(range(40, 50))
+    toks = [(31 * i + 7) % CFG.vocab for i in range(chunk + 20)]
+    check = [0, 1, 200, chunk - 1, chunk + 5, chunk + 19]
     out = []
     for col_deps in (0, 1):
         kv = clone_cache(kv0)
         h = build_decoder(w, kv, CFG, ms, batch=3)
         if col_deps:
             opts = {k: v for k, v in h.rows_options.items() if k in ROWS_OPTIONS}
-            h.rows[512] = runtime.build_validated(h.weights, h.kv_rows, CFG, h.device, h.max_seq,
-                                                  tiling=rows_tiling(CFG, 512, ms, col_deps=1),
-                                                  lowering=rows_lowering(512, 3), **opts)
-        lg = run_rows(h, toks, pos, slots, logits_rows=check)
-        tape = h.rows[512].tape
-        out.append((lg, kv, tape))
+            h.rows[R] = runtime.build_validated(h.weights, h.kv_rows, CFG, h.device, h.max_seq,
+                                                tiling=rows_tiling(CFG, R, ms, col_deps=1),
+                                                lowering=rows_lowering(R, 3), **opts)
+        lg = run_rows(h, toks, pos, slots, logits_rows=check, min_rows=R)
+        assert sorted(h.rows) == [R]
+        out.append((lg, kv, h.rows[R].tape))
         teardown(h)
     (lg0, kv_a, t0), (lg1, kv_b, t1) = out
     assert bitwise_equal(lg1, lg0) and caches_equal(kv_b, kv_a)
     lay = t1.lay
-    p = lower_rows(lay, rows=512, batch=3)
-    assert len(p.counters) > len(lower_rows(t0.lay, rows=512, batch=3).counters)
+    p = lower_rows(lay, rows=R, batch=3)
+    assert len(p.counters) > len(lower_rows(t0.lay, rows=R, batch=3).counters)
     prod = p.producers()
 
     def block(ins) -> int:
@@ -313,7 +313,7 @@ def test_column_block_counters_keep_every_bit_and_order_a_slots_rows():
                 chained += 1
             else:
                 assert pb == {block(ins)}, (ins, pb)
-    assert chained == CFG.layers * CFG.n_kv * 2 * lay.n_tiles_per_head(1)
+    assert chained == CFG.layers * CFG.n_kv * 2 * lay.n_tiles_per_head(1) * (lay.n_blocks - 1)
 
 
 def test_prefill_chunks_take_the_largest_bucket_while_it_fills():
