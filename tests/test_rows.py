@@ -296,15 +296,15 @@ def test_column_block_counters_keep_every_bit_and_order_a_slots_rows():
                                                 lowering=rows_lowering(R, 3), **opts)
         lg = run_rows(h, toks, pos, slots, logits_rows=check)
         assert sorted(h.rows) == [R]
-        out.append((lg, kv))
+        out.append((lg, kv, h.rows[R].tape.lay))
         teardown(h)
-    (lg0, kv_a), (lg1, kv_b) = out
+    (lg0, kv_a, _), (lg1, kv_b, lay512) = out
     assert bitwise_equal(lg1, lg0) and caches_equal(kv_b, kv_a)
-    for R in (512, 1024):
-        lay = compile_model(CFG, 4, max_seq=R + 8, tiling=rows_tiling(CFG, R, R + 8, col_deps=1),
-                            lowering=rows_lowering(R, 3)).tape.lay            # compiled: the verifier passes it
+    lay1024 = compile_model(CFG, 4, max_seq=1032, tiling=rows_tiling(CFG, 1024, 1032, col_deps=1),
+                            lowering=rows_lowering(1024, 3)).tape.lay          # compiled: the verifier passes it
+    for R, lay in ((512, lay512), (1024, lay1024)):
         p = lower_rows(lay, rows=R, batch=3)
-        default = rows_tiling(CFG, R, R + 8)
+        default = rows_tiling(CFG, R, lay.max_seq)
         assert len(p.counters) == lay.n_blocks * (len(lower_rows(dataclasses.replace(lay, tiling=default), rows=R,
                                                                             batch=3).counters))
         prod = p.producers()
