@@ -264,8 +264,9 @@ def test_a_512_row_step_in_two_column_blocks_in_the_vm_and_the_kernel():
     teardown(h)
 
 
+@pytest.mark.slow          # an experimental knob, off by default (~11 s here): CI's suite stays under its 300 s
 def test_column_block_counters_keep_every_bit_and_order_a_slots_rows():
-    """``Tiling.col_deps`` (v173): a 512-row step whose slot-0 chunk comes in descending positions across both
+    """``Tiling.col_deps`` (v173; when a default turns it on this test leaves the slow set): a 512-row step whose slot-0 chunk comes in descending positions across both
     column blocks (not block-causal: the host orders it) beside decode rows of slots 1 and 2 gives bitwise the
     logits and the cache of the default program. In the 512- and 1024-row programs every counter is one a
     block: no tile waits on another block's producer but the K/V tiles on the previous block's (the chain)."""
