@@ -130,7 +130,7 @@ def run_rows(dh, toks: list[int], pos: list[int], slots: list[int], logits_rows=
         if not sel:
             return None
         lay = h.lay
-        return read_logits(h.scratch["logits_r"].view(lay.n_blocks, dh.cfg.vocab, lay.n_tile), R, sel)
+        return read_logits(h.scratch["logits_r"].view(lay.n_blocks, dh.cfg.vocab, lay.n_tile), sel)
 
 
 def block_causal(slots: list[int], pos: list[int], nt: int) -> bool:
@@ -145,18 +145,16 @@ def block_causal(slots: list[int], pos: list[int], nt: int) -> bool:
     return True
 
 
-def read_logits(lg: torch.Tensor, R: int, sel: list[int]) -> torch.Tensor:
+def read_logits(lg: torch.Tensor, sel: list[int]) -> torch.Tensor:
     """Rows ``sel`` of a step's logits, (len(sel), vocab), a fresh tensor: ``lg`` is the ``logits_r`` scratch as
-    [column blocks, vocab, NT] (``opcodes.rows``: row n is column n % NT of block n // NT). One strided copy
-    where ``sel`` is 0 .. R-1 or one row (a prompt's last): no index tensor to send and no index arithmetic on
-    the device (run 304, H100: a prompt's last chunk was followed by three small kernels and a copy, ~0.37 ms)."""
+    [column blocks, vocab, NT] (``opcodes.rows``: row n is column n % NT of block n // NT). Consecutive rows of
+    one block (a prompt's last row, a decode bucket's rows) are one strided copy: no index tensor to send and no
+    index arithmetic on the device (run 304, H100: a prompt's last chunk was followed by three small kernels and
+    a copy, ~0.37 ms)."""
     nt = lg.shape[2]
-    if len(sel) == 1:
-        return lg[sel[0] // nt, :, sel[0] % nt].unsqueeze(0).clone()
-    if sel == list(range(R)):
-        if R <= nt:
-            return lg[0, :, :R].T.contiguous()
-        return torch.cat([lg[b, :, :min(nt, R - b * nt)].T for b in range(-(-R // nt))])
+    b, c = divmod(sel[0], nt)
+    if sel == list(range(sel[0], sel[0] + len(sel))) and c + len(sel) <= nt:
+        return lg[b, :, c:c + len(sel)].T.contiguous()
     n = torch.tensor(sel, device=lg.device)
     return lg[n // nt, :, n % nt]
 

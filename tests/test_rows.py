@@ -372,7 +372,7 @@ def test_read_logits_takes_the_rows_asked_for_from_the_blocked_scratch():
     lg = torch.randn(4, 37, 16, generator=torch.Generator().manual_seed(0))
     for R, sel in ((50, [49]), (50, [0]), (9, list(range(9))), (50, list(range(50))), (64, list(range(64))),
                    (50, [3, 17, 40, 41]), (50, [40, 3])):
-        got = read_logits(lg, R, sel)
+        got = read_logits(lg, sel)
         want = torch.stack([lg[n // 16, :, n % 16] for n in sel])
         assert got.shape == (len(sel), 37) and got.is_contiguous() and torch.equal(got, want), (R, sel)
         assert got.untyped_storage().data_ptr() != lg.untyped_storage().data_ptr()
