@@ -11,11 +11,12 @@ OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/smi-${PART:-1}.log 2>&1
 TL="python3 -m bench.probes.prefill_timeline"
 case "${PART:-1}" in
-1) [ -d old_a ] && (cd old_a && PYTHONPATH=$PWD timeout 90 $TL --prompts 128,1024 > $OUT/tl-1b-old.log 2>&1)
-   timeout 100 $TL --prompts 128,1024,4096 > $OUT/tl-1b-new.log 2>&1
-   for m in 64 128; do timeout 80 $TL --prompts 128,1024 --lm-rows $m > $OUT/tl-1b-lm$m.log 2>&1; done
+1) timeout 100 $TL --prompts 128,1024,4096 > $OUT/tl-1b-new.log 2>&1
+   [ -d old_a ] && (cd old_a && PYTHONPATH=$PWD timeout 90 $TL --prompts 128,1024 > $OUT/tl-1b-old.log 2>&1)
    timeout 100 $TL --prompts 1024,4096 --tiling col_deps=1 > $OUT/tl-1b-coldeps.log 2>&1
-   timeout 150 python3 -m bench.probes.rows_profile --R 512 --prefill --pos 3584 --tiling ";col_deps=1;o_rows=32;;col_deps=1;o_rows=32" > $OUT/p512-1b-v173.log 2>&1 ;;
+   timeout 80 $TL --prompts 128,1024 --lm-rows 64 > $OUT/tl-1b-lm64.log 2>&1
+   timeout 150 python3 -m bench.probes.rows_profile --R 512 --prefill --pos 3584 --tiling ";col_deps=1;o_rows=32;;col_deps=1;o_rows=32" > $OUT/p512-1b-v173.log 2>&1
+   ;;
 2) P="--preset llama3.1-8b"
    timeout 150 $TL $P --prompts 128,1024,4096 > $OUT/tl-8b-new.log 2>&1
    timeout 150 $TL $P --prompts 1024,4096 --tiling col_deps=1 > $OUT/tl-8b-coldeps.log 2>&1
