@@ -510,6 +510,7 @@ def test_power_probe_reads_nvidia_smi_rows_and_summarizes_a_window():
 
 
 # ---- bench/probes/icache_probe.py: instruction fetch between large code bodies -------------------------
+@pytest.mark.slow     # 3 s: a concluded probe's sm_90 compile (runs 193-195)
 def test_icache_probe_compiles_every_block_for_sm90(tmp_path):
     """Every block's chain is in the kernel (sm_90, no GPU): blocks x FMAs fma instructions, none folded."""
     from bench.probes import icache_probe as ip
@@ -539,6 +540,7 @@ def test_icache_probe_orders_and_arguments(capsys, monkeypatch):
         assert len(err.strip().splitlines()) == 1 and "FMAs" in err, err
 
 
+@pytest.mark.slow     # 9 s: a concluded probe (the suite's 300 s, s45)
 def test_stage_probe_layouts_compute_their_stage():
     # bench/probes/stage_probe.py: both layouts and every loader of each stage cover every row block once
     # (uneven splits over 3 programs: 128 / 16 gate/up blocks, 64 / 16 down blocks; QKV and O in the
@@ -554,6 +556,7 @@ def test_stage_probe_layouts_compute_their_stage():
         assert check() < 1e-4, name
 
 
+@pytest.mark.slow     # 3 s: a concluded probe (the suite's 300 s, s45)
 def test_sm_probe_shares_cover_the_stage():
     # bench/probes/sm_probe.py: equal, rotated and weighted shares each cover every row block once and compute
     # the gate/up stage; each program records its SM (its program id under the interpreter) and its layer
@@ -572,6 +575,7 @@ def test_sm_probe_shares_cover_the_stage():
         st.shares([100, 0, 0])
 
 
+@pytest.mark.slow     # 2 s: a concluded probe (the suite's 300 s, s45)
 def test_gu8_probe_loaders_compute_the_stage():
     # bench/probes/gu8_probe.py: the column-loop tiles and the split-row loop cover every unit of 16 rows once
     # (uneven over 3 programs: 16 units) and compute the gate/up stage
