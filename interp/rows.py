@@ -108,14 +108,6 @@ def run_rows(dh, toks: list[int], pos: list[int], slots: list[int], logits_rows=
     R = len(toks)
     h = rows_handle(dh, R, min_rows)
     sel = list(range(R)) if logits_rows is None else list(logits_rows)
-    if h.lay.tiling.col_deps and h.lay.n_blocks > 1 and not block_causal(slots, pos, h.lay.n_tile):
-        # a block's attention waits for the K/V of the blocks up to its own alone (schedule.rows_program):
-        # each slot's rows in position order, the logits read back in the caller's order
-        order = sorted(range(R), key=lambda r: (slots[r], pos[r]))
-        at = {r: i for i, r in enumerate(order)}
-        toks, pos, slots = [toks[r] for r in order], [pos[r] for r in order], [slots[r] for r in order]
-        sel = [at[r] for r in sel]
-        logits_rows = sel
     # NOTE: from pageable memory: the copy has read the host tensor when it returns (no pinned buffer
     # the next step could overwrite before the device read it)
     # one group of 16 columns holds every row asked for (a prompt's last): the LM head computes those alone
@@ -131,18 +123,6 @@ def run_rows(dh, toks: list[int], pos: list[int], slots: list[int], logits_rows=
             return None
         lay = h.lay
         return read_logits(h.scratch["logits_r"].view(lay.n_blocks, dh.cfg.vocab, lay.n_tile), sel)
-
-
-def block_causal(slots: list[int], pos: list[int], nt: int) -> bool:
-    """Whether each slot's rows, in position order, lie in non-decreasing column blocks of ``nt`` rows (row r in
-    block r // nt): what a rows program with ``Tiling.col_deps`` needs (a row attends to its slot's earlier
-    positions, written this step by rows of its own block or earlier ones)."""
-    last: dict = {}
-    for r in sorted(range(len(slots)), key=lambda r: (slots[r], pos[r])):
-        if last.get(slots[r], 0) > r // nt:
-            return False
-        last[slots[r]] = r // nt
-    return True
 
 
 def read_logits(lg: torch.Tensor, sel: list[int]) -> torch.Tensor:

@@ -184,9 +184,6 @@ class RowsLayout(DecoderLayout):
                 raise ValueError(f"a rows program needs Tiling.{k} >= 16 (tl.dot's M), got {getattr(t, k)}")
         if t.gu_rows < 16 or self.lm_rows < 16:
             raise ValueError(f"a rows program needs gu_rows and lm_rows >= 16, got {t.gu_rows}, {self.lm_rows}")
-        if t.col_deps and self.n_tile % self.attn_rt:
-            raise ValueError(f"Tiling.col_deps needs each attention tile's rows in one column block: "
-                             f"{self.attn_rt} rows a tile, blocks of {self.n_tile}")
         if not self.attn_merged or t.row_bytes or t.res_fold or t.down_wait or t.gu_tiles or self.o_partial:
             raise ValueError("a rows program needs attn_splits 1, no row loop, residual fold, down_wait, gu_tiles "
                              "or split O (opcodes.rows.rows_tiling)")

@@ -193,9 +193,7 @@ class AttnR(RowsInstruction):
         h0 = self.g * c.group * c.hd
         n0 = (self.t * lay.attn_rt) // lay.n_tile * lay.n_tile          # the block of the tile's rows
         out = [bregion("q_r", lay, c.q_dim, self.layer, h0, h0 + c.group * c.hd, n0)]
-        # every row's K/V: every block's tiles; with Tiling.col_deps the blocks up to the tile's own (each
-        # slot's rows in position order across the blocks: interp.rows.block_causal)
-        for b in range(n0 // lay.n_tile + 1 if lay.tiling.col_deps else lay.n_blocks):
+        for b in range(lay.n_blocks):                                   # every row's K/V: every block's tiles
             kb = (self.layer * lay.n_blocks + b) * c.kv_dim + self.g * c.hd
             out += [Region("kv_new_k_r", kb, kb + c.hd), Region("kv_new_v_r", kb, kb + c.hd)]
         return out

@@ -32,9 +32,9 @@ H200_SMS = 132
 
 #: fields where 0 is allowed: off, or "take another field's value" (each field's comment says which)
 _ZERO_ALLOWED = ("kv_rows", "o_bk", "o_k", "gu_tiles", "down_bk", "key_in_reduce", "row_bytes", "res_fold",
-                "down_wait", "warp_rows", "attn_pairs", "col_deps")
+                "down_wait", "warp_rows", "attn_pairs")
 #: fields that are switches (0 or 1)
-_SWITCHES = ("res_fold", "key_in_reduce", "down_wait", "warp_rows", "col_deps")
+_SWITCHES = ("res_fold", "key_in_reduce", "down_wait", "warp_rows")
 
 
 @dataclass(frozen=True)
@@ -95,10 +95,6 @@ class Tiling:
     # 256 (Layout checks); one row a warp where a stage's rows are a multiple of num_warps (the 1B:
     # 4 gate/up rows, 8 LM head rows a stage on 4 warps), else a row's warps still share its sum
     warp_rows: int = 0
-    # 1: the rows program's counters are one a column block (schedule.rows_program.lower_rows): a block's
-    # tiles wait for that block's producers alone, so the blocks' stages overlap (the rows kernels of two or
-    # more column blocks, 512 rows and up; elsewhere nothing changes)
-    col_deps: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -285,6 +281,4 @@ EXPERIMENTAL: dict[str, str] = {
     "o_k": "the O projection split along K (O_REDUCE adds the chunks): measured slower (TP 70B +1.2%)",
     "attn_pairs": "the rows kernels' prefill attention tiles' (row, head) pairs; only opcodes.rows.rows_tiling sets it "
                   "(128 from 256 rows: runs 289-293, a 4096-token prompt's last 1B chunk -40%, the 8B's -38%)",
-    "col_deps": "the rows programs' counters one a column block, the blocks' stages overlapping (v173, "
-                "bench/notes/s44.md: built, not run)",
 }

@@ -264,66 +264,6 @@ def test_a_512_row_step_in_two_column_blocks_in_the_vm_and_the_kernel():
     teardown(h)
 
 
-@pytest.mark.slow          # an experimental knob, off by default (~11 s here): CI's suite stays under its 300 s
-def test_column_block_counters_keep_every_bit_and_order_a_slots_rows():
-    """``Tiling.col_deps`` (v173; when a default turns it on this test leaves the slow set): a 512-row step whose slot-0 chunk comes in descending positions across both
-    column blocks (not block-causal: the host orders it) beside decode rows of slots 1 and 2 gives bitwise the
-    logits and the cache of the default program. In the 512- and 1024-row programs every counter is one a
-    block: no tile waits on another block's producer but the K/V tiles on the previous block's (the chain)."""
-    from interp import runtime
-    from interp.rows import ROWS_OPTIONS, block_causal, run_rows
-    assert block_causal([0] * 300, list(range(300)), 256)
-    assert not block_causal([0] * 300, list(range(299, -1, -1)), 256)
-    assert block_causal([1] * 10 + [0] * 290, list(range(10)) + list(range(290)), 256)
-    R, chunk = 512, 280
-    ms = chunk + 40
-    w = decoder_weights(CFG, seed=1)
-    kv0 = make_kv_cache(CFG, ms, 0, seed=2, batch=3)
-    for k, v in kv0:
-        k[1:, :, :40].normal_(0, 1, generator=torch.Generator().manual_seed(3))
-        v[1:, :, :40].normal_(0, 1, generator=torch.Generator().manual_seed(4))
-    slots = [0] * chunk + [1] * 10 + [2] * 10
-    pos = list(range(chunk - 1, -1, -1)) + list(range(30, 40)) + list(range(40, 50))
-    toks = [(31 * i + 7) % CFG.vocab for i in range(chunk + 20)]
-    check = [0, 1, 200, chunk - 1, chunk + 5, chunk + 19]
-    out = []
-    for col_deps in (0, 1):
-        kv = clone_cache(kv0)
-        h = build_decoder(w, kv, CFG, ms, batch=3)
-        if col_deps:
-            opts = {k: v for k, v in h.rows_options.items() if k in ROWS_OPTIONS}
-            h.rows[R] = runtime.build_validated(h.weights, h.kv_rows, CFG, h.device, h.max_seq,
-                                                tiling=rows_tiling(CFG, R, ms, col_deps=1),
-                                                lowering=rows_lowering(R, 3), **opts)
-        lg = run_rows(h, toks, pos, slots, logits_rows=check)
-        assert sorted(h.rows) == [R]
-        out.append((lg, kv, h.rows[R].tape.lay))
-        teardown(h)
-    (lg0, kv_a, _), (lg1, kv_b, lay512) = out
-    assert bitwise_equal(lg1, lg0) and caches_equal(kv_b, kv_a)
-    lay1024 = compile_model(CFG, 4, max_seq=1032, tiling=rows_tiling(CFG, 1024, 1032, col_deps=1),
-                            lowering=rows_lowering(1024, 3)).tape.lay          # compiled: the verifier passes it
-    for R, lay in ((512, lay512), (1024, lay1024)):
-        p = lower_rows(lay, rows=R, batch=3)
-        default = rows_tiling(CFG, R, lay.max_seq)
-        assert len(p.counters) == lay.n_blocks * (len(lower_rows(dataclasses.replace(lay, tiling=default), rows=R,
-                                                                            batch=3).counters))
-        prod = p.producers()
-
-        def block(ins) -> int:
-            return (ins.n0 if hasattr(ins, "n0") else ins.t * lay.attn_rt) // lay.n_tile
-        chained = 0
-        for i, ins in enumerate(p.instrs):
-            for c in p.waits[i]:
-                pb = {block(p.instrs[j]) for j in prod[c]}
-                if pb == {block(ins) - 1}:
-                    assert ins.NAME == "qkv_r" and ins.sec > 0, ins      # the K/V chain alone
-                    chained += 1
-                else:
-                    assert pb == {block(ins)}, (ins, pb)
-        assert chained == CFG.layers * CFG.n_kv * 2 * lay.n_tiles_per_head(1) * (lay.n_blocks - 1)
-
-
 def test_prefill_chunks_take_the_largest_bucket_while_it_fills():
     from interp.rows import prefill_chunks
     assert prefill_chunks(4096) == [(0, 1024), (1024, 1024), (2048, 1024), (3072, 1024)]

@@ -2,7 +2,7 @@
 the gaps between them, against the wall time the rows bench reports (events around the call).
 
     python -m bench.probes.prefill_timeline --preset llama3.2-1b --prompts 1024,4096 [--batch 32]
-        [--lm-rows 64] [--tiling col_deps=1]
+        [--lm-rows 64] [--tiling o_rows=32]
 
 Runs 299-302 (H100): the last 512-row chunk of a 4096 prompt took 3830 us in ``rows_profile`` (10 launches
 back to back), yet ``prefill`` took 8.92 ms for 1024 tokens (two chunks, the first with few keys) and
@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     p.add_argument("--lm-rows", type=int, default=0,
                    help="vocabulary rows per LM head tile in the buckets past the decode ones (0: the layout's)")
     p.add_argument("--tiling", default="",
-                   help="k=v,... Tiling fields set in the buckets past the decode ones (e.g. col_deps=1, o_rows=32)")
+                   help="k=v,... Tiling fields set in the buckets past the decode ones (e.g. o_rows=32)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("python -m bench.probes.prefill_timeline: needs a CUDA GPU", file=sys.stderr)
