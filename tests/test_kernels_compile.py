@@ -204,9 +204,11 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
         # path (v157, s41.md) took the 1B's 128-row kernel from 312 to 344; the 512-row bucket's attention tiles
         # of 128 (row, head) pairs in 3 stages (s42.md, runs 289-294: the 8B's last chunk of a 4096-token prompt
         # 32888 -> 20000 us) the 8B's from 208 to 464; the unmasked key blocks and QKV's one dot of M 64 (s43.md
-        # v163 + v165, runs 299-300: the 8B's chunk 20668 -> 19061 us on an H100) to 624. The bounds guard
-        # against more than those.
-        bound = {"rows16": 0, "rows32": 64, "rows128": 352, "rows512": 624, "rows1024": 536}[what]
+        # v163 + v165, runs 299-300: the 8B's chunk 20668 -> 19061 us on an H100) to 624. The prefill buckets'
+        # LM head tiles of 128 vocabulary rows (run 311, H200: a 1B prompt's 1024-row chunk -6.8%) the 1B's 128-
+        # and 1024-row kernels from 344 / 536 to 400 / 592, the 8B's 512-row one to 688 (the LM head's branch:
+        # the chunk's time fell with it). The bounds guard against more than those.
+        bound = {"rows16": 0, "rows32": 64, "rows128": 400, "rows512": 688, "rows1024": 592}[what]
         assert got["stack"] <= bound, f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills)"
     if what in CODE_LIMITED:
         assert 0 < got["code_bytes"] <= ICACHE_BYTES, \
