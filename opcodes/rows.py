@@ -192,10 +192,11 @@ class RowsLayout(DecoderLayout):
     def of(cls, lay, rows: int = 16, batch: int = 1, **tiles) -> "RowsLayout":
         emb = tiles.pop("emb_cols", 0) or min(next_pow2(lay.cfg.d),
                                                max(16, 8192 // max(rows, DECODE_BUCKETS[-1])))
-        # the LM head's tiles: 32 vocabulary rows in the decode buckets, 128 past them (run 311, H200, 1B: a
-        # 1024-row prompt's one chunk 6.45 -> 6.01 ms, 64 rows 6.12; a 128-row one 1.68 -> 1.58 ms): a prompt's
-        # one logits group streams 16 KB a stage in flight, not 4
-        lm = tiles.pop("lm_rows", 0) or (32 if rows <= DECODE_BUCKETS[-1] else 128)
+        # the LM head's tiles: 128 vocabulary rows from 128 rows up (run 311, H200, 1B: a 1024-row prompt's one
+        # chunk 6.45 -> 6.01 ms, 64 rows 6.12; a 128-row one 1.68 -> 1.58 ms: a prompt's one logits group streams
+        # 16 KB a stage in flight, not 4), where rows_tiling's stages already hold 128 weight rows (gate/up 64 + 64;
+        # the 64-row bucket's 5 stages of 32 would take 240 KB of shared memory with them); else 32
+        lm = tiles.pop("lm_rows", 0) or (128 if rows >= 128 else 32)
         return cls(lay.cfg, lay.tiling, lay.max_seq, lm_rows=lm, emb_cols=emb,
                    rows=rows, batch=batch)
 

@@ -38,6 +38,7 @@ CASES = [
     ("llama70b-layer", 4224, "tp-layer"),         # tensor parallel (rank 1 of 2): TP_PUSH / TP_REDUCE, peer signals
     pytest.param("llama3.2-1b", 1152, "tp-decoder", marks=pytest.mark.slow),   # ... the whole model: TP_ARGMAX too
     ("llama3.2-1b", 1152, "rows16"),              # many rows (issue 50): the decode bucket, tl.dot M 32 x N 16
+    pytest.param("llama3.2-1b", 1152, "rows64", marks=pytest.mark.slow),    # ... between: LM head tiles of 32
     pytest.param("llama3.2-1b", 1152, "rows128", marks=pytest.mark.slow),   # ... the prefill bucket, N 128
     pytest.param("llama3.1-8b", 1152, "rows512", marks=pytest.mark.slow),   # ... two column blocks of 256
     pytest.param("llama3.2-1b", 1152, "rows1024", marks=pytest.mark.slow),  # ... the largest: four
@@ -208,7 +209,7 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
         # LM head tiles of 128 vocabulary rows (run 311, H200: a 1B prompt's 1024-row chunk -6.8%) the 1B's 128-
         # and 1024-row kernels from 344 / 536 to 400 / 592, the 8B's 512-row one to 688 (the 1B's chunk got
         # faster with it; the 8B not measured). The bounds guard against more than those.
-        bound = {"rows16": 0, "rows32": 64, "rows128": 400, "rows512": 688, "rows1024": 592}[what]
+        bound = {"rows16": 0, "rows32": 64, "rows64": 160, "rows128": 400, "rows512": 688, "rows1024": 592}[what]
         assert got["stack"] <= bound, f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills)"
     if what in CODE_LIMITED:
         assert 0 < got["code_bytes"] <= ICACHE_BYTES, \

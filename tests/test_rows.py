@@ -296,8 +296,9 @@ def test_each_column_blocks_lm_head_tiles_reach_every_sm():
     sms, cfg = 8, dataclasses.replace(CFG, vocab=8192)      # 64 LM head tiles a block (a pool takes a few)
     tape = compile_model(cfg, sms, max_seq=1032, tiling=rows_tiling(cfg, 1024, 1032), lowering=rows_lowering(1024, 2),
                          decoder=True).tape
-    # tiles of 128 vocabulary rows past the decode buckets (run 311), 32 in them
-    assert tape.lay.lm_rows == 128 and RowsLayout.of(tape.lay, rows=16).lm_rows == 32
+    # tiles of 128 vocabulary rows from 128 rows up (run 311), 32 below (the 64-row bucket's shared memory)
+    assert tape.lay.lm_rows == 128 and [RowsLayout.of(tape.lay, rows=r).lm_rows for r in (16, 32, 64, 128)] == \
+        [32, 32, 32, 128]
     by_block: dict = {}
     for d in decode(tape):
         if d.ins.NAME == "lm_head_r":
