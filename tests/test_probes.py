@@ -642,3 +642,16 @@ def test_attn_probe_reference_is_softmax_attention_over_keys_0_to_pos():
     w = torch.softmax(kc[2, :6].float() @ q[h] / math.sqrt(a.HD), dim=0)
     assert torch.allclose(out[h], w @ vc[2, :6].float(), atol=1e-5)
     assert not torch.allclose(a.reference(kc, vc, q, 6)[h], out[h])       # the key at pos counts
+
+
+# ---- bench/probes/rows_profile.py: a variant's output against the first variant's ---------------------------
+def test_rows_profile_compare_names_equal_different_nonfinite_and_shape():
+    from bench.probes.rows_profile import compare
+    a = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    assert compare(a, a.clone()) == "bitwise equal"
+    b = a.clone()
+    b[0, 0] += a.abs().max()
+    assert compare(a, b) == "max difference 1.000e+00 of the largest value"
+    b[1, 1] = float("nan")
+    assert compare(a, b).endswith("; 1 values finite in one only")
+    assert compare(a, a[:4]) == "shapes differ: (8, 16) against (4, 16)"

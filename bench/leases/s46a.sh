@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The next lease (bench/notes/s45.md, "Next"): each PART one call of < 10 minutes; OUT collects every log.
 # PART=1 (8B): v174 (the prefill buckets' LM head tiles of 128 rows, the default) against 32 rows (--lm-rows 32),
-#         a prompt of 128 and of 1024 tokens in the kernel timeline; the 1B's default beside it (v174's 1B check).
+#         a prompt of 128 and of 1024 tokens in the kernel timeline; the 1B's default beside it (v174's 1B check);
+#         the 1B's 1024-row chunk profiled twice (rows_profile's output check: bitwise equal, pos 0).
 # PART=2: TTFT beside transformers with v174, 1B and 8B (README's table; runs 307-308 ran 32-row tiles).
 # PART=3: the decode sweep on an H100 if the card is one (issue 50's B=16 ratio there: 12.0x in runs 283-284).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -12,7 +13,9 @@ case "${PART:-1}" in
 1) P="--preset llama3.1-8b"
    timeout 150 $TL $P --prompts 128,1024 > $OUT/tl-8b-lm128.log 2>&1
    timeout 150 $TL $P --prompts 128,1024 --lm-rows 32 > $OUT/tl-8b-lm32.log 2>&1
-   timeout 80 $TL --prompts 128,1024 > $OUT/tl-1b-lm128.log 2>&1 ;;
+   timeout 80 $TL --prompts 128,1024 > $OUT/tl-1b-lm128.log 2>&1
+   # the default twice: the profile's output check must say "bitwise equal" (a run-to-run race would not)
+   timeout 100 python3 -m bench.probes.rows_profile --R 1024 --prefill --pos 0 --tiling ";" > $OUT/p1024-1b-twice.log 2>&1 ;;
 2) for P in llama3.2-1b llama3.1-8b; do
      timeout 250 python3 -m bench.rows_bench --preset $P --skip decode,invariance --out $OUT > $OUT/ttft-$P.log 2>&1
    done ;;

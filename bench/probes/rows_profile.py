@@ -6,6 +6,9 @@ execution and wait time across SMs, the step's span, and the stage spans per lay
 
 
 ``--tiling``: variants separated by ``;`` (an empty one: the default tiling), each timed; the first profiled.
+Each variant's output (the last layer's normed rows, ``hn_r``) is compared with the first variant's: a variant
+that only reorders the schedule must give the same bits, one that changes a tile's sums the same to ~1e-2
+(session 45: v173's per-block counters gave other logits on the GPU, seen only by eye in a timeline's argmax).
 """
 from __future__ import annotations
 
@@ -40,14 +43,33 @@ def main(argv=None) -> int:
     w = make_decoder_weights(cfg, 0, "cuda")
     kv = make_kv_cache(cfg, ms, a.pos, seed=1, device="cuda", batch=a.B)
     dev = torch.device("cuda", torch.cuda.current_device())
+    first = None
     for vi, var in enumerate(a.tiling.split(";")):
         til = rows_tiling(cfg, a.R, ms, **({k: int(v) for k, v in (kv_.split("=") for kv_ in var.split(","))}
                                             if var else {}))
         try:
-            run_variant(a, cfg, w, kv, ms, til, dev, var or "default", profile=vi == 0)
+            out = run_variant(a, cfg, w, kv, ms, til, dev, var or "default", profile=vi == 0)
         except Exception as e:   # a variant that does not build is reported, the others still run
             print(f"variant {var or 'default'}: {type(e).__name__}: {e}", flush=True)
+            continue
+        if first is None:
+            first = (var or "default", out)
+        else:
+            print(f"{var or 'default'}: output against {first[0]}'s: {compare(first[1], out)}", flush=True)
     return 0
+
+
+def compare(ref: torch.Tensor, got: torch.Tensor) -> str:
+    """How ``got`` differs from ``ref`` (two runs' outputs of one step): "bitwise equal", else the largest
+    difference relative to ``ref``'s largest magnitude, and where a value is not finite in one of them."""
+    if ref.shape != got.shape:
+        return f"shapes differ: {tuple(ref.shape)} against {tuple(got.shape)}"
+    if torch.equal(ref, got):
+        return "bitwise equal"
+    bad = int((torch.isfinite(ref) != torch.isfinite(got)).sum())
+    fin = torch.isfinite(ref) & torch.isfinite(got)
+    rel = float((ref[fin] - got[fin]).abs().max() / ref[fin].abs().max().clamp_min(1e-30)) if bool(fin.any()) else 0.0
+    return f"max difference {rel:.3e} of the largest value" + (f"; {bad} values finite in one only" if bad else "")
 
 
 def run_variant(a, cfg, w, kv, ms, til, dev, name, profile):
@@ -76,6 +98,8 @@ def run_variant(a, cfg, w, kv, ms, til, dev, name, profile):
         torch.cuda.synchronize()
         print(f"{name}: {'profiled' if prof else 'plain'}: {ev[0].elapsed_time(ev[1]) / 10 * 1e3:.1f} us a step "
               f"({len(h.tape)} instructions)", flush=True)
+        if not prof:
+            out = h.scratch["hn_r"][-1].float().clone()       # the last layer's normed rows: [d, R], blocked
         if prof:
             recs = runtime.profile_records(h).tolist()
             from schedule.tape import decode
@@ -100,6 +124,7 @@ def run_variant(a, cfg, w, kv, ms, til, dev, name, profile):
             for (l, n), (s0, s1) in sorted(stage.items(), key=lambda kv_: kv_[1][0]):
                 print(f"  layer {l} {n:12s} {s0 / 1e3:8.1f} .. {s1 / 1e3:8.1f} us")
         runtime.teardown(h)
+    return out
 
 
 if __name__ == "__main__":
