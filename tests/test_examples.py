@@ -76,9 +76,9 @@ def test_04_text_generation(tmp_path):
 def test_05_many_rows():
     out = _run("05_many_rows.py")
     assert "== 1. tiny: 2 layers" in out
-    assert re.findall(r"^prefill slot (\d): (\d+) tokens in (\d) launches", out, re.M) == [("0", "21", "3"), ("2", "9", "2")]
+    assert re.findall(r"^prefill slot (\d): (\d+) tokens in (\d) launch(?:es)?;", out, re.M) == [("0", "13", "2"), ("2", "6", "1")]
     rows = re.findall(r"^step \d slot \d pos \d+: err ([\d.e+-]+) vs the bf16 reference's ([\d.e+-]+): (\w+)", out, re.M)
-    assert len(rows) == 6 and all(float(e) <= 1.1 * float(r) and v == "meets" for e, r, v in rows), out
+    assert len(rows) == 4 and all(float(e) <= 1.1 * float(r) and v == "meets" for e, r, v in rows), out
     assert "slot 0 alone and beside slot 2: bitwise equal True" in out
     assert "refused: pos[1]: expected a position in [0, max_seq_len=48)" in out
     assert "cache untouched: True" in out
