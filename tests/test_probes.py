@@ -655,3 +655,11 @@ def test_rows_profile_compare_names_equal_different_nonfinite_and_shape():
     b[1, 1] = float("nan")
     assert compare(a, b).endswith("; 1 values finite in one only")
     assert compare(a, a[:4]) == "shapes differ: (8, 16) against (4, 16)"
+
+
+def test_rows_profile_lm_rows_are_checked_before_any_gpu_work(capsys):
+    from bench.probes import rows_profile as rp
+    for bad in (["--lm-rows", "8"], ["--tiling", ";", "--lm-rows", "128;32;64"], ["--lm-rows", "x"]):
+        with pytest.raises(SystemExit) as ei:
+            rp.main(bad)
+        assert ei.value.code == 2 and "--lm-rows: one number >= 16" in capsys.readouterr().err

@@ -4,6 +4,7 @@
 #         a prompt of 128 and of 1024 tokens in the kernel timeline; the 1B's default beside it (v174's 1B check);
 #         the 1B's 1024-row chunk profiled twice (rows_profile's output check: bitwise equal, pos 0).
 # PART=2: TTFT beside transformers with v174, 1B and 8B (README's table; runs 307-308 ran 32-row tiles).
+#         Then v175: the decode buckets' LM head tiles of 128 rows, 1B R16 B16 alternated (s45.md's prediction).
 # PART=3: the decode sweep on an H100 if the card is one (issue 50's B=16 ratio there: 12.0x in runs 283-284).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -18,7 +19,9 @@ case "${PART:-1}" in
    timeout 100 python3 -m bench.probes.rows_profile --R 1024 --prefill --pos 0 --tiling ";" > $OUT/p1024-1b-twice.log 2>&1 ;;
 2) for P in llama3.2-1b llama3.1-8b; do
      timeout 250 python3 -m bench.rows_bench --preset $P --skip decode,invariance --out $OUT > $OUT/ttft-$P.log 2>&1
-   done ;;
+   done
+   timeout 120 python3 -m bench.probes.rows_profile --R 16 --B 16 --pos 1024 --tiling ";;;" --lm-rows ";128;;128" \
+       > $OUT/p16-1b-v175.log 2>&1 ;;
 3) for P in llama3.2-1b llama3.1-8b; do
      timeout 200 python3 -m bench.rows_bench --preset $P --skip ttft,accuracy,invariance --out $OUT > $OUT/dec-$P.log 2>&1
    done ;;

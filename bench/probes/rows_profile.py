@@ -6,6 +6,7 @@ execution and wait time across SMs, the step's span, and the stage spans per lay
 
 
 ``--tiling``: variants separated by ``;`` (an empty one: the default tiling), each timed; the first profiled.
+``--lm-rows``: the LM head tiles' vocabulary rows, one a variant likewise (session 45: 128 in the decode buckets).
 Each variant's output (the last layer's normed rows, ``hn_r``) is compared with the first variant's: a variant
 that only reorders the schedule must give the same bits, one that changes a tile's sums the same to ~1e-2
 (session 45: v173's per-block counters gave other logits on the GPU, seen only by eye in a timeline's argmax).
@@ -26,6 +27,9 @@ def main(argv=None) -> int:
     p.add_argument("--B", type=int, default=16)
     p.add_argument("--pos", type=int, default=1024)
     p.add_argument("--tiling", default="")
+    p.add_argument("--lm-rows", default="",
+                   help="vocabulary rows per LM head tile, one a variant, separated by ';' as --tiling's (an empty "
+                        "one: the layout's; a single value: every variant)")
     p.add_argument("--prefill", action="store_true",
                    help="one slot's R consecutive positions from --pos, no LM head (a prefill chunk), not B slots")
     p.add_argument("--tokens", choices=("distinct", "same"), default="distinct",
@@ -34,6 +38,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.prefill:
         a.B = 1
+    variants = a.tiling.split(";")
+    lms = a.lm_rows.split(";")
+    if len(lms) == 1:
+        lms = lms * len(variants)
+    if len(lms) != len(variants) or not all(x == "" or x.isdigit() and int(x) >= 16 for x in lms):
+        p.error(f"--lm-rows: one number >= 16 (or nothing) for each of the {len(variants)} --tiling variants, "
+                f"got {a.lm_rows!r}")
     from bench.decoder_bench import make_decoder_weights
     from opcodes.config import ModelConfig
     from opcodes.reference import make_kv_cache
@@ -44,9 +55,14 @@ def main(argv=None) -> int:
     kv = make_kv_cache(cfg, ms, a.pos, seed=1, device="cuda", batch=a.B)
     dev = torch.device("cuda", torch.cuda.current_device())
     first = None
-    for vi, var in enumerate(a.tiling.split(";")):
-        til = rows_tiling(cfg, a.R, ms, **({k: int(v) for k, v in (kv_.split("=") for kv_ in var.split(","))}
-                                            if var else {}))
+    from opcodes.rows import RowsLayout
+    of = RowsLayout.of.__func__
+    for vi, (var, lm) in enumerate(zip(variants, lms)):
+        RowsLayout.of = classmethod(lambda cls, lay, rows=16, batch=1, _lm=int(lm or 0), **t:
+                                    of(cls, lay, rows=rows, batch=batch, **({"lm_rows": _lm, **t} if _lm else t)))
+        var = ",".join(x for x in (var, f"lm_rows={lm}" if lm else "") if x)
+        til = rows_tiling(cfg, a.R, ms, **({k: int(v) for k, v in (kv_.split("=") for kv_ in var.split(","))
+                                               if k != "lm_rows"} if var else {}))
         try:
             out = run_variant(a, cfg, w, kv, ms, til, dev, var or "default", profile=vi == 0)
         except Exception as e:   # a variant that does not build is reported, the others still run
@@ -99,7 +115,9 @@ def run_variant(a, cfg, w, kv, ms, til, dev, name, profile):
         print(f"{name}: {'profiled' if prof else 'plain'}: {ev[0].elapsed_time(ev[1]) / 10 * 1e3:.1f} us a step "
               f"({len(h.tape)} instructions)", flush=True)
         if not prof:
-            out = h.scratch["hn_r"][-1].float().clone()       # the last layer's normed rows: [d, R], blocked
+            out = h.scratch["hn_r"][-1].float().flatten()     # the last layer's normed rows: [d, R], blocked
+            if not a.prefill:                                 # and the step's logits
+                out = torch.cat([out, h.scratch["logits_r"].float().flatten()])
         if prof:
             recs = runtime.profile_records(h).tolist()
             from schedule.tape import decode
