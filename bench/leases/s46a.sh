@@ -6,6 +6,8 @@
 # PART=2: TTFT beside transformers with v174, 1B and 8B (README's table; runs 307-308 ran 32-row tiles).
 #         Then v175: the decode buckets' LM head tiles of 128 rows, 1B R16 B16 alternated (s45.md's prediction).
 # PART=3: the decode sweep on an H100 if the card is one (issue 50's B=16 ratio there: 12.0x in runs 283-284).
+# PART=4: where a 1024-row chunk's time goes (no one has profiled the 1024-row bucket since it became the
+#         prefill default): the 1B and the 8B at pos 0 and at pos 3072 (a 4096 prompt's last chunk), per stage.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/smi-${PART:-1}.log 2>&1
@@ -25,6 +27,9 @@ case "${PART:-1}" in
 3) for P in llama3.2-1b llama3.1-8b; do
      timeout 200 python3 -m bench.rows_bench --preset $P --skip ttft,accuracy,invariance --out $OUT > $OUT/dec-$P.log 2>&1
    done ;;
+4) for P in llama3.2-1b llama3.1-8b; do for pos in 0 3072; do
+     timeout 140 python3 -m bench.probes.rows_profile --preset $P --R 1024 --prefill --pos $pos > $OUT/p1024-$P-$pos.log 2>&1
+   done; done ;;
 esac
 for f in $OUT/*.log; do echo "== $f"; grep -v "^  +\|^{\|Warn\|_warn" $f | cut -c1-220 | tail -n 12
   grep -q megakernel $f && { grep megakernel $f | awk '{print $6}' | tr '\n' ' '; echo; }; done
