@@ -21,11 +21,12 @@ from opcodes.base import NO_COUNTER
 from .program import Program, check_layout
 
 
-def lower_rows(lay: Layout, rows: int = 16, batch: int = 1) -> Program:
+def lower_rows(lay: Layout, rows: int = 16, batch: int = 1, lm_rows: int = 0) -> Program:
     """The program of one R-row step (R <= ``rows``) over a cache of ``batch`` slots, for ``lay``'s config,
-    tiling (``opcodes.rows.rows_tiling``) and cache length."""
-    rl = lay if isinstance(lay, RowsLayout) and lay.rows == rows and lay.batch == batch else \
-        RowsLayout.of(lay, rows=rows, batch=batch)
+    tiling (``opcodes.rows.rows_tiling``) and cache length. ``lm_rows``: the LM head tiles' vocabulary rows
+    (0: ``RowsLayout.of``'s; a probe's variants set it)."""
+    rl = lay if isinstance(lay, RowsLayout) and lay.rows == rows and lay.batch == batch and \
+        lm_rows in (0, lay.lm_rows) else RowsLayout.of(lay, rows=rows, batch=batch, lm_rows=lm_rows)
     check_layout(rl)
     c, t = rl.cfg, rl.tiling
     p = Program(rl)
@@ -81,9 +82,9 @@ def lower_rows(lay: Layout, rows: int = 16, batch: int = 1) -> Program:
     return p
 
 
-def rows_lowering(rows: int, batch: int):
+def rows_lowering(rows: int, batch: int, lm_rows: int = 0):
     """``lower_rows`` as a ``lowering=`` option (``interp.runtime.build_layer``)."""
     def lowering(lay: Layout) -> Program:
-        return lower_rows(lay, rows=rows, batch=batch)
-    lowering.__name__ = f"lower_rows_{rows}x{batch}"
+        return lower_rows(lay, rows=rows, batch=batch, lm_rows=lm_rows)
+    lowering.__name__ = f"lower_rows_{rows}x{batch}" + (f"_lm{lm_rows}" if lm_rows else "")
     return lowering

@@ -299,6 +299,10 @@ def test_each_column_blocks_lm_head_tiles_reach_every_sm():
     # tiles of 128 vocabulary rows from 128 rows up (run 311), 32 below (the 64-row bucket's shared memory)
     assert tape.lay.lm_rows == 128 and [RowsLayout.of(tape.lay, rows=r).lm_rows for r in (16, 32, 64, 128)] == \
         [32, 32, 32, 128]
+    # a probe's variant sets them (rows_lowering's lm_rows): the tape's layout, hence its kernel, has them
+    lay16 = compile_model(cfg, sms, max_seq=1032, tiling=rows_tiling(cfg, 16, 1032),
+                          lowering=rows_lowering(16, 2, lm_rows=128), decoder=True).tape.lay
+    assert lay16.lm_rows == 128 and lay16.rows == 16
     by_block: dict = {}
     for d in decode(tape):
         if d.ins.NAME == "lm_head_r":

@@ -42,14 +42,10 @@ def main(argv=None) -> int:
     from opcodes.reference import make_kv_cache
 
     if a.lm_rows:
-        from opcodes.rows import DECODE_BUCKETS, RowsLayout
-        of = RowsLayout.of.__func__
-
-        def of_lm(cls, lay, rows=16, batch=1, **tiles):
-            if rows > DECODE_BUCKETS[-1]:
-                tiles.setdefault("lm_rows", a.lm_rows)
-            return of(cls, lay, rows=rows, batch=batch, **tiles)
-        RowsLayout.of = classmethod(of_lm)
+        import interp.rows as ir
+        from opcodes.rows import DECODE_BUCKETS
+        low = ir.rows_lowering
+        ir.rows_lowering = lambda rows, batch: low(rows, batch, lm_rows=a.lm_rows if rows > DECODE_BUCKETS[-1] else 0)
     if a.tiling:
         import interp.rows as ir
         from opcodes.rows import DECODE_BUCKETS

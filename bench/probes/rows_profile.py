@@ -55,23 +55,19 @@ def main(argv=None) -> int:
     kv = make_kv_cache(cfg, ms, a.pos, seed=1, device="cuda", batch=a.B)
     dev = torch.device("cuda", torch.cuda.current_device())
     first = None
-    from opcodes.rows import RowsLayout
-    of = RowsLayout.of.__func__
     for vi, (var, lm) in enumerate(zip(variants, lms)):
-        RowsLayout.of = classmethod(lambda cls, lay, rows=16, batch=1, _lm=int(lm or 0), **t:
-                                    of(cls, lay, rows=rows, batch=batch, **({"lm_rows": _lm, **t} if _lm else t)))
-        var = ",".join(x for x in (var, f"lm_rows={lm}" if lm else "") if x)
-        til = rows_tiling(cfg, a.R, ms, **({k: int(v) for k, v in (kv_.split("=") for kv_ in var.split(","))
-                                               if k != "lm_rows"} if var else {}))
+        til = rows_tiling(cfg, a.R, ms, **({k: int(v) for k, v in (kv_.split("=") for kv_ in var.split(","))}
+                                            if var else {}))
+        name = ",".join(x for x in (var, f"lm_rows={lm}" if lm else "") if x) or "default"
         try:
-            out = run_variant(a, cfg, w, kv, ms, til, dev, var or "default", profile=vi == 0)
+            out = run_variant(a, cfg, w, kv, ms, til, int(lm or 0), dev, name, profile=vi == 0)
         except Exception as e:   # a variant that does not build is reported, the others still run
-            print(f"variant {var or 'default'}: {type(e).__name__}: {e}", flush=True)
+            print(f"variant {name}: {type(e).__name__}: {e}", flush=True)
             continue
         if first is None:
-            first = (var or "default", out)
+            first = (name, out)
         else:
-            print(f"{var or 'default'}: output against {first[0]}'s: {compare(first[1], out)}", flush=True)
+            print(f"{name}: output against {first[0]}'s: {compare(first[1], out)}", flush=True)
     return 0
 
 
@@ -88,12 +84,12 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> str:
     return f"max difference {rel:.3e} of the largest value" + (f"; {bad} values finite in one only" if bad else "")
 
 
-def run_variant(a, cfg, w, kv, ms, til, dev, name, profile):
+def run_variant(a, cfg, w, kv, ms, til, lm_rows, dev, name, profile):
     from interp import runtime
     from opcodes.rows import rows_state
     from schedule.rows_program import rows_lowering
     for prof in ((False, True) if profile else (False,)):
-        h = runtime.build_validated(w, kv, cfg, dev, ms, tiling=til, lowering=rows_lowering(a.R, a.B),
+        h = runtime.build_validated(w, kv, cfg, dev, ms, tiling=til, lowering=rows_lowering(a.R, a.B, lm_rows),
                                     profile=prof)
         n = a.R if a.prefill else a.B
         toks = [7] * n if a.tokens == "same" else [(17 * r + 5) % cfg.vocab for r in range(n)]
