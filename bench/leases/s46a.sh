@@ -27,9 +27,14 @@ case "${PART:-1}" in
 3) for P in llama3.2-1b llama3.1-8b; do
      timeout 200 python3 -m bench.rows_bench --preset $P --skip ttft,accuracy,invariance --out $OUT > $OUT/dec-$P.log 2>&1
    done ;;
-4) for P in llama3.2-1b llama3.1-8b; do for pos in 0 3072; do
-     timeout 140 python3 -m bench.probes.rows_profile --preset $P --R 1024 --prefill --pos $pos > $OUT/p1024-$P-$pos.log 2>&1
-   done; done ;;
+4) # pos 0 also times v176: the down projection in fewer K chunks (s46.md; s43.md's v168 at 1024 rows)
+   timeout 160 python3 -m bench.probes.rows_profile --R 1024 --prefill --pos 0 --tiling ";down_k=4096;down_k=8192" \
+       > $OUT/p1024-llama3.2-1b-0.log 2>&1
+   timeout 100 python3 -m bench.probes.rows_profile --R 1024 --prefill --pos 3072 > $OUT/p1024-llama3.2-1b-3072.log 2>&1
+   timeout 200 python3 -m bench.probes.rows_profile --preset llama3.1-8b --R 1024 --prefill --pos 0 \
+       --tiling ";down_k=7168;down_k=14336" > $OUT/p1024-llama3.1-8b-0.log 2>&1
+   timeout 120 python3 -m bench.probes.rows_profile --preset llama3.1-8b --R 1024 --prefill --pos 3072 \
+       > $OUT/p1024-llama3.1-8b-3072.log 2>&1 ;;
 esac
 for f in $OUT/*.log; do echo "== $f"; grep -v "^  +\|^{\|Warn\|_warn" $f | cut -c1-220 | tail -n 12
   grep -q megakernel $f && { grep megakernel $f | awk '{print $6}' | tr '\n' ' '; echo; }; done
