@@ -35,6 +35,7 @@ from .rows_gate_up import GateUpR
 from .rows_down import DownR
 from .rows_residual import ResidualR
 from .rows_lm_head import LMHeadR
+from .rows_down_res import DownResR          # after LM_HEAD_R: the numbers before it stay as measured
 from .rows import RowsLayout
 from .decoder import DecoderLayout
 from .tp import TPDecoderLayout, TPLayout
@@ -45,5 +46,5 @@ __all__ = ["BY_OPCODE", "HEADER", "LAYOUTS", "MAX_OPERANDS", "MAX_WAITS", "NO_CO
            "unregister", "PRESETS",
            "ModelConfig", "QKV", "AttnPartial", "AttnReduce", "OProj", "GateUp", "Down", "Residual", "OReduce",
            "Embed", "LMHead", "Argmax", "Sample", "TPPush", "TPReduce", "TPArgmaxPush", "TPArgmax", "SampleMass", "EmbedR", "QKVR", "AttnR", "OProjR", "GateUpR", "DownR", "ResidualR",
-           "LMHeadR", "RowsLayout", "DecoderLayout",
+           "LMHeadR", "DownResR", "RowsLayout", "DecoderLayout",
            "TPLayout", "TPDecoderLayout"]

@@ -34,6 +34,18 @@ def residual_r_device(r0, layer, n0, x1_r_ptr, dpart_r_ptr, xout_r_ptr, hn_r_ptr
     for kc in tl.static_range(DOWN_CHUNKS):
         y += tl.load(dpart_r_ptr + (layer * DOWN_CHUNKS + kc) * (D * ROWS) + off, mask=rm[:, None], other=0.0,
                      cache_modifier=".cg")
+    layer_out(y, rows, rm, off, layer, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr, fnorm_ptr, r0 // RED_ROWS,
+              n0, LAYERS, D, SS_P, ROWS, NT, INTERP)
+
+
+@triton.jit
+def layer_out(y, rows, rm, off, layer, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr, fnorm_ptr, part, n0,
+              LAYERS: tl.constexpr, D: tl.constexpr, SS_P: tl.constexpr, ROWS: tl.constexpr, NT: tl.constexpr,
+              INTERP: tl.constexpr):
+    """The end of a layer for the fp32 block ``y`` = x1 + the down projection ([T, NT], features ``rows``, at
+    ``off`` of a ``[d, ROWS]`` slice): ``xout_r`` = bf16(y), and the next GEMM's normed operand from it (the
+    next layer's input norm, or the final norm after the last layer) with its sums of squares at ``part``.
+    RESIDUAL_R's, and DOWN_RES_R's (``opcodes.rows_down_res``) where one down tile spans the ffn."""
     yb = to_bf16(y, INTERP)
     tl.store(xout_r_ptr + layer * (D * ROWS) + off, yb, mask=rm[:, None])
     if layer == LAYERS - 1:
@@ -41,7 +53,7 @@ def residual_r_device(r0, layer, n0, x1_r_ptr, dpart_r_ptr, xout_r_ptr, hn_r_ptr
     else:
         nw = n1_ptr + tab_offset(wtab_ptr, layer + 1, T_N1)
     store_normed(yb.to(tl.float32), rows, rm, nw, hn_r_ptr + (layer + 1) * (D * ROWS),
-                 ss_r_ptr + layer * (SS_P * ROWS), r0 // RED_ROWS, n0, D, SS_P, NT, INTERP)
+                 ss_r_ptr + layer * (SS_P * ROWS), part, n0, D, SS_P, NT, INTERP)
 
 
 @register
@@ -102,9 +114,13 @@ class ResidualR(RowsInstruction):
         dp = bview(st.buf["dpart_r"], lay, c.d, c.layers, lay.n_down_k)
         for kc in range(lay.n_down_k):
             y += dp[self.layer, kc, b, lo:hi]
-        bview(st.buf["xout_r"], lay, c.d, c.layers)[self.layer, b, lo:hi] = y.to(torch.bfloat16)
-        nw = st.model["final_norm"] if self.layer == c.layers - 1 else st.weights[self.layer + 1]["in_norm"]
-        store_normed_r(y.to(torch.bfloat16).float(), lo, hi, nw,
-                       bview(st.buf["hn_r"], lay, c.d, c.layers + 1)[self.layer + 1, b],
-                       bview(st.buf["ss_r"], lay, lay.ss_parts[1], c.layers)[self.layer, b],
-                       self.r0 // lay.tiling.red_rows)
+        layer_out_torch(lay, st, self.layer, b, lo, hi, y, self.r0 // lay.tiling.red_rows)
+
+
+def layer_out_torch(lay: Layout, st, layer: int, b: int, lo: int, hi: int, y: torch.Tensor, part: int) -> None:
+    """VM: :func:`layer_out` for features ``[lo, hi)`` of column block ``b``."""
+    c = lay.cfg
+    bview(st.buf["xout_r"], lay, c.d, c.layers)[layer, b, lo:hi] = y.to(torch.bfloat16)
+    nw = st.model["final_norm"] if layer == c.layers - 1 else st.weights[layer + 1]["in_norm"]
+    store_normed_r(y.to(torch.bfloat16).float(), lo, hi, nw, bview(st.buf["hn_r"], lay, c.d, c.layers + 1)[layer + 1, b],
+                   bview(st.buf["ss_r"], lay, lay.ss_parts[1], c.layers)[layer, b], part)

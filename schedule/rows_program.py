@@ -7,6 +7,7 @@
       ATTN_R(l, *, *) --attn[l]--> OPROJ_R(l, *) --x1[l]--> GATE_UP_R(l, *)
       GATE_UP_R(l, rows in K chunk kc) --act[l,kc]--> DOWN_R(l, *, kc)
       DOWN_R(l, rows in block rb, *) --dpart[l,rb]--> RESIDUAL_R(l, rb) --out[l]--> QKV_R(l+1, *)
+      (or, where one down tile spans the ffn and a residual block: DOWN_RES_R(l, *) --out[l]--> QKV_R(l+1, *))
     RESIDUAL_R(L-1, *) --out[L-1]--> LM_HEAD_R(v0) x n_lm                    (logits_r, block by block)
 
 Every instruction but ATTN_R is one per column block too (``n0``, ``RowsLayout.col_blocks``: one block up to
@@ -15,7 +16,7 @@ The tape depends on the bucket ``ROWS`` only; the step's actual rows are device 
 """
 from __future__ import annotations
 
-from opcodes import (AttnR, DownR, EmbedR, GateUpR, Layout, LMHeadR, OProjR, QKVR, ResidualR, RowsLayout, cdiv)
+from opcodes import (AttnR, DownR, DownResR, EmbedR, GateUpR, Layout, LMHeadR, OProjR, QKVR, ResidualR, RowsLayout, cdiv)
 from opcodes.base import NO_COUNTER
 
 from .program import Program, check_layout
@@ -43,7 +44,8 @@ def lower_rows(lay: Layout, rows: int = 16, batch: int = 1, lm_rows: int = 0) ->
         ca = p.counter(f"attn[{l}]")
         cx = p.counter(f"x1[{l}]")
         cact = [p.counter(f"act[{l},{kc}]") for kc in range(rl.n_down_k)]
-        cd = [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
+        fused = DownResR.applies_to(rl)
+        cd = [] if fused else [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
         cout = p.counter(f"out[{l}]")
         for g in range(c.n_kv):
             for h in range(g * c.group, (g + 1) * c.group):
@@ -64,13 +66,18 @@ def lower_rows(lay: Layout, rows: int = 16, batch: int = 1, lm_rows: int = 0) ->
         for r0 in range(0, c.ffn, t.gu_rows):
             for n0 in nb:
                 p.add(GateUpR(r0, l, n0), (cx,), cact[r0 // t.down_k])
-        for kc in range(rl.n_down_k):
+        if fused:
             for r0 in range(0, c.d, t.down_rows):
                 for n0 in nb:
-                    p.add(DownR(r0, l, kc, n0), (cact[kc],), cd[r0 // t.red_rows])
-        for rb in range(n_rb):
-            for n0 in nb:
-                p.add(ResidualR(rb * t.red_rows, l, n0), (cd[rb],), cout)
+                    p.add(DownResR(r0, l, n0), (cact[0],), cout)
+        else:
+            for kc in range(rl.n_down_k):
+                for r0 in range(0, c.d, t.down_rows):
+                    for n0 in nb:
+                        p.add(DownR(r0, l, kc, n0), (cact[kc],), cd[r0 // t.red_rows])
+            for rb in range(n_rb):
+                for n0 in nb:
+                    p.add(ResidualR(rb * t.red_rows, l, n0), (cd[rb],), cout)
         prev = cout
     # block-major: a prompt's last row asks one column block for logits (``opcodes.rows_lm_head``), and the
     # schedule deals a block's tiles to every SM this way (v0-major put block b on the SMs = block mod n_blocks alone).
