@@ -60,6 +60,8 @@ class Layout:
     #: programs (:class:`~opcodes.decoder.DecoderLayout`)
     #: programs of this layout embed the token and end in logits (opcodes.decoder.DecoderLayout)
     WHOLE_MODEL: ClassVar[bool] = False
+    #: programs of this layout can end a layer in the down tiles (``Tiling.down_res``: opcodes.rows.RowsLayout)
+    DOWN_RES: ClassVar[bool] = False
     MODEL_TENSORS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("embed", "embed_ptr"), ("final_norm", "fnorm_ptr"), ("lm_head", "lmh_ptr"))
 

@@ -2,7 +2,8 @@
 
     dpart_r[layer, kc, r, n] = Wd[r, kc*DOWN_K : (kc+1)*DOWN_K] . act_r[layer, kc*DOWN_K : ..., n]   (fp32)
 
-rows r in [r0, r0 + DOWN_ROWS); RESIDUAL_R adds the chunks and x1.
+rows r in [r0, r0 + DOWN_ROWS); RESIDUAL_R adds the chunks and x1 (or, with ``Tiling.down_res``, the last
+chunk's DOWN_RES_R adds the others' and its own dot: ``opcodes.rows_down_res``).
 """
 from __future__ import annotations
 
@@ -18,10 +19,16 @@ from .down import Down
 from .rows import RowsInstruction, bf16_dot, bregion, bview, check_n0
 
 
+def n_parts(lay: Layout) -> int:
+    """The down partials of a layer (``dpart_r``'s chunks, the constexpr ``DPARTS``): one a K chunk, but the
+    last chunk's with ``Tiling.down_res`` (DOWN_RES_R adds that dot itself)."""
+    return lay.n_down_k - lay.tiling.down_res
+
+
 @triton.jit
 def down_r_device(r0, layer, kc, n0, act_r_ptr, dpart_r_ptr, wtab_ptr, wd_ptr,
                   D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
-                  DOWN_CHUNKS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, ROWS: tl.constexpr,
+                  DPARTS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, ROWS: tl.constexpr,
                   NT: tl.constexpr, INTERP: tl.constexpr):
     if NT == ROWS:
         n0 = 0
@@ -32,7 +39,7 @@ def down_r_device(r0, layer, kc, n0, act_r_ptr, dpart_r_ptr, wtab_ptr, wd_ptr,
                             NT, FFN, DOWN_K, DOWN_ROWS, NT, BK, STAGES, TWO=False,
                             EVEN=(FFN % DOWN_K == 0) & (DOWN_K % BK == 0) & (D % DOWN_ROWS == 0), INTERP=INTERP)
     n = tl.arange(0, NT)
-    tl.store(dpart_r_ptr + (layer * DOWN_CHUNKS + kc) * (D * ROWS) + n0 * D + rows[:, None] * NT + n[None, :], acc,
+    tl.store(dpart_r_ptr + (layer * DPARTS + kc) * (D * ROWS) + n0 * D + rows[:, None] * NT + n[None, :], acc,
              mask=rm[:, None])
 
 
@@ -47,14 +54,14 @@ class DownR(RowsInstruction):
     NAME = "down_r"
     STAGE = 4
     ARGS = ("act_r_ptr", "dpart_r_ptr", "wtab_ptr", "wd_ptr",
-            "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS", "BK", "STAGES", "ROWS", "NT", "INTERP")
-    CONSTEXPRS = {k: Down.CONSTEXPRS[k] for k in ("DOWN_ROWS", "DOWN_K")}
+            "D", "FFN", "DOWN_ROWS", "DOWN_K", "DPARTS", "BK", "STAGES", "ROWS", "NT", "INTERP")
+    CONSTEXPRS = {**{k: Down.CONSTEXPRS[k] for k in ("DOWN_ROWS", "DOWN_K")}, "DPARTS": n_parts}
     SCRATCH = {"dpart_r": "fp32"}
     device = down_r_device
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
-        return {"dpart_r": (lay.cfg.layers, lay.n_down_k, lay.cfg.d, lay.rows)}
+        return {"dpart_r": (lay.cfg.layers, n_parts(lay), lay.cfg.d, lay.rows)}
 
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:
@@ -62,8 +69,9 @@ class DownR(RowsInstruction):
 
     def check_operands(self, lay: Layout) -> list[str]:
         bad = tile_start("r0", self.r0, lay.tiling.down_rows, lay.cfg.d) + check_n0(self.n0, lay)
-        if not 0 <= self.kc < lay.n_down_k:
-            bad.append(f"kc {self.kc} not in [0, {lay.n_down_k})")
+        if not 0 <= self.kc < n_parts(lay):
+            bad.append(f"kc {self.kc} not in [0, {n_parts(lay)})" + (" (down_res: the last chunk is DOWN_RES_R's)"
+                                                                     if lay.tiling.down_res else ""))
         return bad + ([] if 0 <= self.layer < lay.cfg.layers else [f"layer {self.layer} not in [0, {lay.cfg.layers})"])
 
     def _rows(self, lay: Layout) -> tuple[int, int]:
@@ -79,7 +87,7 @@ class DownR(RowsInstruction):
 
     def writes(self, lay: Layout) -> list[Region]:
         lo, hi = self._rows(lay)
-        return [bregion("dpart_r", lay, lay.cfg.d, self.layer * lay.n_down_k + self.kc, lo, hi, self.n0)]
+        return [bregion("dpart_r", lay, lay.cfg.d, self.layer * n_parts(lay) + self.kc, lo, hi, self.n0)]
 
     def cost(self, lay: Layout) -> Cost:
         R = lay.n_tile
@@ -94,4 +102,4 @@ class DownR(RowsInstruction):
         k0, k1 = self._ks(lay)
         a = bview(st.buf["act_r"], lay, c.ffn, c.layers)[self.layer, b, k0:k1]
         y = bf16_dot(st.weights[self.layer]["down"][lo:hi, k0:k1], a)
-        bview(st.buf["dpart_r"], lay, c.d, c.layers, lay.n_down_k)[self.layer, self.kc, b, lo:hi] = y
+        bview(st.buf["dpart_r"], lay, c.d, c.layers, n_parts(lay))[self.layer, self.kc, b, lo:hi] = y

@@ -1,14 +1,16 @@
-"""DOWN_RES_R: one tile of the down projection over every row and the whole ffn, ending the layer itself
-(opcodes/rows.py; bench/notes/s47.md v177).
+"""DOWN_RES_R: one tile of the down projection's last K chunk over every row, ending the layer itself
+(opcodes/rows.py; ``Tiling.down_res``; bench/notes/s47.md v178).
 
-    y[r, n] = x1_r[layer, r, n] + Wd[r, :] . act_r[layer, :, n]        rows r in [r0, r0 + DOWN_ROWS)   (fp32)
+    y[r, n] = x1_r[layer, r, n] + dpart_r[layer, 0, r, n] + ... + dpart_r[layer, C - 2, r, n]
+              + Wd[r, (C-1)*DOWN_K : ffn] . act_r[layer, (C-1)*DOWN_K : ffn, n]     rows r in [r0, r0 + DOWN_ROWS)
 
-then RESIDUAL_R's epilogue (``rows_residual.layer_out``): ``xout_r`` = bf16(y) and the next GEMM's normed
-operand. Where one down tile spans the ffn (``Tiling.down_k >= ffn``) and its rows are a residual block
-(``down_rows == red_rows``: the same sum-of-squares parts), the partial it would write is the only one
-RESIDUAL_R would add to x1, in the same fp32 order: this tile computes the same bits with no partial
-written and read back and no RESIDUAL_R phase (one dependency hop a layer less). ``applies_to`` is the
-condition; ``schedule.rows_program`` lowers to it where it holds.
+(C = ``DOWN_CHUNKS``: the DOWN_R tiles of the other chunks write the ``DPARTS`` = C - 1 partials), then RESIDUAL_R's epilogue
+(``rows_residual.layer_out``): ``xout_r`` = bf16(y) and the next GEMM's normed operand. The tile's rows are
+one residual block (``down_rows == red_rows``: the same sum-of-squares parts), and it adds the same fp32
+terms in RESIDUAL_R's order (its own dot is the last chunk's partial, unrounded): the bits of DOWN_R +
+RESIDUAL_R at that tiling, without the last chunk's partial written and read back, the RESIDUAL_R phase and
+its dependency hop. It needs another chunk (``down_k < ffn``): DOWN_R writes the partials buffer (with one
+chunk nothing would, and every scratch element is written once a call: ``schedule.verify``).
 """
 from __future__ import annotations
 
@@ -20,27 +22,33 @@ import triton.language as tl
 from .base import Cost, Layout, Region, register, tile_start
 from .common import T_WD, tab_offset
 from .common_rows import rows_stream
-from .down import Down
 from .rows import RowsInstruction, bf16_dot, bregion, bview, check_n0
+from .rows_down import DownR, n_parts
 from .rows_residual import ResidualR, layer_out, layer_out_torch
 
 
 @triton.jit
-def down_res_r_device(r0, layer, n0, act_r_ptr, x1_r_ptr, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, wd_ptr, n1_ptr,
-                      fnorm_ptr, LAYERS: tl.constexpr, D: tl.constexpr, FFN: tl.constexpr,
-                      DOWN_ROWS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, SS_P: tl.constexpr,
-                      ROWS: tl.constexpr, NT: tl.constexpr, INTERP: tl.constexpr):
+def down_res_r_device(r0, layer, n0, act_r_ptr, dpart_r_ptr, x1_r_ptr, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr,
+                      wd_ptr, n1_ptr, fnorm_ptr, LAYERS: tl.constexpr, D: tl.constexpr, FFN: tl.constexpr,
+                      DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr, DOWN_CHUNKS: tl.constexpr, DPARTS: tl.constexpr,
+                      BK: tl.constexpr,
+                      STAGES: tl.constexpr, SS_P: tl.constexpr, ROWS: tl.constexpr, NT: tl.constexpr,
+                      INTERP: tl.constexpr):
     if NT == ROWS:
         n0 = 0
     w = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
     rows = r0 + tl.arange(0, DOWN_ROWS)
     rm = rows < D
-    acc, acc2 = rows_stream(w, rows, w, rows, rm, act_r_ptr + layer * (FFN * ROWS) + n0 * FFN, 0, NT,
-                            NT, FFN, FFN, DOWN_ROWS, NT, BK, STAGES, TWO=False,
-                            EVEN=(FFN % BK == 0) & (D % DOWN_ROWS == 0), INTERP=INTERP)
+    # DOWN_R's stream of chunk DOWN_CHUNKS - 1 (the same masks: the same sum)
+    acc, acc2 = rows_stream(w, rows, w, rows, rm, act_r_ptr + layer * (FFN * ROWS) + n0 * FFN,
+                            (DOWN_CHUNKS - 1) * DOWN_K, NT, NT, FFN, DOWN_K, DOWN_ROWS, NT, BK, STAGES, TWO=False,
+                            EVEN=(FFN % DOWN_K == 0) & (DOWN_K % BK == 0) & (D % DOWN_ROWS == 0), INTERP=INTERP)
     n = tl.arange(0, NT)
     off = n0 * D + rows[:, None] * NT + n[None, :]
     y = tl.load(x1_r_ptr + layer * (D * ROWS) + off, mask=rm[:, None], other=0.0, cache_modifier=".cg")
+    for kc in tl.static_range(DPARTS):
+        y += tl.load(dpart_r_ptr + (layer * DPARTS + kc) * (D * ROWS) + off, mask=rm[:, None], other=0.0,
+                     cache_modifier=".cg")
     y += acc
     layer_out(y, rows, rm, off, layer, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr, fnorm_ptr, r0 // DOWN_ROWS,
               n0, LAYERS, D, SS_P, ROWS, NT, INTERP)
@@ -55,40 +63,42 @@ class DownResR(RowsInstruction):
 
     NAME = "down_res_r"
     STAGE = 4
-    ARGS = ("act_r_ptr", "x1_r_ptr", "xout_r_ptr", "hn_r_ptr", "ss_r_ptr", "wtab_ptr", "wd_ptr", "n1_ptr", "fnorm_ptr",
-            "LAYERS", "D", "FFN", "DOWN_ROWS", "BK", "STAGES", "SS_P", "ROWS", "NT", "INTERP")
-    CONSTEXPRS = {"DOWN_ROWS": Down.CONSTEXPRS["DOWN_ROWS"]}
-    SCRATCH = dict(ResidualR.SCRATCH)
+    ARGS = ("act_r_ptr", "dpart_r_ptr", "x1_r_ptr", "xout_r_ptr", "hn_r_ptr", "ss_r_ptr", "wtab_ptr", "wd_ptr",
+            "n1_ptr", "fnorm_ptr", "LAYERS", "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS", "DPARTS", "BK", "STAGES",
+            "SS_P",
+            "ROWS", "NT", "INTERP")
+    CONSTEXPRS = DownR.CONSTEXPRS
+    SCRATCH = {**ResidualR.SCRATCH, **DownR.SCRATCH}
     device = down_res_r_device
-
-    @staticmethod
-    def applies_to(lay: Layout) -> bool:
-        """Whether a rows program of ``lay`` ends its layers in DOWN_RES_R tiles instead of DOWN_R + RESIDUAL_R."""
-        return lay.n_down_k == 1 and lay.tiling.down_rows == lay.tiling.red_rows
 
     @classmethod
     def scratch_shapes(cls, lay: Layout) -> dict:
-        return ResidualR.scratch_shapes(lay)
+        return {**ResidualR.scratch_shapes(lay), **DownR.scratch_shapes(lay)}
 
     @classmethod
     def stream_rows(cls, lay: Layout) -> int:
         return lay.tiling.down_rows
 
     def check_operands(self, lay: Layout) -> list[str]:
-        bad = [] if self.applies_to(lay) else [
-            f"down_res_r needs one down K chunk and down_rows = red_rows, got down_k {lay.tiling.down_k} "
-            f"(ffn {lay.cfg.ffn}), down_rows {lay.tiling.down_rows}, red_rows {lay.tiling.red_rows}"]
-        bad += tile_start("r0", self.r0, lay.tiling.down_rows, lay.cfg.d) + check_n0(self.n0, lay)
+        t = lay.tiling
+        bad = [] if t.down_res and t.down_rows == t.red_rows and lay.n_down_k > 1 else [
+            f"down_res_r needs Tiling.down_res = 1, down_rows = red_rows and 2 or more down K chunks, got down_res "
+            f"{t.down_res}, down_rows {t.down_rows}, red_rows {t.red_rows}, {lay.n_down_k} chunk(s)"]
+        bad += tile_start("r0", self.r0, t.down_rows, lay.cfg.d) + check_n0(self.n0, lay)
         return bad + ([] if 0 <= self.layer < lay.cfg.layers else [f"layer {self.layer} not in [0, {lay.cfg.layers})"])
 
     def _rows(self, lay: Layout) -> tuple[int, int]:
         return self.r0, min(self.r0 + lay.tiling.down_rows, lay.cfg.d)
 
+    def _ks(self, lay: Layout) -> tuple[int, int]:
+        return (lay.n_down_k - 1) * lay.tiling.down_k, lay.cfg.ffn
+
     def reads(self, lay: Layout) -> list[Region]:
-        c = lay.cfg
+        c, n0 = lay.cfg, self.n0
         lo, hi = self._rows(lay)
-        return [bregion("act_r", lay, c.ffn, self.layer, 0, c.ffn, self.n0),
-                bregion("x1_r", lay, c.d, self.layer, lo, hi, self.n0)]
+        k0, k1 = self._ks(lay)
+        return [bregion("act_r", lay, c.ffn, self.layer, k0, k1, n0), bregion("x1_r", lay, c.d, self.layer, lo, hi, n0)] + \
+            [bregion("dpart_r", lay, c.d, self.layer * n_parts(lay) + kc, lo, hi, n0) for kc in range(n_parts(lay))]
 
     def writes(self, lay: Layout) -> list[Region]:
         c, n0 = lay.cfg, self.n0
@@ -99,15 +109,21 @@ class DownResR(RowsInstruction):
                 bregion("ss_r", lay, lay.ss_parts[1], self.layer, part, part + 1, n0)]
 
     def cost(self, lay: Layout) -> Cost:
-        R, f = lay.n_tile, lay.cfg.ffn
+        R = lay.n_tile
         lo, hi = self._rows(lay)
-        return Cost(hbm_bytes=2 * (hi - lo) * f, l2_bytes=2 * f * R + (hi - lo) * R * (4 + 2 + 2),
-                    flops=2 * (hi - lo) * f * R)
+        k0, k1 = self._ks(lay)
+        return Cost(hbm_bytes=2 * (hi - lo) * (k1 - k0),
+                    l2_bytes=2 * (k1 - k0) * R + (hi - lo) * R * (4 * lay.n_down_k + 2 + 2),
+                    flops=2 * (hi - lo) * (k1 - k0) * R)
 
     def run_torch(self, lay: Layout, st) -> None:
         c, b = lay.cfg, self.n0 // lay.n_tile
         lo, hi = self._rows(lay)
-        a = bview(st.buf["act_r"], lay, c.ffn, c.layers)[self.layer, b]
+        k0, k1 = self._ks(lay)
+        a = bview(st.buf["act_r"], lay, c.ffn, c.layers)[self.layer, b, k0:k1]
         y = bview(st.buf["x1_r"], lay, c.d, c.layers)[self.layer, b, lo:hi].clone()
-        y += bf16_dot(st.weights[self.layer]["down"][lo:hi], a)
+        dp = bview(st.buf["dpart_r"], lay, c.d, c.layers, n_parts(lay))
+        for kc in range(n_parts(lay)):
+            y += dp[self.layer, kc, b, lo:hi]
+        y += bf16_dot(st.weights[self.layer]["down"][lo:hi, k0:k1], a)
         layer_out_torch(lay, st, self.layer, b, lo, hi, y, self.r0 // lay.tiling.down_rows)

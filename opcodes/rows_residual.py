@@ -16,12 +16,13 @@ from .base import Cost, Layout, Region, register, tile_start
 from .common import T_N1, tab_offset, to_bf16
 from .common_rows import store_normed
 from .residual import Residual
+from .rows_down import n_parts
 from .rows import RowsInstruction, bregion, bview, check_n0, store_normed_r
 
 
 @triton.jit
 def residual_r_device(r0, layer, n0, x1_r_ptr, dpart_r_ptr, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr,
-                      fnorm_ptr, LAYERS: tl.constexpr, D: tl.constexpr, DOWN_CHUNKS: tl.constexpr,
+                      fnorm_ptr, LAYERS: tl.constexpr, D: tl.constexpr, DPARTS: tl.constexpr,
                       RED_ROWS: tl.constexpr, SS_P: tl.constexpr, ROWS: tl.constexpr, NT: tl.constexpr,
                       INTERP: tl.constexpr):
     if NT == ROWS:
@@ -31,8 +32,8 @@ def residual_r_device(r0, layer, n0, x1_r_ptr, dpart_r_ptr, xout_r_ptr, hn_r_ptr
     n = tl.arange(0, NT)
     off = n0 * D + rows[:, None] * NT + n[None, :]
     y = tl.load(x1_r_ptr + layer * (D * ROWS) + off, mask=rm[:, None], other=0.0, cache_modifier=".cg")
-    for kc in tl.static_range(DOWN_CHUNKS):
-        y += tl.load(dpart_r_ptr + (layer * DOWN_CHUNKS + kc) * (D * ROWS) + off, mask=rm[:, None], other=0.0,
+    for kc in tl.static_range(DPARTS):
+        y += tl.load(dpart_r_ptr + (layer * DPARTS + kc) * (D * ROWS) + off, mask=rm[:, None], other=0.0,
                      cache_modifier=".cg")
     layer_out(y, rows, rm, off, layer, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr, fnorm_ptr, r0 // RED_ROWS,
               n0, LAYERS, D, SS_P, ROWS, NT, INTERP)
@@ -66,8 +67,8 @@ class ResidualR(RowsInstruction):
     NAME = "residual_r"
     STAGE = 5
     ARGS = ("x1_r_ptr", "dpart_r_ptr", "xout_r_ptr", "hn_r_ptr", "ss_r_ptr", "wtab_ptr", "n1_ptr", "fnorm_ptr",
-            "LAYERS", "D", "DOWN_CHUNKS", "RED_ROWS", "SS_P", "ROWS", "NT", "INTERP")
-    CONSTEXPRS = {"RED_ROWS": Residual.CONSTEXPRS["RED_ROWS"]}
+            "LAYERS", "D", "DPARTS", "RED_ROWS", "SS_P", "ROWS", "NT", "INTERP")
+    CONSTEXPRS = {"RED_ROWS": Residual.CONSTEXPRS["RED_ROWS"], "DPARTS": n_parts}
     # hn_r [L + 1, d, ROWS]: the normed QKV operand of each layer (0: EMBED_R's) and the LM head's (L);
     # ss_r [L, parts, ROWS]: its sums of squares after layer l (layer 0's input: EMBED_R's ss0_r)
     SCRATCH = {"xout_r": "bf16", "hn_r": "bf16", "ss_r": "fp32"}
@@ -90,8 +91,8 @@ class ResidualR(RowsInstruction):
         c, n0 = lay.cfg, self.n0
         lo, hi = self._rows(lay)
         out = [bregion("x1_r", lay, c.d, self.layer, lo, hi, n0)]
-        for kc in range(lay.n_down_k):
-            out.append(bregion("dpart_r", lay, c.d, self.layer * lay.n_down_k + kc, lo, hi, n0))
+        for kc in range(n_parts(lay)):
+            out.append(bregion("dpart_r", lay, c.d, self.layer * n_parts(lay) + kc, lo, hi, n0))
         return out
 
     def writes(self, lay: Layout) -> list[Region]:
@@ -105,14 +106,14 @@ class ResidualR(RowsInstruction):
     def cost(self, lay: Layout) -> Cost:
         R = lay.n_tile
         lo, hi = self._rows(lay)
-        return Cost(hbm_bytes=0, l2_bytes=(hi - lo) * R * (4 + 4 * lay.n_down_k + 4), flops=(hi - lo) * R * lay.n_down_k)
+        return Cost(hbm_bytes=0, l2_bytes=(hi - lo) * R * (4 + 4 * n_parts(lay) + 4), flops=(hi - lo) * R * n_parts(lay))
 
     def run_torch(self, lay: Layout, st) -> None:
         c, b = lay.cfg, self.n0 // lay.n_tile
         lo, hi = self._rows(lay)
         y = bview(st.buf["x1_r"], lay, c.d, c.layers)[self.layer, b, lo:hi].clone()
-        dp = bview(st.buf["dpart_r"], lay, c.d, c.layers, lay.n_down_k)
-        for kc in range(lay.n_down_k):
+        dp = bview(st.buf["dpart_r"], lay, c.d, c.layers, n_parts(lay))
+        for kc in range(n_parts(lay)):
             y += dp[self.layer, kc, b, lo:hi]
         layer_out_torch(lay, st, self.layer, b, lo, hi, y, self.r0 // lay.tiling.red_rows)
 

@@ -32,9 +32,9 @@ H200_SMS = 132
 
 #: fields where 0 is allowed: off, or "take another field's value" (each field's comment says which)
 _ZERO_ALLOWED = ("kv_rows", "o_bk", "o_k", "gu_tiles", "down_bk", "key_in_reduce", "row_bytes", "res_fold",
-                "down_wait", "warp_rows", "attn_pairs")
+                "down_wait", "warp_rows", "attn_pairs", "down_res")
 #: fields that are switches (0 or 1)
-_SWITCHES = ("res_fold", "key_in_reduce", "down_wait", "warp_rows")
+_SWITCHES = ("res_fold", "key_in_reduce", "down_wait", "warp_rows", "down_res")
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,10 @@ class Tiling:
     # 256 (Layout checks); one row a warp where a stage's rows are a multiple of num_warps (the 1B:
     # 4 gate/up rows, 8 LM head rows a stage on 4 warps), else a row's warps still share its sum
     warp_rows: int = 0
+    # 1 (rows programs only, opcodes.rows_down_res): the down tiles of the last K chunk end the layer (x1 plus
+    # the other chunks' partials plus their own dot, then RESIDUAL_R's epilogue): no RESIDUAL_R. Needs
+    # down_rows = red_rows (a down tile's rows are one residual block: the same sum-of-squares parts)
+    down_res: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -278,6 +282,8 @@ DEFAULTS: tuple[Default, ...] = (
 
 #: the knobs no default sets (``--tiling`` / ``MEGATAPE_TILING`` set them for experiments), and why
 EXPERIMENTAL: dict[str, str] = {
+    "down_res": "the rows programs' down tiles of the last K chunk end the layer, no RESIDUAL_R (bench/notes/s47.md "
+                "v177 / v178; not measured yet)",
     "o_k": "the O projection split along K (O_REDUCE adds the chunks): measured slower (TP 70B +1.2%)",
     "attn_pairs": "the rows kernels' prefill attention tiles' (row, head) pairs; only opcodes.rows.rows_tiling sets it "
                   "(128 from 256 rows: runs 289-293, a 4096-token prompt's last 1B chunk -40%, the 8B's -38%)",

@@ -90,6 +90,9 @@ class Program:
 
 def check_layout(lay: Layout) -> None:
     t = lay.tiling
+    if t.down_res and not lay.DOWN_RES:
+        raise ValueError(f"Tiling.down_res = 1 is a rows program's (opcodes.rows_down_res), not a "
+                         f"{type(lay).__name__}'s")
     if t.down_k % t.gu_rows and t.down_k < lay.cfg.ffn:
         raise ValueError(f"Tiling.down_k = {t.down_k} must be a multiple of gu_rows = {t.gu_rows} "
                          "(a gate/up tile signals the counter of one K chunk)")

@@ -44,8 +44,8 @@ def lower_rows(lay: Layout, rows: int = 16, batch: int = 1, lm_rows: int = 0) ->
         ca = p.counter(f"attn[{l}]")
         cx = p.counter(f"x1[{l}]")
         cact = [p.counter(f"act[{l},{kc}]") for kc in range(rl.n_down_k)]
-        fused = DownResR.applies_to(rl)
-        cd = [] if fused else [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
+        last = rl.n_down_k - 1
+        cd = [p.counter(f"dpart[{l},{rb}]") for rb in range(n_rb)]
         cout = p.counter(f"out[{l}]")
         for g in range(c.n_kv):
             for h in range(g * c.group, (g + 1) * c.group):
@@ -66,15 +66,14 @@ def lower_rows(lay: Layout, rows: int = 16, batch: int = 1, lm_rows: int = 0) ->
         for r0 in range(0, c.ffn, t.gu_rows):
             for n0 in nb:
                 p.add(GateUpR(r0, l, n0), (cx,), cact[r0 // t.down_k])
-        if fused:
+        for kc in range(rl.n_down_k):
             for r0 in range(0, c.d, t.down_rows):
                 for n0 in nb:
-                    p.add(DownResR(r0, l, n0), (cact[0],), cout)
-        else:
-            for kc in range(rl.n_down_k):
-                for r0 in range(0, c.d, t.down_rows):
-                    for n0 in nb:
+                    if t.down_res and kc == last:     # waits for the other chunks' partials of its rows too
+                        p.add(DownResR(r0, l, n0), (cact[kc], cd[r0 // t.red_rows]), cout)
+                    else:
                         p.add(DownR(r0, l, kc, n0), (cact[kc],), cd[r0 // t.red_rows])
+        if not t.down_res:
             for rb in range(n_rb):
                 for n0 in nb:
                     p.add(ResidualR(rb * t.red_rows, l, n0), (cd[rb],), cout)

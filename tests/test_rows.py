@@ -530,23 +530,25 @@ def test_normed_operands_summed_over_many_parts_in_the_vm_and_the_kernel():
     assert rel_err(lg, lg_vm) <= KERNEL_TOL
 
 
-def test_one_down_chunk_ends_the_layer_in_the_down_tiles_bitwise_as_down_and_residual(monkeypatch):
-    """v177: where one down tile spans the ffn and a residual block (``DownResR.applies_to``), the rows lowering
-    ends each layer in DOWN_RES_R tiles (no partial, no RESIDUAL_R phase). They add the same fp32 dot to x1 in
-    the same order as DOWN_R + RESIDUAL_R would: the logits and the cache are bitwise those of that program, in
-    the VM and in the kernel, and meet the criterion. A wrong epilogue (part, norm, layer) breaks the bits."""
+@pytest.mark.parametrize("down_k", [96, 64])
+def test_down_res_ends_the_layer_in_the_last_chunks_down_tiles_bitwise_as_residual(down_k):
+    """``Tiling.down_res`` (v178; K chunks 96 + 64 or 64 + 64 + 32, the last masked): the last chunk's down
+    tiles add x1, the other chunks' partials and their own dot in RESIDUAL_R's order and end the layer (no
+    RESIDUAL_R). The logits and the cache are bitwise those of DOWN_R + RESIDUAL_R at the same tiling, in the
+    VM and in the kernel, and meet the criterion. A wrong epilogue (part, norm, layer, a partial left out) or
+    wait breaks the bits."""
     from interp import runtime
     from opcodes import DownR, DownResR, ResidualR
-    til = rows_tiling(CFG, 16, MAX_SEQ, down_k=CFG.ffn, down_rows=32, red_rows=32)
     w = decoder_weights(CFG, seed=1)
     kv0 = make_kv_cache(CFG, MAX_SEQ, PREFIX, seed=2, batch=B)
     meta = rows_state(16, ROWS["slots"], ROWS["pos"], ROWS["toks"])
     out = {}
-    for fused in (True, False):
-        monkeypatch.setattr(DownResR, "applies_to", staticmethod(lambda lay, f=fused: f))
+    for res in (1, 0):
+        til = rows_tiling(CFG, 16, MAX_SEQ, down_k=down_k, down_rows=32, red_rows=32, down_res=res)
         tape = compile_model(CFG, 1, max_seq=MAX_SEQ, tiling=til, lowering=rows_lowering(16, B), sequential=True).tape
         names = {c.NAME for c in tape.classes()}
-        assert (DownResR.NAME in names) == fused and ({DownR.NAME, ResidualR.NAME} <= names) != fused
+        assert (DownResR.NAME in names) == bool(res) and (ResidualR.NAME in names) != bool(res)
+        assert DownR.NAME in names
         st = run_tape(tape, w, clone_cache(kv0), torch.zeros(1), 0, seed=3, return_state=True, state={"rows": meta})
         kv = clone_cache(kv0)
         h = runtime.build_validated(w, kv, CFG, torch.device("cpu"), MAX_SEQ, tape=tape)
@@ -557,8 +559,20 @@ def test_one_down_chunk_ends_the_layer_in_the_down_tiles_bitwise_as_down_and_res
             lg = h.scratch["logits_r"].view(CFG.vocab, 16)[:, :7].T.clone()
         finally:
             runtime.teardown(h)
-        out[fused] = (st.buf["logits_r"].view(CFG.vocab, 16)[:, :7].T.clone(), lg, kv)
-    (vm_f, k_f, kv_f), (vm_u, k_u, kv_u) = out[True], out[False]
+        out[res] = (st.buf["logits_r"].view(CFG.vocab, 16)[:, :7].T.clone(), lg, kv)
+    (vm_f, k_f, kv_f), (vm_u, k_u, kv_u) = out[1], out[0]
     assert bitwise_equal(vm_f, vm_u) and bitwise_equal(k_f, k_u) and caches_equal(kv_f, kv_u)
     _ok(k_f, ROWS["toks"], ROWS["slots"], ROWS["pos"], w, kv0)
     assert rel_err(k_f, vm_f) <= KERNEL_TOL
+
+
+def test_down_res_is_a_rows_programs_and_needs_a_residual_block_of_rows():
+    from opcodes import Layout, Tiling
+    with pytest.raises(ValueError, match="down_res"):
+        compile_model(CFG, 1, max_seq=MAX_SEQ, tiling=Tiling.for_config(CFG, down_res=1), sequential=True)
+    for over in (dict(down_rows=16, red_rows=32), dict(down_rows=32, red_rows=32, down_k=CFG.ffn)):
+        with pytest.raises(ValueError, match="down_rows = red_rows .* and 2 or more down K chunks"):
+            compile_model(CFG, 1, max_seq=MAX_SEQ, lowering=rows_lowering(16, B), sequential=True,
+                          tiling=rows_tiling(CFG, 16, MAX_SEQ, down_res=1, **over))
+    with pytest.raises(ValueError, match="down_res"):
+        Tiling(down_res=2)
