@@ -50,8 +50,8 @@ def down_res_r_device(r0, layer, n0, act_r_ptr, dpart_r_ptr, x1_r_ptr, xout_r_pt
         y += tl.load(dpart_r_ptr + (layer * DPARTS + kc) * (D * ROWS) + off, mask=rm[:, None], other=0.0,
                      cache_modifier=".cg")
     y += acc
-    layer_out(y, rows, rm, off, layer, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr, fnorm_ptr, r0 // DOWN_ROWS,
-              n0, LAYERS, D, SS_P, ROWS, NT, INTERP)
+    layer_out(y, rows, rm, off, layer, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr, fnorm_ptr, r0, n0, LAYERS,
+              D, DOWN_ROWS, SS_P, ROWS, NT, INTERP)
 
 
 @register

@@ -35,17 +35,18 @@ def residual_r_device(r0, layer, n0, x1_r_ptr, dpart_r_ptr, xout_r_ptr, hn_r_ptr
     for kc in tl.static_range(DPARTS):
         y += tl.load(dpart_r_ptr + (layer * DPARTS + kc) * (D * ROWS) + off, mask=rm[:, None], other=0.0,
                      cache_modifier=".cg")
-    layer_out(y, rows, rm, off, layer, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr, fnorm_ptr, r0 // RED_ROWS,
-              n0, LAYERS, D, SS_P, ROWS, NT, INTERP)
+    layer_out(y, rows, rm, off, layer, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr, fnorm_ptr, r0, n0, LAYERS,
+              D, RED_ROWS, SS_P, ROWS, NT, INTERP)
 
 
 @triton.jit
-def layer_out(y, rows, rm, off, layer, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr, fnorm_ptr, part, n0,
-              LAYERS: tl.constexpr, D: tl.constexpr, SS_P: tl.constexpr, ROWS: tl.constexpr, NT: tl.constexpr,
-              INTERP: tl.constexpr):
+def layer_out(y, rows, rm, off, layer, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr, fnorm_ptr, r0, n0,
+              LAYERS: tl.constexpr, D: tl.constexpr, RED_ROWS: tl.constexpr, SS_P: tl.constexpr, ROWS: tl.constexpr,
+              NT: tl.constexpr, INTERP: tl.constexpr):
     """The end of a layer for the fp32 block ``y`` = x1 + the down projection ([T, NT], features ``rows``, at
     ``off`` of a ``[d, ROWS]`` slice): ``xout_r`` = bf16(y), and the next GEMM's normed operand from it (the
-    next layer's input norm, or the final norm after the last layer) with its sums of squares at ``part``.
+    next layer's input norm, or the final norm after the last layer) with its sums of squares at part
+    ``r0 / RED_ROWS`` (the block's first feature ``r0``).
     RESIDUAL_R's, and DOWN_RES_R's (``opcodes.rows_down_res``) where one down tile spans the ffn."""
     yb = to_bf16(y, INTERP)
     tl.store(xout_r_ptr + layer * (D * ROWS) + off, yb, mask=rm[:, None])
@@ -54,7 +55,7 @@ def layer_out(y, rows, rm, off, layer, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr,
     else:
         nw = n1_ptr + tab_offset(wtab_ptr, layer + 1, T_N1)
     store_normed(yb.to(tl.float32), rows, rm, nw, hn_r_ptr + (layer + 1) * (D * ROWS),
-                 ss_r_ptr + layer * (SS_P * ROWS), part, n0, D, SS_P, NT, INTERP)
+                 ss_r_ptr + layer * (SS_P * ROWS), r0 // RED_ROWS, n0, D, SS_P, NT, INTERP)
 
 
 @register
