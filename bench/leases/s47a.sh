@@ -8,9 +8,9 @@
 #         Then v175: the decode buckets' LM head tiles of 128 rows, 1B R16 B16 alternated (s45.md's prediction).
 # PART=3: the decode sweep on an H100 if the card is one (issue 50's B=16 ratio there: 12.0x in runs 283-284).
 # PART=4: where a 1024-row chunk's time goes (no one has profiled the 1024-row bucket since it became the
-#         prefill default): the 1B and the 8B at pos 0 per stage, the 1B at pos 3072 (a 4096 prompt's last chunk);
-#         v178 (down_res: no RESIDUAL_R) and v176 (fewer down K chunks) timed beside the default at pos 0.
-# PART=5: the 8B at pos 3072 (PART=4's before v178), v178 at pos 3072 on both.
+#         prefill default): the 1B and the 8B at pos 0 per stage; v178 (down_res: no RESIDUAL_R), v176 (fewer down
+#         K chunks) and v179 (down tiles of 128 rows) timed beside the default.
+# PART=5: both at pos 3072 (a 4096-token prompt's last chunk), per stage.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/smi-${PART:-1}.log 2>&1
@@ -30,15 +30,15 @@ case "${PART:-1}" in
 3) for P in llama3.2-1b llama3.1-8b; do
      timeout 200 python3 -m bench.rows_bench --preset $P --skip ttft,accuracy,invariance --out $OUT > $OUT/dec-$P.log 2>&1
    done ;;
-4) # pos 0 also times v178 (s47.md) and v176 (s46.md: the down projection in fewer K chunks; 8192 / 14336: one chunk)
-   timeout 200 python3 -m bench.probes.rows_profile --R 1024 --prefill --pos 0 \
-       --tiling ";down_res=1;down_k=4096;down_k=4096,down_res=1;down_k=8192" > $OUT/p1024-llama3.2-1b-0.log 2>&1
-   timeout 240 python3 -m bench.probes.rows_profile --preset llama3.1-8b --R 1024 --prefill --pos 0 \
-       --tiling ";down_res=1;down_k=7168;down_k=14336" > $OUT/p1024-llama3.1-8b-0.log 2>&1
-   timeout 120 python3 -m bench.probes.rows_profile --R 1024 --prefill --pos 3072 > $OUT/p1024-llama3.2-1b-3072.log 2>&1 ;;
-5) timeout 150 python3 -m bench.probes.rows_profile --R 1024 --prefill --pos 3072 --tiling "down_res=1;" \
-       > $OUT/p1024-llama3.2-1b-3072-v178.log 2>&1
-   timeout 240 python3 -m bench.probes.rows_profile --preset llama3.1-8b --R 1024 --prefill --pos 3072 --tiling ";down_res=1" \
+4) # pos 0 also times v178 (s47.md), v176 (s46.md: the down projection in fewer K chunks) and v179 (s47.md: down
+   # tiles of 128 rows, the residual blocks with them)
+   timeout 270 python3 -m bench.probes.rows_profile --R 1024 --prefill --pos 0 \
+       --tiling ";down_res=1;down_k=4096;down_rows=128,red_rows=128;down_rows=128,red_rows=128,down_res=1" \
+       > $OUT/p1024-llama3.2-1b-0.log 2>&1
+   timeout 270 python3 -m bench.probes.rows_profile --preset llama3.1-8b --R 1024 --prefill --pos 0 \
+       --tiling ";down_res=1;down_k=7168;down_rows=128,red_rows=128,down_res=1" > $OUT/p1024-llama3.1-8b-0.log 2>&1 ;;
+5) timeout 150 python3 -m bench.probes.rows_profile --R 1024 --prefill --pos 3072 > $OUT/p1024-llama3.2-1b-3072.log 2>&1
+   timeout 240 python3 -m bench.probes.rows_profile --preset llama3.1-8b --R 1024 --prefill --pos 3072 \
        > $OUT/p1024-llama3.1-8b-3072.log 2>&1 ;;
 esac
 for f in $OUT/*.log; do echo "== $f"; grep -v "^  +\|^{\|Warn\|_warn" $f | cut -c1-220 | tail -n 12
