@@ -183,10 +183,14 @@ def summary_lines(comps: dict, selected: str) -> list[str]:
         counts[ins.NAME] += 1
         hbm[ins.NAME] += ins.cost(lay).hbm_bytes
     total_hbm = sum(hbm.values()) or 1
-    for name, cls in REGISTRY.items():
-        lines.append(f"  {name:<14}{cls.OPCODE:>3}  {counts[name]:>8}  {_fmt_bytes(hbm[name]):>12}  "
-                     f"{100 * hbm[name] / total_hbm:5.1f}%")
+    for name, cls in REGISTRY.items():     # the program's opcodes; the others once, by name
+        if counts[name]:
+            lines.append(f"  {name:<14}{cls.OPCODE:>3}  {counts[name]:>8}  {_fmt_bytes(hbm[name]):>12}  "
+                         f"{100 * hbm[name] / total_hbm:5.1f}%")
     lines.append(f"  {'total':<14}{'':>3}  {len(prog):>8}  {_fmt_bytes(total_hbm):>12}")
+    unused = [name for name in REGISTRY if not counts[name]]
+    if unused:
+        lines.append(f"  (not in this program: {', '.join(unused)})")
     # counters
     kinds: dict[str, int] = {}
     for name in prog.counters:
