@@ -24,7 +24,7 @@ from .common import T_WD, tab_offset
 from .common_rows import rows_stream
 from .rows import RowsInstruction, bf16_dot, bregion, bview, check_n0
 from .rows_down import DownR, n_parts
-from .rows_residual import ResidualR, layer_out, layer_out_torch
+from .rows_residual import ResidualR, layer_out, layer_out_reads, layer_out_torch, layer_out_writes
 
 
 @triton.jit
@@ -94,19 +94,14 @@ class DownResR(RowsInstruction):
         return (lay.n_down_k - 1) * lay.tiling.down_k, lay.cfg.ffn
 
     def reads(self, lay: Layout) -> list[Region]:
-        c, n0 = lay.cfg, self.n0
         lo, hi = self._rows(lay)
         k0, k1 = self._ks(lay)
-        return [bregion("act_r", lay, c.ffn, self.layer, k0, k1, n0), bregion("x1_r", lay, c.d, self.layer, lo, hi, n0)] + \
-            [bregion("dpart_r", lay, c.d, self.layer * n_parts(lay) + kc, lo, hi, n0) for kc in range(n_parts(lay))]
+        return [bregion("act_r", lay, lay.cfg.ffn, self.layer, k0, k1, self.n0)] + \
+            layer_out_reads(lay, self.layer, lo, hi, self.n0)
 
     def writes(self, lay: Layout) -> list[Region]:
-        c, n0 = lay.cfg, self.n0
         lo, hi = self._rows(lay)
-        part = self.r0 // lay.tiling.down_rows
-        return [bregion("xout_r", lay, c.d, self.layer, lo, hi, n0),
-                bregion("hn_r", lay, c.d, self.layer + 1, lo, hi, n0),
-                bregion("ss_r", lay, lay.ss_parts[1], self.layer, part, part + 1, n0)]
+        return layer_out_writes(lay, self.layer, lo, hi, self.n0, self.r0 // lay.tiling.down_rows)
 
     def cost(self, lay: Layout) -> Cost:
         R = lay.n_tile

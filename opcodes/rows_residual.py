@@ -89,20 +89,12 @@ class ResidualR(RowsInstruction):
         return self.r0, min(self.r0 + lay.tiling.red_rows, lay.cfg.d)
 
     def reads(self, lay: Layout) -> list[Region]:
-        c, n0 = lay.cfg, self.n0
         lo, hi = self._rows(lay)
-        out = [bregion("x1_r", lay, c.d, self.layer, lo, hi, n0)]
-        for kc in range(n_parts(lay)):
-            out.append(bregion("dpart_r", lay, c.d, self.layer * n_parts(lay) + kc, lo, hi, n0))
-        return out
+        return layer_out_reads(lay, self.layer, lo, hi, self.n0)
 
     def writes(self, lay: Layout) -> list[Region]:
-        c, n0 = lay.cfg, self.n0
         lo, hi = self._rows(lay)
-        part = self.r0 // lay.tiling.red_rows
-        return [bregion("xout_r", lay, c.d, self.layer, lo, hi, n0),
-                bregion("hn_r", lay, c.d, self.layer + 1, lo, hi, n0),
-                bregion("ss_r", lay, lay.ss_parts[1], self.layer, part, part + 1, n0)]
+        return layer_out_writes(lay, self.layer, lo, hi, self.n0, self.r0 // lay.tiling.red_rows)
 
     def cost(self, lay: Layout) -> Cost:
         R = lay.n_tile
@@ -117,6 +109,20 @@ class ResidualR(RowsInstruction):
         for kc in range(n_parts(lay)):
             y += dp[self.layer, kc, b, lo:hi]
         layer_out_torch(lay, st, self.layer, b, lo, hi, y, self.r0 // lay.tiling.red_rows)
+
+
+def layer_out_reads(lay: Layout, layer: int, lo: int, hi: int, n0: int) -> list[Region]:
+    """The sum's terms but the last chunk's dot: x1 and the ``n_parts`` partials, features ``[lo, hi)``."""
+    c = lay.cfg
+    return [bregion("x1_r", lay, c.d, layer, lo, hi, n0)] + \
+        [bregion("dpart_r", lay, c.d, layer * n_parts(lay) + kc, lo, hi, n0) for kc in range(n_parts(lay))]
+
+
+def layer_out_writes(lay: Layout, layer: int, lo: int, hi: int, n0: int, part: int) -> list[Region]:
+    """What :func:`layer_out` writes for features ``[lo, hi)`` of column block ``n0``."""
+    c = lay.cfg
+    return [bregion("xout_r", lay, c.d, layer, lo, hi, n0), bregion("hn_r", lay, c.d, layer + 1, lo, hi, n0),
+            bregion("ss_r", lay, lay.ss_parts[1], layer, part, part + 1, n0)]
 
 
 def layer_out_torch(lay: Layout, st, layer: int, b: int, lo: int, hi: int, y: torch.Tensor, part: int) -> None:

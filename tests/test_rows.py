@@ -492,6 +492,20 @@ def test_generate_on_a_slot_of_a_batch_cache_equals_batch_one():
 
 
 
+def _kernel_logits(tape, w, kv, meta) -> torch.Tensor:
+    """One launch of a 16-row ``tape`` in the interpreter kernel over ``kv`` (written in place) with the rows
+    state ``meta``: the first 7 rows' logits (``ROWS``')."""
+    from interp import runtime
+    h = runtime.build_validated(w, kv, CFG, torch.device("cpu"), MAX_SEQ, tape=tape)
+    try:
+        h.state["rows"].copy_(meta)
+        x = torch.zeros(1, CFG.d, dtype=torch.bfloat16)
+        runtime.launch(h, x, 0, x)
+        return h.scratch["logits_r"].view(CFG.vocab, 16)[:, :7].T.clone()
+    finally:
+        runtime.teardown(h)
+
+
 def test_normed_operands_summed_over_many_parts_in_the_vm_and_the_kernel():
     """v148: the sums of squares behind each RMSNorm come in parts, one a producer tile (EMBED_R: 4 here,
     RESIDUAL_R: 2, OPROJ_R: 4), summed by the consumers in order; layer 0's QKV takes EMBED_R's count, the
@@ -499,7 +513,6 @@ def test_normed_operands_summed_over_many_parts_in_the_vm_and_the_kernel():
     the criterion allows."""
     import dataclasses
 
-    from interp import runtime
     from opcodes.rows import RowsLayout
     from schedule.rows_program import lower_rows
     til = dataclasses.replace(rows_tiling(CFG, 16, MAX_SEQ), red_rows=32)
@@ -518,14 +531,7 @@ def test_normed_operands_summed_over_many_parts_in_the_vm_and_the_kernel():
     st = run_tape(tape, w, clone_cache(kv0), torch.zeros(1), 0, seed=3, return_state=True, state={"rows": meta})
     lg_vm = st.buf["logits_r"].view(CFG.vocab, 16)[:, :7].T
     _ok(lg_vm, ROWS["toks"], ROWS["slots"], ROWS["pos"], w, kv0)
-    h = runtime.build_validated(w, kv, CFG, torch.device("cpu"), MAX_SEQ, tape=tape)
-    try:
-        h.state["rows"].copy_(meta)
-        x = torch.zeros(1, CFG.d, dtype=torch.bfloat16)
-        runtime.launch(h, x, 0, x)
-        lg = h.scratch["logits_r"].view(CFG.vocab, 16)[:, :7].T.clone()
-    finally:
-        runtime.teardown(h)
+    lg = _kernel_logits(tape, w, kv, meta)
     _ok(lg, ROWS["toks"], ROWS["slots"], ROWS["pos"], w, kv0)
     assert rel_err(lg, lg_vm) <= KERNEL_TOL
 
@@ -537,7 +543,6 @@ def test_down_res_ends_the_layer_in_the_last_chunks_down_tiles_bitwise_as_residu
     RESIDUAL_R). The logits and the cache are bitwise those of DOWN_R + RESIDUAL_R at the same tiling, in the
     VM and in the kernel, and meet the criterion. A wrong epilogue (part, norm, layer, a partial left out) or
     wait breaks the bits."""
-    from interp import runtime
     from opcodes import DownR, DownResR, ResidualR
     w = decoder_weights(CFG, seed=1)
     kv0 = make_kv_cache(CFG, MAX_SEQ, PREFIX, seed=2, batch=B)
@@ -551,14 +556,7 @@ def test_down_res_ends_the_layer_in_the_last_chunks_down_tiles_bitwise_as_residu
         assert DownR.NAME in names
         st = run_tape(tape, w, clone_cache(kv0), torch.zeros(1), 0, seed=3, return_state=True, state={"rows": meta})
         kv = clone_cache(kv0)
-        h = runtime.build_validated(w, kv, CFG, torch.device("cpu"), MAX_SEQ, tape=tape)
-        try:
-            h.state["rows"].copy_(meta)
-            x = torch.zeros(1, CFG.d, dtype=torch.bfloat16)
-            runtime.launch(h, x, 0, x)
-            lg = h.scratch["logits_r"].view(CFG.vocab, 16)[:, :7].T.clone()
-        finally:
-            runtime.teardown(h)
+        lg = _kernel_logits(tape, w, kv, meta)
         out[res] = (st.buf["logits_r"].view(CFG.vocab, 16)[:, :7].T.clone(), lg, kv)
     (vm_f, k_f, kv_f), (vm_u, k_u, kv_u) = out[1], out[0]
     assert bitwise_equal(vm_f, vm_u) and bitwise_equal(k_f, k_u) and caches_equal(kv_f, kv_u)
