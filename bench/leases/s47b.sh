@@ -5,9 +5,9 @@
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/smi.log 2>&1
-timeout 170 python3 -m bench.rows_bench --preset llama3.2-1b --prompts 1024,4096 --skip decode,invariance --out $OUT \
+timeout 150 python3 -m bench.rows_bench --preset llama3.2-1b --prompts 1024,4096 --skip decode,invariance --out $OUT \
     > $OUT/ttft-llama3.2-1b.log 2>&1
-timeout 150 python3 -m bench.rows_bench --preset llama3.1-8b --prompts 1024 --no-hf --skip decode,invariance,accuracy \
+timeout 130 python3 -m bench.rows_bench --preset llama3.1-8b --prompts 1024 --no-hf --skip decode,invariance,accuracy \
     --out $OUT > $OUT/ttft-llama3.1-8b.log 2>&1
 timeout 70 python3 -m bench.probes.rows_profile --R 1024 --prefill --pos 0 --tiling ";down_res=1" \
     > $OUT/p1024-llama3.2-1b-0-v178.log 2>&1
