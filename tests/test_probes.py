@@ -663,3 +663,27 @@ def test_rows_profile_lm_rows_are_checked_before_any_gpu_work(capsys):
         with pytest.raises(SystemExit) as ei:
             rp.main(bad)
         assert ei.value.code == 2 and "--lm-rows: one number >= 16" in capsys.readouterr().err
+
+
+def test_rows_profile_accuracy_line_applies_the_multi_layer_criterion():
+    import argparse
+
+    from bench.probes.rows_profile import accuracy_line, step_rows
+    from opcodes import ModelConfig
+    g = torch.Generator().manual_seed(1)
+    ref32 = torch.randn(3, 50, generator=g)
+    ref32[:, 7] += 10.0                                    # a decisive top-2 margin, token 7
+    ref = ref32 + 1e-2 * torch.randn(3, 50, generator=g)  # the bf16 reference's error
+    good = accuracy_line("v", [0, 5, 9], ref32 + 5e-3 * torch.randn(3, 50, generator=g), ref, ref32)
+    assert good.startswith("v: accuracy against the fp32 reference") and good.endswith("meets the criterion")
+    assert "row 0 0." in good and "row 9 " in good
+    bad = ref32.clone()
+    bad[1] += 0.1 * torch.randn(50, generator=g)          # row 5: 10x the bf16 reference's error
+    bad[2, 7] -= 20.0                                     # row 9: the greedy token lost where the margin is decisive
+    line = accuracy_line("v", [0, 5, 9], bad, ref, ref32)
+    assert line.endswith("FAILS the criterion in 2 row(s)") and "row 9 " in line and "(greedy differs)" in line
+    cfg = ModelConfig(layers=1, d=64, ffn=128, n_q=4, n_kv=2, hd=16, vocab=100)
+    pre = argparse.Namespace(R=4, B=1, pos=10, prefill=True, tokens="distinct")
+    assert step_rows(pre, cfg) == ([0] * 4, [10, 11, 12, 13], [5, 22, 39, 56])
+    dec = argparse.Namespace(R=16, B=3, pos=10, prefill=False, tokens="same")
+    assert step_rows(dec, cfg) == ([0, 1, 2], [10, 10, 10], [7, 7, 7])

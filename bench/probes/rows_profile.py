@@ -10,6 +10,11 @@ execution and wait time across SMs, the step's span, and the stage spans per lay
 Each variant's output (the last layer's normed rows, ``hn_r``) is compared with the first variant's: a variant
 that only reorders the schedule must give the same bits, one that changes a tile's sums the same to ~1e-2
 (session 45: v173's per-block counters gave other logits on the GPU, seen only by eye in a timeline's argmax).
+That comparison is no accuracy measure for a variant that sums in another order: over 16 / 32 layers of random
+weights any such variant moved the last layer's normed rows by ~1e-1 of their largest value (run 312).
+``--accuracy``: each variant's logits of a few rows (a prefill chunk's first, middle and last; the first 4 decode
+rows) from one more launch, against the all-fp32 reference: the multi-layer criterion (error <= 1.1x the bf16
+reference's, the greedy token agreeing where the fp32 top-2 margin is decisive), the references computed once.
 """
 from __future__ import annotations
 
@@ -32,6 +37,8 @@ def main(argv=None) -> int:
                         "one: the layout's; a single value: every variant)")
     p.add_argument("--prefill", action="store_true",
                    help="one slot's R consecutive positions from --pos, no LM head (a prefill chunk), not B slots")
+    p.add_argument("--accuracy", action="store_true",
+                   help="each variant's logits of a few rows against the fp32 reference (the multi-layer criterion)")
     p.add_argument("--tokens", choices=("distinct", "same"), default="distinct",
                    help="the rows' tokens: distinct ((17 r + 5) mod vocab, as the rows bench's decode) or all 7 "
                         "(every probe before session 44: identical columns, less toggling in the MMAs)")
@@ -54,16 +61,20 @@ def main(argv=None) -> int:
     w = make_decoder_weights(cfg, 0, "cuda")
     kv = make_kv_cache(cfg, ms, a.pos, seed=1, device="cuda", batch=a.B)
     dev = torch.device("cuda", torch.cuda.current_device())
+    refs = step_references(a, cfg, w, kv) if a.accuracy else None
     first = None
     for vi, (var, lm) in enumerate(zip(variants, lms)):
         til = rows_tiling(cfg, a.R, ms, **({k: int(v) for k, v in (kv_.split("=") for kv_ in var.split(","))}
                                             if var else {}))
         name = ",".join(x for x in (var, f"lm_rows={lm}" if lm else "") if x) or "default"
         try:
-            out = run_variant(a, cfg, w, kv, ms, til, int(lm or 0), dev, name, profile=vi == 0)
+            out, lg = run_variant(a, cfg, w, kv, ms, til, int(lm or 0), dev, name, profile=vi == 0,
+                                  check_rows=refs[0] if refs else None)
         except Exception as e:   # a variant that does not build is reported, the others still run
             print(f"variant {name}: {type(e).__name__}: {e}", flush=True)
             continue
+        if refs:
+            print(accuracy_line(name, refs[0], lg, refs[1], refs[2]), flush=True)
         if first is None:
             first = (name, out)
         else:
@@ -84,19 +95,53 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> str:
     return f"max difference {rel:.3e} of the largest value" + (f"; {bad} values finite in one only" if bad else "")
 
 
-def run_variant(a, cfg, w, kv, ms, til, lm_rows, dev, name, profile):
+def step_rows(a, cfg) -> tuple[list[int], list[int], list[int]]:
+    """The step's rows: (slots, positions, tokens)."""
+    n = a.R if a.prefill else a.B
+    toks = [7] * n if a.tokens == "same" else [(17 * r + 5) % cfg.vocab for r in range(n)]
+    if a.prefill:
+        return [0] * n, list(range(a.pos, a.pos + n)), toks
+    return list(range(n)), [a.pos] * n, toks
+
+
+def step_references(a, cfg, w, kv) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """The rows ``--accuracy`` checks and their bf16 and fp32 reference logits (``opcodes.decoder``), from copies
+    of the cache as the step finds it (the step writes its own rows' K/V first, as the references do)."""
+    from opcodes.decoder import decoder_ref_rows, decoder_ref_rows_fp32
+    slots, pos, toks = step_rows(a, cfg)
+    n = len(toks)
+    sel = sorted({0, n // 2, n - 1}) if a.prefill else list(range(min(4, n)))
+    ref = decoder_ref_rows(w, [tuple(t.clone() for t in p) for p in kv], cfg, toks, slots, pos)[sel]
+    ref32 = decoder_ref_rows_fp32(w, [tuple(t.float() for t in p) for p in kv], cfg, toks, slots, pos)[sel]
+    return sel, ref, ref32
+
+
+def accuracy_line(name: str, sel: list[int], lg: torch.Tensor, ref: torch.Tensor, ref32: torch.Tensor) -> str:
+    """A variant's logits of rows ``sel`` (len(sel), vocab) against the references: the multi-layer criterion
+    per row (``opcodes.decoder.step_accuracy``), one line."""
+    from opcodes.decoder import step_accuracy
+    accs = [step_accuracy(lg[i:i + 1], ref[i:i + 1], ref32[i:i + 1]) for i in range(len(sel))]
+    ok = [x["err"] <= 1.1 * x["ref_err"] and (x["agree"] or not x["decisive"]) for x in accs]
+    rows = ", ".join(f"row {r} {x['err'] / x['ref_err']:.2f}x" + ("" if x["agree"] else " (greedy differs"
+                                                                  + (")" if x["decisive"] else ", not decisive)"))
+                     for r, x in zip(sel, accs))
+    return (f"{name}: accuracy against the fp32 reference (err / the bf16 reference's): {rows}: "
+            + ("meets the criterion" if all(ok) else f"FAILS the criterion in {ok.count(False)} row(s)"))
+
+
+def run_variant(a, cfg, w, kv, ms, til, lm_rows, dev, name, profile, check_rows=None):
+    """Time (and with ``profile`` profile) one variant; returns its output (``hn_r``'s last layer, and a decode
+    step's logits) and, with ``check_rows``, those rows' logits from one more launch that computes every row's."""
     from interp import runtime
+    from interp.rows import read_logits
     from opcodes.rows import rows_state
     from schedule.rows_program import rows_lowering
+    slots, pos, toks = step_rows(a, cfg)
+    lg = None
     for prof in ((False, True) if profile else (False,)):
         h = runtime.build_validated(w, kv, cfg, dev, ms, tiling=til, lowering=rows_lowering(a.R, a.B, lm_rows),
                                     profile=prof)
-        n = a.R if a.prefill else a.B
-        toks = [7] * n if a.tokens == "same" else [(17 * r + 5) % cfg.vocab for r in range(n)]
-        if a.prefill:
-            st = rows_state(a.R, [0] * a.R, range(a.pos, a.pos + a.R), toks, logits=False)
-        else:
-            st = rows_state(a.R, list(range(a.B)), [a.pos] * a.B, toks)
+        st = rows_state(a.R, slots, pos, toks, logits=not a.prefill)
         h.state["rows"].copy_(st)
         x = torch.zeros(1, cfg.d, dtype=torch.bfloat16, device="cuda")
         for _ in range(3):
@@ -114,6 +159,11 @@ def run_variant(a, cfg, w, kv, ms, til, lm_rows, dev, name, profile):
             out = h.scratch["hn_r"][-1].float().flatten()     # the last layer's normed rows: [d, R], blocked
             if not a.prefill:                                 # and the step's logits
                 out = torch.cat([out, h.scratch["logits_r"].float().flatten()])
+            if check_rows is not None:                        # every row's logits, once, untimed
+                h.state["rows"].copy_(rows_state(a.R, slots, pos, toks, logits=True))
+                runtime.launch(h, x, 0, x)
+                lay = h.tape.lay
+                lg = read_logits(h.scratch["logits_r"].view(lay.n_blocks, cfg.vocab, lay.n_tile), check_rows).float()
         if prof:
             recs = runtime.profile_records(h).tolist()
             from schedule.tape import decode
@@ -138,7 +188,7 @@ def run_variant(a, cfg, w, kv, ms, til, lm_rows, dev, name, profile):
             for (l, n), (s0, s1) in sorted(stage.items(), key=lambda kv_: kv_[1][0]):
                 print(f"  layer {l} {n:12s} {s0 / 1e3:8.1f} .. {s1 / 1e3:8.1f} us")
         runtime.teardown(h)
-    return out
+    return out, lg
 
 
 if __name__ == "__main__":
