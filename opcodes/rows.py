@@ -187,8 +187,9 @@ class RowsLayout(DecoderLayout):
             if getattr(t, k) < 16:
                 raise ValueError(f"a rows program needs Tiling.{k} >= 16 (tl.dot's M), got {getattr(t, k)}")
         if t.down_res and (t.down_rows != t.red_rows or self.n_down_k < 2):
-            raise ValueError(f"Tiling.down_res = 1 needs down_rows = red_rows (a down tile's rows one residual block) "
-                             f"and 2 or more down K chunks (down_k < ffn: the other chunks' DOWN_R write the partials), "
+            raise ValueError(f"Tiling.down_res = 1 needs down_rows = red_rows (a down tile's rows one residual "
+                             f"block) and 2 or more down K chunks (down_k < ffn: the other chunks' DOWN_R write the "
+                             f"partials), "
                              f"got down_rows {t.down_rows}, red_rows {t.red_rows}, down_k {t.down_k}, ffn {c.ffn}")
         if t.gu_rows < 16 or self.lm_rows < 16:
             raise ValueError(f"a rows program needs gu_rows and lm_rows >= 16, got {t.gu_rows}, {self.lm_rows}")

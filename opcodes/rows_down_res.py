@@ -4,10 +4,10 @@
     y[r, n] = x1_r[layer, r, n] + dpart_r[layer, 0, r, n] + ... + dpart_r[layer, C - 2, r, n]
               + Wd[r, (C-1)*DOWN_K : ffn] . act_r[layer, (C-1)*DOWN_K : ffn, n]     rows r in [r0, r0 + DOWN_ROWS)
 
-(C = ``DOWN_CHUNKS``: the DOWN_R tiles of the other chunks write the ``DPARTS`` = C - 1 partials), then RESIDUAL_R's epilogue
-(``rows_residual.layer_out``): ``xout_r`` = bf16(y) and the next GEMM's normed operand. The tile's rows are
-one residual block (``down_rows == red_rows``: the same sum-of-squares parts), and it adds the same fp32
-terms in RESIDUAL_R's order (its own dot is the last chunk's partial, unrounded): the bits of DOWN_R +
+(C = ``DOWN_CHUNKS``: the DOWN_R tiles of the other chunks write the ``DPARTS`` = C - 1 partials), then
+RESIDUAL_R's epilogue (``rows_residual.layer_out``): ``xout_r`` = bf16(y) and the next GEMM's normed operand. The
+tile's rows are one residual block (``down_rows == red_rows``: the same sum-of-squares parts), and it adds the
+same fp32 terms in RESIDUAL_R's order (its own dot is the last chunk's partial, unrounded): the bits of DOWN_R +
 RESIDUAL_R at that tiling, without the last chunk's partial written and read back, the RESIDUAL_R phase and
 its dependency hop. It needs another chunk (``down_k < ffn``): DOWN_R writes the partials buffer (with one
 chunk nothing would, and every scratch element is written once a call: ``schedule.verify``).
@@ -31,9 +31,8 @@ from .rows_residual import ResidualR, layer_out, layer_out_reads, layer_out_torc
 def down_res_r_device(r0, layer, n0, act_r_ptr, dpart_r_ptr, x1_r_ptr, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr,
                       wd_ptr, n1_ptr, fnorm_ptr, LAYERS: tl.constexpr, D: tl.constexpr, FFN: tl.constexpr,
                       DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr, DOWN_CHUNKS: tl.constexpr, DPARTS: tl.constexpr,
-                      BK: tl.constexpr,
-                      STAGES: tl.constexpr, SS_P: tl.constexpr, ROWS: tl.constexpr, NT: tl.constexpr,
-                      INTERP: tl.constexpr):
+                      BK: tl.constexpr, STAGES: tl.constexpr, SS_P: tl.constexpr, ROWS: tl.constexpr,
+                      NT: tl.constexpr, INTERP: tl.constexpr):
     if NT == ROWS:
         n0 = 0
     w = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
@@ -64,9 +63,8 @@ class DownResR(RowsInstruction):
     NAME = "down_res_r"
     STAGE = 4
     ARGS = ("act_r_ptr", "dpart_r_ptr", "x1_r_ptr", "xout_r_ptr", "hn_r_ptr", "ss_r_ptr", "wtab_ptr", "wd_ptr",
-            "n1_ptr", "fnorm_ptr", "LAYERS", "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS", "DPARTS", "BK", "STAGES",
-            "SS_P",
-            "ROWS", "NT", "INTERP")
+            "n1_ptr", "fnorm_ptr", "LAYERS", "D", "FFN", "DOWN_ROWS", "DOWN_K", "DOWN_CHUNKS", "DPARTS", "BK",
+            "STAGES", "SS_P", "ROWS", "NT", "INTERP")
     CONSTEXPRS = DownR.CONSTEXPRS
     SCRATCH = {**ResidualR.SCRATCH, **DownR.SCRATCH}
     device = down_res_r_device

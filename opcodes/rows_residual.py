@@ -99,7 +99,8 @@ class ResidualR(RowsInstruction):
     def cost(self, lay: Layout) -> Cost:
         R = lay.n_tile
         lo, hi = self._rows(lay)
-        return Cost(hbm_bytes=0, l2_bytes=(hi - lo) * R * (4 + 4 * n_parts(lay) + 4), flops=(hi - lo) * R * n_parts(lay))
+        return Cost(hbm_bytes=0, l2_bytes=(hi - lo) * R * (4 + 4 * n_parts(lay) + 4),
+                    flops=(hi - lo) * R * n_parts(lay))
 
     def run_torch(self, lay: Layout, st) -> None:
         c, b = lay.cfg, self.n0 // lay.n_tile
@@ -130,5 +131,6 @@ def layer_out_torch(lay: Layout, st, layer: int, b: int, lo: int, hi: int, y: to
     c = lay.cfg
     bview(st.buf["xout_r"], lay, c.d, c.layers)[layer, b, lo:hi] = y.to(torch.bfloat16)
     nw = st.model["final_norm"] if layer == c.layers - 1 else st.weights[layer + 1]["in_norm"]
-    store_normed_r(y.to(torch.bfloat16).float(), lo, hi, nw, bview(st.buf["hn_r"], lay, c.d, c.layers + 1)[layer + 1, b],
+    store_normed_r(y.to(torch.bfloat16).float(), lo, hi, nw,
+                   bview(st.buf["hn_r"], lay, c.d, c.layers + 1)[layer + 1, b],
                    bview(st.buf["ss_r"], lay, lay.ss_parts[1], c.layers)[layer, b], part)

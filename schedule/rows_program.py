@@ -16,7 +16,8 @@ The tape depends on the bucket ``ROWS`` only; the step's actual rows are device 
 """
 from __future__ import annotations
 
-from opcodes import (AttnR, DownR, DownResR, EmbedR, GateUpR, Layout, LMHeadR, OProjR, QKVR, ResidualR, RowsLayout, cdiv)
+from opcodes import (AttnR, DownR, DownResR, EmbedR, GateUpR, Layout, LMHeadR, OProjR, QKVR, ResidualR, RowsLayout,
+                     cdiv)
 from opcodes.base import NO_COUNTER
 
 from .program import Program, check_layout
