@@ -5,7 +5,8 @@ execution and wait time across SMs, the step's span, and the stage spans per lay
     python -m bench.probes.rows_profile --R 128 --prefill     # a prefill chunk: slot 0's positions pos .. pos + R - 1
 
 
-``--tiling``: variants separated by ``;`` (an empty one: the default tiling), each timed; the first profiled.
+``--tiling``: variants separated by ``;`` (an empty one: the default tiling), each timed (the median of 10
+back-to-back launches after 3, each between two events; before session 47 their mean); the first profiled.
 ``--lm-rows``: the LM head tiles' vocabulary rows, one a variant likewise (session 45: 128 in the decode buckets).
 Each variant's output (the last layer's normed rows, ``hn_r``) is compared with the first variant's: a variant
 that only reorders the schedule must give the same bits, one that changes a tile's sums the same to ~1e-2
@@ -147,14 +148,15 @@ def run_variant(a, cfg, w, kv, ms, til, lm_rows, dev, name, profile, check_rows=
         for _ in range(3):
             runtime.launch(h, x, 0, x)
         torch.cuda.synchronize()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(11)]   # 10 back-to-back launches, each timed
         ev[0].record()
-        for _ in range(10):
+        for e in ev[1:]:
             runtime.launch(h, x, 0, x)
-        ev[1].record()
+            e.record()
         torch.cuda.synchronize()
-        print(f"{name}: {'profiled' if prof else 'plain'}: {ev[0].elapsed_time(ev[1]) / 10 * 1e3:.1f} us a step "
-              f"({len(h.tape)} instructions)", flush=True)
+        us = sorted(ev[i].elapsed_time(ev[i + 1]) * 1e3 for i in range(10))
+        print(f"{name}: {'profiled' if prof else 'plain'}: {(us[4] + us[5]) / 2:.1f} us a step (median of 10; "
+              f"{us[0]:.1f} .. {us[-1]:.1f}) ({len(h.tape)} instructions)", flush=True)
         if not prof:
             out = h.scratch["hn_r"][-1].float().flatten()     # the last layer's normed rows: [d, R], blocked
             if not a.prefill:                                 # and the step's logits
