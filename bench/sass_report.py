@@ -10,7 +10,8 @@ each instruction is attributed to the innermost source line nvdisasm names. A lo
 branch and the instructions between its target and it (the body as laid out, with the code a first
 iteration runs under a branch). Per loop it counts what costs a warp a stage beyond its arithmetic:
 ``BAR`` (CTA barriers), ``SHFL`` (warp shuffles), ``STS`` / ``LDS`` (shared memory), ``LDGSTS``
-(async copies). bench/NOTES.md sessions 28-29 read kernels this way (v121's row loop, v124-v127).
+(async copies), ``STL`` / ``LDL`` (local memory: spills). bench/NOTES.md sessions 28-29 read kernels this way
+(v121's row loop, v124-v127).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from bench.ptx_diff import triton_tool
 
 #: the instruction kinds a loop's report counts (the mnemonic before its first '.')
-KINDS = ("BAR", "SHFL", "STS", "LDS", "LDGSTS", "LDG", "FFMA")
+KINDS = ("BAR", "SHFL", "STS", "LDS", "LDGSTS", "LDG", "FFMA", "STL", "LDL")
 
 
 @dataclass(frozen=True)
