@@ -70,7 +70,8 @@ def test_a_loops_spills_are_counted():
     push spills into another opcode's loop (bench/notes/s47.md: v179 + v178's 1024-row kernel)."""
     sass = SASS.replace("        /*0050*/                   FFMA R9, R8, R8, R9 ;",
                         "        /*0050*/                   LDL R9, [R1+0x10] ;")
-    sass = sass.replace("        /*0060*/              @!P0 STS [R1], R9 ;", "        /*0060*/                   STL [R1+0x10], R9 ;")
+    sass = sass.replace("        /*0060*/              @!P0 STS [R1], R9 ;",
+                        "        /*0060*/                   STL [R1+0x10], R9 ;")
     ins, labels = parse(sass)
     (_, _, body), = loops(ins, labels, min_len=2)
     assert kinds(body) == {"LDS": 1, "LDGSTS": 1, "LDL": 1, "STL": 1}
