@@ -26,18 +26,29 @@ def n_parts(lay: Layout) -> int:
 
 
 @triton.jit
-def down_r_device(r0, layer, kc, n0, act_r_ptr, dpart_r_ptr, wtab_ptr, wd_ptr,
-                  D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
-                  DPARTS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, ROWS: tl.constexpr,
-                  NT: tl.constexpr, INTERP: tl.constexpr):
-    if NT == ROWS:
-        n0 = 0
+def down_chunk(r0, layer, kc, n0, act_r_ptr, wtab_ptr, wd_ptr, D: tl.constexpr, FFN: tl.constexpr,
+               DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+               ROWS: tl.constexpr, NT: tl.constexpr, INTERP: tl.constexpr):
+    """The fp32 [DOWN_ROWS, NT] dot of K chunk ``kc`` for rows ``r0 ..`` of Wd (column block ``n0``, already 0
+    where one block holds every row), and the rows with their mask: DOWN_R's, and DOWN_RES_R's last chunk."""
     w = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
     rows = r0 + tl.arange(0, DOWN_ROWS)
     rm = rows < D
     acc, acc2 = rows_stream(w, rows, w, rows, rm, act_r_ptr + layer * (FFN * ROWS) + n0 * FFN, kc * DOWN_K, NT,
                             NT, FFN, DOWN_K, DOWN_ROWS, NT, BK, STAGES, TWO=False,
                             EVEN=(FFN % DOWN_K == 0) & (DOWN_K % BK == 0) & (D % DOWN_ROWS == 0), INTERP=INTERP)
+    return acc, rows, rm
+
+
+@triton.jit
+def down_r_device(r0, layer, kc, n0, act_r_ptr, dpart_r_ptr, wtab_ptr, wd_ptr,
+                  D: tl.constexpr, FFN: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr,
+                  DPARTS: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, ROWS: tl.constexpr,
+                  NT: tl.constexpr, INTERP: tl.constexpr):
+    if NT == ROWS:
+        n0 = 0
+    acc, rows, rm = down_chunk(r0, layer, kc, n0, act_r_ptr, wtab_ptr, wd_ptr, D, FFN, DOWN_ROWS, DOWN_K, BK, STAGES,
+                               ROWS, NT, INTERP)
     n = tl.arange(0, NT)
     tl.store(dpart_r_ptr + (layer * DPARTS + kc) * (D * ROWS) + n0 * D + rows[:, None] * NT + n[None, :], acc,
              mask=rm[:, None])

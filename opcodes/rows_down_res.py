@@ -20,10 +20,8 @@ import triton
 import triton.language as tl
 
 from .base import Cost, Layout, Region, register, tile_start
-from .common import T_WD, tab_offset
-from .common_rows import rows_stream
 from .rows import RowsInstruction, bf16_dot, bregion, bview, check_n0
-from .rows_down import DownR, n_parts
+from .rows_down import DownR, down_chunk, n_parts
 from .rows_residual import ResidualR, layer_out, layer_out_reads, layer_out_torch, layer_out_writes
 
 
@@ -35,13 +33,8 @@ def down_res_r_device(r0, layer, n0, act_r_ptr, dpart_r_ptr, x1_r_ptr, xout_r_pt
                       NT: tl.constexpr, INTERP: tl.constexpr):
     if NT == ROWS:
         n0 = 0
-    w = wd_ptr + tab_offset(wtab_ptr, layer, T_WD)
-    rows = r0 + tl.arange(0, DOWN_ROWS)
-    rm = rows < D
-    # DOWN_R's stream of chunk DOWN_CHUNKS - 1 (the same masks: the same sum)
-    acc, acc2 = rows_stream(w, rows, w, rows, rm, act_r_ptr + layer * (FFN * ROWS) + n0 * FFN,
-                            (DOWN_CHUNKS - 1) * DOWN_K, NT, NT, FFN, DOWN_K, DOWN_ROWS, NT, BK, STAGES, TWO=False,
-                            EVEN=(FFN % DOWN_K == 0) & (DOWN_K % BK == 0) & (D % DOWN_ROWS == 0), INTERP=INTERP)
+    acc, rows, rm = down_chunk(r0, layer, DOWN_CHUNKS - 1, n0, act_r_ptr, wtab_ptr, wd_ptr, D, FFN, DOWN_ROWS, DOWN_K,
+                               BK, STAGES, ROWS, NT, INTERP)     # DOWN_R's last chunk: the same sum
     n = tl.arange(0, NT)
     off = n0 * D + rows[:, None] * NT + n[None, :]
     y = tl.load(x1_r_ptr + layer * (D * ROWS) + off, mask=rm[:, None], other=0.0, cache_modifier=".cg")
