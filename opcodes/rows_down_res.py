@@ -21,8 +21,9 @@ import triton.language as tl
 
 from .base import Cost, Layout, Region, register, tile_start
 from .rows import RowsInstruction, bf16_dot, bregion, bview, check_n0
-from .rows_down import DownR, down_chunk, n_parts
-from .rows_residual import ResidualR, layer_out, layer_out_reads, layer_out_torch, layer_out_writes
+from .rows_down import DownR, down_chunk
+from .rows_residual import (ResidualR, layer_out, layer_out_reads, layer_out_torch, layer_out_writes, layer_sum,
+                            layer_sum_torch)
 
 
 @triton.jit
@@ -37,11 +38,7 @@ def down_res_r_device(r0, layer, n0, act_r_ptr, dpart_r_ptr, x1_r_ptr, xout_r_pt
                                BK, STAGES, ROWS, NT, INTERP)     # DOWN_R's last chunk: the same sum
     n = tl.arange(0, NT)
     off = n0 * D + rows[:, None] * NT + n[None, :]
-    y = tl.load(x1_r_ptr + layer * (D * ROWS) + off, mask=rm[:, None], other=0.0, cache_modifier=".cg")
-    for kc in tl.static_range(DPARTS):
-        y += tl.load(dpart_r_ptr + (layer * DPARTS + kc) * (D * ROWS) + off, mask=rm[:, None], other=0.0,
-                     cache_modifier=".cg")
-    y += acc
+    y = layer_sum(x1_r_ptr, dpart_r_ptr, layer, rm, off, D, DPARTS, ROWS) + acc     # RESIDUAL_R's order
     layer_out(y, rows, rm, off, layer, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr, fnorm_ptr, r0, n0, LAYERS,
               D, DOWN_ROWS, SS_P, ROWS, NT, INTERP)
 
@@ -107,9 +104,6 @@ class DownResR(RowsInstruction):
         lo, hi = self._rows(lay)
         k0, k1 = self._ks(lay)
         a = bview(st.buf["act_r"], lay, c.ffn, c.layers)[self.layer, b, k0:k1]
-        y = bview(st.buf["x1_r"], lay, c.d, c.layers)[self.layer, b, lo:hi].clone()
-        dp = bview(st.buf["dpart_r"], lay, c.d, c.layers, n_parts(lay))
-        for kc in range(n_parts(lay)):
-            y += dp[self.layer, kc, b, lo:hi]
+        y = layer_sum_torch(lay, st, self.layer, b, lo, hi)
         y += bf16_dot(st.weights[self.layer]["down"][lo:hi, k0:k1], a)
         layer_out_torch(lay, st, self.layer, b, lo, hi, y, self.r0 // lay.tiling.down_rows)

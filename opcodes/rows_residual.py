@@ -31,12 +31,19 @@ def residual_r_device(r0, layer, n0, x1_r_ptr, dpart_r_ptr, xout_r_ptr, hn_r_ptr
     rm = rows < D
     n = tl.arange(0, NT)
     off = n0 * D + rows[:, None] * NT + n[None, :]
+    y = layer_sum(x1_r_ptr, dpart_r_ptr, layer, rm, off, D, DPARTS, ROWS)
+    layer_out(y, rows, rm, off, layer, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr, fnorm_ptr, r0, n0, LAYERS,
+              D, RED_ROWS, SS_P, ROWS, NT, INTERP)
+
+
+@triton.jit
+def layer_sum(x1_r_ptr, dpart_r_ptr, layer, rm, off, D: tl.constexpr, DPARTS: tl.constexpr, ROWS: tl.constexpr):
+    """x1 plus the layer's ``DPARTS`` down partials at ``off`` of a ``[d, ROWS]`` slice, in fp32, in chunk order."""
     y = tl.load(x1_r_ptr + layer * (D * ROWS) + off, mask=rm[:, None], other=0.0, cache_modifier=".cg")
     for kc in tl.static_range(DPARTS):
         y += tl.load(dpart_r_ptr + (layer * DPARTS + kc) * (D * ROWS) + off, mask=rm[:, None], other=0.0,
                      cache_modifier=".cg")
-    layer_out(y, rows, rm, off, layer, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr, n1_ptr, fnorm_ptr, r0, n0, LAYERS,
-              D, RED_ROWS, SS_P, ROWS, NT, INTERP)
+    return y
 
 
 @triton.jit
@@ -47,7 +54,7 @@ def layer_out(y, rows, rm, off, layer, xout_r_ptr, hn_r_ptr, ss_r_ptr, wtab_ptr,
     ``off`` of a ``[d, ROWS]`` slice): ``xout_r`` = bf16(y), and the next GEMM's normed operand from it (the
     next layer's input norm, or the final norm after the last layer) with its sums of squares at part
     ``r0 / RED_ROWS`` (the block's first feature ``r0``).
-    RESIDUAL_R's, and DOWN_RES_R's (``opcodes.rows_down_res``) where one down tile spans the ffn."""
+    RESIDUAL_R's, and DOWN_RES_R's (``opcodes.rows_down_res``: the last K chunk's tile with ``Tiling.down_res``)."""
     yb = to_bf16(y, INTERP)
     tl.store(xout_r_ptr + layer * (D * ROWS) + off, yb, mask=rm[:, None])
     if layer == LAYERS - 1:
@@ -105,11 +112,18 @@ class ResidualR(RowsInstruction):
     def run_torch(self, lay: Layout, st) -> None:
         c, b = lay.cfg, self.n0 // lay.n_tile
         lo, hi = self._rows(lay)
-        y = bview(st.buf["x1_r"], lay, c.d, c.layers)[self.layer, b, lo:hi].clone()
-        dp = bview(st.buf["dpart_r"], lay, c.d, c.layers, n_parts(lay))
-        for kc in range(n_parts(lay)):
-            y += dp[self.layer, kc, b, lo:hi]
+        y = layer_sum_torch(lay, st, self.layer, b, lo, hi)
         layer_out_torch(lay, st, self.layer, b, lo, hi, y, self.r0 // lay.tiling.red_rows)
+
+
+def layer_sum_torch(lay: Layout, st, layer: int, b: int, lo: int, hi: int) -> torch.Tensor:
+    """VM: :func:`layer_sum` for features ``[lo, hi)`` of column block ``b`` (a fresh tensor)."""
+    c = lay.cfg
+    y = bview(st.buf["x1_r"], lay, c.d, c.layers)[layer, b, lo:hi].clone()
+    dp = bview(st.buf["dpart_r"], lay, c.d, c.layers, n_parts(lay))
+    for kc in range(n_parts(lay)):
+        y += dp[layer, kc, b, lo:hi]
+    return y
 
 
 def layer_out_reads(lay: Layout, layer: int, lo: int, hi: int, n0: int) -> list[Region]:
