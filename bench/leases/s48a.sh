@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Session 48's lease (bench/notes/s48.md; s47c's parts 1-3 unchanged): each PART one call of < 10 minutes; OUT collects every log.
+# PART=1: the 1B's 1024-row chunk with v176 (the default since session 47): its logits against the fp32 reference
+#         (rows_profile --accuracy) and v178 / v179 on top of it, each with its accuracy line; v176 at 512 rows.
+# PART=2: the 8B likewise, and v179 + v178 (run 312's -6.6% with 7 chunks).
+# PART=3: TTFT beside transformers on both (README's table; H200 wanted), the 1B then the 8B.
+# PART=4: v180 (the 8B's 1024-row QKV / O tiles of 128 weight rows) and v175 (decode LM head tiles of 128 rows).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/smi-${PART:-1}.log 2>&1
+RP="python3 -m bench.probes.rows_profile --R 1024 --prefill --accuracy"
+case "${PART:-1}" in
+1) timeout 300 $RP --pos 0 --tiling ";down_res=1;down_rows=128,red_rows=128;down_rows=128,red_rows=128,down_res=1" \
+       > $OUT/p1024-llama3.2-1b-0-acc.log 2>&1
+   # v176 at the 512-row bucket (prompts of 513-1023 tokens, and long prompts' last chunks)
+   timeout 150 python3 -m bench.probes.rows_profile --R 512 --prefill --accuracy --pos 0 --tiling ";down_k=4096" \
+       > $OUT/p512-llama3.2-1b-0-acc.log 2>&1 ;;
+2) timeout 420 $RP --preset llama3.1-8b --pos 0 \
+       --tiling ";down_res=1;down_rows=128,red_rows=128;down_rows=128,red_rows=128,down_res=1" \
+       > $OUT/p1024-llama3.1-8b-0-acc.log 2>&1 ;;
+3) timeout 250 python3 -m bench.rows_bench --preset llama3.2-1b --skip decode,invariance --out $OUT > $OUT/ttft-1b.log 2>&1
+   timeout 300 python3 -m bench.rows_bench --preset llama3.1-8b --skip decode,invariance --out $OUT > $OUT/ttft-8b.log 2>&1 ;;
+4) timeout 330 python3 -m bench.probes.rows_profile --R 1024 --prefill --preset llama3.1-8b --pos 0 \
+       --tiling ";qkv_rows=128;o_rows=128;qkv_rows=128,o_rows=128" > $OUT/p1024-llama3.1-8b-0-v180.log 2>&1
+   timeout 200 python3 -m bench.probes.rows_profile --R 16 --B 16 --pos 1024 --tiling ";;;" --lm-rows ";128;;128" \
+       > $OUT/r16-llama3.2-1b-1024-v175.log 2>&1 ;;
+esac
+for f in $OUT/*.log; do echo "== $f"; grep -v "^  +\|^{\|Warn\|_warn" $f | cut -c1-260 | tail -n 14; done
