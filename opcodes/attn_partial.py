@@ -50,14 +50,20 @@ def _attn_block(qs, k, v, km, m_i, l_i, acc, INTERP: tl.constexpr):
 
 
 @triton.jit
-def softmax_step(sc, v, m_i, l_i, acc, INTERP: tl.constexpr):
+def softmax_step(sc, v, m_i, l_i, acc, INTERP: tl.constexpr, AX: tl.constexpr = 1, EMPTY: tl.constexpr = False):
     """The online softmax's (m, l, acc) with one block more: its scores ``sc`` (fp32, base 2, masked keys
-    -inf; each row's running max finite after its first block) and values ``v`` (bf16)."""
-    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-    p = tl.exp2(sc - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + mma(to_bf16(p, INTERP), v, INTERP)
+    -inf, keys along axis ``AX``: 2 for a batch of key groups) and values ``v`` (bf16). Each row's running max is
+    finite after its first block, or with ``EMPTY`` may stay -inf (a key group with no key yet: its p and alpha
+    are then 0, not NaN)."""
+    m_new = tl.maximum(m_i, tl.max(sc, axis=AX))
+    if EMPTY:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.exp2(sc - tl.expand_dims(m_use, AX))
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=AX)
+    acc = acc * tl.expand_dims(alpha, AX) + mma(to_bf16(p, INTERP), v, INTERP)
     return m_new, l_i, acc
 
 

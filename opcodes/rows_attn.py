@@ -101,6 +101,51 @@ def _attn_tile(layer, g, r0, slot, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, 
 
 
 @triton.jit
+def _attn_row_kg(layer, g, r, slot, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr,
+                 NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
+                 MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr, ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr,
+                 ROWS: tl.constexpr, NT: tl.constexpr, KG: tl.constexpr, INTERP: tl.constexpr):
+    """Row r's heads of group g (a decode bucket's tile, ``Tiling.attn_kg`` = KG > 1): each block of ATTN_BLOCK
+    keys is KG groups of KB keys, each group with its own running softmax (m, l, acc: [KG, GP, ...]); the dots
+    are batched over the groups (Triton puts the warps on them: a group's max and sum stay inside its warp,
+    where one [GP, ATTN_BLOCK] dot spreads a row's keys over the warps and reduces across them through shared
+    memory every block). The groups merge once after the loop. A row >= R stores zeros."""
+    KB: tl.constexpr = ATTN_BLOCK // KG
+    hi = tl.arange(0, GP)
+    dcol = tl.arange(0, HD)
+    live = r < tl.load(rows_ptr)
+    valid = (hi < GROUP) & live
+    pos = tl.load(rows_ptr + 5 + 4 * r, mask=live, other=0)
+    qrow = g * GROUP + hi
+    q = tl.load(q_r_ptr + layer * (NQ * HD * ROWS) + (qrow[:, None] * HD + dcol[None, :]) * NT
+                + blk(r, NQ * HD, NT, ROWS), mask=valid[:, None], other=0.0, cache_modifier=".cg")
+    qs = tl.broadcast_to(to_bf16(q * QSCALE, INTERP)[None, :, :], (KG, GP, HD))
+    base = slot.to(tl.int64) * (NKV * MAX_SEQ * HD) + g * (MAX_SEQ * HD)
+    kbase = kc_ptr + tab_offset(wtab_ptr, layer, T_KC) + base
+    vbase = vc_ptr + tab_offset(wtab_ptr, layer, T_VC) + base
+    gk = tl.arange(0, KG)[:, None] * KB + tl.arange(0, KB)[None, :]          # [KG, KB]: a block's keys by group
+    d3 = dcol[None, None, :]
+    m_i = tl.full([KG, GP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([KG, GP], dtype=tl.float32)
+    acc = tl.zeros([KG, GP, HD], dtype=tl.float32)
+    for kb in tl.range(0, pos + 1, ATTN_BLOCK, num_stages=ATTN_STAGES):
+        keys = kb + gk
+        kin = (keys <= pos)[:, :, None]
+        k = tl.load(kbase + keys[:, :, None] * HD + d3, mask=kin, other=0.0, cache_modifier=".cg")
+        v = tl.load(vbase + keys[:, :, None] * HD + d3, mask=kin, other=0.0, cache_modifier=".cg")
+        sc = mma(qs, tl.trans(k, 0, 2, 1), INTERP)                            # [KG, GP, KB]
+        sc = tl.where((keys <= pos)[:, None, :], sc, float("-inf"))
+        m_i, l_i, acc = softmax_step(sc, v, m_i, l_i, acc, INTERP, AX=2, EMPTY=True)
+    # key 0 is group 0's: every row's merged max is finite
+    m = tl.max(m_i, axis=0)
+    w = tl.exp2(m_i - m[None, :])
+    o = tl.sum(acc * w[:, :, None], axis=0) / tl.sum(l_i * w, axis=0)[:, None]
+    o = tl.where(valid[:, None], o, 0.0)
+    out = attn_r_ptr + layer * (ROWS * NQ * HD) + r * (NQ * HD) + qrow[:, None] * HD + dcol[None, :]
+    tl.store(out, to_bf16(o, INTERP), mask=((hi < GROUP) & (r < ROWS))[:, None])
+
+
+@triton.jit
 def _attn_zeros(layer, g, r0, attn_r_ptr, NQ: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
                 GP: tl.constexpr, ROWS: tl.constexpr, ATTN_RT: tl.constexpr, INTERP: tl.constexpr):
     """Rows [r0, r0 + ATTN_RT), none of them live (every row >= R): their heads of group g are zeros (the
@@ -120,11 +165,16 @@ def attn_r_device(layer, g, t, rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn
                   NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
                   GROUP_PAD: tl.constexpr, GP: tl.constexpr, MAX_SEQ: tl.constexpr, QSCALE: tl.constexpr,
                   ATTN_BLOCK: tl.constexpr, ATTN_STAGES: tl.constexpr, ROWS: tl.constexpr, NT: tl.constexpr,
-                  ATTN_RT: tl.constexpr, INTERP: tl.constexpr):
+                  ATTN_RT: tl.constexpr, ATTN_KG: tl.constexpr, INTERP: tl.constexpr):
     if ATTN_RT == 1:    # a decode bucket: a row >= R runs over slot 0's position 0 masked and stores zeros (v158's
         # early return for it cost +3.7% a 16-row step at B=1 and +2.3% at B=16, rows all live: bench/notes/s42.md)
-        _attn_tile(layer, g, t, _row_slot(rows_ptr, t), rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr, NQ,
-                   NKV, HD, GROUP, GROUP_PAD, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, NT, 1, INTERP)
+        if ATTN_KG > 1:
+            _attn_row_kg(layer, g, t, _row_slot(rows_ptr, t), rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr,
+                         NQ, NKV, HD, GROUP, GROUP_PAD, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, NT, ATTN_KG,
+                         INTERP)
+        else:
+            _attn_tile(layer, g, t, _row_slot(rows_ptr, t), rows_ptr, wtab_ptr, kc_ptr, vc_ptr, q_r_ptr, attn_r_ptr,
+                       NQ, NKV, HD, GROUP, GROUP_PAD, MAX_SEQ, QSCALE, ATTN_BLOCK, ATTN_STAGES, ROWS, NT, 1, INTERP)
     elif t * ATTN_RT >= tl.load(rows_ptr):     # no live row (a chunk shorter than the bucket): zeros, no cache read
         _attn_zeros(layer, g, t * ATTN_RT, attn_r_ptr, NQ, HD, GROUP, GP, ROWS, ATTN_RT, INTERP)
     else:
@@ -156,10 +206,11 @@ class AttnR(RowsInstruction):
     STAGE = 1
     ARGS = ("rows_ptr", "wtab_ptr", "kc_ptr", "vc_ptr", "q_r_ptr", "attn_r_ptr",
             "NQ", "NKV", "HD", "GROUP", "GROUP_PAD", "GP", "MAX_SEQ", "QSCALE", "ATTN_BLOCK", "ATTN_STAGES", "ROWS",
-            "NT", "ATTN_RT", "INTERP")
+            "NT", "ATTN_RT", "ATTN_KG", "INTERP")
     CONSTEXPRS = {**{k: AttnPartial.CONSTEXPRS[k] for k in ("GROUP", "GROUP_PAD", "QSCALE", "ATTN_BLOCK", "ATTN_STAGES")},
                   "GP": lambda lay: triton.next_power_of_2(lay.cfg.group),       # a row's heads in a tile's M
-                  "ATTN_RT": lambda lay: lay.attn_rt if AttnR.applies(lay) else 1}
+                  "ATTN_RT": lambda lay: lay.attn_rt if AttnR.applies(lay) else 1,
+                  "ATTN_KG": lambda lay: lay.tiling.attn_kg}
     SCRATCH = {"attn_r": "bf16"}
     TIMING = Timing.LATENCY
     TORCH_RTOL = 1e-2         # the tensor-core dots take bf16 q and p; run_torch keeps them fp32

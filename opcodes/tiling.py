@@ -32,7 +32,7 @@ H200_SMS = 132
 
 #: fields where 0 is allowed: off, or "take another field's value" (each field's comment says which)
 _ZERO_ALLOWED = ("kv_rows", "o_bk", "o_k", "gu_tiles", "down_bk", "key_in_reduce", "row_bytes", "res_fold",
-                "down_wait", "warp_rows", "attn_pairs", "down_res")
+                "down_wait", "warp_rows", "attn_pairs", "down_res", "attn_kg")
 #: fields that are switches (0 or 1)
 _SWITCHES = ("res_fold", "key_in_reduce", "down_wait", "warp_rows", "down_res")
 
@@ -68,6 +68,10 @@ class Tiling:
     # the many-rows kernels' prefill buckets (> 32 rows): (row, head) pairs of one attention tile, tl.dot's M,
     # each K/V block loaded once for them (opcodes.rows.RowsLayout.attn_rt); 0: min(64, 2048 / hd)
     attn_pairs: int = 0
+    # the many-rows kernels' decode buckets: > 1 cuts each attention block's keys into that many groups, each
+    # with its own running softmax, merged once after the loop (a batched tl.dot: the warps on the groups, so
+    # a block's max and sum stay inside a warp); 0: one group (the block's keys across the warps)
+    attn_kg: int = 0
     # software-pipelining depth of the attention key loop: 3 keeps two K/V blocks in flight, so a
     # split of a few blocks costs about two loaded HBM round trips instead of one per block
     attn_stages: int = 3
@@ -108,7 +112,7 @@ class Tiling:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Tiling.{f.name} must be a positive int, got {v!r}")
         for k in ("qkv_rows", "kv_rows", "o_rows", "gu_rows", "down_rows", "red_rows", "attn_block", "bk", "num_warps",
-                  "o_bk", "down_bk", "attn_pairs"):
+                  "o_bk", "down_bk", "attn_pairs", "attn_kg"):
             v = getattr(self, k)
             if v & (v - 1):
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
@@ -129,6 +133,9 @@ class Tiling:
                              "Tiling.key_in_reduce = 1 (the merge attends to the key at pos)")
         if self.attn_block < 16:
             raise ValueError("Tiling.attn_block must be >= 16 (tl.dot)")
+        if self.attn_kg and self.attn_block // self.attn_kg < 16:
+            raise ValueError(f"Tiling.attn_kg = {self.attn_kg} leaves {self.attn_block // self.attn_kg} keys a group of "
+                             f"attn_block = {self.attn_block}: tl.dot needs >= 16")
 
     @staticmethod
     def warp_rows_fit(d: int) -> bool:
@@ -285,6 +292,8 @@ EXPERIMENTAL: dict[str, str] = {
     "down_res": "the rows programs' down tiles of the last K chunk end the layer, no RESIDUAL_R (bench/notes/s47.md "
                 "v177 / v178; not measured yet)",
     "o_k": "the O projection split along K (O_REDUCE adds the chunks): measured slower (TP 70B +1.2%)",
+    "attn_kg": "the rows kernels' decode attention in key groups, warps on the groups (s43.md v169): +1.2% on an H100 "
+                "(run 304), back for its H200 run (s48.md)",
     "attn_pairs": "the rows kernels' prefill attention tiles' (row, head) pairs; only opcodes.rows.rows_tiling sets it "
                   "(128 from 256 rows: runs 289-293, a 4096-token prompt's last 1B chunk -40%, the 8B's -38%)",
 }

@@ -264,6 +264,30 @@ def test_a_512_row_step_in_two_column_blocks_in_the_vm_and_the_kernel():
     teardown(h)
 
 
+def test_decode_attention_in_key_groups_meets_the_criterion(monkeypatch):
+    """``Tiling.attn_kg`` = 4 in the decode buckets (bench/notes/s43.md v169): each block's 128 keys as 4 groups of
+    32 with their own running softmax, merged after the loop. Ragged rows at positions 5 .. 31 leave groups 1-3
+    of every block empty (their running max stays -inf: no NaN), rows at 40 .. 47 fill group 1 in part; each row
+    meets the criterion and is within the kernel tolerance of the one-group kernel."""
+    import interp.rows
+    h0, w, kv = _built()
+    kv0 = clone_cache(kv)
+    slots, pos, toks = ROWS["slots"] + [1, 2], ROWS["pos"] + [40, 47], ROWS["toks"] + [9, 77]
+    base = decode_step(h0, torch.tensor(toks), torch.tensor(pos), slots=slots)
+    teardown(h0)
+    monkeypatch.setattr(interp.rows, "rows_tiling", lambda cfg, r, ms: rows_tiling(cfg, r, ms, attn_kg=4))
+    w2 = decoder_weights(CFG, seed=1)
+    kv2 = clone_cache(kv0)
+    h = build_decoder(w2, kv2, CFG, MAX_SEQ, batch=B)
+    lg = decode_step(h, torch.tensor(toks), torch.tensor(pos), slots=slots)
+    assert h.rows[16].tape.lay.tiling.attn_kg == 4 and torch.isfinite(lg).all()
+    _ok(lg, toks, slots, pos, w, kv0)
+    assert rel_err(lg, base) <= KERNEL_TOL
+    with pytest.raises(ValueError, match="attn_kg"):
+        rows_tiling(CFG, 16, MAX_SEQ, attn_kg=16)          # 8 keys a group: tl.dot needs 16
+    teardown(h)
+
+
 def test_prefill_chunks_take_the_largest_bucket_while_it_fills():
     from interp.rows import prefill_chunks
     assert prefill_chunks(4096) == [(0, 1024), (1024, 1024), (2048, 1024), (3072, 1024)]

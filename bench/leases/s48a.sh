@@ -4,6 +4,7 @@
 #         (rows_profile --accuracy) and v178 / v179 on top of it, each with its accuracy line; v176 at 512 rows.
 # PART=2: the 8B likewise, and v179 + v178 (run 312's -6.6% with 7 chunks).
 # PART=3: TTFT beside transformers on both (README's table; H200 wanted), the 1B then the 8B.
+# PART=5 (an H200 only: on an H100 the HBM, not the SM, bounds it): v169 again, the decode attention in key groups.
 # PART=4: v180 (the 8B's 1024-row QKV / O tiles of 128 weight rows) and v175 (decode LM head tiles of 128 rows).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -24,5 +25,7 @@ case "${PART:-1}" in
        --tiling ";qkv_rows=128;o_rows=128;qkv_rows=128,o_rows=128" > $OUT/p1024-llama3.1-8b-0-v180.log 2>&1
    timeout 200 python3 -m bench.probes.rows_profile --R 16 --B 16 --pos 1024 --tiling ";;;" --lm-rows ";128;;128" \
        > $OUT/r16-llama3.2-1b-1024-v175.log 2>&1 ;;
+5) for P in llama3.2-1b llama3.1-8b; do timeout 270 python3 -m bench.probes.rows_profile --preset $P --R 16 --B 16 \
+       --pos 1024 --tiling ";attn_kg=4;attn_kg=2;;attn_kg=4" > $OUT/r16-$P-1024-v169.log 2>&1; done ;;
 esac
 for f in $OUT/*.log; do echo "== $f"; grep -v "^  +\|^{\|Warn\|_warn" $f | cut -c1-260 | tail -n 14; done
