@@ -6,7 +6,7 @@
                             [--profile] [--no-compile] [--tp 2]          (bench/decoder_bench.py;
                                                                           --tp 2: bench/tp_bench.py)
     python -m bench rows    [--preset NAME] [--B 1,4,8,16,32] [--pos P] [--prompts 128,1024,4096]
-                            [--skip PARTS] [--no-hf]                     (bench/rows_bench.py)
+                            [--chunks 0,2048] [--skip PARTS] [--no-hf]   (bench/rows_bench.py)
     python -m bench serve   [--preset NAME] [--clients 1,8,32] [--prompt N] [--new N]
                                                                          (bench/serve_bench.py)
 
@@ -139,7 +139,8 @@ def _csv(vals) -> str:
 def cmd_rows(a, prog: str = f"{PROG} rows") -> int:
     from . import rows_bench
     argv = ["--preset", a.preset, "--B", _csv(a.B), "--pos", str(a.pos), "--prompts", _csv(a.prompts),
-            "--reps", str(a.reps), "--skip", _csv(a.skip), "--out", a.out] + (["--no-hf"] if a.no_hf else [])
+            "--chunks", _csv(a.chunks), "--reps", str(a.reps), "--skip", _csv(a.skip), "--out", a.out] \
+        + (["--no-hf"] if a.no_hf else [])
     return int(rows_bench.main(argv) or 0)
 
 
@@ -236,6 +237,9 @@ def _add_rows(sub, presets) -> None:
                    help="the decode rows' position (the KV cache holds that many random rows; default 1024)")
     r.add_argument("--prompts", type=_int_list(1, 1 << 20), default=[128, 1024, 4096],
                    help="prompt lengths of the time-to-first-token part (default 128,1024,4096)")
+    r.add_argument("--chunks", type=_int_list(0, BUCKETS[-1]), default=[0],
+                   help=f"prefill chunk sizes each prompt is timed with, each in [0, {BUCKETS[-1]}] (0: prefill's "
+                        "default chunks; default 0)")
     r.add_argument("--reps", type=_positive_int, default=10, help="timed repetitions of each prefill (default 10)")
     r.add_argument("--skip", type=_skip_list, default=[],
                    help=f"parts to leave out, comma-separated: {', '.join(ROWS_PARTS)}")

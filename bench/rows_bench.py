@@ -2,7 +2,7 @@
 beside transformers' forward over the prompt, per-row accuracy, and batch invariance; one preset a run.
 
     python -m bench.rows_bench --preset llama3.2-1b [--B 1,4,8,16,32] [--pos 1024] [--prompts 128,1024,4096]
-                               [--reps 10] [--no-hf] [--out DIR]
+                               [--chunks 0,2048] [--reps 10] [--no-hf] [--out DIR]
 
 Random weights of the preset's shape (``bench.decoder_bench.make_decoder_weights``, tied head) and a
 random cache prefilled to ``--pos`` in every slot. Timings are CUDA-event medians:
@@ -11,7 +11,8 @@ random cache prefilled to ``--pos`` in every slot. Timings are CUDA-event median
   slot b at ``pos``; tokens/s = B / step.
 - TTFT: ``prefill(h, prompt)`` (every chunk's launch and the host work between them; the buckets are
   compiled before), beside ``transformers`` ``LlamaForCausalLM(sdpa, bf16).forward(ids, logits_to_keep=1)``
-  (``bench.ttft_baseline.forward_ms``) and the one-row decode step at the prompt's length.
+  (``bench.ttft_baseline.forward_ms``) and the one-row decode step at the prompt's length; each prompt once
+  per ``--chunks`` entry (``prefill``'s ``chunk``; 0: its default chunks), the baseline once.
 Accuracy: each row of a ragged 8-row step (slots 0..7, positions pos .. pos + 21) against
 ``decoder_ref_rows_fp32`` (``opcodes.decoder.step_accuracy``: error <= 1.1x the bf16 reference's, greedy
 agreement where decisive), and the prefill's last logits likewise (prompts <= 1024).
@@ -55,12 +56,29 @@ def graph_step_ms(launch, reps: int, k: int = 16) -> float:
     return statistics.median(_events_ms(g.replay, reps)) / k
 
 
+def _ttft(h, toks, chunk, reps, dec, runtime) -> dict:
+    """One prompt's prefill into slot 1 in chunks of ``chunk`` (None: the default's): its first call (which
+    compiles the buckets it needs), then ``reps`` timed ones, beside the one-row decode step at its length."""
+    from interp import prefill
+    n = len(toks)
+    t = time.time()
+    prefill(h, toks, 0, slot=1, chunk=chunk)
+    torch.cuda.synchronize()
+    first_s = time.time() - t
+    ms = _events_ms(lambda: prefill(h, toks, 0, slot=1, chunk=chunk), reps)
+    one = dec._pick(h, n)
+    dstep = graph_step_ms(lambda: runtime.launch(one, h.x0, n, h.hidden), reps)
+    return dict(prompt=n, chunk=chunk or 0, prefill_ms=statistics.median(ms), prefill_ms_min=min(ms),
+                first_call_s=first_s, decode_step_ms=dstep, x_decode_steps=statistics.median(ms) / dstep)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.rows_bench", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama3.2-1b")
     p.add_argument("--B", default="1,4,8,16,32")
     p.add_argument("--pos", type=int, default=1024)
     p.add_argument("--prompts", default="128,1024,4096")
+    p.add_argument("--chunks", default="0", help="prefill chunk sizes to time each prompt with (0: the default's)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--skip", default="", help="comma list of parts to skip: decode, accuracy, invariance, ttft")
@@ -83,6 +101,7 @@ def main(argv=None) -> int:
     cfg = ModelConfig.from_name(a.preset)
     Bs = [int(x) for x in a.B.split(",")]
     prompts = [int(x) for x in a.prompts.split(",")] if a.prompts else []
+    chunks = [int(x) for x in a.chunks.split(",")]
     batch = max(Bs + [8, 32 if "invariance" not in skip else 8])
     max_seq = max([a.pos + 64] + [n + 8 for n in prompts])
     max_seq = -(-max_seq // 128) * 128
@@ -187,33 +206,29 @@ def main(argv=None) -> int:
         for n in prompts:
             ids = torch.randint(0, cfg.vocab, (n,), generator=g)
             toks = ids.tolist()
-            t = time.time()
-            prefill(h, toks, 0, slot=1)             # compiles the buckets it needs
-            torch.cuda.synchronize()
-            first_s = time.time() - t
-            ms = _events_ms(lambda: prefill(h, toks, 0, slot=1), a.reps)
-            one = dec._pick(h, n)
-            dstep = graph_step_ms(lambda: runtime.launch(one, h.x0, n, h.hidden), a.reps)
-            row = dict(prompt=n, prefill_ms=statistics.median(ms), prefill_ms_min=min(ms), first_call_s=first_s,
-                       decode_step_ms=dstep, x_decode_steps=statistics.median(ms) / dstep)
-            if hf is not None:
-                hms = forward_ms(hf, ids.cuda().reshape(1, -1), a.reps)
-                row.update(hf_ms=statistics.median(hms), x_hf=statistics.median(hms) / statistics.median(ms))
-            if n <= 1024:
-                kv_ref = [tuple(t[2:3].clone() for t in pair) for pair in kv]
-                kv32 = [tuple(t[2:3].float() for t in pair) for pair in kv]
-                lg = prefill(h, toks, 0, slot=2)
-                sl, ps = [0] * n, list(range(n))
-                ref = decoder_ref_rows(w, kv_ref, cfg, toks, sl, ps)[-1:]
-                ref32 = decoder_ref_rows_fp32(w, kv32, cfg, toks, sl, ps)[-1:]
-                acc = step_accuracy(lg, ref, ref32)
-                row.update(err=acc["err"], ref_err=acc["ref_err"], decisive=acc["decisive"], agree=acc["agree"])
-                del kv_ref, kv32
-            rep["ttft"].append(row)
-            print(f"TTFT prompt {n}: prefill {row['prefill_ms']:.2f} ms (median of {a.reps}; first call "
-                  f"{first_s:.1f} s) = {row['x_decode_steps']:.2f} decode steps of {dstep * 1e3:.0f} us"
-                  + (f"; transformers {row['hf_ms']:.2f} ms ({row['x_hf']:.2f}x)" if "hf_ms" in row else "")
-                  + (f"; err {row['err']:.3e} vs bf16 ref {row['ref_err']:.3e}" if "err" in row else ""), flush=True)
+            for ci, c in enumerate(chunks):
+                row = _ttft(h, toks, c or None, a.reps, dec, runtime)
+                if hf is not None and ci == 0:
+                    hms = forward_ms(hf, ids.cuda().reshape(1, -1), a.reps)
+                    hf_ms = statistics.median(hms)
+                if hf is not None:
+                    row.update(hf_ms=hf_ms, x_hf=hf_ms / row["prefill_ms"])
+                if n <= 1024 and ci == 0:
+                    kv_ref = [tuple(t[2:3].clone() for t in pair) for pair in kv]
+                    kv32 = [tuple(t[2:3].float() for t in pair) for pair in kv]
+                    lg = prefill(h, toks, 0, slot=2)
+                    sl, ps = [0] * n, list(range(n))
+                    ref = decoder_ref_rows(w, kv_ref, cfg, toks, sl, ps)[-1:]
+                    ref32 = decoder_ref_rows_fp32(w, kv32, cfg, toks, sl, ps)[-1:]
+                    acc = step_accuracy(lg, ref, ref32)
+                    row.update(err=acc["err"], ref_err=acc["ref_err"], decisive=acc["decisive"], agree=acc["agree"])
+                    del kv_ref, kv32
+                rep["ttft"].append(row)
+                print(f"TTFT prompt {n}" + (f", chunks of {c}" if c else "") + f": prefill {row['prefill_ms']:.2f} ms "
+                      f"(median of {a.reps}; first call {row['first_call_s']:.1f} s) = {row['x_decode_steps']:.2f} "
+                      f"decode steps of {row['decode_step_ms'] * 1e3:.0f} us"
+                      + (f"; transformers {row['hf_ms']:.2f} ms ({row['x_hf']:.2f}x)" if "hf_ms" in row else "")
+                      + (f"; err {row['err']:.3e} vs bf16 ref {row['ref_err']:.3e}" if "err" in row else ""), flush=True)
         del hf
     teardown(h)
     if a.out:

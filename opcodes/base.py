@@ -15,6 +15,7 @@ until ``counter >= target * epoch`` so counters never need a reset between calls
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -415,14 +416,31 @@ def _merge(into: dict, new: dict, what: str, owner: str) -> None:
         into.setdefault(k, (owner, v))
 
 
+#: elements a buffer may hold: the kernels index them with int32 offsets (a layer's base times its slice)
+MAX_BUFFER_ELEMENTS = 2**31 - 1
+
+
+def _fits(bufs: dict, what: str, lay: Layout) -> dict:
+    for name, (shape, _) in bufs.items():
+        n = math.prod(shape)
+        if n > MAX_BUFFER_ELEMENTS:
+            rows = getattr(lay, "rows", None)
+            raise ValueError(
+                f"{what} {name!r} of shape {shape} holds {n} elements, more than the kernel's int32 offsets reach "
+                f"({MAX_BUFFER_ELEMENTS}); {lay.cfg.layers} layers of d {lay.cfg.d}, ffn {lay.cfg.ffn}"
+                + (f" at {rows} rows a step: use fewer rows a step (a smaller bucket)" if rows else "")
+                + " or fewer layers a launch")
+    return bufs
+
+
 def scratch_buffers(lay: Layout, classes) -> dict[str, tuple[tuple[int, ...], str]]:
     """The scratch buffers the opcodes ``classes`` write, by name: (shape, dtype). Two opcodes
-    that declare one buffer must declare it alike."""
+    that declare one buffer must declare it alike; none may hold more than :data:`MAX_BUFFER_ELEMENTS`."""
     out: dict = {}
     for cls in classes:
         shapes = cls.scratch_shapes(lay)
         _merge(out, {n: (tuple(shapes[n]), dt) for n, dt in cls.SCRATCH.items()}, "scratch buffer", cls.NAME)
-    return {k: v for k, (_, v) in out.items()}
+    return _fits({k: v for k, (_, v) in out.items()}, "scratch buffer", lay)
 
 
 def state_buffers(lay: Layout, classes) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -430,7 +448,7 @@ def state_buffers(lay: Layout, classes) -> dict[str, tuple[tuple[int, ...], str]
     for cls in classes:
         shapes = cls.state_shapes(lay)
         _merge(out, {n: (tuple(shapes[n]), dt) for n, dt in cls.STATE.items()}, "state buffer", cls.NAME)
-    return {k: v for k, (_, v) in out.items()}
+    return _fits({k: v for k, (_, v) in out.items()}, "state buffer", lay)
 
 
 def kernel_classes(used=()) -> list[type[Instruction]]:

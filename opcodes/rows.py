@@ -47,7 +47,7 @@ ROW_WORDS = 4
 #: columns of the LM head's one-group mode (the ``rows`` buffer's logits word ``2 + k``)
 LOGIT_GROUP = 16
 #: the row buckets a handle builds tapes for (``ROWS``), smallest first
-BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 #: the widest column block of a GEMM tile (``RowsLayout.n_tile``): a 512-row bucket's tiles are 2 blocks wide,
 #: a 1024-row bucket's 4
 N_TILE_MAX = 256

@@ -296,6 +296,35 @@ def test_prefill_chunks_take_the_largest_bucket_while_it_fills():
     assert prefill_chunks(9) == [(0, 9)]
     assert prefill_chunks(9, chunk=4) == [(0, 4), (4, 4), (8, 1)]
     assert prefill_chunks(2000, chunk=1024) == [(0, 1024), (1024, 976)]
+    assert prefill_chunks(4500, chunk=2048) == [(0, 2048), (2048, 2048), (4096, 404)]
+    assert prefill_chunks(3000) == [(0, 1024), (1024, 1024), (2048, 512), (2560, 440)]   # 2048 only when asked
+
+
+def test_a_2048_row_launch_runs_eight_column_blocks():
+    """A 1100-token prompt in one launch of the 2048-row bucket (``chunk=2048``, v181: 8 column blocks of 256, the
+    last four with no live row, the down projection in 2 K chunks as at 1024): the last logits meet the criterion
+    against the oracle and the cache matches the oracle's, nothing written past the prompt."""
+    from schedule.tape import decode
+    h = _prompt_meets_the_oracle(CFG, 1152, [(29 * i + 7) % CFG.vocab for i in range(1100)], chunk=2048)
+    assert sorted(h.rows) == [2048]
+    assert {getattr(d.ins, "n0", 0) for d in decode(h.rows[2048].tape)} == {256 * i for i in range(8)}
+    teardown(h)
+
+
+def test_a_buffer_past_int32_offsets_is_refused_before_anything_is_built():
+    """The kernels index every buffer with int32 offsets: a 70B-shaped model of 80 layers at 1024 rows a step would
+    need a gate/up output of 80 x 28672 x 1024 elements (2.3e9); the layout's buffers are refused with the buffer,
+    its size and what to change named, before any allocation."""
+    from opcodes.base import MAX_BUFFER_ELEMENTS, scratch_buffers
+    from opcodes.decoder import DecoderLayout
+    big = ModelConfig(layers=80, d=8192, ffn=28672, n_q=64, n_kv=8, hd=128, vocab=128256)
+    prog = lower_rows(DecoderLayout(big, rows_tiling(big, 1024, 1152), 1152), rows=1024, batch=1)
+    with pytest.raises(ValueError) as e:
+        scratch_buffers(prog.lay, prog.classes())
+    check_message(e.value, ["scratch buffer", "int32", str(MAX_BUFFER_ELEMENTS), "1024 rows", "smaller bucket"])
+    small = ModelConfig(layers=2, d=8192, ffn=28672, n_q=64, n_kv=8, hd=128, vocab=128256)
+    prog = lower_rows(DecoderLayout(small, rows_tiling(small, 1024, 1152), 1152), rows=1024, batch=1)
+    assert scratch_buffers(prog.lay, prog.classes())                       # 2 layers of it fit
 
 
 def test_a_1024_row_launch_runs_four_column_blocks():

@@ -5,6 +5,8 @@
 # PART=2: the 8B likewise, and v179 + v178 (run 312's -6.6% with 7 chunks).
 # PART=3: TTFT beside transformers on both (README's table; H200 wanted), the 1B then the 8B.
 # PART=5 (an H200 only: on an H100 the HBM, not the SM, bounds it): v169 again, the decode attention in key groups.
+# PART=6 / PART=7: v181, a 2048-row bucket (chunk=2048): its accuracy and the TTFT of 2048 / 4096 prompts
+#         with 1024-row chunks (the default) and 2048-row ones, the 1B / the 8B.
 # PART=4: v180 (the 8B's 1024-row QKV / O tiles of 128 weight rows) and v175 (decode LM head tiles of 128 rows).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -27,5 +29,12 @@ case "${PART:-1}" in
        > $OUT/r16-llama3.2-1b-1024-v175.log 2>&1 ;;
 5) for P in llama3.2-1b llama3.1-8b; do timeout 270 python3 -m bench.probes.rows_profile --preset $P --R 16 --B 16 \
        --pos 1024 --tiling ";attn_kg=4;attn_kg=2;;attn_kg=4" > $OUT/r16-$P-1024-v169.log 2>&1; done ;;
+6) timeout 200 python3 -m bench.probes.rows_profile --R 2048 --prefill --accuracy --pos 0 > $OUT/p2048-llama3.2-1b-0-acc.log 2>&1
+   timeout 300 python3 -m bench.rows_bench --preset llama3.2-1b --prompts 2048,4096 --chunks 0,2048 --no-hf \
+       --skip decode,invariance,accuracy --out $OUT > $OUT/ttft2048-1b.log 2>&1 ;;
+7) timeout 240 python3 -m bench.probes.rows_profile --preset llama3.1-8b --R 2048 --prefill --accuracy --pos 0 \
+       > $OUT/p2048-llama3.1-8b-0-acc.log 2>&1
+   timeout 330 python3 -m bench.rows_bench --preset llama3.1-8b --prompts 2048,4096 --chunks 0,2048 --no-hf \
+       --skip decode,invariance,accuracy --out $OUT > $OUT/ttft2048-8b.log 2>&1 ;;
 esac
 for f in $OUT/*.log; do echo "== $f"; grep -v "^  +\|^{\|Warn\|_warn" $f | cut -c1-260 | tail -n 14; done
