@@ -409,7 +409,7 @@ def test_bad_rows_inputs_fail_before_the_cache_is_touched():
         (lambda: decode_step(h, [1, 200], [3, 4]), ValueError, ["tokens[1]", "vocab=200"]),
         (lambda: decode_step(h, [1.0, 2.0], [3, 4]), TypeError, ["tokens"]),
         (lambda: decode_step(h, torch.tensor([[1, 2]]), [3, 4]), ValueError, ["tokens", "1-D"]),
-        (lambda: decode_step(h, list(range(1025)), list(range(1025)), slots=[0] * 1025), ValueError, ["at most 1024"]),
+        (lambda: decode_step(h, list(range(2049)), list(range(2049)), slots=[0] * 2049), ValueError, ["at most 2048"]),
         (lambda: prefill(h, [1, 2, 3], MAX_SEQ - 2), ValueError, ["past max_seq_len"]),
         (lambda: prefill(h, [], 0), ValueError, ["tokens"]),
         (lambda: prefill(h, [1, 2], 0, slot=3), ValueError, ["slot", "batch=3"]),
@@ -474,8 +474,8 @@ def test_serve_kernel_backend_matches_the_ref_backend():
     finally:
         kb.close()
     with pytest.raises(ValueError) as e:
-        KernelBackend(w, CFG, 1025, MAX_SEQ, device="cpu")
-    check_message(e.value, ["max_batch", "1024"])
+        KernelBackend(w, CFG, 2049, MAX_SEQ, device="cpu")
+    check_message(e.value, ["max_batch", "2048"])
 
 
 @pytest.mark.parametrize("preset", ["llama3.2-1b", "llama3.1-8b", None])
