@@ -113,7 +113,7 @@ def test_decoder_tiling(monkeypatch, capsys):
     (["decoder", "--tp", "3"], "--tp"),
     (["frobnicate"], "frobnicate"),
     (["rows", "--B", "0,16"], "--B"),                           # a batch of no rows
-    (["rows", "--B", "2048"], "--B"),                           # past the largest bucket (1024)
+    (["rows", "--B", "4096"], "--B"),                           # past the largest bucket (2048)
     (["rows", "--skip", "speed"], "--skip"),
     (["rows", "--pos", "-1"], "--pos"),
     (["rows", "--prompts", "128,x"], "--prompts"),
