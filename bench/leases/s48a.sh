@@ -49,10 +49,10 @@ case "${PART:-1}" in
    timeout 280 python3 -m bench.probes.rows_profile --preset llama3.1-8b --R 16 --B 16 --pos 1024 \
        --tiling ";stages=8;stages=6;;stages=8" > $OUT/r16-llama3.1-8b-1024-v182.log 2>&1 ;;
 17) timeout 130 $RP --pos 0 --tiling ";down_res=1" > $OUT/p1024-llama3.2-1b-0-acc.log 2>&1
+   timeout 90 python3 -m bench.probes.rows_profile --R 16 --B 16 --pos 1024 --tiling ";stages=8;;stages=8" \
+       > $OUT/r16-llama3.2-1b-1024-v182.log 2>&1
    timeout 80 python3 -m bench.probes.rows_profile --R 2048 --prefill --accuracy --pos 0 > $OUT/p2048-llama3.2-1b-0-acc.log 2>&1
    timeout 150 python3 -m bench.rows_bench --preset llama3.2-1b --prompts 2048,4096 --chunks 0,2048 --no-hf \
-       --skip decode,invariance,accuracy --out $OUT > $OUT/ttft2048-1b.log 2>&1
-   timeout 90 python3 -m bench.probes.rows_profile --R 16 --B 16 --pos 1024 --tiling ";stages=8;;stages=8" \
-       > $OUT/r16-llama3.2-1b-1024-v182.log 2>&1 ;;
+       --skip decode,invariance,accuracy --out $OUT > $OUT/ttft2048-1b.log 2>&1 ;;
 esac
 for f in $OUT/*.log; do echo "== $f"; grep -v "^  +\|^{\|Warn\|_warn" $f | cut -c1-260 | tail -n 14; done
