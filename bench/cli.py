@@ -6,7 +6,7 @@
                             [--profile] [--no-compile] [--tp 2]          (bench/decoder_bench.py;
                                                                           --tp 2: bench/tp_bench.py)
     python -m bench rows    [--preset NAME] [--B 1,4,8,16,32] [--pos P] [--prompts 128,1024,4096]
-                            [--chunks 0,2048] [--skip PARTS] [--no-hf]   (bench/rows_bench.py)
+                            [--chunks 0,512] [--skip PARTS] [--no-hf]    (bench/rows_bench.py)
     python -m bench serve   [--preset NAME] [--clients 1,8,32] [--prompt N] [--new N]
                                                                          (bench/serve_bench.py)
 

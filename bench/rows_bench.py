@@ -2,7 +2,7 @@
 beside transformers' forward over the prompt, per-row accuracy, and batch invariance; one preset a run.
 
     python -m bench.rows_bench --preset llama3.2-1b [--B 1,4,8,16,32] [--pos 1024] [--prompts 128,1024,4096]
-                               [--chunks 0,2048] [--reps 10] [--no-hf] [--out DIR]
+                               [--chunks 0,512] [--reps 10] [--no-hf] [--out DIR]
 
 Random weights of the preset's shape (``bench.decoder_bench.make_decoder_weights``, tied head) and a
 random cache prefilled to ``--pos`` in every slot. Timings are CUDA-event medians:

@@ -158,29 +158,19 @@ def check_slot(dh, slot) -> int:
     return slot
 
 
-#: the default prefill's largest chunk: the 2048-row bucket runs only where ``chunk`` asks for it (v181, not
-#: measured on a GPU yet: bench/notes/s48.md)
-PREFILL_CHUNK = 1024
-
-
 def prefill_chunks(P: int, chunk: int | None = None) -> list[tuple[int, int]]:
     """The launches of a ``P``-token prompt as (first token, tokens): ``chunk`` tokens each (the last the
-    rest), or by default :data:`PREFILL_CHUNK` (1024) tokens while that many remain and the rest in chunks of
-    the largest bucket that they fill, from 512: a chunk shorter than its bucket still runs every column block
-    of its GEMM tiles, so a rest of 600 runs as 512 + 88 (640 columns), not in one 1024-row launch. The 1B's last
-    1024 tokens of a 4096-token prompt ran at 6.95 us a token in one chunk against 7.48 for its last 512
-    (bench/notes/s43.md, run 299, H100: ~5% of it fuller waves, the rest the 1024 chunk's fewer keys on
-    average). A bucket's scratch is built on first use: the 1024-row one's is 1.75 GiB on the 1B shape, 6.9 GiB
-    on the 8B (a chunk of 512 keeps it unbuilt)."""
+    rest), or by default the largest bucket's (1024) while that many remain and the rest in chunks of the
+    next (512): a chunk shorter than its bucket still runs every column block of its GEMM tiles, so a rest
+    of 600 runs as 512 + 88 (640 columns), not in one 1024-row launch. The 1B's last 1024 tokens of a
+    4096-token prompt ran at 6.95 us a token in one chunk against 7.48 for its last 512 (bench/notes/s43.md,
+    run 299, H100: ~5% of it fuller waves, the rest the 1024 chunk's fewer keys on average). A bucket's scratch is
+    built on first use: the 1024-row one's is 1.75 GiB on the 1B shape, 6.9 GiB on the 8B (a chunk of 512 keeps
+    it unbuilt)."""
     out, c0 = [], 0
     while c0 < P:
         left = P - c0
-        if chunk:
-            n = min(left, chunk)
-        elif left >= 512:
-            n = max(b for b in BUCKETS if b <= min(left, PREFILL_CHUNK))
-        else:
-            n = left
+        n = min(left, chunk) if chunk else (BUCKETS[-1] if left >= BUCKETS[-1] else min(left, BUCKETS[-2]))
         out.append((c0, n))
         c0 += n
     return out
@@ -189,7 +179,7 @@ def prefill_chunks(P: int, chunk: int | None = None) -> list[tuple[int, int]]:
 def prefill(dh, tokens, start_pos: int = 0, slot: int = 0, chunk: int | None = None,
             logits: bool = True) -> torch.Tensor | None:
     """Fill slot ``slot``'s cache with ``tokens`` at positions ``start_pos, start_pos + 1, ...``, in
-    chunks of ``chunk`` rows (at most the largest bucket's, 2048; default: :func:`prefill_chunks`), one launch
+    chunks of ``chunk`` rows (at most the largest bucket's, 1024; default: :func:`prefill_chunks`), one launch
     each; returns the last position's fp32 logits (1, vocab), or with ``logits`` False None and no launch runs the LM
     head (a part of a prompt that continues). Errors (tokens, positions past max_seq_len, the slot,
     the chunk) come before any launch."""

@@ -47,7 +47,7 @@ ROW_WORDS = 4
 #: columns of the LM head's one-group mode (the ``rows`` buffer's logits word ``2 + k``)
 LOGIT_GROUP = 16
 #: the row buckets a handle builds tapes for (``ROWS``), smallest first
-BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 #: the widest column block of a GEMM tile (``RowsLayout.n_tile``): a 512-row bucket's tiles are 2 blocks wide,
 #: a 1024-row bucket's 4
 N_TILE_MAX = 256
@@ -153,14 +153,19 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
                                 attn_pairs=128, attn_stages=3)
         over = {"stages": 4, **over}
     if rows >= 1024:    # the down projection in 2 K chunks: 1 partial less to write and read back, K blocks of
-        # twice the length a tile (run 312, H100, a 1024-row chunk at pos 0: 1B 6044 -> 5670 us, 8B 35502 -> 33546)
-        t = dataclasses.replace(t, down_k=min(cfg.ffn, max(2048, -(-cfg.ffn // 128) * 64)))
+        # twice the length a tile (run 312, H100, a 1024-row chunk at pos 0: 1B 6044 -> 5670 us, 8B 35502 -> 33546);
+        # the last chunk's tiles end the layer (DOWN_RES_R, no RESIDUAL_R: run 314, H100, the 1B 5579 -> 5280 us,
+        # bitwise the same; the 8B not measured with it)
+        dk = min(cfg.ffn, max(2048, -(-cfg.ffn // 128) * 64))
+        t = dataclasses.replace(t, down_k=dk, down_res=int(-(-cfg.ffn // dk) >= 2 and t.down_rows == t.red_rows))
     t = dataclasses.replace(t, **{k: v for k, v in over.items() if k != "stages"})
     if "stages" in over:
         return dataclasses.replace(t, stages=over["stages"])
     m = max(2 * t.gu_rows, 2 * max(16, t.qkv_rows // 2), t.o_rows, t.down_rows, 32)    # a block's weight rows
     stage = 2 * t.bk * (m + min(max(rows, DECODE_BUCKETS[-1]), N_TILE_MAX))
-    return dataclasses.replace(t, stages=max(2, min(5, (200 * 1024) // stage)))
+    # the decode buckets 8 stages deep (7 buffers, 6 in flight: 96 KB of gate/up an SM, not 48; run 314-315, H100,
+    # R16 B16 pos 1024: 1B 1488 -> 1457 us, 8B 7481 -> 7303), the others at most 5
+    return dataclasses.replace(t, stages=max(2, min(8 if decode else 5, (200 * 1024) // stage)))
 
 
 @register_layout

@@ -289,8 +289,8 @@ DEFAULTS: tuple[Default, ...] = (
 
 #: the knobs no default sets (``--tiling`` / ``MEGATAPE_TILING`` set them for experiments), and why
 EXPERIMENTAL: dict[str, str] = {
-    "down_res": "the rows programs' down tiles of the last K chunk end the layer, no RESIDUAL_R (bench/notes/s47.md "
-                "v177 / v178; not measured yet)",
+    "down_res": "the rows programs' down tiles of the last K chunk end the layer, no RESIDUAL_R; only "
+                "opcodes.rows.rows_tiling sets it (the 1024-row bucket: run 314, H100, a 1B chunk -5.4%; s48.md v178)",
     "o_k": "the O projection split along K (O_REDUCE adds the chunks): measured slower (TP 70B +1.2%)",
     "attn_kg": "the rows kernels' decode attention in key groups, warps on the groups (s43.md v169): +1.2% on an H100 "
                 "(run 304), back for its H200 run (s48.md)",

@@ -49,12 +49,12 @@ def test_rows_and_serve_parse_here_and_run_their_benches(monkeypatch):
     seen = []
     monkeypatch.setattr(bench.rows_bench, "main", lambda argv: seen.append(("rows", argv)) or 0)
     monkeypatch.setattr(bench.serve_bench, "main", lambda argv: seen.append(("serve", argv)) or 3)
-    assert main(["rows", "--preset", "llama3.1-8b", "--B", "16,32", "--chunks", "0,2048", "--skip", "decode,ttft",
+    assert main(["rows", "--preset", "llama3.1-8b", "--B", "16,32", "--chunks", "0,512", "--skip", "decode,ttft",
                  "--no-hf"]) == 0
     assert main(["serve", "--clients", "4", "--out", "x"]) == 3
     (k1, a1), (k2, a2) = seen
     assert k1 == "rows" and a1 == ["--preset", "llama3.1-8b", "--B", "16,32", "--pos", "1024", "--prompts",
-                                   "128,1024,4096", "--chunks", "0,2048", "--reps", "10", "--skip", "decode,ttft", "--out",
+                                   "128,1024,4096", "--chunks", "0,512", "--reps", "10", "--skip", "decode,ttft", "--out",
                                    "bench/results/latest", "--no-hf"]
     assert k2 == "serve" and a2 == ["--preset", "llama3.2-1b", "--clients", "4", "--prompt", "128", "--new", "64",
                                     "--requests-per-client", "2", "--out", "x"]
@@ -113,7 +113,7 @@ def test_decoder_tiling(monkeypatch, capsys):
     (["decoder", "--tp", "3"], "--tp"),
     (["frobnicate"], "frobnicate"),
     (["rows", "--B", "0,16"], "--B"),                           # a batch of no rows
-    (["rows", "--B", "4096"], "--B"),                           # past the largest bucket (2048)
+    (["rows", "--B", "2048"], "--B"),                           # past the largest bucket (1024)
     (["rows", "--skip", "speed"], "--skip"),
     (["rows", "--pos", "-1"], "--pos"),
     (["rows", "--prompts", "128,x"], "--prompts"),

@@ -210,8 +210,10 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
         # v163 + v165, runs 299-300: the 8B's chunk 20668 -> 19061 us on an H100) to 624. The prefill buckets'
         # LM head tiles of 128 vocabulary rows (run 311, H200: a 1B prompt's 1024-row chunk -6.8%) the 1B's 128-
         # and 1024-row kernels from 344 / 536 to 400 / 592, the 8B's 512-row one to 688 (the 1B's chunk got
-        # faster with it; the 8B not measured). The bounds guard against more than those.
-        bound = {"rows16": 0, "rows32": 64, "rows64": 160, "rows128": 400, "rows512": 688, "rows1024": 592}[what]
+        # faster with it; the 8B not measured). The 1024-row bucket's last down K chunk ending the layer (DOWN_RES_R,
+        # v178: run 314, H100, a 1B chunk 5579 -> 5280 us) took the 1B's 1024-row kernel to 760. The bounds guard
+        # against more than those.
+        bound = {"rows16": 0, "rows32": 64, "rows64": 160, "rows128": 400, "rows512": 688, "rows1024": 760}[what]
         assert got["stack"] <= bound, f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills)"
     if what in CODE_LIMITED:
         assert 0 < got["code_bytes"] <= ICACHE_BYTES, \

@@ -296,19 +296,7 @@ def test_prefill_chunks_take_the_largest_bucket_while_it_fills():
     assert prefill_chunks(9) == [(0, 9)]
     assert prefill_chunks(9, chunk=4) == [(0, 4), (4, 4), (8, 1)]
     assert prefill_chunks(2000, chunk=1024) == [(0, 1024), (1024, 976)]
-    assert prefill_chunks(4500, chunk=2048) == [(0, 2048), (2048, 2048), (4096, 404)]
-    assert prefill_chunks(3000) == [(0, 1024), (1024, 1024), (2048, 512), (2560, 440)]   # 2048 only when asked
-
-
-def test_a_2048_row_launch_runs_eight_column_blocks():
-    """A 1100-token prompt in one launch of the 2048-row bucket (``chunk=2048``, v181: 8 column blocks of 256, the
-    last four with no live row, the down projection in 2 K chunks as at 1024): the last logits meet the criterion
-    against the oracle and the cache matches the oracle's, nothing written past the prompt."""
-    from schedule.tape import decode
-    h = _prompt_meets_the_oracle(CFG, 1152, [(29 * i + 7) % CFG.vocab for i in range(1100)], chunk=2048)
-    assert sorted(h.rows) == [2048]
-    assert {getattr(d.ins, "n0", 0) for d in decode(h.rows[2048].tape)} == {256 * i for i in range(8)}
-    teardown(h)
+    assert prefill_chunks(3000) == [(0, 1024), (1024, 1024), (2048, 512), (2560, 440)]
 
 
 def test_a_buffer_past_int32_offsets_is_refused_before_anything_is_built():
@@ -409,7 +397,7 @@ def test_bad_rows_inputs_fail_before_the_cache_is_touched():
         (lambda: decode_step(h, [1, 200], [3, 4]), ValueError, ["tokens[1]", "vocab=200"]),
         (lambda: decode_step(h, [1.0, 2.0], [3, 4]), TypeError, ["tokens"]),
         (lambda: decode_step(h, torch.tensor([[1, 2]]), [3, 4]), ValueError, ["tokens", "1-D"]),
-        (lambda: decode_step(h, list(range(2049)), list(range(2049)), slots=[0] * 2049), ValueError, ["at most 2048"]),
+        (lambda: decode_step(h, list(range(1025)), list(range(1025)), slots=[0] * 1025), ValueError, ["at most 1024"]),
         (lambda: prefill(h, [1, 2, 3], MAX_SEQ - 2), ValueError, ["past max_seq_len"]),
         (lambda: prefill(h, [], 0), ValueError, ["tokens"]),
         (lambda: prefill(h, [1, 2], 0, slot=3), ValueError, ["slot", "batch=3"]),
@@ -474,8 +462,8 @@ def test_serve_kernel_backend_matches_the_ref_backend():
     finally:
         kb.close()
     with pytest.raises(ValueError) as e:
-        KernelBackend(w, CFG, 2049, MAX_SEQ, device="cpu")
-    check_message(e.value, ["max_batch", "2048"])
+        KernelBackend(w, CFG, 1025, MAX_SEQ, device="cpu")
+    check_message(e.value, ["max_batch", "1024"])
 
 
 @pytest.mark.parametrize("preset", ["llama3.2-1b", "llama3.1-8b", None])
