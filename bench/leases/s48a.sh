@@ -2,7 +2,7 @@
 # Session 48's lease (bench/notes/s48.md; s47c's parts 1-3 unchanged): each PART one call of < 10 minutes; OUT collects every log.
 # PART=1: the 1B's 1024-row chunk with v176 (the default since session 47): its logits against the fp32 reference
 #         (rows_profile --accuracy) and v178 / v179 on top of it, each with its accuracy line; v176 at 512 rows.
-# PART=2: the 8B likewise, and v179 + v178 (run 312's -6.6% with 7 chunks).
+# PART=2: the 8B's 1024-row chunk: its accuracy with v176 + v178 (the default since session 48), v178 off, v179.
 # PART=3: TTFT beside transformers on both (README's table; H200 wanted), the 1B then the 8B.
 # PART=5 (an H200 only: on an H100 the HBM, not the SM, bounds it): v169 again, the decode attention in key groups.
 # PART=6 / PART=7: v181, a 2048-row bucket (chunk=2048): its accuracy and the TTFT of 2048 / 4096 prompts
@@ -23,7 +23,7 @@ case "${PART:-1}" in
    timeout 150 python3 -m bench.probes.rows_profile --R 512 --prefill --accuracy --pos 0 --tiling ";down_k=4096" \
        > $OUT/p512-llama3.2-1b-0-acc.log 2>&1 ;;
 2) timeout 420 $RP --preset llama3.1-8b --pos 0 \
-       --tiling ";down_res=1;down_rows=128,red_rows=128;down_rows=128,red_rows=128,down_res=1" \
+       --tiling ";down_res=0;down_rows=128,red_rows=128;down_rows=128,red_rows=128,down_res=0" \
        > $OUT/p1024-llama3.1-8b-0-acc.log 2>&1 ;;
 3) timeout 250 python3 -m bench.rows_bench --preset llama3.2-1b --skip decode,invariance --out $OUT > $OUT/ttft-1b.log 2>&1
    timeout 300 python3 -m bench.rows_bench --preset llama3.1-8b --skip decode,invariance --out $OUT > $OUT/ttft-8b.log 2>&1 ;;
