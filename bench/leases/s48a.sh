@@ -11,6 +11,7 @@
 # PART=8: v182, the decode buckets' GEMM pipelines 6 / 8 stages deep, not 5 (1B and 8B, R16 B16 pos 1024).
 # PART=17: a short first call (~7 min, for a nearly spent budget): the 1B's v176 accuracy (+ v178), v181, v182.
 # PART=18: the shortest useful call (~3 min): v176's accuracy line alone, then v182 on the 1B.
+# PART=9 (issue 53, an H200): v183, the one-row 1B decoder 6 / 7 stages deep, alternated with the default.
 # PART=4: v180 (the 8B's 1024-row QKV / O tiles of 128 weight rows) and v175 (decode LM head tiles of 128 rows).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -55,6 +56,8 @@ case "${PART:-1}" in
    timeout 80 python3 -m bench.probes.rows_profile --R 2048 --prefill --accuracy --pos 0 > $OUT/p2048-llama3.2-1b-0-acc.log 2>&1
    timeout 150 python3 -m bench.rows_bench --preset llama3.2-1b --prompts 2048,4096 --chunks 0,2048 --no-hf \
        --skip decode,invariance,accuracy --out $OUT > $OUT/ttft2048-1b.log 2>&1 ;;
+9) timeout 400 python3 -m bench decoder --preset llama3.2-1b --pos 128 --no-compile \
+       --variants "default;stages=6;stages=7;default;stages=6;stages=7" > $OUT/dec-1b-128-v183.log 2>&1 ;;
 18) timeout 100 $RP --pos 0 > $OUT/p1024-llama3.2-1b-0-acc.log 2>&1
    timeout 90 python3 -m bench.probes.rows_profile --R 16 --B 16 --pos 1024 --tiling ";stages=8;;stages=8" \
        > $OUT/r16-llama3.2-1b-1024-v182.log 2>&1 ;;
