@@ -134,7 +134,8 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
     128 pairs against 32 (5630.2 at 256: 64 tiles leave half the SMs idle), the 8B 32888.1 -> 20432.3 against 16
     pairs; 3 stages -2.8% / -2.2% more). The O projection 16 rows where d / 32 would leave SMs idle.
     ``over``: fields to set instead (a probe's variants); the pipeline depth then fits their tiles: as many
-    stages (2-5) as 200 KB of shared memory holds blocks of the largest weight tile plus the rows."""
+    stages (2-5; 2-8 in the decode buckets) as 200 KB of shared memory holds blocks of the largest weight tile plus
+    the rows."""
     base = Tiling.for_config(cfg, max_seq=max_seq)
     decode = rows <= DECODE_BUCKETS[-1]
     bk = min(128 if rows <= 64 else 64, next_pow2(cfg.d))
@@ -163,7 +164,7 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
         return dataclasses.replace(t, stages=over["stages"])
     m = max(2 * t.gu_rows, 2 * max(16, t.qkv_rows // 2), t.o_rows, t.down_rows, 32)    # a block's weight rows
     stage = 2 * t.bk * (m + min(max(rows, DECODE_BUCKETS[-1]), N_TILE_MAX))
-    # the decode buckets 8 stages deep (7 buffers, 6 in flight: 96 KB of gate/up an SM, not 48; run 314-315, H100,
+    # the decode buckets 8 stages deep (7 buffers, 6 in flight: 96 KB of gate/up an SM, not 48; runs 314-315, H100,
     # R16 B16 pos 1024: 1B 1488 -> 1457 us, 8B 7481 -> 7303), the others at most 5
     return dataclasses.replace(t, stages=max(2, min(8 if decode else 5, (200 * 1024) // stage)))
 
