@@ -56,9 +56,10 @@ def graph_step_ms(launch, reps: int, k: int = 16) -> float:
     return statistics.median(_events_ms(g.replay, reps)) / k
 
 
-def _ttft(h, toks, chunk, reps, dec, runtime) -> dict:
+def _ttft(h, toks, chunk, reps, dstep) -> dict:
     """One prompt's prefill into slot 1 in chunks of ``chunk`` (None: the default's): its first call (which
-    compiles the buckets it needs), then ``reps`` timed ones, beside the one-row decode step at its length."""
+    compiles the buckets it needs), then ``reps`` timed ones, beside ``dstep``, the one-row decode step (ms) at
+    its length."""
     from interp import prefill
     n = len(toks)
     t = time.time()
@@ -66,8 +67,6 @@ def _ttft(h, toks, chunk, reps, dec, runtime) -> dict:
     torch.cuda.synchronize()
     first_s = time.time() - t
     ms = _events_ms(lambda: prefill(h, toks, 0, slot=1, chunk=chunk), reps)
-    one = dec._pick(h, n)
-    dstep = graph_step_ms(lambda: runtime.launch(one, h.x0, n, h.hidden), reps)
     return dict(prompt=n, chunk=chunk or 0, prefill_ms=statistics.median(ms), prefill_ms_min=min(ms),
                 first_call_s=first_s, decode_step_ms=dstep, x_decode_steps=statistics.median(ms) / dstep)
 
@@ -206,8 +205,10 @@ def main(argv=None) -> int:
         for n in prompts:
             ids = torch.randint(0, cfg.vocab, (n,), generator=g)
             toks = ids.tolist()
+            one = dec._pick(h, n)
+            dstep = graph_step_ms(lambda: runtime.launch(one, h.x0, n, h.hidden), a.reps)
             for ci, c in enumerate(chunks):
-                row = _ttft(h, toks, c or None, a.reps, dec, runtime)
+                row = _ttft(h, toks, c or None, a.reps, dstep)
                 if hf is not None and ci == 0:
                     hms = forward_ms(hf, ids.cuda().reshape(1, -1), a.reps)
                     hf_ms = statistics.median(hms)

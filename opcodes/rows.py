@@ -158,7 +158,7 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
         # the last chunk's tiles end the layer (DOWN_RES_R, no RESIDUAL_R: run 314, H100, the 1B 5579 -> 5280 us,
         # bitwise the same; the 8B not measured with it)
         dk = min(cfg.ffn, max(2048, -(-cfg.ffn // 128) * 64))
-        t = dataclasses.replace(t, down_k=dk, down_res=int(-(-cfg.ffn // dk) >= 2 and t.down_rows == t.red_rows))
+        t = dataclasses.replace(t, down_k=dk, down_res=int(dk < cfg.ffn))    # it needs another chunk's partials
     t = dataclasses.replace(t, **{k: v for k, v in over.items() if k != "stages"})
     if "stages" in over:
         return dataclasses.replace(t, stages=over["stages"])
@@ -195,8 +195,7 @@ class RowsLayout(DecoderLayout):
         if t.down_res and (t.down_rows != t.red_rows or self.n_down_k < 2):
             raise ValueError(f"Tiling.down_res = 1 needs down_rows = red_rows (a down tile's rows one residual "
                              f"block) and 2 or more down K chunks (down_k < ffn: the other chunks' DOWN_R write the "
-                             f"partials), "
-                             f"got down_rows {t.down_rows}, red_rows {t.red_rows}, down_k {t.down_k}, ffn {c.ffn}")
+                             f"partials), got down_rows {t.down_rows}, red_rows {t.red_rows}, down_k {t.down_k}, ffn {c.ffn}")
         if t.gu_rows < 16 or self.lm_rows < 16:
             raise ValueError(f"a rows program needs gu_rows and lm_rows >= 16, got {t.gu_rows}, {self.lm_rows}")
         if not self.attn_merged or t.row_bytes or t.res_fold or t.down_wait or t.gu_tiles or self.o_partial:
