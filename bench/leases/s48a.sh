@@ -13,7 +13,7 @@
 # PART=18: the shortest useful call (~3 min): v176's accuracy line alone, then v182 on the 1B.
 # PART=9 (issue 53, an H200): v183, the one-row 1B decoder 6 / 7 stages deep, alternated with the default.
 # PART=20 (session 49's first H200 call): the 1B B sweep with v182 + invariance, the 8B 1024-row accuracy (PART=2 short), v183.
-# PART=21: PART=20 where the card is an H200 (v169 on the 1B in place of the 8B's accuracy); else PART=2 + v180 (8B).
+# PART=21: v184's TMA probe (bench/probes/tma_gemm.py), then PART=20 where the card is an H200 (v169 on the 1B in place of the 8B's accuracy); else PART=2 + v180 (8B).
 # PART=4: v180 (the 8B's 1024-row QKV / O tiles of 128 weight rows) and v175 (decode LM head tiles of 128 rows).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -67,15 +67,16 @@ case "${PART:-1}" in
    timeout 200 $RP --preset llama3.1-8b --pos 0 --tiling ";down_res=0" > $OUT/p1024-llama3.1-8b-0-acc.log 2>&1
    timeout 170 python3 -m bench decoder --preset llama3.2-1b --pos 128 --no-compile \
        --variants "default;stages=7;default;stages=7" > $OUT/dec-1b-128-v183.log 2>&1 ;;
-21) if grep -q H200 $OUT/smi-21.log; then
+21) for P in llama3.2-1b llama3.1-8b; do timeout 60 python3 -m bench.probes.tma_gemm --preset $P > $OUT/tma-$P.log 2>&1; done
+   if grep -q H200 $OUT/smi-21.log; then
      timeout 190 python3 -m bench rows --preset llama3.2-1b --B 1,16,32 --skip ttft,accuracy --out $OUT > $OUT/rows-decode-1b.log 2>&1
      timeout 200 python3 -m bench.probes.rows_profile --R 16 --B 16 --pos 1024 --tiling ";attn_kg=4;;attn_kg=4" \
          > $OUT/r16-llama3.2-1b-1024-v169.log 2>&1
-     timeout 170 python3 -m bench decoder --preset llama3.2-1b --pos 128 --no-compile \
+     timeout 110 python3 -m bench decoder --preset llama3.2-1b --pos 128 --no-compile \
          --variants "default;stages=7;default;stages=7" > $OUT/dec-1b-128-v183.log 2>&1
    else
-     timeout 250 $RP --preset llama3.1-8b --pos 0 --tiling ";down_res=0" > $OUT/p1024-llama3.1-8b-0-acc.log 2>&1
-     timeout 300 python3 -m bench.probes.rows_profile --R 1024 --prefill --preset llama3.1-8b --pos 0 \
+     timeout 200 $RP --preset llama3.1-8b --pos 0 --tiling ";down_res=0" > $OUT/p1024-llama3.1-8b-0-acc.log 2>&1
+     timeout 250 python3 -m bench.probes.rows_profile --R 1024 --prefill --preset llama3.1-8b --pos 0 \
          --tiling ";qkv_rows=128;o_rows=128;" > $OUT/p1024-llama3.1-8b-0-v180.log 2>&1
    fi ;;
 esac
