@@ -16,6 +16,7 @@
 # PART=21: v184's TMA probe (bench/probes/tma_gemm.py), then PART=20 where the card is an H200 (v169 on the 1B in place of the 8B's accuracy); else PART=2 + v180 (8B).
 # PART=22: run 317's R1 != R32 (v182): R32 at stages 8 / 8 / 5 / 5 and R16 at 8 / 5 (determinism, numerics), the
 #         rows bench's invariance again; the 8B's o_rows=128 (v180) accuracy line.
+# PART=23: bench/probes/bucket_probe.py, where row 0's bits part between the 16- and 32-row buckets (1B, 8B).
 # PART=4: v180 (the 8B's 1024-row QKV / O tiles of 128 weight rows) and v175 (decode LM head tiles of 128 rows).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -86,5 +87,6 @@ case "${PART:-1}" in
    timeout 90 python3 -m bench.probes.rows_profile --R 16 --B 16 --pos 1024 --tiling ";stages=5" > $OUT/r16-llama3.2-1b-1024-inv.log 2>&1
    timeout 110 python3 -m bench rows --preset llama3.2-1b --B 1 --skip ttft,accuracy --out $OUT > $OUT/rows-inv-1b.log 2>&1
    timeout 220 $RP --preset llama3.1-8b --pos 0 --tiling ";o_rows=128" > $OUT/p1024-llama3.1-8b-0-v180acc.log 2>&1 ;;
+23) for P in llama3.2-1b llama3.1-8b; do timeout 150 python3 -m bench.probes.bucket_probe --preset $P > $OUT/bucket-$P.log 2>&1; done ;;
 esac
 for f in $OUT/*.log; do echo "== $f"; grep -v "^  +\|^{\|Warn\|_warn" $f | cut -c1-260 | tail -n 14; done
