@@ -687,3 +687,53 @@ def test_rows_profile_accuracy_line_applies_the_multi_layer_criterion():
     assert step_rows(pre, cfg) == ([0] * 4, [10, 11, 12, 13], [5, 22, 39, 56])
     dec = argparse.Namespace(R=16, B=3, pos=10, prefill=False, tokens="same")
     assert step_rows(dec, cfg) == ([0, 1, 2], [10, 10, 10], [7, 7, 7])
+
+
+# ---- bench/probes/gemm_tiles.py and bucket_probe.py (session 49) ------------------------------------------------
+
+@pytest.mark.parametrize("two", [False, True])
+def test_gemm_tiles_kernel_computes_the_gemm_at_each_tile_shape(two):
+    """The tile-shape probe's loop (rows_stream's, alone) computes W . X at every tile it times: fp16 operands (the
+    interpreter's bf16 dot is wrong, opcodes.common.mma), several weight and column blocks a program."""
+    from bench.probes import gemm_tiles as gt
+    torch.manual_seed(0)
+    rows, K, XS = 256, 128, 256
+    w, x = torch.randn(rows, K).half(), torch.randn(K, XS).half()
+    ref = w.float() @ x.float()
+    for M, NT in ((32, 128), (64, 64), (16, 256)):
+        y = torch.zeros(rows, XS)
+        gt.run(w, x, y, rows // 2 if two else rows, K, two, 3, M=M, NT=NT, BK=32, ST=2, warps=4)
+        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-3)
+
+
+def test_gemm_tiles_stages_and_arguments(capsys):
+    from bench.probes import gemm_tiles as gt
+    # the 1024-row bucket's: gate/up 64 + 64 rows x 256 columns, 48 KB a stage; a down tile of 128 x 128 32 KB
+    assert gt.stages_for(64, 256, True) == 4 and gt.stages_for(128, 128, False) == 4
+    assert gt.stages_for(256, 256, True) == 2
+    for bad in ("64", "64x100", "8x256", "axb"):
+        with pytest.raises(SystemExit) as e:
+            gt.main(["--tiles", bad])
+        assert e.value.code == 2 and "--tiles" in capsys.readouterr().err
+
+
+def test_bucket_probe_first_diff_names_the_element_and_the_layer():
+    from bench.probes import bucket_probe as bp
+    a = torch.arange(12, dtype=torch.float32)
+    assert bp.first_diff(a, a.clone(), 3) == "equal"
+    b = a.clone()
+    b[5] += 0.5
+    b[9] -= 2.0
+    got = bp.first_diff(a, b, 3)
+    assert got.startswith("first at 5 of 12 (layer part 1 of 3), 2 elements") and "2.000e+00" in got, got
+    assert bp.first_diff(a, a[:6], 3).startswith("shapes")
+
+
+def test_bucket_probe_tiny_row0_is_bitwise_in_every_bucket(capsys):
+    """The interpreter's decode buckets: row 0 alone (16 rows), alone in the 32-row bucket and beside 31 other rows,
+    bitwise equal in its logits, its K/V and every scratch buffer's column (the CPU half of runs 317-318's question)."""
+    from bench.probes import bucket_probe as bp
+    assert bp.main(["--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("bitwise equal to (a) in every compared tensor") == 3, out
+    assert "scratch:attn_r" in out and "scratch:logits_r" in out

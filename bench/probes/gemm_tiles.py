@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         tiles = [tuple(int(v) for v in t.split("x")) for t in a.tiles.split(",")]
-        assert all(len(t) == 2 and m >= 16 and nt >= 16 and a.rows % nt == 0 for m, nt in tiles)
+        assert all(len(t) == 2 for t in tiles) and all(m >= 16 and nt >= 16 and a.rows % nt == 0 for m, nt in tiles)
     except (ValueError, AssertionError):
         ap.error(f"--tiles: MxNT pairs, each >= 16, NT dividing --rows {a.rows}; got {a.tiles!r}")
     if not torch.cuda.is_available():
