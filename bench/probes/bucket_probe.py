@@ -88,7 +88,8 @@ def main(argv=None) -> int:
             continue
         diffs = {k: first_diff(base[k], snap[k], cfg.layers) for k in base if k in snap}
         bad = {k: v for k, v in diffs.items() if v != "equal"}
-        print(f"{name}: {'bitwise equal to (a) in every compared tensor' if not bad else f'{len(bad)} of {len(diffs)} differ'}")
+        verdict = "bitwise equal to (a) in every compared tensor" if not bad else f"{len(bad)} of {len(diffs)} differ"
+        print(f"{name}: {verdict}")
         for k, v in bad.items():
             print(f"    {k}: {v}")
     print(f"scratch compared: {sorted(k for k in base if k.startswith('scratch:'))}")

@@ -99,7 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="llama3.2-1b", choices=sorted(PRESETS))
     ap.add_argument("--rows", type=int, default=1024, help="token columns (default 1024)")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--tiles", default="64x256,128x128,128x256,64x128", help="MxNT tiles (default 64x256,128x128,128x256,64x128)")
+    ap.add_argument("--tiles", default="64x256,128x128,128x256,64x128",
+                    help="MxNT tiles (default 64x256,128x128,128x256,64x128)")
     a = ap.parse_args(argv)
     try:
         tiles = [tuple(int(v) for v in t.split("x")) for t in a.tiles.split(",")]
