@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bench.rows_bench import _events_ms
 from opcodes import PRESETS
 
 SHAPES = ("gate_up", "down")
@@ -81,17 +82,10 @@ def run(w, x, y, m_rows, K, two, grid, *, M=64, NT=256, BK=64, ST=4, warps=8):
 
 
 def timed(fn, reps: int) -> float:
+    """Median us of ``reps`` launches (CUDA events, ``bench.rows_bench``'s) after 3 warm-ups."""
     for _ in range(3):
         fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
+    return statistics.median(_events_ms(fn, reps)) * 1e3
 
 
 def main(argv=None) -> int:
