@@ -7,9 +7,10 @@ step not bitwise row 0 alone, R1 = R16 still bitwise, and the R32 kernel's outpu
 One handle of 32 slots (``rows_bench``'s weights and cache, seeds 0 / 1). Row 0 (slot 0, token 1234, position
 pos + 40) is run: (a) alone (the 16-row bucket), (b) alone in the 32-row bucket (``min_rows=32``: nobody else in the
 step), (c) beside 31 other slots' rows (the 32-row bucket), (d) alone again. For each run: the logits, slot 0's K/V
-at that position (every layer), and row 0's column of every scratch buffer of the bucket's kernel whose last axis
-is its rows. Printed: which of (b)-(d) equal (a) bitwise, and for each buffer that differs the first index along
-its leading axes (the layer) where it does: the first opcode whose output parts the buckets.
+at that position (every layer), and row 0's values in every scratch buffer of the bucket's kernel (flat buffers:
+feature-major ``[.., features, R]``, but ``attn_r``'s ``[layers, R, features]``). Printed: which of (b)-(d) equal
+(a) bitwise, and for each tensor that differs the first element (and layer) where it does: the first opcode
+whose output parts the buckets.
 """
 from __future__ import annotations
 
