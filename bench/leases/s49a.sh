@@ -10,7 +10,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYT
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/smi-${PART:-1}.log 2>&1
 case "${PART:-1}" in
-1) for P in llama3.2-1b llama3.1-8b; do timeout 150 python3 -m bench.probes.bucket_probe --preset $P > $OUT/bucket-$P.log 2>&1; done
+1) { python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+     nvidia-smi --query-gpu=driver_version --format=csv,noheader; echo "TRITON_PTXAS_PATH=${TRITON_PTXAS_PATH:-}"
+     python3 -c "from bench.ptx_diff import triton_tool; import subprocess; print(subprocess.run([str(triton_tool('ptxas')), '--version'], capture_output=True, text=True).stdout)"
+   } > $OUT/env.log 2>&1     # runs 317-318's R1 != R32 with kernels unchanged since runs that had it: did the toolchain move?
+   for P in llama3.2-1b llama3.1-8b; do timeout 150 python3 -m bench.probes.bucket_probe --preset $P > $OUT/bucket-$P.log 2>&1; done
    for P in llama3.2-1b llama3.1-8b; do timeout 90 python3 -m bench.probes.gemm_tiles --preset $P > $OUT/tiles-$P.log 2>&1; done ;;
 2) timeout 200 python3 -m bench rows --preset llama3.2-1b --skip ttft,accuracy --out $OUT > $OUT/rows-decode-1b.log 2>&1
    timeout 240 python3 -m bench rows --preset llama3.1-8b --skip ttft,accuracy --out $OUT > $OUT/rows-decode-8b.log 2>&1
