@@ -5,6 +5,8 @@
 #         bench/probes/gemm_tiles.py (v185: DOWN tiles of 128 x 128 / 128 x 256 against 64 x 256, both models).
 # PART=2: the decode B sweep with invariance, 1B and 8B (v182 on an H200: B=16 >= 12x?), then v169 on the 1B.
 # PART=3: TTFT beside transformers, 1B then 8B (README's table; the 8B with v180).
+# PART=5 (any card): v185 in the kernel: the 1B's then the 8B's 1024-row chunk with 128-column tiles (Tiling.n_tile),
+#         128-row gate/up and down tiles, accuracy lines (run it where PART=1's tile probe says go).
 # PART=4: issue 53 on an H200: the one-row 1B decoder at pos 128 (the 760 us target), default alone, 3 repeats.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -24,5 +26,10 @@ case "${PART:-1}" in
    timeout 300 python3 -m bench.rows_bench --preset llama3.1-8b --skip decode,invariance --out $OUT > $OUT/ttft-8b.log 2>&1 ;;
 4) timeout 300 python3 -m bench decoder --preset llama3.2-1b --pos 128 --no-compile --variants "default;default;default" \
        > $OUT/dec-1b-128.log 2>&1 ;;
+5) timeout 200 python3 -m bench.probes.rows_profile --R 1024 --prefill --accuracy --pos 0 \
+       --tiling ";n_tile=128,gu_rows=128,down_rows=128,red_rows=128;n_tile=128,down_rows=128,red_rows=128;" \
+       > $OUT/p1024-llama3.2-1b-0-v185.log 2>&1
+   timeout 380 python3 -m bench.probes.rows_profile --R 1024 --prefill --accuracy --preset llama3.1-8b --pos 0 \
+       --tiling ";n_tile=128,gu_rows=128,down_rows=128,red_rows=128;" > $OUT/p1024-llama3.1-8b-0-v185.log 2>&1 ;;
 esac
 for f in $OUT/*.log; do echo "== $f"; grep -v "^  +\|^{\|Warn\|_warn\|  layer" $f | cut -c1-260 | tail -n 14; done
