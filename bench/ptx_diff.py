@@ -5,6 +5,7 @@
     MEGATAPE_PRESET=llama3.2-1b MEGATAPE_DECODER=1 python3 -m bench.ptx_diff be1d810   (the decoder's kernel)
     MEGATAPE_TP=1 python3 -m bench.ptx_diff 219da59     (rank 0's tensor-parallel kernel of the preset's layers)
     MEGATAPE_PRESET=llama3.2-1b MEGATAPE_ROWS=1024 python3 -m bench.ptx_diff 5012b86   (a rows bucket's kernel)
+    MEGATAPE_ROWS=32 MEGATAPE_BATCH=32 python3 -m bench.ptx_diff 0277259   (... over a cache of 32 slots)
     MEGATAPE_PRESET=llama3.2-1b MEGATAPE_DECODER=1 MEGATAPE_SAMPLE=1 python3 -m bench.ptx_diff --resources   (sampling)
     MEGATAPE_TTGIR=a.ttgir MEGATAPE_PTX=a.ptx python3 -m bench.ptx_diff --resources   (also write the TTGIR, the PTX)
 
@@ -39,12 +40,12 @@ if os.environ.get("MEGATAPE_TP"):           # rank 0's kernel of the layers on t
     from opcodes.tp import TPLayout, shard_config
     sc = shard_config(cfg, 0, 2)
     lay = TPLayout(sc, TPLayout.default_tiling(sc, **{k: int(v) for k, v in over.items()}), 1152, 0, 2)
-elif os.environ.get("MEGATAPE_ROWS"):       # a rows bucket's kernel (issue 50), batch 1, its bucket's tiling
+elif os.environ.get("MEGATAPE_ROWS"):       # a rows bucket's kernel (issue 50), batch MEGATAPE_BATCH (1), its tiling
     from opcodes.rows import rows_tiling
     from schedule.rows_program import lower_rows
     R = int(os.environ["MEGATAPE_ROWS"])
     rows_prog = lower_rows(Layout(cfg, rows_tiling(cfg, R, 4224, **{k: int(v) for k, v in over.items()}), 4224),
-                           rows=R, batch=1)
+                           rows=R, batch=int(os.environ.get("MEGATAPE_BATCH", "1")))
     lay = rows_prog.lay
 elif os.environ.get("MEGATAPE_DECODER"):    # the whole-model kernel (embed, lm_head, argmax)
     from opcodes.decoder import DecoderLayout
