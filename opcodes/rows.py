@@ -318,12 +318,12 @@ def store_normed_r(x: torch.Tensor, lo: int, hi: int, nw: torch.Tensor, hn: torc
     """VM: ``common_rows.store_normed`` for features [lo, hi) of the fp32 ``x`` [hi - lo, NT]; ``hn``
     [d, NT] and ``ss`` [parts, NT] are views of a column block of the operand's buffers."""
     hn[lo:hi] = (x * nw[lo:hi].float()[:, None]).to(torch.bfloat16)
-    ss[part] = (x * x).sum(0)
+    ss[part] = (x.double() * x.double()).sum(0).float()     # fp64, as the kernel: its order does not matter
 
 
 def col_rstd_r(ss: torch.Tensor, parts: int, d: int, eps: float) -> torch.Tensor:
     """VM: ``common_rows.col_rstd`` over the first ``parts`` rows of ``ss`` [parts, NT] (a column block)."""
-    return torch.rsqrt(ss[:parts].sum(0) / d + eps)
+    return torch.rsqrt(ss[:parts].double().sum(0).float() / d + eps)
 
 
 def bf16_dot(w: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:

@@ -118,7 +118,7 @@ def _main(cases: list[str]) -> None:
             ck = compile_sm90(_tape(preset, int(max_seq), what, cache), profile=(what == "profile"))
             cubin = ck.asm.get("cubin", b"")
             got = {"shared": ck.metadata.shared, "cubin_bytes": len(cubin), "code_bytes": code_bytes(cubin),
-                   "stack": stack_bytes(cubin)}
+                   "stack": stack_bytes(cubin), "f64_reduces": ck.asm["ttgir"].count("xf64")}
         except Exception:
             got = {"error": traceback.format_exc()[-3000:]}
         print(json.dumps({"case": case, **got}), flush=True)
@@ -215,6 +215,9 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
         # against more than those.
         bound = {"rows16": 0, "rows32": 64, "rows64": 160, "rows128": 400, "rows512": 688, "rows1024": 760}[what]
         assert got["stack"] <= bound, f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills)"
+        # the decode buckets sum their feature columns in fp64 (common_rows.store_normed / col_rstd: a row's bits
+        # the same in the 16- and 32-row buckets, whose fp32 reduction trees differ); the others in fp32
+        assert (got["f64_reduces"] > 0) == (int(what[4:]) <= 32), f"{preset} {what}: {got['f64_reduces']} f64 tensors"
     if what in CODE_LIMITED:
         assert 0 < got["code_bytes"] <= ICACHE_BYTES, \
             f"{preset} {what}: {got['code_bytes']} bytes of SASS, over the {ICACHE_BYTES} an H200 SM's instruction " \
