@@ -318,12 +318,18 @@ def store_normed_r(x: torch.Tensor, lo: int, hi: int, nw: torch.Tensor, hn: torc
     """VM: ``common_rows.store_normed`` for features [lo, hi) of the fp32 ``x`` [hi - lo, NT]; ``hn``
     [d, NT] and ``ss`` [parts, NT] are views of a column block of the operand's buffers."""
     hn[lo:hi] = (x * nw[lo:hi].float()[:, None]).to(torch.bfloat16)
-    ss[part] = (x.double() * x.double()).sum(0).float()     # fp64, as the kernel: its order does not matter
+    if ss.shape[-1] <= DECODE_BUCKETS[-1]:      # a decode bucket's block: fp64, as the kernel's (order-free)
+        ss[part] = (x.double() * x.double()).sum(0).float()
+    else:
+        ss[part] = (x * x).sum(0)
 
 
-def col_rstd_r(ss: torch.Tensor, parts: int, d: int, eps: float) -> torch.Tensor:
-    """VM: ``common_rows.col_rstd`` over the first ``parts`` rows of ``ss`` [parts, NT] (a column block)."""
-    return torch.rsqrt(ss[:parts].double().sum(0).float() / d + eps)
+def col_rstd_r(ss: torch.Tensor, parts: int, d: int, eps: float, nt: int | None = None) -> torch.Tensor:
+    """VM: ``common_rows.col_rstd`` over the first ``parts`` rows of ``ss`` [parts, columns] (a column block of
+    ``nt`` columns, default all of ``ss``'s: a decode bucket's block sums in fp64, as the kernel)."""
+    nt = ss.shape[-1] if nt is None else nt
+    tot = ss[:parts].double().sum(0).float() if nt <= DECODE_BUCKETS[-1] else ss[:parts].sum(0)
+    return torch.rsqrt(tot / d + eps)
 
 
 def bf16_dot(w: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:

@@ -111,5 +111,5 @@ class LMHeadR(RowsInstruction):
         lo, hi = self._rows(lay)
         n = slice(cols[0], cols[-1] + 1)
         xb = bview(st.buf["hn_r"], lay, c.d, c.layers + 1)[c.layers, b][:, n]
-        rstd = col_rstd_r(bview(st.buf["ss_r"], lay, p, c.layers)[c.layers - 1, b][:, n], p, c.d, c.eps)
+        rstd = col_rstd_r(bview(st.buf["ss_r"], lay, p, c.layers)[c.layers - 1, b][:, n], p, c.d, c.eps, lay.n_tile)
         bview(st.buf["logits_r"], lay, c.vocab)[b, lo:hi, n] = bf16_dot(st.model["lm_head"][lo:hi], xb) * rstd[None, :]
