@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     from interp import build_decoder, decode_step, prefill, teardown
     from interp import decoder as dec
     from interp import runtime
-    from interp.rows import rows_handle
+    from interp.rows import decode_rows, rows_handle
     from opcodes.config import ModelConfig
     from opcodes.decoder import decoder_ref_rows, decoder_ref_rows_fp32, step_accuracy
     from opcodes.reference import make_kv_cache
@@ -174,9 +174,12 @@ def main(argv=None) -> int:
             toks = [t0_] + [(29 * r + 3) % cfg.vocab for r in range(1, R)]
             lg = decode_step(h, toks, [p0] * R, slots=list(range(R)))
             res[R] = lg[0].clone()
+        # row 0 alone in the 32-row bucket: a bucket's own numerics apart from the other rows (runs 317-318)
+        alone32 = decode_rows(h, [t0_], [p0], [0], min_rows=32)[0].clone()
         rep["invariance"]["row0_R1_eq_R16"] = bool(torch.equal(res[1], res[16]))
         rep["invariance"]["row0_R1_eq_R32"] = bool(torch.equal(res[1], res[32]))
         rep["invariance"]["max_abs_R1_R32"] = float((res[1] - res[32]).abs().max())
+        rep["invariance"]["row0_R1_eq_R1_in_bucket32"] = bool(torch.equal(res[1], alone32))
         # 8 greedy steps of a request alone and in a 16-row batch (the others' tokens their own greedy ones)
         alone, p = [t0_], a.pos + 41
         for i in range(8):
