@@ -181,18 +181,23 @@ def main(argv=None) -> int:
         rep["invariance"]["max_abs_R1_R32"] = float((res[1] - res[32]).abs().max())
         rep["invariance"]["row0_R1_eq_R1_in_bucket32"] = bool(torch.equal(res[1], alone32))
         # 8 greedy steps of a request alone and in a 16-row batch (the others' tokens their own greedy ones)
-        alone, p = [t0_], a.pos + 41
+        # (random weights with a tied head mostly repeat their input token: the logits, bitwise, are the check)
+        alone, p, lg_alone = [t0_], a.pos + 41, []
         for i in range(8):
-            alone.append(int(decode_step(h, [alone[-1]], [p + i], slots=[0]).argmax(-1)[0]))
+            lg = decode_step(h, [alone[-1]], [p + i], slots=[0])
+            lg_alone.append(lg[0].clone())
+            alone.append(int(lg.argmax(-1)[0]))
         cur = [t0_] + [(7 * r + 1) % cfg.vocab for r in range(1, 16)]
-        inb = [t0_]
+        inb, same = [t0_], []
         for i in range(8):
             lg = decode_step(h, cur, [p + i] * 16, slots=list(range(16)))
+            same.append(bool(torch.equal(lg[0], lg_alone[i])))
             cur = lg.argmax(-1).tolist()
             inb.append(cur[0])
         rep["invariance"]["greedy_alone"] = alone
         rep["invariance"]["greedy_in_batch16"] = inb
         rep["invariance"]["greedy_same"] = alone == inb
+        rep["invariance"]["greedy_logits_bitwise"] = same
         print(f"invariance: {rep['invariance']}", flush=True)
 
     if "ttft" not in skip and prompts:
