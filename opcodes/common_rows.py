@@ -14,11 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import mma, to_bf16
-from .rows import DECODE_BUCKETS
-
-#: the column blocks whose feature sums are order-free (fp64): the decode buckets', whose rows move between
-#: buckets with the batch (a row's bits the same in each); the prefill buckets keep fp32 (fewer registers)
-ORDER_FREE_NT = tl.constexpr(DECODE_BUCKETS[-1])
+from .rows import DECODE_ROWS_MAX
 
 
 @triton.jit
@@ -90,11 +86,12 @@ def store_normed(x, rows, rm, nw_ptr, hn_ptr, ss_ptr, part, n0, D: tl.constexpr,
     n = tl.arange(0, NT)
     nw = tl.load(nw_ptr + rows, mask=rm, other=0.0).to(tl.float32)
     tl.store(hn_ptr + n0 * D + rows[:, None] * NT + n[None, :], to_bf16(x * nw[:, None], INTERP), mask=rm[:, None])
-    # a decode bucket's sums in fp64: a square of an fp32 is exact there and the sum rounds ~2^29 times finer
-    # than fp32's, so the fp32 result does not depend on the reduction's order, which follows the block's
-    # layout, which follows NT: a row's sums are the same in the 16- and the 32-row bucket (the sm_90 TTGIR
-    # reduces [64, 16] over 16 lanes x 4 warps, [64, 32] 8 terms a thread first; bench/notes/s49.md)
-    if NT <= ORDER_FREE_NT:
+    # a decode bucket's sums in fp64 (the VM: rows.feature_sums_r): a square of an fp32 is exact there and the
+    # sum rounds ~2^29 times finer than fp32's, so the fp32 result does not depend on the reduction's order,
+    # which follows the block's layout, which follows NT (the sm_90 TTGIR reduces [64, 16] over 16 lanes x 4
+    # warps, [64, 32] 8 terms a thread first; bench/notes/s49.md v186). Each branch whole, so the fp32 one
+    # compiles to the PTX it had before
+    if NT <= DECODE_ROWS_MAX:
         xd = tl.where(rm[:, None], x, 0.0).to(tl.float64)
         tl.store(ss_ptr + n0 * P + part * NT + n, tl.sum(xd * xd, axis=0).to(tl.float32))
     else:
@@ -112,7 +109,7 @@ def col_rstd(ss_ptr, P, PP: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr, NT
     n = tl.arange(0, NT)
     ps: tl.constexpr = NT if STRIDE == 0 else STRIDE
     ss = tl.load(ss_ptr + p[:, None] * ps + n[None, :], mask=(p < P)[:, None], other=0.0, cache_modifier=".cg")
-    if ps <= ORDER_FREE_NT:     # order-free, as store_normed's sums
+    if ps <= DECODE_ROWS_MAX:     # order-free, as store_normed's sums
         r = 1.0 / tl.sqrt(tl.sum(ss.to(tl.float64), axis=0).to(tl.float32) / D + EPS)
     else:
         r = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)

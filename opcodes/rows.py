@@ -318,18 +318,22 @@ def store_normed_r(x: torch.Tensor, lo: int, hi: int, nw: torch.Tensor, hn: torc
     """VM: ``common_rows.store_normed`` for features [lo, hi) of the fp32 ``x`` [hi - lo, NT]; ``hn``
     [d, NT] and ``ss`` [parts, NT] are views of a column block of the operand's buffers."""
     hn[lo:hi] = (x * nw[lo:hi].float()[:, None]).to(torch.bfloat16)
-    if ss.shape[-1] <= DECODE_BUCKETS[-1]:      # a decode bucket's block: fp64, as the kernel's (order-free)
-        ss[part] = (x.double() * x.double()).sum(0).float()
-    else:
-        ss[part] = (x * x).sum(0)
+    ss[part] = feature_sums_r(x, ss.shape[-1], squares=True)
 
 
 def col_rstd_r(ss: torch.Tensor, parts: int, d: int, eps: float, nt: int | None = None) -> torch.Tensor:
     """VM: ``common_rows.col_rstd`` over the first ``parts`` rows of ``ss`` [parts, columns] (a column block of
     ``nt`` columns, default all of ``ss``'s: a decode bucket's block sums in fp64, as the kernel)."""
-    nt = ss.shape[-1] if nt is None else nt
-    tot = ss[:parts].double().sum(0).float() if nt <= DECODE_BUCKETS[-1] else ss[:parts].sum(0)
-    return torch.rsqrt(tot / d + eps)
+    return torch.rsqrt(feature_sums_r(ss[:parts], ss.shape[-1] if nt is None else nt) / d + eps)
+
+
+def feature_sums_r(t: torch.Tensor, nt: int, squares: bool = False) -> torch.Tensor:
+    """VM: the kernels' sums over a column block's features (axis 0) of ``t`` (or of its squares): in fp64,
+    rounded once, where the block is a decode bucket's (``nt`` columns), as ``common_rows``' are."""
+    if nt <= DECODE_BUCKETS[-1]:
+        t = t.double()
+        return (t * t if squares else t).sum(0).float()
+    return (t * t if squares else t).sum(0)
 
 
 def bf16_dot(w: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
