@@ -693,12 +693,13 @@ def test_rows_profile_accuracy_line_applies_the_multi_layer_criterion():
 
 @pytest.mark.parametrize("two", [False, True])
 def test_gemm_tiles_kernel_computes_the_gemm_at_each_tile_shape(two):
-    """The tile-shape probe's loop (rows_stream's, alone) computes W . X at every tile it times: fp16 operands (the
-    interpreter's bf16 dot is wrong, opcodes.common.mma), several weight and column blocks a program."""
+    """The tile-shape probe's loop (rows_stream's, alone, by rows_gemm's kernel) computes W . X at every tile it
+    times: bf16 operands (under the interpreter rows_stream's dots go up to fp32), several weight and column
+    blocks a program."""
     from bench.probes import gemm_tiles as gt
     torch.manual_seed(0)
     rows, K, XS = 256, 128, 256
-    w, x = torch.randn(rows, K).half(), torch.randn(K, XS).half()
+    w, x = torch.randn(rows, K).bfloat16(), torch.randn(K, XS).bfloat16()
     ref = w.float() @ x.float()
     for M, NT in ((32, 128), (64, 64), (16, 256)):
         y = torch.zeros(rows, XS)

@@ -28,39 +28,12 @@ import statistics
 import sys
 
 import torch
-import triton
-import triton.language as tl
 
+from bench.probes import rows_gemm
 from bench.rows_bench import _events_ms
 from opcodes import PRESETS
 
 SHAPES = ("gate_up", "down")
-
-
-@triton.jit
-def ptr_kernel(w_ptr, x_ptr, y_ptr, m_rows, n_tiles, K: tl.constexpr, M: tl.constexpr, NT: tl.constexpr,
-               BK: tl.constexpr, ST: tl.constexpr, TWO: tl.constexpr, XS: tl.constexpr):
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    ncol = tl.arange(0, NT)
-    for t in range(pid, (m_rows // M) * n_tiles, G):
-        rows1 = (t // n_tiles) * M + tl.arange(0, M)
-        n0 = (t % n_tiles) * NT
-        acc1 = tl.zeros([M, NT], tl.float32)
-        acc2 = tl.zeros([M, NT], tl.float32)
-        for kk in tl.range(0, K, BK, num_stages=ST):
-            ks = kk + tl.arange(0, BK)
-            xt = tl.load(x_ptr + ks[:, None].to(tl.int64) * XS + n0 + ncol[None, :], cache_modifier=".cg")
-            w1 = tl.load(w_ptr + rows1[:, None].to(tl.int64) * K + ks[None, :], eviction_policy="evict_first")
-            acc1 = tl.dot(w1, xt, acc1)
-            if TWO:
-                w2 = tl.load(w_ptr + (rows1 + m_rows)[:, None].to(tl.int64) * K + ks[None, :],
-                             eviction_policy="evict_first")
-                acc2 = tl.dot(w2, xt, acc2)
-        y = y_ptr + rows1[:, None].to(tl.int64) * XS + n0 + ncol[None, :]
-        tl.store(y, acc1)
-        if TWO:
-            tl.store(y + m_rows * XS, acc2)
 
 
 def shape_of(cfg, name: str) -> tuple[int, int, bool]:
@@ -76,9 +49,10 @@ def stages_for(M: int, NT: int, two: bool, BK: int = 64) -> int:
 
 
 def run(w, x, y, m_rows, K, two, grid, *, M=64, NT=256, BK=64, ST=4, warps=8):
-    """``ptr_kernel`` over the GEMM: ``y[:, :] = W . x`` (with ``two`` rows r and r + m_rows paired)."""
-    XS = x.shape[1]
-    ptr_kernel[(grid,)](w, x, y, m_rows, XS // NT, K=K, M=M, NT=NT, BK=BK, ST=ST, TWO=two, XS=XS, num_warps=warps)
+    """``y = W . x`` by ``rows_gemm``'s persistent probe kernel (``rows_stream``'s loop; with ``two`` rows r
+    and r + m_rows paired, ``m_rows`` = half of ``w``'s); ``m_rows`` and ``K`` are ``w``'s, checked there."""
+    assert m_rows == (w.shape[0] // 2 if two else w.shape[0]) and K == w.shape[1]
+    rows_gemm.launch(w, x, y, x.shape[1], m=M, n_tile=NT, bk=BK, stages=ST, warps=warps, grid=grid, two=two)
 
 
 def timed(fn, reps: int) -> float:
