@@ -17,7 +17,7 @@ case "${PART:-1}" in
    } > $OUT/env.log 2>&1
    timeout 150 python3 -m bench.probes.bucket_probe > $OUT/bucket-llama3.2-1b-v186.log 2>&1
    timeout 150 pre python3 -m bench.probes.bucket_probe > $OUT/bucket-llama3.2-1b-48063fd.log 2>&1
-   for R in 16 32; do
+   for R in 32 16; do
      timeout 80 python3 -m bench.probes.rows_profile --R $R --B $R --pos 1024 --accuracy --tiling ";" > $OUT/r$R-1b-1024-v186-a.log 2>&1
      timeout 60 pre python3 -m bench.probes.rows_profile --R $R --B $R --pos 1024 --tiling ";" > $OUT/r$R-1b-1024-48063fd-a.log 2>&1
      timeout 30 python3 -m bench.probes.rows_profile --R $R --B $R --pos 1024 --tiling ";" > $OUT/r$R-1b-1024-v186-b.log 2>&1
