@@ -2,6 +2,7 @@
 # Session 50's lease (bench/notes/s50.md): each PART one call of < 10 minutes; OUT collects every log.
 # `.pre186/` (carried, ignored: `git archive 48063fd`) is the tree before v186, so the fp32-sum decode kernels run
 # beside v186's in the same call.
+# PART=0 (any card, a short lease): PART=1's first half.
 # PART=1 (any card): the toolchain; bucket_probe on the 1B with v186 and without (48063fd); the 1B's 16- / 32-row
 #         decode steps at pos 1024, v186 and 48063fd alternated (v186's cost, predicted +-0.5%).
 # PART=2 (any card): v185's tile probe (1B, 8B); the 8B's bucket probe with v186.
@@ -11,6 +12,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/smi-${PART:-1}.log 2>&1
 pre() { (cd .pre186 && PYTHONPATH=$PWD "$@"); }
 case "${PART:-1}" in
+0) # PART=1's first half for a short lease: the toolchain, then the bucket probe with and without v186
+   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" > $OUT/env.log 2>&1
+   nvidia-smi --query-gpu=driver_version --format=csv,noheader >> $OUT/env.log 2>&1
+   timeout 130 python3 -m bench.probes.bucket_probe > $OUT/bucket-llama3.2-1b-v186.log 2>&1
+   timeout 130 pre python3 -m bench.probes.bucket_probe > $OUT/bucket-llama3.2-1b-48063fd.log 2>&1 ;;
 1) { python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
      nvidia-smi --query-gpu=driver_version --format=csv,noheader; echo "TRITON_PTXAS_PATH=${TRITON_PTXAS_PATH:-}"
      python3 -c "from bench.ptx_diff import triton_tool; import subprocess; print(subprocess.run([str(triton_tool('ptxas')), '--version'], capture_output=True, text=True).stdout)"
