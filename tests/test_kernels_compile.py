@@ -119,6 +119,8 @@ def _main(cases: list[str]) -> None:
             cubin = ck.asm.get("cubin", b"")
             got = {"shared": ck.metadata.shared, "cubin_bytes": len(cubin), "code_bytes": code_bytes(cubin),
                    "stack": stack_bytes(cubin), "f64_reduces": ck.asm["ttgir"].count("xf64")}
+            if what.startswith("rows"):
+                got["gemm_loops"] = gemm_loops(cubin)
         except Exception:
             got = {"error": traceback.format_exc()[-3000:]}
         print(json.dumps({"case": case, **got}), flush=True)
@@ -140,6 +142,44 @@ def stack_bytes(cubin: bytes) -> int:
         out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
     m = re.search(r"STACK:(\d+)", out)
     return int(m.group(1)) if m else -1
+
+
+def gemm_loops(cubin: bytes) -> list[tuple[int, int, int]]:
+    """(instructions, local loads, local stores) of each GEMM loop of a rows kernel's SASS (Triton's bundled
+    ``nvdisasm``): a loop is a backward branch's span; a GEMM loop one with tensor-core instructions and at least 90%
+    of its instructions from ``opcodes/common_rows.py`` (``rows_stream``'s K loop). bench/notes/s50.md read the
+    kernels' spills this way (they sit outside these loops)."""
+    import re
+    import tempfile
+    from collections import Counter
+
+    import triton
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(tool), "-c", "-g", f.name], capture_output=True, text=True, check=True).stdout
+    ins, labels, pending, src = [], {}, [], None     # ins: (address, source file, instruction)
+    for line in sass.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            pending.append(m.group(1))
+        elif m := re.match(r'\s*//## File "([^"]+)", line \d+', line):
+            src = m.group(1).rsplit("/", 1)[-1]
+        elif m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line):
+            a = int(m.group(1), 16)
+            labels.update((p, a) for p in pending)
+            pending = []
+            ins.append((a, src, m.group(2)))
+    loops = []
+    for a, _, text in ins:
+        m = re.search(r"\bBRA\s+`?\(?(\.L_x_\d+)", text)
+        if not m or labels.get(m.group(1), a + 1) > a:
+            continue
+        body = [(f, t) for x, f, t in ins if labels[m.group(1)] <= x <= a]
+        if any("MMA" in t for _, t in body) and Counter(f for f, _ in body)["common_rows.py"] >= 0.9 * len(body):
+            loops.append((len(body), sum(bool(re.search(r"\bLDL\b", t)) for _, t in body),
+                          sum(bool(re.search(r"\bSTL\b", t)) for _, t in body)))
+    return loops
 
 
 def _id(c) -> str:
@@ -215,6 +255,12 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
         # against more than those.
         bound = {"rows16": 0, "rows32": 64, "rows64": 160, "rows128": 400, "rows512": 688, "rows1024": 760}[what]
         assert got["stack"] <= bound, f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills)"
+        # ... and none in the GEMM loops (sm_90a SASS, bench/notes/s50.md): no spill store there, at most one local
+        # load an iteration (the 1B's 1024-row kernel's loops have one: a loop bound); a change that moves spills
+        # into the loops that carry the prefill's flops fails here, before any GPU run
+        assert got["gemm_loops"], f"{preset} {what}: no GEMM loop found in the SASS (has the attribution broken?)"
+        assert all(stl == 0 and ldl <= 1 for _, ldl, stl in got["gemm_loops"]), \
+            f"{preset} {what}: local memory in a GEMM loop: (instructions, loads, stores) {got['gemm_loops']}"
         # the decode buckets sum their feature columns in fp64 (common_rows.store_normed / col_rstd: a row's bits
         # the same in the 16- and 32-row buckets, whose fp32 reduction trees differ); the others in fp32
         assert (got["f64_reduces"] > 0) == (int(what[4:]) <= 32), f"{preset} {what}: {got['f64_reduces']} f64 tensors"
