@@ -121,6 +121,7 @@ def _main(cases: list[str]) -> None:
                    "stack": stack_bytes(cubin), "f64_reduces": ck.asm["ttgir"].count("xf64")}
             if what.startswith("rows"):
                 got["gemm_loops"] = gemm_loops(cubin)
+                got["wgmma_serialized"] = wgmma_serialized(ck.asm["ptx"])
         except Exception:
             got = {"error": traceback.format_exc()[-3000:]}
         print(json.dumps({"case": case, **got}), flush=True)
@@ -142,6 +143,21 @@ def stack_bytes(cubin: bytes) -> int:
         out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
     m = re.search(r"STACK:(\d+)", out)
     return int(m.group(1)) if m else -1
+
+
+def wgmma_serialized(ptx: str) -> list[str]:
+    """ptxas's C7511 warnings for the kernel's PTX (sm_90a, Triton's bundled ptxas): wgmma instructions it
+    serialized for want of registers (each tensor-core op then waits for the one before)."""
+    import tempfile
+
+    import triton
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as d:
+        src = pathlib.Path(d) / "k.ptx"
+        src.write_text(ptx)
+        r = subprocess.run([str(tool), "--gpu-name", "sm_90a", str(src), "-o", os.devnull], capture_output=True,
+                           text=True, check=True)
+    return [line for line in (r.stdout + r.stderr).splitlines() if "C7511" in line]
 
 
 def gemm_loops(cubin: bytes) -> list[tuple[int, int, int]]:
@@ -256,11 +272,13 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
         bound = {"rows16": 0, "rows32": 64, "rows64": 160, "rows128": 400, "rows512": 688, "rows1024": 760}[what]
         assert got["stack"] <= bound, f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills)"
         # ... and none in the GEMM loops (sm_90a SASS, bench/notes/s50.md): no spill store there, at most one local
-        # load an iteration (the 1B's 1024-row kernel's loops have one: a loop bound); a change that moves spills
-        # into the loops that carry the prefill's flops fails here, before any GPU run
+        # load an iteration (the 1B's 1024-row kernel's loops have one: a loop bound), and no wgmma that ptxas
+        # serializes for want of registers; a change that moves spills into the loops that carry the prefill's
+        # flops fails here, before any GPU run
         assert got["gemm_loops"], f"{preset} {what}: no GEMM loop found in the SASS (has the attribution broken?)"
         assert all(stl == 0 and ldl <= 1 for _, ldl, stl in got["gemm_loops"]), \
             f"{preset} {what}: local memory in a GEMM loop: (instructions, loads, stores) {got['gemm_loops']}"
+        assert not got["wgmma_serialized"], f"{preset} {what}: {got['wgmma_serialized']}"
         # the decode buckets sum their feature columns in fp64 (common_rows.store_normed / col_rstd: a row's bits
         # the same in the 16- and 32-row buckets, whose fp32 reduction trees differ); the others in fp32
         assert (got["f64_reduces"] > 0) == (int(what[4:]) <= 32), f"{preset} {what}: {got['f64_reduces']} f64 tensors"
