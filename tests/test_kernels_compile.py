@@ -127,14 +127,19 @@ def _main(cases: list[str]) -> None:
         print(json.dumps({"case": case, **got}), flush=True)
 
 
+def triton_tool(name: str) -> pathlib.Path:
+    """One of the CUDA tools Triton bundles (``ptxas``, ``nvdisasm``, ``cuobjdump``)."""
+    import triton
+    return pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+
+
 def stack_bytes(cubin: bytes) -> int:
     """The kernel's per-thread stack (register spills) from ``cuobjdump -res-usage`` (Triton's bundled
     one); -1 where that tool is missing."""
     import re
     import tempfile
 
-    import triton
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = triton_tool("cuobjdump")
     if not tool.exists():
         return -1
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -149,9 +154,7 @@ def wgmma_serialized(ptx: str) -> list[str]:
     """ptxas's C7511 warnings for the kernel's PTX (sm_90a, Triton's bundled ptxas): wgmma instructions it
     serialized for want of registers (each tensor-core op then waits for the one before)."""
     import tempfile
-
-    import triton
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    tool = triton_tool("ptxas")
     with tempfile.TemporaryDirectory() as d:
         src = pathlib.Path(d) / "k.ptx"
         src.write_text(ptx)
@@ -168,9 +171,7 @@ def gemm_loops(cubin: bytes) -> list[tuple[int, int, int]]:
     import re
     import tempfile
     from collections import Counter
-
-    import triton
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    tool = triton_tool("nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
