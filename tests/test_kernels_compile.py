@@ -271,7 +271,8 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
         # v178: run 314, H100, a 1B chunk 5579 -> 5280 us) took the 1B's 1024-row kernel to 760. The bounds guard
         # against more than those.
         bound = {"rows16": 0, "rows32": 64, "rows64": 160, "rows128": 400, "rows512": 688, "rows1024": 760}[what]
-        assert got["stack"] <= bound, f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills)"
+        assert 0 <= got["stack"] <= bound, \
+            f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills; -1: no cuobjdump to read it)"
         # ... and none in the GEMM loops (sm_90a SASS, bench/notes/s50.md): no spill store there, at most one local
         # load an iteration (the 1B's 1024-row kernel's loops have one: a loop bound), and no wgmma that ptxas
         # serializes for want of registers; a change that moves spills into the loops that carry the prefill's
