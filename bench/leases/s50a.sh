@@ -11,6 +11,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYT
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/smi-${PART:-1}.log 2>&1
 pre() { (cd .pre186 && PYTHONPATH=$PWD "$@"); }
+# made here, not on the device (no git there): echo /.pre186/ >> .git/info/exclude; mkdir .pre186 &&
+# git archive 48063fd | tar -x -C .pre186 && rm -rf .pre186/bench/results .pre186/bench/notes; run with carry [".pre186"]
+if [ "${PART:-1}" -le 1 ] && [ ! -f .pre186/bench/probes/bucket_probe.py ]; then
+  echo "s50a PART=${PART:-1}: no .pre186/ (the tree before v186) here: make it and carry it (see this script's head)"; exit 2
+fi
 case "${PART:-1}" in
 0) # PART=1's first half for a short lease: the toolchain, then the bucket probe with and without v186
    python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" > $OUT/env.log 2>&1
