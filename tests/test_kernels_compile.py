@@ -21,6 +21,8 @@ import sys
 
 import pytest
 
+from bench.ptx_diff import triton_tool     # Triton's bundled CUDA tools (ptxas, nvdisasm, cuobjdump)
+
 #: the kernel's runtime parameters before the model's buffers (interp/codegen.py FIXED_PARAMS,
 #: SCALARS, PER_CALL_POINTERS) and their types as runtime.launch passes them
 _PARAM_TYPES = {"tape_ptr": "*i32", "qoff_ptr": "*i32", "cnt_ptr": "*i32", "status_ptr": "*i32", "prof_ptr": "*i64",
@@ -125,12 +127,6 @@ def _main(cases: list[str]) -> None:
         except Exception:
             got = {"error": traceback.format_exc()[-3000:]}
         print(json.dumps({"case": case, **got}), flush=True)
-
-
-def triton_tool(name: str) -> pathlib.Path:
-    """One of the CUDA tools Triton bundles (``ptxas``, ``nvdisasm``, ``cuobjdump``)."""
-    import triton
-    return pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
 
 
 def stack_bytes(cubin: bytes) -> int:

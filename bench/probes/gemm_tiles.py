@@ -44,8 +44,9 @@ def shape_of(cfg, name: str) -> tuple[int, int, bool]:
 
 
 def stages_for(M: int, NT: int, two: bool, BK: int = 64) -> int:
-    """The pipeline depth ``rows_tiling`` would give the tile: as many stages (2-4) as 200 KB holds."""
-    return max(2, min(4, (200 * 1024) // (2 * BK * ((2 if two else 1) * M + NT))))
+    """The pipeline depth ``rows_tiling`` would give the tile: as many stages (2-4) as ``rows_gemm.SMEM_BUDGET``
+    (200 KB) holds."""
+    return max(2, min(4, rows_gemm.SMEM_BUDGET // (2 * BK * ((2 if two else 1) * M + NT))))
 
 
 def run(w, x, y, m_rows, K, two, grid, *, M=64, NT=256, BK=64, ST=4, warps=8):
