@@ -42,11 +42,13 @@ CASES = [
     ("llama70b-layer", 4224, "tp-layer"),         # tensor parallel (rank 1 of 2): TP_PUSH / TP_REDUCE, peer signals
     pytest.param("llama3.2-1b", 1152, "tp-decoder", marks=pytest.mark.slow),   # ... the whole model: TP_ARGMAX too
     ("llama3.2-1b", 1152, "rows16"),              # many rows (issue 50): the decode bucket, tl.dot M 32 x N 16
+    ("llama3.2-1b", 1152, "rows32"),              # ... the other decode bucket (a row's bits the same in both)
     pytest.param("llama3.2-1b", 1152, "rows64", marks=pytest.mark.slow),    # ... between: LM head tiles of 32
     pytest.param("llama3.2-1b", 1152, "rows128", marks=pytest.mark.slow),   # ... the prefill bucket, N 128
     pytest.param("llama3.1-8b", 1152, "rows512", marks=pytest.mark.slow),   # ... two column blocks of 256
     pytest.param("llama3.2-1b", 1152, "rows1024", marks=pytest.mark.slow),  # ... the largest: four
-    pytest.param("llama3.1-8b", 1152, "rows32", marks=pytest.mark.slow),    # ... hd 128, the 8B's shapes
+    pytest.param("llama3.1-8b", 1152, "rows16", marks=pytest.mark.slow),    # ... hd 128, the 8B's shapes
+    pytest.param("llama3.1-8b", 1152, "rows32", marks=pytest.mark.slow),
 ]
 
 #: an H200 SM's instruction cache (bench/probes/icache_probe.py, runs 193-194: code in rotation up to
@@ -124,6 +126,7 @@ def _main(cases: list[str]) -> None:
             if what.startswith("rows"):
                 got["gemm_loops"] = gemm_loops(cubin)
                 got["wgmma_serialized"] = wgmma_serialized(ck.asm["ptx"])
+                got["reduce_orders"] = reduce_orders(ck.asm["ttgir"])
         except Exception:
             got = {"error": traceback.format_exc()[-3000:]}
         print(json.dumps({"case": case, **got}), flush=True)
@@ -195,13 +198,79 @@ def gemm_loops(cubin: bytes) -> list[tuple[int, int, int]]:
     return loops
 
 
+def reduce_orders(ttgir: str) -> list[tuple]:
+    """The order in which each reduction and each dot of a kernel's TTGIR sums, for comparing two kernels: one
+    tuple per ``tt.reduce`` / ``tt.dot`` in program order, (project source lines of its call chain, what decides its
+    order). A reduction's order along its axis follows its extent there and the layout's split of that axis
+    (elements a thread, lanes, warps; Triton sums a thread's elements, then butterflies over the lanes, then across
+    warps): ``("reduce", combiner, element type, extent, split)``, the split ``(sizePerThread, threadsPerWarp,
+    warpsPerCTA)`` along the axis for a blocked layout, else the whole layout. A dot sums each output over K in
+    tensor-core steps: ``("dot", A's element type, K, the mma version)``. The other dimensions (the rows a kernel
+    tiles, in a rows bucket) do not change a sum's order."""
+    import re
+    alias = dict(re.findall(r"^#(\w+) = (.*?)\s*$", ttgir, re.M))
+
+    def chain(loc: str, depth: int = 0) -> list[str]:       # a location's project source lines, innermost first
+        if depth > 64:
+            return []
+        loc = loc.strip()
+        if loc.startswith("#"):
+            return chain(alias.get(loc[1:], ""), depth + 1)
+        if loc.startswith("loc(") and loc.endswith(")"):
+            loc = loc[4:-1]
+        if m := re.fullmatch(r'"([^"]+)":(\d+):\d+', loc):
+            f = m.group(1)
+            name = f.rsplit("/", 1)[-1]     # Triton's own frames and the generated kernel's (its name a hash) left out
+            return [] if "/triton/" in f or name.startswith("megakernel_") else [f"{name}:{m.group(2)}"]
+        if m := re.fullmatch(r"callsite\((#\w+) at (#\w+)\)", loc):
+            return chain(m.group(1), depth + 1) + chain(m.group(2), depth + 1)
+        if m := re.fullmatch(r'"[^"]*"\((#\w+)\)', loc):
+            return chain(m.group(1), depth + 1)
+        return []
+
+    def layout(enc: str) -> str:
+        return alias.get(enc[1:], enc) if enc.startswith("#") else enc
+
+    lines = ttgir.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if m := re.search(r'"tt\.reduce"\(%[\w#]+\) <\{axis = (\d+)', line):
+            j = i
+            while "}) : (" not in lines[j]:
+                j += 1
+            comb = [c for b in lines[i + 1:j] for c in re.findall(r"= (arith\.\w+)", b)]
+            t = re.search(r"\}\) : \(tensor<([\dx]+)x(\w+), (#\w+)>", lines[j])
+            axis, shape = int(m.group(1)), [int(d) for d in t.group(1).split("x")]
+            enc = layout(t.group(3))
+            if b := re.match(r"#ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], threadsPerWarp = \[([\d, ]+)\], "
+                             r"warpsPerCTA = \[([\d, ]+)\]", enc):
+                split = tuple(int(b.group(k).split(",")[axis]) for k in (1, 2, 3))
+            else:
+                split = enc
+            loc = re.search(r"loc\((#\w+)\)\s*$", lines[j])
+            out.append((tuple(chain(loc.group(1))), ("reduce", tuple(comb), t.group(2), shape[axis], split)))
+        elif m := re.search(r"= tt\.dot .*?: tensor<(\d+)x(\d+)x(\w+), #ttg\.dot_op<\{opIdx = 0, parent = (#\w+)", line):
+            ver = re.search(r"versionMajor = (\d+)", layout(m.group(4)))
+            loc = re.search(r"loc\((#\w+)\)\s*$", line)
+            out.append((tuple(chain(loc.group(1))), ("dot", m.group(3), int(m.group(2)), ver and int(ver.group(1)))))
+    return out
+
+
 def _id(c) -> str:
     v = c.values if hasattr(c, "values") else c
     return f"{v[0]}-{v[2]}"
 
 
 #: seconds a case's tape and compile took on CI's kind of machine (2 cores, session 45), to balance the processes
-_COMPILE_S = {"layer": 3, "tp-layer": 3, "decoder": 7, "profile": 7, "tp-decoder": 7, "sampling": 9, "rows16": 5}
+_COMPILE_S = {"layer": 3, "tp-layer": 3, "decoder": 7, "profile": 7, "tp-decoder": 7, "sampling": 9, "rows16": 5,
+              "rows32": 5}
+
+
+def _cases(params: dict) -> list[str]:
+    """The compile cases (``preset:max_seq:what``) a test of this module reads."""
+    if "what" in params:
+        return [f"{params['preset']}:{params['max_seq']}:{params['what']}"]
+    return [f"{params['preset']}:{_DECODE_SEQ}:rows{r}" for r in (16, 32)]     # test_decode_buckets_sum_alike
 
 
 @pytest.fixture(scope="module")
@@ -210,10 +279,10 @@ def compiled(request, tmp_path_factory) -> dict:
     up to two processes side by side (CI's machine has two cores), the cases dealt longest first to the less
     loaded one, each process with its own Triton cache: the compile runs every time; a cubin cached earlier
     would hide its cost."""
-    cases = [f"{it.callspec.params['preset']}:{it.callspec.params['max_seq']}:{it.callspec.params['what']}"
-             for it in request.session.items
-             if it.module is request.module and hasattr(it, "callspec") and "what" in it.callspec.params
-             and not any(m.name == "skip" for m in it.iter_markers())]
+    cases = list(dict.fromkeys(c for it in request.session.items
+                               if it.module is request.module and hasattr(it, "callspec")
+                               and not any(m.name == "skip" for m in it.iter_markers())
+                               for c in _cases(it.callspec.params)))
     n = max(1, min(2, os.cpu_count() or 1, len(cases)))
     groups: list[list[str]] = [[] for _ in range(n)]
     load = [0.0] * n
@@ -284,6 +353,39 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
         assert 0 < got["code_bytes"] <= ICACHE_BYTES, \
             f"{preset} {what}: {got['code_bytes']} bytes of SASS, over the {ICACHE_BYTES} an H200 SM's instruction " \
             "cache holds: past it every opcode a layer runs refetches its code (~67 ns a KB, bench/NOTES.md runs 193-195)"
+
+
+
+#: the cache length of the decode buckets' kernels test_decode_buckets_sum_alike compares (CASES' rows16 / rows32)
+_DECODE_SEQ = 1152
+
+#: combiners whose result is the same in any order (integer sums, maxima, minima)
+_ORDER_FREE = ("arith.addi", "arith.maxsi", "arith.minsi", "arith.maxui", "arith.minui", "arith.maxnumf",
+               "arith.minnumf", "arith.maximumf", "arith.minimumf")
+
+
+@pytest.mark.parametrize("preset", ["llama3.2-1b", pytest.param("llama3.1-8b", marks=pytest.mark.slow)])
+def test_decode_buckets_sum_alike(preset, compiled):
+    """A row's logits are the same bits whichever decode bucket (16 or 32 rows) runs it (issue 50: a request's
+    tokens independent of what else is in the batch). The buckets' kernels are one source at two row counts; this
+    checks that each of their sums runs in the same order in both: the same dots (K, tensor-core kind) and, for
+    every reduction whose result depends on its order, the same split of the reduced axis over a thread's
+    elements, lanes and warps. Triton picks a reduction's layout from the whole tensor, rows included: runs
+    317-318 (H100) found row 0 of a 32-row step not bitwise row 0 of a 16-row step, and the 16- and 32-row
+    kernels' TTGIR summed the features' squares (``common_rows.store_normed`` / ``col_rstd``) in different trees
+    (bench/notes/s49.md); v186 sums those in fp64, where the order moves a result's last fp32 bit only when the
+    sum lands within 2^-29 of a rounding boundary. Those fp64 sums are the only ones allowed to differ."""
+    a, b = (compiled.get(c) for c in _cases({"preset": preset}))
+    assert a is not None and b is not None and "error" not in a and "error" not in b, \
+        f"{preset}: the decode buckets' kernels did not compile:\n{compiled['_stderr']}"
+    a, b = a["reduce_orders"], b["reduce_orders"]
+    assert len(a) > 0 and [s for s, _ in a] == [s for s, _ in b], \
+        f"{preset}: the 16- and 32-row kernels' sums come from different code:\n{a}\n{b}"
+    differ = [(src, x, y) for (src, x), (_, y) in zip(a, b) if x != y]
+    exempt = [d for d in differ if d[1][0] == "reduce" and (all(c in _ORDER_FREE for c in d[1][1]) or d[1][2] == "f64")]
+    assert differ == exempt, \
+        f"{preset}: sums whose order differs between the 16- and 32-row buckets (a row's bits then depend on the " \
+        "bucket): " + "; ".join(f"{' <- '.join(src)}: {x} vs {y}" for src, x, y in differ if (src, x, y) not in exempt)
 
 
 if __name__ == "__main__":
