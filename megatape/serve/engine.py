@@ -148,9 +148,11 @@ class KernelBackend:
     chunk per ``prefill(h, tokens, start_pos, slot)`` (one rows launch per 128 tokens), the running
     requests' next tokens in one ``decode_step(h, tokens (R,), pos (R,), slots=(R,))`` launch. A row's logits
     must be bitwise the same whatever else runs: the columns of a tile are independent, and the decode
-    buckets (``opcodes.rows.DECODE_BUCKETS``, 16 and 32 rows) are tiled alike but for N, so with up to 32
-    slots a step runs in the smallest bucket that holds its rows; past 32 (buckets 64 to 1024 tile
-    attention otherwise) every step runs in the bucket of all the slots. The logits stay on the GPU (the
+    buckets (``opcodes.rows.DECODE_BUCKETS``, 16 and 32 rows) are tiled alike but for N, with their feature
+    sums in fp64 (Triton lays a sum out by the whole tile, so the buckets' fp32 trees differ:
+    ``tests/test_kernels_compile.py::test_decode_buckets_sum_alike``), so with up to 32 slots a step runs in
+    the smallest bucket that holds its rows; past 32 (buckets 64 to 1024 tile attention otherwise) every step
+    runs in the bucket of all the slots. The logits stay on the GPU (the
     engine takes greedy tokens there and copies only sampled rows to the host).
     """
 
