@@ -624,18 +624,31 @@ def cmd_serve(a, prog: str = "megatape serve") -> int:
     port = sock.getsockname()[1]
 
     class Server(uvicorn.Server):
+        draining = False
+
         def handle_exit(self, sig, frame):
-            """SIGTERM / SIGINT: new requests get 503, the running and queued ones finish, then exit 0
-            (uvicorn's graceful shutdown, without re-raising the signal afterwards). A second SIGINT
-            quits without waiting."""
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
+            """SIGTERM / SIGINT: new requests (and /health) get 503 while the running and queued ones finish;
+            then uvicorn's graceful shutdown (the socket closes only then: a load balancer sees the 503, not a
+            refused connection) and exit 0, without re-raising the signal afterwards. A second SIGINT quits
+            without waiting."""
+            if self.draining and sig == signal.SIGINT:
+                self.force_exit = self.should_exit = True
+                return
+            if self.draining:
                 return
             st = engine.stats()
             log(f"{signal.Signals(sig).name}: draining ({st['running']} running, {st['queued']} queued); "
                 "new requests get 503")
             engine.drain()
-            self.should_exit = True
+            self.draining = True
+
+        async def on_tick(self, counter: int) -> bool:
+            if await super().on_tick(counter):
+                return True
+            if self.draining:       # (every 0.1 s) the accepted requests done: stop listening, then exit
+                st = engine.stats()
+                self.should_exit = st["running"] == 0 and st["queued"] == 0
+            return self.should_exit
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_keep_alive=5)
     server = Server(config)

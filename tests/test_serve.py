@@ -447,6 +447,15 @@ def test_sigterm_finishes_the_accepted_requests_and_exits_0(slow, fast):
         t.start()
     slow.wait_health(lambda s: s["running"] == 2 and s["queued"] == 1, "2 running and 1 queued")
     slow.proc.send_signal(signal.SIGTERM)
+    # while it drains, the server still listens: /health and a new request get 503, not a refused connection,
+    # until the last accepted request is done (here: after the first two, the queued one runs its 50 steps of
+    # >= 20 ms; a server that closed its socket at the signal fails the poll itself)
+    slow.wait_health(lambda s: not s["accepting"] and s["running"] == 1 and s["queued"] == 0,
+                     "draining, the queued request running")
+    assert slow.health()[0] == 503
+    with pytest.raises(openai.APIStatusError) as e:
+        completion(client, PROMPT, max_tokens=1)
+    assert e.value.status_code == 503 and "not taking new requests" in str(e.value), e.value
     rc = slow.proc.wait(120)
     for t in ts:
         t.join(60)
