@@ -85,6 +85,9 @@ class DecoderHandle:
     rows: dict = field(default_factory=dict, repr=False)
     rows_options: dict = field(default_factory=dict, repr=False)
     bound_slot: int = 0          # the slot the one-row kernels' cache pointers point at (_bind_slot)
+    # a rows call wrote ``bound_slot`` since the last one-row launch: the held position (``next_pos``) no
+    # longer says where that slot goes on, and ``decode_step(..., pos=None)`` is refused
+    held_stale: bool = False
 
     @property
     def tape(self):
@@ -260,6 +263,8 @@ def _launch(dh: DecoderHandle, pos: int, slot: int = 0) -> None:
         h.check(sync=False)      # a failure of an earlier launch that has finished since
     h.last_pos = pos
     dh.next_pos = (dh.next_pos if pos < 0 else pos) + 1
+    if pos >= 0:
+        dh.held_stale = False
     runtime.launch(h, dh.x0, pos, dh.hidden)
     if h.sync_check:
         h.check(sync=True)
@@ -280,12 +285,28 @@ def _block_graph(dh: DecoderHandle, h: LayerHandle, k: int):
     return g
 
 
-def _rows_call(tokens, pos, slots) -> bool:
+def _rows_call(handle: DecoderHandle, tokens, pos, slots) -> bool:
     """Whether a ``decode_step`` is a many-rows one (``interp.rows``): ``slots`` given or the positions a
-    sequence (a list, or a 1-D tensor of other than one element)."""
+    sequence (a list, or a 1-D tensor: on a batched decoder of any length, so that a row's kernel does not
+    change when a step's rows drop to one; with batch 1, a (1,) tensor is the one-row call's position)."""
     if slots is not None or isinstance(pos, (list, tuple)):
         return True
-    return isinstance(pos, torch.Tensor) and pos.dim() == 1 and pos.numel() != 1
+    return isinstance(pos, torch.Tensor) and pos.dim() == 1 and (pos.numel() != 1 or handle.batch > 1)
+
+
+def _check_held(handle: DecoderHandle) -> None:
+    """``decode_step(..., pos=None)`` continues the position the device holds, on slot 0: refused where that
+    position is another slot's or a rows call has written slot 0 since the last one-row launch (the step would
+    write the cache where nothing asked)."""
+    if handle.bound_slot != 0:
+        raise ValueError(f"pos: None continues the position the device holds, which is slot {handle.bound_slot}'s "
+                         f"(the last one-position launch ran there: generate(..., slot={handle.bound_slot})); "
+                         "decode_step's one-position form runs on slot 0: pass pos, or pos=[p] with "
+                         f"slots=[{handle.bound_slot}] to go on in slot {handle.bound_slot}")
+    if handle.held_stale:
+        raise ValueError(f"pos: None continues the position the device holds ({handle.next_pos}, after the last "
+                         "one-position launch), but a many-rows call (prefill, or decode_step with pos (R,)) has "
+                         "written slot 0 since: pass the position")
 
 
 def decode_step(handle: DecoderHandle, tokens, pos, slots=None) -> torch.Tensor:
@@ -296,15 +317,17 @@ def decode_step(handle: DecoderHandle, tokens, pos, slots=None) -> torch.Tensor:
              under CUDA-graph capture: its copy to the device is a host transfer)
     pos    : int, the absolute position being written; None: the position held on the device (the
              last call's + 1, or ``runtime.set_position``'s), which a captured CUDA graph of several
-             steps uses
+             steps uses; on slot 0, so refused where the last one-position launch ran on another slot
+             (``generate(..., slot=s)``) or a many-rows call has written slot 0 since it
     returns a fresh (1, vocab) fp32 tensor of logits. The greedy next token is also left on the
     device (``handle.tok``), where a following ``generate`` or launch would read it.
     A tensor-parallel rank's handle (``build_decoder(..., tp_group=...)``): ``interp.tp.tp_decode_step``
     (collective; the logits of both ranks' slices).
 
-    Many rows (``interp.rows``): ``tokens`` (R,) and ``pos`` (R,) (integer tensors or lists of ints),
-    ``slots`` (R,) or None (row r is slot r, R <= batch): one launch of the rows kernel, every row
-    independent; returns (R, vocab) fp32 logits. Every check comes before the cache is touched.
+    Many rows (``interp.rows``): ``tokens`` (R,) and ``pos`` (R,) (integer tensors or lists of ints; on a
+    decoder built with batch > 1 a (1,) pos tensor too), ``slots`` (R,) or None (row r is slot r, R <= batch):
+    one launch of the rows kernel, every row independent; returns (R, vocab) fp32 logits. Every check comes
+    before the cache is touched.
     """
     if not isinstance(handle, DecoderHandle):       # (the common case imports nothing more)
         from .tp import TPRankHandle, tp_decode_step
@@ -313,15 +336,18 @@ def decode_step(handle: DecoderHandle, tokens, pos, slots=None) -> torch.Tensor:
                 tokens = int(tokens.reshape(-1)[0])
             return tp_decode_step(handle, tokens, pos)
     _check_handle(handle)
-    if _rows_call(tokens, pos, slots):
+    if _rows_call(handle, tokens, pos, slots):
         return decode_rows(handle, tokens, pos, slots)
     pos = check_pos(handle.layer, pos)
+    if pos < 0:
+        _check_held(handle)
     if isinstance(tokens, int) and not isinstance(tokens, bool):
         tokens = torch.tensor([tokens], dtype=torch.int32)
         _check_token_range("tokens", tokens, handle.cfg.vocab)
         tokens = tokens.to(handle.device)
     if not isinstance(tokens, torch.Tensor):
-        raise arg_error(TypeError, "tokens", "a (1,) integer tensor", describe(tokens))
+        raise arg_error(TypeError, "tokens", "a (1,) integer tensor or an int with an int pos (many rows: tokens "
+                        "and pos both (R,))", describe(tokens))
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         raise arg_error(TypeError, "tokens", "an integer dtype", describe(tokens))
     if tuple(tokens.shape) != (1,):

@@ -23,7 +23,7 @@ from opcodes.rows import BUCKETS, LOGIT_GROUP, rows_state, rows_tiling
 from schedule.rows_program import rows_lowering
 
 from . import runtime
-from .common import arg_error, describe
+from .common import arg_error, check_open, describe
 
 #: the options of ``build_decoder`` the rows kernels take too (the rest: the one-row tape's)
 ROWS_OPTIONS = ("num_sms", "spin_limit", "sync_check", "cooperative", "policy", "seed")
@@ -102,11 +102,21 @@ def check_rows_args(dh, tokens, pos, slots) -> tuple[list[int], list[int], list[
     return toks, pos, slots
 
 
+def check_decoder(dh) -> None:
+    """``dh`` is an open decoder handle (``build_decoder``): the first check of every rows call."""
+    from .decoder import DecoderHandle      # (interp.decoder imports this module)
+    if not isinstance(dh, DecoderHandle):
+        raise arg_error(TypeError, "handle", "a DecoderHandle from build_decoder", describe(dh))
+    check_open(dh)
+
+
 def run_rows(dh, toks: list[int], pos: list[int], slots: list[int], logits_rows=None, min_rows: int = 1) -> torch.Tensor:
     """One launch over checked rows; returns the fp32 logits of rows ``logits_rows`` (default all),
     (n, vocab), a fresh tensor; ``logits_rows`` empty: None, and the launch skips the LM head."""
     R = len(toks)
     h = rows_handle(dh, R, min_rows)
+    if dh.bound_slot in slots:        # the one-row kernels' held position no longer follows that slot
+        dh.held_stale = True
     sel = list(range(R)) if logits_rows is None else list(logits_rows)
     # NOTE: from pageable memory: the copy has read the host tensor when it returns (no pinned buffer
     # the next step could overwrite before the device read it)
@@ -143,6 +153,7 @@ def decode_rows(dh, tokens, pos, slots=None, min_rows: int = 1) -> torch.Tensor:
     """``decode_step``'s many-rows form. ``min_rows``: run in the bucket of at least that many rows, so
     that a row's logits are bitwise the same however many rows share its step (a row's logits can
     differ by bucket: another MMA shape on the 8B, run s38a); a server passes its slot count."""
+    check_decoder(dh)
     toks, pos, slots = check_rows_args(dh, tokens, pos, slots)
     if isinstance(min_rows, bool) or not isinstance(min_rows, int) or not 1 <= min_rows <= BUCKETS[-1]:
         raise arg_error(ValueError, "min_rows", f"an int in [1, {BUCKETS[-1]}]", describe(min_rows))
@@ -183,6 +194,7 @@ def prefill(dh, tokens, start_pos: int = 0, slot: int = 0, chunk: int | None = N
     each; returns the last position's fp32 logits (1, vocab), or with ``logits`` False None and no launch runs the LM
     head (a part of a prompt that continues). Errors (tokens, positions past max_seq_len, the slot,
     the chunk) come before any launch."""
+    check_decoder(dh)
     toks = _int_vector("tokens", tokens)
     P = len(toks)
     if P == 0:

@@ -430,6 +430,43 @@ def test_bad_rows_inputs_fail_before_the_cache_is_touched():
     teardown(h)
 
 
+def test_one_position_calls_beside_rows_calls_and_other_slots():
+    """On a batched decoder a (1,) tensor pos is a rows call, as a list is (a step whose rows drop to one keeps
+    its kernel and bits); ``pos=None`` (the device's held position, slot 0) is refused, the cache untouched,
+    where a rows call wrote slot 0 since the last one-position step or the held position is another slot's
+    (``generate(..., slot=s)``); a rows call on a torn-down or foreign handle names the handle."""
+    from interp import generate
+    from interp.rows import decode_rows
+    h, w, kv = _built()
+    a = decode_step(h, torch.tensor([9]), torch.tensor([25]))
+    b = decode_step(h, [9], [25])
+    assert a.shape == (1, CFG.vocab) and bitwise_equal(a, b)
+    kv0 = clone_cache(kv)
+    with pytest.raises(ValueError) as e:          # the rows calls above wrote slot 0
+        decode_step(h, 9, None)
+    check_message(e.value, ["pos", "many-rows call"])
+    assert caches_equal(kv, kv0)
+    decode_step(h, 9, 26)                         # an explicit one-position step on slot 0: None goes on at 27
+    k27 = kv[0][0][0, :, 27].clone()
+    decode_step(h, 11, None)
+    assert not bitwise_equal(kv[0][0][0, :, 27], k27)
+    generate(h, [5, 9], 1, slot=2, prefill=False)     # the held position is slot 2's now
+    kv0 = clone_cache(kv)
+    with pytest.raises(ValueError) as e:
+        decode_step(h, 9, None)
+    check_message(e.value, ["pos", "slot 2", "slots=[2]"])
+    assert caches_equal(kv, kv0)
+    teardown(h)
+    for call in (lambda: prefill(h, [1, 2]), lambda: decode_step(h, [1], [2]), lambda: decode_rows(h, [1], [2])):
+        with pytest.raises(ValueError) as e:
+            call()
+        check_message(e.value, ["handle", "teardown"])
+    for call in (lambda: prefill("h", [1, 2]), lambda: decode_rows(None, [1], [2])):
+        with pytest.raises(TypeError) as e:
+            call()
+        check_message(e.value, ["handle", "DecoderHandle"])
+
+
 def test_build_decoder_batch_errors():
     w = decoder_weights(CFG, seed=1)
     kv = make_kv_cache(CFG, MAX_SEQ, 0, batch=2)
