@@ -4,7 +4,7 @@ Many rows per step: chunked prefill and batched decode
 
 One decode step of the megakernel can carry R rows, each a (sequence slot, position): a prefill chunk is
 R consecutive positions of one slot, batched decode is one row per slot, and both are one launch of a rows
-kernel (buckets of 16 to 512 rows). In this tutorial you will learn how to:
+kernel (buckets of 16 to 1024 rows). In this tutorial you will learn how to:
 
 * build a decoder over a KV cache of B sequence slots (``build_decoder(..., batch=B)``);
 * fill two slots with prompts of different lengths (``prefill``), in chunks;

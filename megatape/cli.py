@@ -33,6 +33,8 @@ import sys
 import time
 
 POLICIES = ("cost", "round-robin")
+POLICY_HELP = ("the schedule drawn: cost (list scheduling on the critical path with the cost model, the default "
+               "and what the kernels run) or round-robin (tiles dealt to the SMs in turn)")
 MAIN_PRESET = "llama70b-layer"
 DEFAULT_SMS = 132            # an H200's SM count: the default when no GPU is visible
 
@@ -52,6 +54,12 @@ def _nonneg_float(text: str) -> float:
     if not v >= 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return v
+
+
+def _nonempty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty string, got ''")
+    return text
 
 
 def _positive_int(text: str) -> int:
@@ -269,9 +277,13 @@ def cmd_compile(a, prog: str = "megatape compile") -> int:
     cfg = ModelConfig.from_name(a.preset)
     if a.layers:
         cfg = cfg.with_layers(a.layers)
+    try:        # (before any progress line: a bad argument is one line)
+        tiling = Tiling.from_spec(cfg, a.tiling, max_seq=a.max_seq) if a.tiling else None
+    except ValueError as e:
+        print(f"{prog}: error: {'' if str(e).startswith('--tiling') else 'argument --tiling: '}{e}", file=sys.stderr)
+        return 2
     progress(f"{prog}: {cfg.name}, {cfg.layers} layer(s), {a.sms} SMs")
     try:
-        tiling = Tiling.from_spec(cfg, a.tiling, max_seq=a.max_seq) if a.tiling else None
         comps = compile_both(cfg, a.sms, a.max_seq, progress, getattr(a, "pool_us", None), tiling)
     except TapeError as e:
         print(f"{prog}: the verifier rejected the tape (a compiler bug):\n{e}", file=sys.stderr)
@@ -451,6 +463,9 @@ def cmd_generate(a, prog: str = "megatape generate") -> int:
         ids = ck.encode(text, chat=a.chat)
     except ValueError as e:
         return fail(f"argument --chat: {str(e)[len('chat: '):]}" if str(e).startswith("chat:") else f"{e}")
+    if a.max_seq is not None and ck.context is not None and a.max_seq > ck.context:
+        return fail(f"argument --max-seq: {a.max_seq} is past the model's context of {ck.context} positions "
+                    "(config.json's max_position_embeddings)")
     ctx = a.max_seq or ck.context or len(ids) + a.max_new_tokens
     src = "--max-seq" if a.max_seq else ("config.json's max_position_embeddings" if ck.context else "")
     if len(ids) > ctx:
@@ -691,7 +706,7 @@ def _add_viz(sub, presets) -> None:
                        "dag_agg.dot (graph files), plan_gantt.png (the planned schedule, one row per SM) "
                        "and plan_trace.json (the plan as a Chrome / Perfetto trace).")
     _add_tape_args(v, presets)
-    v.add_argument("--policy", default="cost", choices=POLICIES)
+    v.add_argument("--policy", default="cost", choices=POLICIES, help=POLICY_HELP)
     v.add_argument("--out", required=True, metavar="DIR", help="output directory (created)")
     v.add_argument("--stage", default=None, help="zoom: tiles of one stage (opcode name or stage number)")
     v.add_argument("--layer", type=int, default=None, help="zoom: tiles of one layer")
@@ -727,7 +742,8 @@ def _add_generate(sub) -> None:
                    help="sample among the fewest tokens whose probability reaches P (1, default: off)")
     g.add_argument("--seed", type=_int_in(0, 2**31 - 1, "an integer in [0, 2**31)"), default=0, metavar="S",
                    help="the sampler's seed (default 0): the same seed and prompt give the same text")
-    g.add_argument("--stop", action="append", metavar="STRING", help="stop before this string (repeatable)")
+    g.add_argument("--stop", action="append", type=_nonempty, metavar="STRING",
+                   help="stop before this string (repeatable)")
     g.add_argument("--max-seq", type=_positive_int, default=None, metavar="N", help="context length in positions "
                    "(default: config.json's max_position_embeddings)")
 
@@ -784,7 +800,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--listing", action="store_true", help="print the human-readable tape")
     c.add_argument("-o", "--output", metavar="PATH", help="write the tape with its metadata as JSON")
     r = sub.add_parser("run", help=f"the main job: compile {MAIN_PRESET} and summarise it on the CPU, check "
-                       "the tape VM, and check and time the layer on the GPU when one is visible")
+                       "the tape VM, and check and time the layer on the GPU when one is visible",
+                       description=f"The main job. Compile the 70B-class decoder layer ({MAIN_PRESET}) to a verified "
+                       f"tape for the GPU's SM count (--sms; {DEFAULT_SMS} without a GPU) and print its schedule "
+                       "summary (as 'megatape compile'); run a tiny preset's tape in the tape VM under 3 random SM "
+                       "interleavings against the torch reference (tolerance 1.5e-2); then, with a GPU, build the "
+                       "layer's megakernel, check 32 decode steps from position 4096 against the reference (the KV "
+                       "cache written in place, its other rows untouched) and time them beside the HBM floor. "
+                       "Exit status 1 if a check fails.")
     r.add_argument("--sms", type=_positive_int, metavar="N",
                    help=f"SMs to compile for (default: the GPU's, or {DEFAULT_SMS} without one)")
     r.add_argument("-o", "--output", metavar="PATH", help="write the tape with its metadata as JSON")

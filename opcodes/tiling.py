@@ -161,7 +161,12 @@ class Tiling:
     def from_spec(cls, cfg: ModelConfig, spec: str, max_seq: int | None = None) -> "Tiling":
         """``for_config`` with the overrides of a ``"name=value,name=value"`` string (integers),
         as the command line's ``--tiling`` takes them."""
-        return cls.for_config(cfg, max_seq=max_seq, **cls.parse_spec(spec))
+        over = cls.parse_spec(spec)
+        unknown = sorted(set(over) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"--tiling: unknown Tiling field(s) {', '.join(unknown)} (the fields: "
+                             f"{', '.join(f.name for f in dataclasses.fields(cls))})")
+        return cls.for_config(cfg, max_seq=max_seq, **over)
 
     @staticmethod
     def parse_spec(spec: str) -> dict:

@@ -123,6 +123,8 @@ BAD_ARGS = [
     (["compile", "--preset", "tiny", "--sms", "3", "--layers", "0"], "--layers"),
     (["compile", "--preset", "tiny", "--sms", "3", "--max-seq", "0"], "--max-seq"),
     (["compile", "--preset", "tiny", "--sms", "3", "--policy", "fastest"], "--policy"),
+    (["compile", "--preset", "tiny", "--sms", "3", "--tiling", "foo=1"], "--tiling"),
+    (["compile", "--preset", "tiny", "--sms", "3", "--tiling", "gu_rows=x"], "--tiling"),
     (["compile", "--preset", "tiny", "--sms", "3", "-o", "/nonexistent-dir/x/t.json"], "-o"),
     (["run", "--sms", "0"], "--sms"),
     (["frobnicate"], "frobnicate"),

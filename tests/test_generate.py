@@ -44,7 +44,7 @@ from opcodes.sample import (cand_path_torch, chunk_cands_torch, chunk_mass_torch
 from schedule.decoder_program import lower_decoder  # noqa: E402
 from schedule.tape import Tape  # noqa: E402
 from schedule.vm import VMState  # noqa: E402
-from tiny_checkpoint import MIN_MARGIN, N_NEW, PROMPT, save_tiny_checkpoint  # noqa: E402
+from tiny_checkpoint import MAX_POS, MIN_MARGIN, N_NEW, PROMPT, save_tiny_checkpoint  # noqa: E402
 
 require_interpreter()
 
@@ -402,6 +402,9 @@ CLI_ERRORS = [
     ("not-llama", _not_llama, [], ["--model", "model_type 'gpt2'", "config.json"]),
     ("no-chat-template", _no_chat_template, ["--chat"], ["--chat", "no chat template"]),
     ("prompt-too-long", lambda src, tmp: src, ["--max-seq", 1], ["prompt", "2 tokens", "context of 1", "--max-seq"]),
+    ("max-seq-past-context", lambda src, tmp: src, ["--max-seq", MAX_POS + 1],
+     ["--max-seq", f"{MAX_POS + 1} is past the model's context of {MAX_POS}"]),
+    ("empty-stop", lambda src, tmp: src, ["--stop", ""], ["--stop", "non-empty"]),
     ("negative-temperature", lambda src, tmp: src, ["--temperature", -1], ["--temperature", ">= 0", "-1"]),
     ("top-p-zero", lambda src, tmp: src, ["--top-p", 0], ["--top-p", "(0, 1]"]),
     ("top-p-above-one", lambda src, tmp: src, ["--top-p", 1.5], ["--top-p", "(0, 1]", "1.5"]),

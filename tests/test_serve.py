@@ -324,6 +324,7 @@ BAD = [  # (what, body, status, param, code)
     ("five stops", {"model": MODEL, "prompt": "a", "stop": list("abcde")}, 400, "stop", None),
     ("n 2", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n", "unsupported_parameter"),
     ("no prompt", {"model": MODEL}, 400, "prompt", None),
+    ("an empty prompt", {"model": MODEL, "prompt": ""}, 400, "prompt", None),
     ("a token outside the vocabulary", {"model": MODEL, "prompt": [1, 100000]}, 400, "prompt", None),
     ("stream 'yes'", {"model": MODEL, "prompt": "a", "stream": "yes"}, 400, "stream", None),
 ]
@@ -334,6 +335,7 @@ def test_bad_requests_are_4xx_json_errors(fast, what, body, status, param, code)
     e = error_of(http(fast.url + "/v1/completions", body))
     assert (e["status"], e["param"], e["code"]) == (status, param, code), e
     assert e["type"] == "invalid_request_error" and e["message"]
+    assert not e["message"].startswith(f"{param}: {param}:"), e          # the field named once
 
 
 def test_malformed_bodies_paths_and_methods_and_the_server_keeps_serving(fast, checkpoint):

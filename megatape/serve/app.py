@@ -247,7 +247,8 @@ def create_app(engine: Engine, *, model_id: str, encode: Callable[[str], list[in
             with engine.tokenizer_lock:
                 return fn(arg)
         except (ValueError, TypeError) as e:
-            raise ApiError(400, f"{param}: {e}", param=param)
+            msg = str(e)       # (the tokenizer's errors may name the field already: "prompt: no tokens ...")
+            raise ApiError(400, msg if msg.startswith(f"{param}:") else f"{param}: {msg}", param=param)
 
     def _check_context(ids: list[int], max_tokens: int, param: str, max_param: str) -> None:
         P = len(ids)
