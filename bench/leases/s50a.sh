@@ -21,20 +21,23 @@ case "${PART:-1}" in
    python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" > $OUT/env.log 2>&1
    nvidia-smi --query-gpu=driver_version --format=csv,noheader >> $OUT/env.log 2>&1
    timeout 130 python3 -m bench.probes.bucket_probe > $OUT/bucket-llama3.2-1b-v186.log 2>&1
-   timeout 130 pre python3 -m bench.probes.bucket_probe > $OUT/bucket-llama3.2-1b-48063fd.log 2>&1 ;;
+   pre timeout 130 python3 -m bench.probes.bucket_probe > $OUT/bucket-llama3.2-1b-48063fd.log 2>&1 ;;
 1) { python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
      nvidia-smi --query-gpu=driver_version --format=csv,noheader; echo "TRITON_PTXAS_PATH=${TRITON_PTXAS_PATH:-}"
      python3 -c "from bench.ptx_diff import triton_tool; import subprocess; print(subprocess.run([str(triton_tool('ptxas')), '--version'], capture_output=True, text=True).stdout)"
    } > $OUT/env.log 2>&1
    timeout 150 python3 -m bench.probes.bucket_probe > $OUT/bucket-llama3.2-1b-v186.log 2>&1
-   timeout 150 pre python3 -m bench.probes.bucket_probe > $OUT/bucket-llama3.2-1b-48063fd.log 2>&1
+   pre timeout 150 python3 -m bench.probes.bucket_probe > $OUT/bucket-llama3.2-1b-48063fd.log 2>&1
    for R in 32 16; do
      timeout 80 python3 -m bench.probes.rows_profile --R $R --B $R --pos 1024 --accuracy --tiling ";" > $OUT/r$R-1b-1024-v186-a.log 2>&1
-     timeout 60 pre python3 -m bench.probes.rows_profile --R $R --B $R --pos 1024 --tiling ";" > $OUT/r$R-1b-1024-48063fd-a.log 2>&1
+     pre timeout 60 python3 -m bench.probes.rows_profile --R $R --B $R --pos 1024 --tiling ";" > $OUT/r$R-1b-1024-48063fd-a.log 2>&1
      timeout 30 python3 -m bench.probes.rows_profile --R $R --B $R --pos 1024 --tiling ";" > $OUT/r$R-1b-1024-v186-b.log 2>&1
-     timeout 30 pre python3 -m bench.probes.rows_profile --R $R --B $R --pos 1024 --tiling ";" > $OUT/r$R-1b-1024-48063fd-b.log 2>&1
+     pre timeout 30 python3 -m bench.probes.rows_profile --R $R --B $R --pos 1024 --tiling ";" > $OUT/r$R-1b-1024-48063fd-b.log 2>&1
    done ;;
 2) for P in llama3.2-1b llama3.1-8b; do timeout 100 python3 -m bench.probes.gemm_tiles --preset $P > $OUT/tiles-$P.log 2>&1; done
    timeout 240 python3 -m bench.probes.bucket_probe --preset llama3.1-8b > $OUT/bucket-llama3.1-8b-v186.log 2>&1 ;;
 esac
 for f in $OUT/*.log; do echo "== $f"; grep -v "^  +\|^{\|Warn\|_warn\|  layer" $f | cut -c1-260 | tail -n 14; done
+
+# one file back (the device returns at most 8 files a call): every log in logs-PART.tgz
+(cd $OUT && tar czf logs-${PART:-1}.tgz *.log && rm -f *.log)
