@@ -167,7 +167,7 @@ def rows_tiling(cfg: ModelConfig, rows: int, max_seq: int, **over) -> Tiling:
     if "stages" in over:
         return dataclasses.replace(t, stages=over["stages"])
     m = max(2 * t.gu_rows, 2 * max(16, t.qkv_rows // 2), t.o_rows, t.down_rows, 32)    # a block's weight rows
-    stage = 2 * t.bk * (m + min(max(rows, DECODE_BUCKETS[-1]), t.n_tile or N_TILE_MAX))
+    stage = 2 * t.bk * (m + min(max(rows, DECODE_BUCKETS[-1]), N_TILE_MAX))
     # the decode buckets 8 stages deep (7 buffers, 6 in flight: 96 KB of gate/up an SM, not 48; runs 314-315, H100,
     # R16 B16 pos 1024: 1B 1488 -> 1457 us, 8B 7481 -> 7303), the others at most 5
     return dataclasses.replace(t, stages=max(2, min(8 if decode else 5, (200 * 1024) // stage)))
@@ -200,8 +200,6 @@ class RowsLayout(DecoderLayout):
             raise ValueError(f"Tiling.down_res = 1 needs down_rows = red_rows (a down tile's rows one residual "
                              f"block) and 2 or more down K chunks (down_k < ffn: the other chunks' DOWN_R write the "
                              f"partials), got down_rows {t.down_rows}, red_rows {t.red_rows}, down_k {t.down_k}, ffn {c.ffn}")
-        if t.n_tile and t.n_tile < 16:
-            raise ValueError(f"a rows program needs Tiling.n_tile 0 or >= 16 (tl.dot's N), got {t.n_tile}")
         if t.gu_rows < 16 or self.lm_rows < 16:
             raise ValueError(f"a rows program needs gu_rows and lm_rows >= 16, got {t.gu_rows}, {self.lm_rows}")
         if not self.attn_merged or t.row_bytes or t.res_fold or t.down_wait or t.gu_tiles or self.o_partial:
@@ -233,9 +231,8 @@ class RowsLayout(DecoderLayout):
 
     @property
     def n_tile(self) -> int:
-        """Columns of a GEMM tile (``NT``), the block of the activations' layout: every row up to 256, or
-        ``Tiling.n_tile``'s."""
-        return min(self.rows, self.tiling.n_tile or N_TILE_MAX)
+        """Columns of a GEMM tile (``NT``), the block of the activations' layout: every row up to 256."""
+        return min(self.rows, N_TILE_MAX)
 
     @property
     def n_blocks(self) -> int:

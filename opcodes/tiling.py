@@ -32,7 +32,7 @@ H200_SMS = 132
 
 #: fields where 0 is allowed: off, or "take another field's value" (each field's comment says which)
 _ZERO_ALLOWED = ("kv_rows", "o_bk", "o_k", "gu_tiles", "down_bk", "key_in_reduce", "row_bytes", "res_fold",
-                "down_wait", "warp_rows", "attn_pairs", "down_res", "attn_kg", "n_tile")
+                "down_wait", "warp_rows", "attn_pairs", "down_res", "attn_kg")
 #: fields that are switches (0 or 1)
 _SWITCHES = ("res_fold", "key_in_reduce", "down_wait", "warp_rows", "down_res")
 
@@ -103,9 +103,6 @@ class Tiling:
     # the other chunks' partials plus their own dot, then RESIDUAL_R's epilogue): no RESIDUAL_R. Needs
     # down_rows = red_rows (a down tile's rows are one residual block: the same sum-of-squares parts)
     down_res: int = 0
-    # the rows programs' GEMM tile columns (NT: the activations' column blocks), a power of two >= 16; 0: every row
-    # up to 256 (opcodes.rows.N_TILE_MAX). Fewer columns a tile with more weight rows (s49.md v185)
-    n_tile: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -115,7 +112,7 @@ class Tiling:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Tiling.{f.name} must be a positive int, got {v!r}")
         for k in ("qkv_rows", "kv_rows", "o_rows", "gu_rows", "down_rows", "red_rows", "attn_block", "bk", "num_warps",
-                  "o_bk", "down_bk", "attn_pairs", "attn_kg", "n_tile"):
+                  "o_bk", "down_bk", "attn_pairs", "attn_kg"):
             v = getattr(self, k)
             if v & (v - 1):
                 raise ValueError(f"Tiling.{k} must be a power of two, got {v}")
@@ -302,8 +299,6 @@ EXPERIMENTAL: dict[str, str] = {
     "o_k": "the O projection split along K (O_REDUCE adds the chunks): measured slower (TP 70B +1.2%)",
     "attn_kg": "the rows kernels' decode attention in key groups, warps on the groups (s43.md v169): +1.2% on an H100 "
                 "(run 304), back for its H200 run (s48.md)",
-    "n_tile": "the rows programs' GEMM tile columns (0: every row up to 256); for v185's 128-column tiles with 128 "
-              "weight rows at the 1024-row bucket (s49.md), not measured in the kernel",
     "attn_pairs": "the rows kernels' prefill attention tiles' (row, head) pairs; only opcodes.rows.rows_tiling sets it "
                   "(128 from 256 rows: runs 289-293, a 4096-token prompt's last 1B chunk -40%, the 8B's -38%)",
 }

@@ -197,23 +197,6 @@ def test_prefill_attention_tiles_of_more_pairs_meet_the_criterion(monkeypatch):
         rows_tiling(CFG, 256, 160, attn_pairs=48)
 
 
-def test_prefill_tiles_of_fewer_columns_meet_the_criterion(monkeypatch):
-    """``Tiling.n_tile`` sets the rows programs' GEMM tile columns (the activations' column blocks): at 64 the
-    150-token prompt's 256-row launch is 4 column blocks, not 1, and still meets the criterion against the oracle
-    (s49.md v185: 128-column tiles of 128 weight rows); a width that is no power of two >= 16 is refused."""
-    import interp.rows
-    monkeypatch.setattr(interp.rows, "rows_tiling",
-                        lambda cfg, r, ms: rows_tiling(cfg, r, ms, **({"n_tile": 64} if r > 32 else {})))
-    h, _, _, _ = _a_150_token_prompt(batch=1)
-    lay = h.rows[256].lay
-    assert lay.n_tile == 64 and lay.n_blocks == 4 and list(lay.col_blocks()) == [0, 64, 128, 192]
-    teardown(h)
-    from opcodes import Layout, RowsLayout
-    for bad in (48, 8):
-        with pytest.raises(ValueError, match="n_tile"):
-            RowsLayout.of(Layout(CFG, rows_tiling(CFG, 256, 160, n_tile=bad), 160), rows=256)
-
-
 def test_a_prompts_last_logits_alone_in_one_group_of_16_columns():
     """A step that wants one row's logits (a prompt's last) computes the LM head over that row's group of 16
     columns only (``rows_state(group=)``): in the kernel and the VM those 16 columns are written and no other,
