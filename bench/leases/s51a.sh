@@ -3,7 +3,8 @@
 # PART=1 (an H200: issue 50's ratios are the H200's): the decode B sweep with invariance, 1B then 8B, with v186
 #         (the decode buckets' fp64 sums); then the one-row 1B decoder at pos 128 (issue 53's 760 us target).
 # PART=2 (an H200): TTFT beside transformers, 1B then 8B (README's table; the 8B with v180, both with v176 + v178).
-# PART=3 (any card): v185 on the 8B's 1024-row chunk, and with qkv_rows=128 (predictions: s51.md).
+# PART=3 (any card): v185 on the 8B's 1024-row chunk, and with qkv_rows=128 (predictions: s51.md; run 325 killed it
+#         and Tiling.n_tile left the code: this PART needs 187b8f5's tree).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/smi-${PART:-1}.log 2>&1
