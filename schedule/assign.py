@@ -271,9 +271,15 @@ class Release:
         return out
 
 
-def list_schedule(prog: Program, num_sms: int, model: CostModel | None = None) -> Schedule:
+def list_schedule(prog: Program, num_sms: int, model: CostModel | None = None, backfill: bool = False) -> Schedule:
     """Critical-path list scheduling: repeatedly take the released instruction with the longest
-    bottom level and put it on the SM that frees up first."""
+    bottom level and put it on the SM that frees up first.
+
+    ``backfill``: of the released instructions, take the longest bottom level among those that can start at once on
+    that SM (their producers planned to be done by then); the longest overall only where none can. Without it, an
+    instruction whose producers finish later is placed anyway and its SM idles until then, holding back the
+    instructions queued after it (the 8B's 1024-row chunk: DOWN tiles of the first K chunk placed mid-GATE_UP, 141 of
+    its 4,174 ms-SM planned idle; bench/notes/s51.md v188)."""
     _check_sms(num_sms)
     model = model or CostModel()
     n = len(prog)
@@ -282,12 +288,35 @@ def list_schedule(prog: Program, num_sms: int, model: CostModel | None = None) -
     cdone = [0.0] * len(prog.counters)
     released = [(-bl[i], i) for i in rel.initial]
     heapq.heapify(released)
+    # backfill: the released instructions by the time their producers are planned done (pending) and, once the
+    # SM that frees first has reached that time, by bottom level (ready); ``released`` holds them all (lazy
+    # deletion: ``taken``). The SMs free up in nondecreasing time, so an instruction moves to ready once
+    pending: list[tuple[float, int]] = []
+    ready: list[tuple[float, int]] = []
+    taken = [False] * n
+    if backfill:
+        pending = [(0.0, i) for i in rel.initial]
+        heapq.heapify(pending)
     sms = [(0.0, s) for s in range(num_sms)]
     queues: list[list[int]] = [[] for _ in range(num_sms)]
     start, finish = [0.0] * n, [0.0] * n
     while released:
-        _, i = heapq.heappop(released)
         free, s = heapq.heappop(sms)
+        if backfill:
+            while pending and pending[0][0] <= free:
+                _, j = heapq.heappop(pending)
+                heapq.heappush(ready, (-bl[j], j))
+            while ready and taken[ready[0][1]]:
+                heapq.heappop(ready)
+            src = ready if ready else released
+            while taken[src[0][1]]:
+                heapq.heappop(src)
+            _, i = heapq.heappop(src)
+            taken[i] = True
+            while released and taken[released[0][1]]:
+                heapq.heappop(released)
+        else:
+            _, i = heapq.heappop(released)
         # released: every counter it waits on has all its producers placed
         st = max([free] + [cdone[w] for w in prog.waits[i]])
         f = st + model.time(prog, i, num_sms)
@@ -299,6 +328,8 @@ def list_schedule(prog: Program, num_sms: int, model: CostModel | None = None) -
             cdone[c] = max(cdone[c], f)
         for j in rel.done(i):
             heapq.heappush(released, (-bl[j], j))
+            if backfill:
+                heapq.heappush(pending, (max([0.0] + [cdone[w] for w in prog.waits[j]]), j))
     if sum(map(len, queues)) != n:
         raise RuntimeError("list_schedule: some instructions were never released (a counter has no producers?)")
     return Schedule(prog, num_sms, queues, "cost", start, finish)
