@@ -26,6 +26,7 @@ Argument errors print one line naming the argument and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -135,15 +136,16 @@ def _check_output_path(prog: str, path: str | None) -> str | None:
 
 
 def compile_both(cfg, num_sms: int, max_seq: int | None, progress: _Progress, pool_us: float | None = None,
-                 tiling=None) -> dict:
-    """Compile ``cfg`` under both policies (each verified); returns {policy: Compiled}."""
+                 tiling=None, lowering=None) -> dict:
+    """Compile ``cfg`` under both policies (each verified); returns {policy: Compiled}. ``lowering``: a rows
+    program's (``--rows``), else the layers' or the whole model's as ``compile_model`` decides."""
     from schedule import compile_model
     out = {}
     for pol in POLICIES:
         progress(f"{pol}: lower -> schedule -> encode -> verify ...")
         # a config with a vocabulary compiles as a whole model (compile_model decides)
         c = compile_model(cfg, num_sms, max_seq=max_seq, tiling=tiling, policy=pol,
-                          pool_us=(pool_us if pol == "cost" else None))
+                          pool_us=(pool_us if pol == "cost" else None), lowering=lowering)
         progress(f"{pol}: {len(c.tape)} instructions on {num_sms} SMs verified "
                  f"(compile_model took {c.seconds:.2f} s)")
         out[pol] = c
@@ -169,7 +171,9 @@ def summary_lines(comps: dict, selected: str) -> list[str]:
     lines = []
     shape = " ".join(f"{k}={v}" for k, v in cfg.to_dict().items())
     lines.append(f"model   {cfg.name}: {shape}")
-    lines.append(f"layout  max_seq {lay.max_seq}; tiling " +
+    rows = getattr(lay, "rows", None)         # a rows program (--rows): its bucket and cache slots
+    lines.append(f"layout  max_seq {lay.max_seq}; " + (f"rows {rows} a step (a bucket), batch {lay.batch} slots; "
+                                                          if rows else "") + "tiling " +
                  " ".join(f"{k}={v}" for k, v in t.__dict__.items()))
     lines.append(f"target  {sel.tape.num_sms} SMs; cost model: HBM {model.hbm_bw / 1e12:.2f} TB/s, "
                  f"L2 {model.l2_bw_sm / 1e9:.0f} GB/s per SM, {model.overhead * 1e6:.2f} us per instruction")
@@ -265,8 +269,39 @@ def summary_lines(comps: dict, selected: str) -> list[str]:
     return lines
 
 
+def tape_target(a, cfg):
+    """(tiling, lowering, what) of ``compile`` / ``viz``'s arguments: ``--tiling`` over the preset's defaults, or with
+    ``--rows R`` the rows kernel's program of an R-row step (``opcodes.rows``: the bucket that holds R, ``--batch``
+    cache slots) and its tiling. ValueError names the argument."""
+    from opcodes import Tiling
+    if a.rows is None:
+        if a.batch is not None:
+            raise ValueError("argument --batch: only with --rows (the cache slots of a rows program)")
+        try:
+            return (Tiling.from_spec(cfg, a.tiling, max_seq=a.max_seq) if a.tiling else None), None, ""
+        except ValueError as e:
+            raise ValueError(f"{'' if str(e).startswith('--tiling') else 'argument --tiling: '}{e}") from None
+    from opcodes.rows import BUCKETS, rows_tiling
+    from schedule.rows_program import rows_lowering
+    if not cfg.vocab:
+        raise ValueError(f"argument --rows: a rows program is a whole model's (embedding to logits): the preset needs a "
+                         f"vocabulary; {cfg.name} has none (whole-model presets: llama3.2-1b, llama3.1-8b, llama3.1-70b)")
+    b = next(x for x in BUCKETS if a.rows <= x)
+    over = Tiling.parse_spec(a.tiling) if a.tiling else {}
+    unknown = sorted(set(over) - {f.name for f in dataclasses.fields(Tiling)})
+    if unknown:
+        raise ValueError(f"--tiling: unknown Tiling field(s) {', '.join(unknown)}")
+    max_seq = a.max_seq or (4224 if cfg.d >= 1024 else 256)
+    try:
+        til = rows_tiling(cfg, b, max_seq, **over)
+    except ValueError as e:
+        raise ValueError(f"argument --tiling: {e}") from None
+    batch = a.batch or 1
+    return til, rows_lowering(b, batch), f"a step of {a.rows} row(s) in the {b}-row bucket, {batch} cache slot(s)"
+
+
 def cmd_compile(a, prog: str = "megatape compile") -> int:
-    from opcodes import ModelConfig, Tiling
+    from opcodes import ModelConfig
     from schedule import TapeError
 
     err = _check_output_path(prog, a.output)
@@ -278,13 +313,13 @@ def cmd_compile(a, prog: str = "megatape compile") -> int:
     if a.layers:
         cfg = cfg.with_layers(a.layers)
     try:        # (before any progress line: a bad argument is one line)
-        tiling = Tiling.from_spec(cfg, a.tiling, max_seq=a.max_seq) if a.tiling else None
+        tiling, lowering, what = tape_target(a, cfg)
     except ValueError as e:
-        print(f"{prog}: error: {'' if str(e).startswith('--tiling') else 'argument --tiling: '}{e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    progress(f"{prog}: {cfg.name}, {cfg.layers} layer(s), {a.sms} SMs")
+    progress(f"{prog}: {cfg.name}, {cfg.layers} layer(s), {a.sms} SMs" + (f"; {what}" if what else ""))
     try:
-        comps = compile_both(cfg, a.sms, a.max_seq, progress, getattr(a, "pool_us", None), tiling)
+        comps = compile_both(cfg, a.sms, a.max_seq, progress, getattr(a, "pool_us", None), tiling, lowering)
     except TapeError as e:
         print(f"{prog}: the verifier rejected the tape (a compiler bug):\n{e}", file=sys.stderr)
         return 1
@@ -355,8 +390,8 @@ def cmd_run(a) -> int:
             sms = torch.cuda.get_device_properties(0).multi_processor_count
         else:
             sms = DEFAULT_SMS
-    ns = argparse.Namespace(preset=MAIN_PRESET, sms=sms, layers=None, max_seq=None, tiling="", policy="cost",
-                            listing=False, output=a.output)
+    ns = argparse.Namespace(preset=MAIN_PRESET, sms=sms, layers=None, max_seq=None, tiling="", rows=None, batch=None,
+                            policy="cost", listing=False, output=a.output)
     rc = cmd_compile(ns, prog="megatape run")
     if rc:
         return rc
@@ -399,7 +434,7 @@ def gpu_benchmark(preset: str, prefill: int = 4096, steps: int = 32) -> int:
 
 # ---- viz -----------------------------------------------------------------------------------------
 def cmd_viz(a, prog: str = "megatape viz") -> int:
-    from opcodes import ModelConfig, Tiling
+    from opcodes import ModelConfig
     try:
         from megatape.views.viz import render
     except ModuleNotFoundError as e:
@@ -411,9 +446,9 @@ def cmd_viz(a, prog: str = "megatape viz") -> int:
         cfg = ModelConfig.from_name(a.preset)
         if a.layers is not None:
             cfg = cfg.with_layers(a.layers)
-        tiling = Tiling.from_spec(cfg, a.tiling, max_seq=a.max_seq) if a.tiling else None
+        tiling, lowering, _ = tape_target(a, cfg)
         render(cfg, a.sms, a.out, max_seq=a.max_seq, policy=a.policy, stage=a.stage, layer=a.layer, sm=a.sm,
-               max_nodes=a.max_nodes, aggregate=a.aggregate, svg=not a.no_svg, tiling=tiling)
+               max_nodes=a.max_nodes, aggregate=a.aggregate, svg=not a.no_svg, tiling=tiling, lowering=lowering)
     except ValueError as e:     # bad stage, SM, layer count...: a message, not a traceback
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
@@ -697,6 +732,11 @@ def _add_tape_args(p, presets) -> None:
                    help="KV cache length the tape is compiled for (default: 4224 for d >= 1024, else 256)")
     p.add_argument("--tiling", default="", metavar="SPEC",
                    help="Tiling fields over the preset's defaults, e.g. 'gu_rows=32,res_fold=1' (opcodes.Tiling)")
+    p.add_argument("--rows", type=_int_in(1, 1024, "an integer in [1, 1024]"), default=None, metavar="R",
+                   help="the many-rows kernel's tape of a step of R rows (batched decode or a prefill chunk; the "
+                        "bucket of 16 ... 1024 rows that holds R; a whole-model preset)")
+    p.add_argument("--batch", type=_positive_int, default=None, metavar="B",
+                   help="with --rows: the KV cache's sequence slots (default 1)")
 
 
 def _add_viz(sub, presets) -> None:

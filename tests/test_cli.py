@@ -113,6 +113,19 @@ def test_compile_layers_and_max_seq(capsys, tmp_path):
     assert "max_seq 96" in out
 
 
+def test_compile_a_rows_program(capsys, tmp_path):
+    """``--rows R`` compiles the many-rows kernel's tape of an R-row step (the bucket that holds R) over ``--batch``
+    cache slots: the rows opcodes, the bucket and slots in the layout line, a tape that loads back as such."""
+    path = tmp_path / "rows.json"
+    rc, out, err = run_main(capsys, "compile", "--preset", "llama3.2-1b", "--layers", "1", "--sms", "8", "--max-seq",
+                            "256", "--rows", "20", "--batch", "4", "-o", str(path))
+    assert rc == 0, err
+    assert "rows 32 a step (a bucket), batch 4 slots" in out and "gate_up_r" in out and "lm_head_r" in out
+    assert "a step of 20 row(s) in the 32-row bucket, 4 cache slot(s)" in err
+    t = Tape.load(path)
+    assert (t.lay.rows, t.lay.batch, t.lay.max_seq, t.num_sms) == (32, 4, 256, 8)
+
+
 BAD_ARGS = [
     (["compile", "--preset", "nope", "--sms", "3"], "--preset"),
     (["compile", "--preset", "tiny", "--sms", "0"], "--sms"),
@@ -125,6 +138,10 @@ BAD_ARGS = [
     (["compile", "--preset", "tiny", "--sms", "3", "--policy", "fastest"], "--policy"),
     (["compile", "--preset", "tiny", "--sms", "3", "--tiling", "foo=1"], "--tiling"),
     (["compile", "--preset", "tiny", "--sms", "3", "--tiling", "gu_rows=x"], "--tiling"),
+    (["compile", "--preset", "tiny", "--sms", "3", "--rows", "4"], "--rows"),             # no vocabulary
+    (["compile", "--preset", "llama3.2-1b", "--sms", "3", "--rows", "0"], "--rows"),
+    (["compile", "--preset", "llama3.2-1b", "--sms", "3", "--rows", "1025"], "--rows"),
+    (["compile", "--preset", "tiny", "--sms", "3", "--batch", "2"], "--batch"),           # without --rows
     (["compile", "--preset", "tiny", "--sms", "3", "-o", "/nonexistent-dir/x/t.json"], "-o"),
     (["run", "--sms", "0"], "--sms"),
     (["frobnicate"], "frobnicate"),

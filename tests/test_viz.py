@@ -132,6 +132,25 @@ def test_tiny_zoom(tmp_path, capsys):
     _check_trace(tmp_path / "plan_trace.json", comp.prog, 8)
 
 
+def test_a_rows_program(tmp_path, capsys):
+    """``megatape viz --rows``: the many-rows kernel's tape (its counter ``embed`` has no layer index), every file
+    written; the column headers name the opcodes drawn (the rows ones), not every opcode of their stage."""
+    from opcodes.rows import rows_tiling
+    from schedule.rows_program import rows_lowering
+    _run(tmp_path, ["--preset", "llama3.2-1b", "--layers", "1", "--sms", "8", "--max-seq", "256", "--rows", "16",
+                    "--no-svg"], capsys)
+    cfg = ModelConfig.from_name("llama3.2-1b").with_layers(1)
+    comp = compile_model(cfg, 8, max_seq=256, tiling=rows_tiling(cfg, 16, 256), lowering=rows_lowering(16, 1))
+    _check_outputs(tmp_path, comp, 8, svg=False)
+    import matplotlib.pyplot as plt
+    seen = []
+    real_text = plt.Axes.text
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plt.Axes, "text", lambda ax, x, y, s, *a, **k: (seen.append(s), real_text(ax, x, y, s, *a, **k))[1])
+        viz.draw_dag(viz.aggregate_dag(comp.prog), "t", [tmp_path / "again.png"])
+    assert "gate_up_r" in seen and not any("/" in s and "gate_up_r" in s for s in seen), seen
+
+
 def test_llama70b_layer(tmp_path, capsys):
     """(Its 30 s limit is measured in tests/test_gpu.py: CPU tests assert no wall-clock times.)"""
     _run(tmp_path, ["--preset", "llama70b-layer", "--sms", "132"], capsys)

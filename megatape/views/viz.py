@@ -69,6 +69,9 @@ def _family(counter_name: str) -> str:
 
 
 def _counter_layer(counter_name: str) -> int:
+    """The layer of ``name[layer, ...]``; a counter of no layer (a rows program's ``embed``, before layer 0): 0."""
+    if "[" not in counter_name:
+        return 0
     inside = counter_name.split("[", 1)[1].rstrip("]")
     return int(inside.split(",")[0])
 
@@ -378,12 +381,15 @@ def draw_dag(G: nx.DiGraph, title: str, paths: list, font_size: float | None = N
                                                    lw=0.4)))
     # column headers: the stage of each tile column
     top = max(ys) + 0.9
-    col_xs = defaultdict(list)
+    col_xs, col_ops = defaultdict(list), defaultdict(dict)
     for n in G.nodes:
         col_xs[G.nodes[n]["col"]].append(pos[n][0])
+        if G.nodes[n].get("opcode"):
+            col_ops[G.nodes[n]["col"]][G.nodes[n]["opcode"]] = None
     cols = sorted(((min(v) + max(v)) / 2, c) for c, v in col_xs.items())
-    for x, c in cols:
-        txt = "from layer above" if c < 0 else _stage_name(c // 2) if c % 2 == 0 else "counters"
+    for x, c in cols:     # a tile column: the opcodes drawn in it (the program's, not every opcode of the stage)
+        txt = "from layer above" if c < 0 else ("/".join(col_ops[c]) or _stage_name(c // 2)) if c % 2 == 0 \
+            else "counters"
         ax.text(x, top, txt, ha="center", va="bottom", fontsize=fs + 1.5,
                 fontweight="bold" if c % 2 == 0 else "normal", color="black" if c % 2 == 0 else "#666666")
     layers = sorted({G.nodes[n]["layer"] for n in G.nodes})
@@ -571,11 +577,12 @@ def write_graph(G: nx.DiGraph, stem, graphml: bool = False) -> list[pathlib.Path
 # ---- everything at once (``megatape viz``) ------------------------------------------------------
 def render(cfg: ModelConfig, num_sms: int, out, max_seq: int | None = None, policy: str = "cost",
            stage=None, layer: int | None = None, sm: int | None = None, max_nodes: int = 120,
-           aggregate: str = "auto", svg: bool = True, tiling=None) -> list[pathlib.Path]:
+           aggregate: str = "auto", svg: bool = True, tiling=None, lowering=None) -> list[pathlib.Path]:
     """Compile ``cfg`` for ``num_sms`` SMs (a whole-model config gets the decoder lowering, as
     :func:`schedule.compile_model` decides) and write every picture, graph file and the planned
     trace described in the module docstring into ``out`` (created). ``stage`` / ``layer`` / ``sm``
-    select a zoom; ``tiling`` overrides the config's default :class:`opcodes.Tiling`. Prints one
+    select a zoom; ``tiling`` overrides the config's default :class:`opcodes.Tiling`; ``lowering`` the program's
+    (a rows program: ``megatape viz --rows``). Prints one
     ``wrote PATH (N KiB)`` line per file and a timing line; returns the
     paths. A selection that matches nothing raises ValueError before anything is written."""
     t_start = time.perf_counter()
@@ -584,7 +591,7 @@ def render(cfg: ModelConfig, num_sms: int, out, max_seq: int | None = None, poli
     if max_nodes <= 0:
         raise ValueError(f"--max-nodes must be positive, got {max_nodes}")
     out = pathlib.Path(out)
-    comp = compile_model(cfg, num_sms, max_seq=max_seq, tiling=tiling, policy=policy)
+    comp = compile_model(cfg, num_sms, max_seq=max_seq, tiling=tiling, policy=policy, lowering=lowering)
     prog, sched = comp.prog, comp.sched
     written: list[pathlib.Path] = []
     timings: dict[str, float] = {"compile": comp.seconds}
