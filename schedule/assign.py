@@ -290,7 +290,7 @@ def list_schedule(prog: Program, num_sms: int, model: CostModel | None = None, b
     heapq.heapify(released)
     # backfill: the released instructions by the time their producers are planned done (pending) and, once the
     # SM that frees first has reached that time, by bottom level (ready); ``released`` holds them all (lazy
-    # deletion: ``taken``). The SMs free up in nondecreasing time, so an instruction moves to ready once
+    # deletion: ``taken``). The SMs free up in nondecreasing time, so an instruction moves to ready once.
     pending: list[tuple[float, int]] = []
     ready: list[tuple[float, int]] = []
     taken = [False] * n
