@@ -151,8 +151,9 @@ def read_logits(lg: torch.Tensor, sel: list[int]) -> torch.Tensor:
 
 def decode_rows(dh, tokens, pos, slots=None, min_rows: int = 1) -> torch.Tensor:
     """``decode_step``'s many-rows form. ``min_rows``: run in the bucket of at least that many rows, so
-    that a row's logits are bitwise the same however many rows share its step (a row's logits can
-    differ by bucket: another MMA shape on the 8B, run s38a); a server passes its slot count."""
+    that a row's logits are bitwise the same however many rows share its step: the 16- and 32-row buckets sum
+    alike (runs 321-324; ``tests/test_kernels_compile.py::test_decode_buckets_sum_alike``), the larger ones tile
+    attention and sum otherwise; a server with more than 32 slots passes its slot count."""
     check_decoder(dh)
     toks, pos, slots = check_rows_args(dh, tokens, pos, slots)
     if isinstance(min_rows, bool) or not isinstance(min_rows, int) or not 1 <= min_rows <= BUCKETS[-1]:
