@@ -85,9 +85,10 @@ class DecoderHandle:
     rows: dict = field(default_factory=dict, repr=False)
     rows_options: dict = field(default_factory=dict, repr=False)
     bound_slot: int = 0          # the slot the one-row kernels' cache pointers point at (_bind_slot)
-    # a rows call wrote ``bound_slot`` since the last one-row launch: the held position (``next_pos``) no
-    # longer says where that slot goes on, and ``decode_step(..., pos=None)`` is refused
-    held_stale: bool = False
+    # the slot whose next position the device holds (``next_pos``): the last one-row launch's, 0 after
+    # ``runtime.set_position`` (decode_step's one-position form runs on slot 0), -1 where a rows call has written
+    # that slot since; ``decode_step(..., pos=None)`` is refused unless it is 0
+    held_slot: int = 0
 
     @property
     def tape(self):
@@ -263,8 +264,7 @@ def _launch(dh: DecoderHandle, pos: int, slot: int = 0) -> None:
         h.check(sync=False)      # a failure of an earlier launch that has finished since
     h.last_pos = pos
     dh.next_pos = (dh.next_pos if pos < 0 else pos) + 1
-    if pos >= 0:
-        dh.held_stale = False
+    dh.held_slot = slot
     runtime.launch(h, dh.x0, pos, dh.hidden)
     if h.sync_check:
         h.check(sync=True)
@@ -296,17 +296,18 @@ def _rows_call(handle: DecoderHandle, tokens, pos, slots) -> bool:
 
 def _check_held(handle: DecoderHandle) -> None:
     """``decode_step(..., pos=None)`` continues the position the device holds, on slot 0: refused where that
-    position is another slot's or a rows call has written slot 0 since the last one-row launch (the step would
-    write the cache where nothing asked)."""
-    if handle.bound_slot != 0:
-        raise ValueError(f"pos: None continues the position the device holds, which is slot {handle.bound_slot}'s "
-                         f"(the last one-position launch ran there: generate(..., slot={handle.bound_slot})); "
-                         "decode_step's one-position form runs on slot 0: pass pos, or pos=[p] with "
-                         f"slots=[{handle.bound_slot}] to go on in slot {handle.bound_slot}")
-    if handle.held_stale:
-        raise ValueError(f"pos: None continues the position the device holds ({handle.next_pos}, after the last "
-                         "one-position launch), but a many-rows call (prefill, or decode_step with pos (R,)) has "
-                         "written slot 0 since: pass the position")
+    position is another slot's or a rows call has written its slot since (the step would write the cache where
+    nothing asked). ``runtime.set_position`` makes it slot 0's again."""
+    s = handle.held_slot
+    if s == -1:
+        raise ValueError(f"pos: None continues the position the device holds ({handle.next_pos}), but a many-rows call "
+                         "(prefill, or decode_step with pos (R,)) has written its slot since: pass the position, or "
+                         "set it (interp.runtime.set_position)")
+    if s != 0:
+        raise ValueError(f"pos: None continues the position the device holds, which is slot {s}'s (the last "
+                         f"one-position launch ran there: generate(..., slot={s})); decode_step's one-position form "
+                         f"runs on slot 0: pass pos (or set it: interp.runtime.set_position), or pos=[p] with "
+                         f"slots=[{s}] to go on in slot {s}")
 
 
 def decode_step(handle: DecoderHandle, tokens, pos, slots=None) -> torch.Tensor:
@@ -318,7 +319,8 @@ def decode_step(handle: DecoderHandle, tokens, pos, slots=None) -> torch.Tensor:
     pos    : int, the absolute position being written; None: the position held on the device (the
              last call's + 1, or ``runtime.set_position``'s), which a captured CUDA graph of several
              steps uses; on slot 0, so refused where the last one-position launch ran on another slot
-             (``generate(..., slot=s)``) or a many-rows call has written slot 0 since it
+             (``generate(..., slot=s)``) or a many-rows call has written its slot since (until
+             ``runtime.set_position``)
     returns a fresh (1, vocab) fp32 tensor of logits. The greedy next token is also left on the
     device (``handle.tok``), where a following ``generate`` or launch would read it.
     A tensor-parallel rank's handle (``build_decoder(..., tp_group=...)``): ``interp.tp.tp_decode_step``
@@ -337,6 +339,10 @@ def decode_step(handle: DecoderHandle, tokens, pos, slots=None) -> torch.Tensor:
             return tp_decode_step(handle, tokens, pos)
     _check_handle(handle)
     if _rows_call(handle, tokens, pos, slots):
+        if isinstance(tokens, int):
+            raise arg_error(TypeError, "tokens", "a (R,) integer tensor or list of ints beside pos (R,) (a many-rows "
+                            "step; a (1,) pos tensor is one on a decoder of batch > 1: an int token takes an int pos)",
+                            describe(tokens))
         return decode_rows(handle, tokens, pos, slots)
     pos = check_pos(handle.layer, pos)
     if pos < 0:

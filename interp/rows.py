@@ -115,8 +115,8 @@ def run_rows(dh, toks: list[int], pos: list[int], slots: list[int], logits_rows=
     (n, vocab), a fresh tensor; ``logits_rows`` empty: None, and the launch skips the LM head."""
     R = len(toks)
     h = rows_handle(dh, R, min_rows)
-    if dh.bound_slot in slots:        # the one-row kernels' held position no longer follows that slot
-        dh.held_stale = True
+    if dh.held_slot in slots:         # the held position (decode_step's pos=None) no longer follows that slot
+        dh.held_slot = -1
     sel = list(range(R)) if logits_rows is None else list(logits_rows)
     # NOTE: from pageable memory: the copy has read the host tensor when it returns (no pinned buffer
     # the next step could overwrite before the device read it)

@@ -493,8 +493,9 @@ def set_position(h, pos: int) -> None:
     pos = check_pos(h, pos)
     for k in getattr(dh, "handles", (h,)):
         k.ctl[CTL_POS].fill_(pos)
-    if hasattr(dh, "next_pos"):
+    if hasattr(dh, "next_pos"):       # a decoder: its pos=None steps go on from here, on slot 0
         dh.next_pos = pos
+        dh.held_slot = 0
 
 
 def launch(h: LayerHandle, x: torch.Tensor, pos: int, out: torch.Tensor) -> None:

@@ -285,18 +285,22 @@ def tape_target(a, cfg):
     from schedule.rows_program import rows_lowering
     if not cfg.vocab:
         raise ValueError(f"argument --rows: a rows program is a whole model's (embedding to logits): the preset needs a "
-                         f"vocabulary; {cfg.name} has none (whole-model presets: llama3.2-1b, llama3.1-8b, llama3.1-70b)")
+                         f"vocabulary; {a.preset} has none (whole-model presets: llama3.2-1b, llama3.1-8b, llama3.1-70b)")
     b = next(x for x in BUCKETS if a.rows <= x)
     over = Tiling.parse_spec(a.tiling) if a.tiling else {}
-    unknown = sorted(set(over) - {f.name for f in dataclasses.fields(Tiling)})
+    fields = [f.name for f in dataclasses.fields(Tiling)]
+    unknown = sorted(set(over) - set(fields))
     if unknown:
-        raise ValueError(f"--tiling: unknown Tiling field(s) {', '.join(unknown)}")
+        raise ValueError(f"--tiling: unknown Tiling field(s) {', '.join(unknown)} (the fields: {', '.join(fields)})")
     max_seq = a.max_seq or (4224 if cfg.d >= 1024 else 256)
+    batch = a.batch or 1
+    if a.rows > batch * max_seq:
+        raise ValueError(f"argument --rows: a step's rows are distinct (slot, position) pairs, at most --batch x "
+                         f"--max-seq = {batch} x {max_seq}, got {a.rows}")
     try:
         til = rows_tiling(cfg, b, max_seq, **over)
     except ValueError as e:
         raise ValueError(f"argument --tiling: {e}") from None
-    batch = a.batch or 1
     return til, rows_lowering(b, batch), f"a step of {a.rows} row(s) in the {b}-row bucket, {batch} cache slot(s)"
 
 

@@ -142,6 +142,7 @@ BAD_ARGS = [
     (["compile", "--preset", "llama3.2-1b", "--sms", "3", "--rows", "0"], "--rows"),
     (["compile", "--preset", "llama3.2-1b", "--sms", "3", "--rows", "1025"], "--rows"),
     (["compile", "--preset", "tiny", "--sms", "3", "--batch", "2"], "--batch"),           # without --rows
+    (["compile", "--preset", "llama3.2-1b", "--sms", "3", "--max-seq", "100", "--rows", "1024"], "--rows"),  # > slots x seq
     (["compile", "--preset", "tiny", "--sms", "3", "-o", "/nonexistent-dir/x/t.json"], "-o"),
     (["run", "--sms", "0"], "--sms"),
     (["frobnicate"], "frobnicate"),

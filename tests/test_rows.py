@@ -424,6 +424,9 @@ def test_one_position_calls_beside_rows_calls_and_other_slots():
     a = decode_step(h, torch.tensor([9]), torch.tensor([25]))
     b = decode_step(h, [9], [25])
     assert a.shape == (1, CFG.vocab) and bitwise_equal(a, b)
+    with pytest.raises(TypeError) as e:              # an int token beside it: the error says why it is a rows call
+        decode_step(h, 9, torch.tensor([25]))
+    check_message(e.value, ["tokens", "(1,) pos tensor", "int pos"])
     kv0 = clone_cache(kv)
     with pytest.raises(ValueError) as e:          # the rows calls above wrote slot 0
         decode_step(h, 9, None)
@@ -439,6 +442,13 @@ def test_one_position_calls_beside_rows_calls_and_other_slots():
         decode_step(h, 9, None)
     check_message(e.value, ["pos", "slot 2", "slots=[2]"])
     assert caches_equal(kv, kv0)
+    from interp import runtime                        # a position set by the caller is slot 0's: None goes on there
+    for tok, before in ((7, lambda: None), (8, lambda: prefill(h, [3, 4], 30))):
+        before()
+        runtime.set_position(h, 33)
+        k33 = kv[0][0][0, :, 33].clone()
+        decode_step(h, tok, None)
+        assert not bitwise_equal(kv[0][0][0, :, 33], k33) and h.next_pos == 34
     teardown(h)
     for call in (lambda: prefill(h, [1, 2]), lambda: decode_step(h, [1], [2]), lambda: decode_rows(h, [1], [2])):
         with pytest.raises(ValueError) as e:
