@@ -26,7 +26,6 @@ Argument errors print one line naming the argument and exit with status 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import statistics
@@ -281,18 +280,16 @@ def tape_target(a, cfg):
             return (Tiling.from_spec(cfg, a.tiling, max_seq=a.max_seq) if a.tiling else None), None, ""
         except ValueError as e:
             raise ValueError(f"{'' if str(e).startswith('--tiling') else 'argument --tiling: '}{e}") from None
-    from opcodes.rows import BUCKETS, rows_tiling
+    from interp.rows import bucket
+    from opcodes.rows import rows_tiling
+    from schedule.compile import default_max_seq
     from schedule.rows_program import rows_lowering
     if not cfg.vocab:
         raise ValueError(f"argument --rows: a rows program is a whole model's (embedding to logits): the preset needs a "
                          f"vocabulary; {a.preset} has none (whole-model presets: llama3.2-1b, llama3.1-8b, llama3.1-70b)")
-    b = next(x for x in BUCKETS if a.rows <= x)
+    b = bucket(a.rows)
     over = Tiling.parse_spec(a.tiling) if a.tiling else {}
-    fields = [f.name for f in dataclasses.fields(Tiling)]
-    unknown = sorted(set(over) - set(fields))
-    if unknown:
-        raise ValueError(f"--tiling: unknown Tiling field(s) {', '.join(unknown)} (the fields: {', '.join(fields)})")
-    max_seq = a.max_seq or (4224 if cfg.d >= 1024 else 256)
+    max_seq = a.max_seq or default_max_seq(cfg)
     batch = a.batch or 1
     if a.rows > batch * max_seq:
         raise ValueError(f"argument --rows: a step's rows are distinct (slot, position) pairs, at most --batch x "

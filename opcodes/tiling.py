@@ -158,17 +158,12 @@ class Tiling:
     def from_spec(cls, cfg: ModelConfig, spec: str, max_seq: int | None = None) -> "Tiling":
         """``for_config`` with the overrides of a ``"name=value,name=value"`` string (integers),
         as the command line's ``--tiling`` takes them."""
-        over = cls.parse_spec(spec)
-        unknown = sorted(set(over) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"--tiling: unknown Tiling field(s) {', '.join(unknown)} (the fields: "
-                             f"{', '.join(f.name for f in dataclasses.fields(cls))})")
-        return cls.for_config(cfg, max_seq=max_seq, **over)
+        return cls.for_config(cfg, max_seq=max_seq, **cls.parse_spec(spec))
 
-    @staticmethod
-    def parse_spec(spec: str) -> dict:
-        """The overrides of a ``"name=value,name=value"`` string (integers; the names are checked
-        where they are applied)."""
+    @classmethod
+    def parse_spec(cls, spec: str) -> dict:
+        """The overrides of a ``"name=value,name=value"`` string (integers, Tiling fields; the errors name
+        ``--tiling``)."""
         over = {}
         for item in filter(None, spec.replace(" ", "").split(",")):
             k, _, v = item.partition("=")
@@ -178,6 +173,10 @@ class Tiling:
                 over[k] = int(v)
             except ValueError:
                 raise ValueError(f"--tiling: {k} must be an integer, got {v!r}") from None
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(over) - set(fields))
+        if unknown:
+            raise ValueError(f"--tiling: unknown Tiling field(s) {', '.join(unknown)} (the fields: {', '.join(fields)})")
         return over
 
     @classmethod

@@ -45,6 +45,11 @@ class Compiled:
         return FluidModel.h200().lower_bound(prog)
 
 
+def default_max_seq(cfg: ModelConfig) -> int:
+    """The KV cache length a tape is compiled for when none is given: 4224 for d >= 1024, else 256."""
+    return 4224 if cfg.d >= 1024 else 256
+
+
 def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, tiling: Tiling | None = None,
                   policy: str = "cost", model: CostModel | None = None, seed: int = 0,
                   sequential: bool = False, lowering=None, pool_us: float | None = None,
@@ -76,7 +81,7 @@ def compile_model(cfg: ModelConfig, num_sms: int, max_seq: int | None = None, ti
         lowering = decoder_lowering()
     t0 = time.perf_counter()
     if max_seq is None:
-        max_seq = 4224 if cfg.d >= 1024 else 256
+        max_seq = default_max_seq(cfg)
     lay = Layout(cfg, tiling or Tiling.for_config(cfg, max_seq=max_seq), max_seq)
     return _compile_layout(lay, num_sms, policy, model, seed, sequential, lowering, pool_us, elide_waits, t0)
 
@@ -148,7 +153,7 @@ def _compile_tp(cfg, num_sms, max_seq, tiling, policy, model, seed, sequential, 
         lowering = decoder_lowering()
     t0 = time.perf_counter()
     if max_seq is None:
-        max_seq = 4224 if cfg.d >= 1024 else 256
+        max_seq = default_max_seq(cfg)
     sc = shard_config(cfg, 0, tp)
     tiling = tiling or TPLayout.default_tiling(sc)
     ranks = [_compile_layout(TPLayout(shard_config(cfg, r, tp), tiling, max_seq, r, tp), num_sms, policy, model,
