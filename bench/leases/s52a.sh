@@ -25,7 +25,7 @@ case "${PART:-1}" in
    P8="--R 1024 --prefill --preset llama3.1-8b --pos 0"
    timeout 230 python3 -m bench.probes.rows_profile $P8 --tiling ";down_rows=128,red_rows=128;" --accuracy \
      > $OUT/p1024-8b-v188-v191.log 2>&1
-   [ -f .pre188/schedule/assign.py ] && pre timeout 90 python3 -m bench.probes.rows_profile $P8 --tiling ";" \
+   [ -f .pre188/schedule/assign.py ] && pre timeout 90 python3 -m bench.probes.rows_profile $P8 \
      > $OUT/p1024-8b-f724689.log 2>&1
    timeout 110 python3 -m bench.probes.ttft_probe --preset llama3.1-8b --batch 4 > $OUT/ttft-probe-8b.log 2>&1
    for f in $OUT/*.log; do echo "== $f"; grep -v "^  +\|^{\|Warn\|_warn\|  layer" $f | cut -c1-300 | tail -n 16; done
