@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 52's lease (bench/notes/s52.md): each PART one call of < 10 minutes; logs back as one tarball.
 # PART=1: bench/leases/s51b.sh PART=1 (v188 against f724689 on the 8B's 1024-row chunk; needs `.pre188/` carried).
+# PART=4 (any card): the first half of PART=3 (~300 s).
 # PART=3 (any card): PART=2's and PART=1's 8B chunk in one call (below).
 # PART=2 (any card): where the 1B's 1024-token TTFT goes past its chunk (bench.probes.ttft_probe); v191 (down and
 #         residual tiles of 128 rows at 1024 rows) on the 8B's chunk at pos 0 between two default runs in one
@@ -30,4 +31,10 @@ case "${PART:-1}" in
    timeout 110 python3 -m bench.probes.ttft_probe --preset llama3.1-8b --batch 4 > $OUT/ttft-probe-8b.log 2>&1
    for f in $OUT/*.log; do echo "== $f"; grep -v "^  +\|^{\|Warn\|_warn\|  layer" $f | cut -c1-300 | tail -n 16; done
    (cd $OUT && tar czf logs-3.tgz *.log && rm -f *.log) ;;
+4) # PART=3 cut to what ~300 s of device time holds: the 1B's TTFT probe, then v191 beside this tree's default
+   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/smi-4.log 2>&1
+   timeout 70 python3 -m bench.probes.ttft_probe --reps 8 > $OUT/ttft-probe-1b.log 2>&1
+   timeout 200 python3 -m bench.probes.rows_profile --R 1024 --prefill --preset llama3.1-8b --pos 0 \
+     --tiling ";down_rows=128,red_rows=128" --accuracy > $OUT/p1024-8b-v188-v191.log 2>&1
+   for f in $OUT/*.log; do echo "== $f"; grep -v "^  +\|^{\|Warn\|_warn\|  layer" $f | cut -c1-300 | tail -n 16; done ;;
 esac
