@@ -47,6 +47,7 @@ CASES = [
     pytest.param("llama3.2-1b", 1152, "rows128", marks=pytest.mark.slow),   # ... the prefill bucket, N 128
     pytest.param("llama3.1-8b", 1152, "rows512", marks=pytest.mark.slow),   # ... two column blocks of 256
     pytest.param("llama3.2-1b", 1152, "rows1024", marks=pytest.mark.slow),  # ... the largest: four
+    pytest.param("llama3.1-8b", 1152, "rows1024", marks=pytest.mark.slow),  # ... O / down / residual tiles of 128
     pytest.param("llama3.1-8b", 1152, "rows16", marks=pytest.mark.slow),    # ... hd 128, the 8B's shapes
     pytest.param("llama3.1-8b", 1152, "rows32", marks=pytest.mark.slow),
 ]
@@ -333,9 +334,12 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
         # LM head tiles of 128 vocabulary rows (run 311, H200: a 1B prompt's 1024-row chunk -6.8%) the 1B's 128-
         # and 1024-row kernels from 344 / 536 to 400 / 592, the 8B's 512-row one to 688 (the 1B's chunk got
         # faster with it; the 8B not measured). The 1024-row bucket's last down K chunk ending the layer (DOWN_RES_R,
-        # v178: run 314, H100, a 1B chunk 5579 -> 5280 us) took the 1B's 1024-row kernel to 760. The bounds guard
-        # against more than those.
+        # v178: run 314, H100, a 1B chunk 5579 -> 5280 us) took the 1B's 1024-row kernel to 760. The 8B's 1024-row
+        # kernel, 128-row O tiles (v180) 1128, and 128-row down / residual tiles (v191: run 328, H100, its chunk
+        # -4.2%) 2216, none of it in a GEMM loop. The bounds guard against more than those.
         bound = {"rows16": 0, "rows32": 64, "rows64": 160, "rows128": 400, "rows512": 688, "rows1024": 760}[what]
+        if (preset, what) == ("llama3.1-8b", "rows1024"):
+            bound = 2216
         assert 0 <= got["stack"] <= bound, \
             f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills; -1: no cuobjdump to read it)"
         # ... and none in the GEMM loops (sm_90a SASS, bench/notes/s50.md): no spill store there, at most one local
