@@ -17,6 +17,7 @@ Every check runs before anything is written: on an error the cache is untouched.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from opcodes.rows import BUCKETS, LOGIT_GROUP, rows_state, rows_tiling
@@ -59,7 +60,8 @@ def _int_vector(name: str, v, device=None) -> list[int]:
         if v.dim() != 1:
             raise arg_error(ValueError, name, "a 1-D tensor", describe(v))
         return [int(t) for t in v.tolist()]
-    if isinstance(v, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+    if isinstance(v, (list, tuple)) and (set(map(type, v)) <= {int}     # the common case, ~3x faster
+                                         or all(isinstance(t, int) and not isinstance(t, bool) for t in v)):
         return list(v)
     raise arg_error(TypeError, name, "a 1-D integer tensor or a list of ints", describe(v))
 
@@ -110,7 +112,7 @@ def check_decoder(dh) -> None:
     check_open(dh)
 
 
-def run_rows(dh, toks: list[int], pos: list[int], slots: list[int], logits_rows=None, min_rows: int = 1) -> torch.Tensor:
+def run_rows(dh, toks, pos, slots, logits_rows=None, min_rows: int = 1) -> torch.Tensor:
     """One launch over checked rows; returns the fp32 logits of rows ``logits_rows`` (default all),
     (n, vocab), a fresh tensor; ``logits_rows`` empty: None, and the launch skips the LM head."""
     R = len(toks)
@@ -208,9 +210,16 @@ def prefill(dh, tokens, start_pos: int = 0, slot: int = 0, chunk: int | None = N
                         f"positions {start_pos} .. {start_pos + P - 1} (past max_seq_len)" if start_pos >= 0
                         else start_pos)
     vocab = dh.cfg.vocab
-    for i, t in enumerate(toks):
-        if not 0 <= t < vocab:
-            raise arg_error(ValueError, f"tokens[{i}]", f"a token id in [0, vocab={vocab})", t)
+    # NOTE: the host work before a prompt's first launch is time to first token (run 328, H100: 0.69 ms of a 1B
+    # 1024-token prompt's 6.49, its chunk's kernel 5.80): the checks and the rows' metadata are numpy, not loops
+    try:
+        arr = np.fromiter(toks, dtype=np.int64, count=P)
+    except OverflowError:               # an id past int64: the first bad one is named below
+        arr = None
+    bad = np.flatnonzero((arr < 0) | (arr >= vocab)) if arr is not None else \
+        [next(i for i, t in enumerate(toks) if not 0 <= t < vocab)]
+    if len(bad):
+        raise arg_error(ValueError, f"tokens[{bad[0]}]", f"a token id in [0, vocab={vocab})", toks[bad[0]])
     if not isinstance(logits, bool):
         raise arg_error(TypeError, "logits", "a bool", describe(logits))
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= BUCKETS[-1]):
@@ -218,8 +227,7 @@ def prefill(dh, tokens, start_pos: int = 0, slot: int = 0, chunk: int | None = N
                         "chunk", f"an int in [1, {BUCKETS[-1]}]", describe(chunk))
     out = None
     for c0, n in prefill_chunks(P, chunk):
-        chunk_toks = toks[c0:c0 + n]
-        p = [start_pos + c0 + i for i in range(n)]
         last = c0 + n == P
-        out = run_rows(dh, chunk_toks, p, [slot] * n, logits_rows=[n - 1] if last and logits else [])
+        out = run_rows(dh, arr[c0:c0 + n], np.arange(start_pos + c0, start_pos + c0 + n), np.full(n, slot),
+                       logits_rows=[n - 1] if last and logits else [])
     return out

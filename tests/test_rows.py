@@ -403,6 +403,10 @@ def test_bad_rows_inputs_fail_before_the_cache_is_touched():
         (lambda: prefill(h, [1, 2], 0, slot=3), ValueError, ["slot", "batch=3"]),
         (lambda: prefill(h, [1, 2], 0, chunk=0), ValueError, ["chunk"]),
         (lambda: prefill(h, [1, 999], 0), ValueError, ["tokens[1]", "vocab"]),
+        (lambda: prefill(h, [1, 2, -1], 0), ValueError, ["tokens[2]", "-1"]),         # numpy's check names the first
+        (lambda: prefill(h, [1, 2 ** 70, 5], 0), ValueError, ["tokens[1]", str(2 ** 70)]),   # past int64
+        (lambda: prefill(h, [1, True], 0), TypeError, ["tokens"]),
+        (lambda: prefill(h, torch.tensor([3, 4, 250]), 0), ValueError, ["tokens[2]", "250"]),
     ]
     for f, exc, words in bad:
         with pytest.raises(exc) as e:
