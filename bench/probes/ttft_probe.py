@@ -17,19 +17,6 @@ import sys
 import time
 
 
-def _events_ms(fn, reps: int) -> list[float]:
-    import torch
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="llama3.2-1b")
@@ -38,6 +25,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10)
     a = p.parse_args(argv)
     import torch
+    from bench.rows_bench import _events_ms
     from interp import build_decoder, prefill, runtime
     from interp.rows import prefill_chunks, rows_handle
     from opcodes import ModelConfig
