@@ -3,6 +3,7 @@ execution and wait time across SMs, the step's span, and the stage spans per lay
 
     python -m bench.probes.rows_profile --preset llama3.2-1b --R 16 --B 16 --pos 1024 [--tiling "k=v,...;k=v"]
     python -m bench.probes.rows_profile --R 128 --prefill     # a prefill chunk: slot 0's positions pos .. pos + R - 1
+    python -m bench.probes.rows_profile --R 1024 --prefill --last-logits --lm-rows ";256"   # a prompt's last chunk
 
 
 ``--tiling``: variants separated by ``;`` (an empty one: the default tiling), each timed (the median of 10
@@ -38,12 +39,17 @@ def main(argv=None) -> int:
                         "one: the layout's; a single value: every variant)")
     p.add_argument("--prefill", action="store_true",
                    help="one slot's R consecutive positions from --pos, no LM head (a prefill chunk), not B slots")
+    p.add_argument("--last-logits", action="store_true",
+                   help="with --prefill: the LM head computes the last row's logits group, as a prompt's last chunk "
+                        "(bench/notes/s52.md: +488 us on the 1B's 1024-row chunk)")
     p.add_argument("--accuracy", action="store_true",
                    help="each variant's logits of a few rows against the fp32 reference (the multi-layer criterion)")
     p.add_argument("--tokens", choices=("distinct", "same"), default="distinct",
                    help="the rows' tokens: distinct ((17 r + 5) mod vocab, as the rows bench's decode) or all 7 "
                         "(every probe before session 44: identical columns, less toggling in the MMAs)")
     a = p.parse_args(argv)
+    if a.last_logits and not a.prefill:
+        p.error("--last-logits: only with --prefill (a decode step computes every row's logits)")
     if a.prefill:
         a.B = 1
     variants = a.tiling.split(";")
@@ -135,14 +141,15 @@ def run_variant(a, cfg, w, kv, ms, til, lm_rows, dev, name, profile, check_rows=
     step's logits) and, with ``check_rows``, those rows' logits from one more launch that computes every row's."""
     from interp import runtime
     from interp.rows import read_logits
-    from opcodes.rows import rows_state
+    from opcodes.rows import LOGIT_GROUP, rows_state
     from schedule.rows_program import rows_lowering
     slots, pos, toks = step_rows(a, cfg)
     lg = None
     for prof in ((False, True) if profile else (False,)):
         h = runtime.build_validated(w, kv, cfg, dev, ms, tiling=til, lowering=rows_lowering(a.R, a.B, lm_rows),
                                     profile=prof)
-        st = rows_state(a.R, slots, pos, toks, logits=not a.prefill)
+        st = rows_state(a.R, slots, pos, toks, logits=not a.prefill or a.last_logits,
+                        group=(a.R - 1) // LOGIT_GROUP if a.prefill and a.last_logits else None)
         h.state["rows"].copy_(st)
         x = torch.zeros(1, cfg.d, dtype=torch.bfloat16, device="cuda")
         for _ in range(3):
