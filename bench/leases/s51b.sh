@@ -15,10 +15,12 @@ if [ ! -f .pre188/schedule/assign.py ]; then
   echo "s51b PART=${PART:-1}: no .pre188/ (the tree before v188) here: make it and carry it (see this script's head)"; exit 2
 fi
 P8="--R 1024 --prefill --preset llama3.1-8b --pos 0 --tiling ;"
+# this tree at f724689's tiling of that bucket (before v191, session 52), so that only the schedule differs
+T8="down_rows=64,red_rows=64;down_rows=64,red_rows=64"
 case "${PART:-1}" in
-1) timeout 110 python3 -m bench.probes.rows_profile $P8 --accuracy > $OUT/p1024-8b-v188-a.log 2>&1
+1) timeout 110 python3 -m bench.probes.rows_profile $P8 --tiling "$T8" --accuracy > $OUT/p1024-8b-v188-a.log 2>&1
    pre timeout 110 python3 -m bench.probes.rows_profile $P8 > $OUT/p1024-8b-f724689-a.log 2>&1
-   timeout 80 python3 -m bench.probes.rows_profile $P8 > $OUT/p1024-8b-v188-b.log 2>&1
+   timeout 80 python3 -m bench.probes.rows_profile $P8 --tiling "$T8" > $OUT/p1024-8b-v188-b.log 2>&1
    pre timeout 80 python3 -m bench.probes.rows_profile $P8 > $OUT/p1024-8b-f724689-b.log 2>&1
    timeout 200 python3 -m bench.rows_bench --preset llama3.1-8b --skip decode,invariance,accuracy --out $OUT > $OUT/ttft-8b.log 2>&1 ;;
 2) P1="--R 1024 --prefill --preset llama3.2-1b --pos 0 --tiling ;"
