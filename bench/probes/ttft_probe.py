@@ -5,7 +5,8 @@
 Runs 326-327 (H100) measured a 1024-token prompt's ``prefill`` at 6.44 ms on the 1B (8B: 33.05) where
 ``rows_profile`` timed its one chunk at 5.28 ms (8B: ~31.9) without the LM head: ~1.1 ms on both models, so
 not the GEMMs. This times, on one warm decoder handle (``build_decoder``, as ``bench.rows_bench`` builds it):
-the whole ``prefill`` call between CUDA events (as the TTFT bench), its host time alone (no synchronisation),
+the whole ``prefill`` call between CUDA events (as the TTFT bench), its host time alone (no synchronisation) and
+its parts (the call with its launch stubbed, the rows' copy, a launch),
 each chunk's launch back to back with and without the LM head's one group, and a ``torch.profiler`` table of
 one call's device work (kernels, copies) with their times.
 """
@@ -55,6 +56,35 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     print(f"prefill host time, no synchronisation: median {statistics.median(host):.3f} ms "
           f"({min(host):.3f} .. {max(host):.3f})", flush=True)
+    # the host time's parts: the call with no launch (checks, metadata, the rows' copy, the logits' copy of a
+    # kernel that did not run), the rows' copy alone, a launch alone
+    real = runtime.launch
+    runtime.launch = lambda *args, **kw: None
+    try:
+        part = []
+        for _ in range(a.reps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            prefill(h, toks, 0, slot=1)
+            part.append((time.perf_counter() - t) * 1e3)
+    finally:
+        runtime.launch = real
+    torch.cuda.synchronize()
+    hr = rows_handle(h, prefill_chunks(a.prompt)[0][1])
+    st = hr.state["rows"].cpu()
+    cp, ln = [], []
+    for _ in range(a.reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        hr.state["rows"].copy_(st)
+        cp.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        runtime.launch(hr, h.x0, 0, h.hidden)
+        ln.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    print(f"  of it: the call without its launch {statistics.median(part):.3f} ms; the rows' copy alone "
+          f"{statistics.median(cp):.3f} ms; a launch alone {statistics.median(ln):.3f} ms (medians)", flush=True)
     for c0, n in prefill_chunks(a.prompt):
         hr = rows_handle(h, n)
         last = c0 + n == a.prompt
