@@ -308,10 +308,7 @@ def list_schedule(prog: Program, num_sms: int, model: CostModel | None = None, b
                 heapq.heappush(ready, (-bl[j], j))
             while ready and taken[ready[0][1]]:
                 heapq.heappop(ready)
-            src = ready if ready else released
-            while taken[src[0][1]]:
-                heapq.heappop(src)
-            _, i = heapq.heappop(src)
+            _, i = heapq.heappop(ready if ready else released)     # ``released``'s top is never taken (below)
             taken[i] = True
             while released and taken[released[0][1]]:
                 heapq.heappop(released)

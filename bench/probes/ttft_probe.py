@@ -47,13 +47,18 @@ def main(argv=None) -> int:
           f"first call {time.time() - t:.1f} s; chunks {prefill_chunks(a.prompt)}", flush=True)
     ms = _events_ms(lambda: prefill(h, toks, 0, slot=1), a.reps)
     print(f"prefill between events: median {statistics.median(ms):.3f} ms ({min(ms):.3f} .. {max(ms):.3f})", flush=True)
-    host = []
-    for _ in range(a.reps):
+    def host_ms(fn) -> list[float]:
+        """``fn``'s host time (ms) per call, ``a.reps`` calls, each after the device is idle, none waited for."""
+        out = []
+        for _ in range(a.reps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t) * 1e3)
         torch.cuda.synchronize()
-        t = time.perf_counter()
-        prefill(h, toks, 0, slot=1)
-        host.append((time.perf_counter() - t) * 1e3)
-    torch.cuda.synchronize()
+        return out
+
+    host = host_ms(lambda: prefill(h, toks, 0, slot=1))
     print(f"prefill host time, no synchronisation: median {statistics.median(host):.3f} ms "
           f"({min(host):.3f} .. {max(host):.3f})", flush=True)
     # the host time's parts: the call with no launch (checks, metadata, the rows' copy, the logits' copy of a
@@ -61,28 +66,13 @@ def main(argv=None) -> int:
     real = runtime.launch
     runtime.launch = lambda *args, **kw: None
     try:
-        part = []
-        for _ in range(a.reps):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            prefill(h, toks, 0, slot=1)
-            part.append((time.perf_counter() - t) * 1e3)
+        part = host_ms(lambda: prefill(h, toks, 0, slot=1))
     finally:
         runtime.launch = real
-    torch.cuda.synchronize()
     hr = rows_handle(h, prefill_chunks(a.prompt)[0][1])
     st = hr.state["rows"].cpu()
-    cp, ln = [], []
-    for _ in range(a.reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        hr.state["rows"].copy_(st)
-        cp.append((time.perf_counter() - t) * 1e3)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        runtime.launch(hr, h.x0, 0, h.hidden)
-        ln.append((time.perf_counter() - t) * 1e3)
-    torch.cuda.synchronize()
+    cp = host_ms(lambda: hr.state["rows"].copy_(st))
+    ln = host_ms(lambda: runtime.launch(hr, h.x0, 0, h.hidden))
     print(f"  of it: the call without its launch {statistics.median(part):.3f} ms; the rows' copy alone "
           f"{statistics.median(cp):.3f} ms; a launch alone {statistics.median(ln):.3f} ms (medians)", flush=True)
     for c0, n in prefill_chunks(a.prompt):
