@@ -39,7 +39,10 @@ def lm_head_r_device(v0, n0, rows_ptr, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr
         _lm_head_r(v0, n0, 0, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS, D, VOCAB, EPS, LM_ROWS, BK, STAGES,
                    SS_P, SS_PP, ROWS, NT, NT, INTERP)
     if ROWS > DECODE_ROWS_MAX:          # (the decode buckets compile no group path: the 8B's 32-row one spilled)
-        c = (w - 2) * LOGIT_GROUP_C - n0      # the group's first column in this tile's block
+        # the group's first column in this tile's block; a multiple of 16 (n0 is one of NT), which the compiler
+        # must be told: unproven, the activation loads stay 2-byte scalars it will not pipeline (cp.async takes
+        # >= 4), and each K block waited a full L2 round trip (v193, bench/notes/s53.md)
+        c = tl.multiple_of((w - 2) * LOGIT_GROUP_C - n0, LOGIT_GROUP_C)
         if (w >= 2) & (c >= 0) & (c < NT):
             _lm_head_r(v0, n0, c, hn_r_ptr, ss_r_ptr, lmh_ptr, logits_r_ptr, LAYERS, D, VOCAB, EPS, LM_ROWS, BK,
                        STAGES, SS_P, SS_PP, ROWS, NT, LOGIT_GROUP_C, INTERP)
