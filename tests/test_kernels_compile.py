@@ -163,8 +163,8 @@ def wgmma_serialized(ptx: str) -> list[str]:
     return [line for line in (r.stdout + r.stderr).splitlines() if "C7511" in line]
 
 
-def gemm_loops(cubin: bytes) -> list[tuple[int, int, int]]:
-    """(instructions, local loads, local stores) of each GEMM loop of a rows kernel's SASS (Triton's bundled
+def gemm_loops(cubin: bytes) -> list[tuple[int, int, int, int]]:
+    """(instructions, local loads, local stores, plain global loads) of each GEMM loop of a rows kernel's SASS (Triton's bundled
     ``nvdisasm``): a loop is a backward branch's span; a GEMM loop one with tensor-core instructions and at least 90%
     of its instructions from ``opcodes/common_rows.py`` (``rows_stream``'s K loop). bench/notes/s50.md read the
     kernels' spills this way (they sit outside these loops)."""
@@ -195,7 +195,8 @@ def gemm_loops(cubin: bytes) -> list[tuple[int, int, int]]:
         body = [(f, t) for x, f, t in ins if labels[m.group(1)] <= x <= a]
         if any("MMA" in t for _, t in body) and Counter(f for f, _ in body)["common_rows.py"] >= 0.9 * len(body):
             loops.append((len(body), sum(bool(re.search(r"\bLDL\b", t)) for _, t in body),
-                          sum(bool(re.search(r"\bSTL\b", t)) for _, t in body)))
+                          sum(bool(re.search(r"\bSTL\b", t)) for _, t in body),
+                          sum(bool(re.search(r"\bLDG\b", t)) for _, t in body)))
     return loops
 
 
@@ -347,8 +348,14 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
         # serializes for want of registers; a change that moves spills into the loops that carry the prefill's
         # flops fails here, before any GPU run
         assert got["gemm_loops"], f"{preset} {what}: no GEMM loop found in the SASS (has the attribution broken?)"
-        assert all(stl == 0 and ldl <= 1 for _, ldl, stl in got["gemm_loops"]), \
-            f"{preset} {what}: local memory in a GEMM loop: (instructions, loads, stores) {got['gemm_loops']}"
+        assert all(stl == 0 and ldl <= 1 for _, ldl, stl, _ in got["gemm_loops"]), \
+            f"{preset} {what}: local memory in a GEMM loop: (instructions, loads, stores, LDG) {got['gemm_loops']}"
+        # ... and every operand of one comes by cp.async (LDGSTS), pipelined: a plain load there is waited each K
+        # block (the LM head's one-group path in the 512- and 1024-row buckets loaded its activations so, 4 LDG an
+        # iteration, until v193 told the compiler their column offset's alignment: bench/notes/s53.md)
+        assert all(ldg == 0 for *_, ldg in got["gemm_loops"]), \
+            f"{preset} {what}: a GEMM loop loads from global memory unpipelined: (instructions, LDL, STL, LDG) " \
+            f"{got['gemm_loops']}"
         assert not got["wgmma_serialized"], f"{preset} {what}: {got['wgmma_serialized']}"
         # the decode buckets sum their feature columns in fp64 (common_rows.store_normed / col_rstd: a row's bits
         # the same in the 16- and 32-row buckets, whose fp32 reduction trees differ); the others in fp32
