@@ -337,10 +337,11 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
         # faster with it; the 8B not measured). The 1024-row bucket's last down K chunk ending the layer (DOWN_RES_R,
         # v178: run 314, H100, a 1B chunk 5579 -> 5280 us) took the 1B's 1024-row kernel to 760. The 8B's 1024-row
         # kernel, 128-row O tiles (v180) 1128, and 128-row down / residual tiles (v191: run 328, H100, its chunk
-        # -4.2%) 2216, none of it in a GEMM loop. The bounds guard against more than those.
+        # -4.2%) 2216, v193's pipelined LM head group path (s53.md) 2224, none of it in a GEMM loop. The bounds
+        # guard against more than those.
         bound = {"rows16": 0, "rows32": 64, "rows64": 160, "rows128": 400, "rows512": 688, "rows1024": 760}[what]
         if (preset, what) == ("llama3.1-8b", "rows1024"):
-            bound = 2216
+            bound = 2224
         assert 0 <= got["stack"] <= bound, \
             f"{preset} {what}: {got['stack']} bytes of stack a thread (register spills; -1: no cuobjdump to read it)"
         # ... and none in the GEMM loops (sm_90a SASS, bench/notes/s50.md): no spill store there, at most one local
