@@ -164,8 +164,8 @@ def wgmma_serialized(ptx: str) -> list[str]:
 
 
 def gemm_loops(cubin: bytes) -> list[tuple[int, int, int, int]]:
-    """(instructions, local loads, local stores, plain global loads) of each GEMM loop of a rows kernel's SASS (Triton's bundled
-    ``nvdisasm``): a loop is a backward branch's span; a GEMM loop one with tensor-core instructions and at least 90%
+    """(instructions, local loads, local stores, plain global loads) of each GEMM loop of a rows kernel's SASS
+    (Triton's bundled ``nvdisasm``): a loop is a backward branch's span; a GEMM loop one with tensor-core instructions and at least 90%
     of its instructions from ``opcodes/common_rows.py`` (``rows_stream``'s K loop). bench/notes/s50.md read the
     kernels' spills this way (they sit outside these loops)."""
     import re
@@ -354,8 +354,8 @@ def test_default_kernel_compiles_for_sm90(preset, max_seq, what, compiled):
         assert all(stl == 0 and ldl <= 1 for _, ldl, stl, _ in got["gemm_loops"]), \
             f"{preset} {what}: local memory in a GEMM loop: (instructions, loads, stores, LDG) {got['gemm_loops']}"
         # ... and every operand of one comes by cp.async (LDGSTS), pipelined: a plain load there is waited each K
-        # block (the LM head's one-group path in the 512- and 1024-row buckets loaded its activations so, 4 LDG an
-        # iteration, until v193 told the compiler their column offset's alignment: bench/notes/s53.md)
+        # block (the LM head's one-group path loaded its activations so in the 1024-row kernels, 4 LDG an iteration,
+        # until v193 told the compiler their column offset's alignment: bench/notes/s53.md)
         assert all(ldg == 0 for *_, ldg in got["gemm_loops"]), \
             f"{preset} {what}: a GEMM loop loads from global memory unpipelined: (instructions, LDL, STL, LDG) " \
             f"{got['gemm_loops']}"
