@@ -165,9 +165,9 @@ def wgmma_serialized(ptx: str) -> list[str]:
 
 def gemm_loops(cubin: bytes) -> list[tuple[int, int, int, int]]:
     """(instructions, local loads, local stores, plain global loads) of each GEMM loop of a rows kernel's SASS
-    (Triton's bundled ``nvdisasm``): a loop is a backward branch's span; a GEMM loop one with tensor-core instructions and at least 90%
-    of its instructions from ``opcodes/common_rows.py`` (``rows_stream``'s K loop). bench/notes/s50.md read the
-    kernels' spills this way (they sit outside these loops)."""
+    (Triton's bundled ``nvdisasm``): a loop is a backward branch's span; a GEMM loop one with tensor-core
+    instructions and at least 90% of its instructions from ``opcodes/common_rows.py`` (``rows_stream``'s K loop).
+    bench/notes/s50.md read the kernels' spills this way (they sit outside these loops)."""
     import re
     import tempfile
     from collections import Counter
