@@ -28,8 +28,8 @@ case "${PART:-1}" in
    timeout 130 python3 -m bench.rows_bench --skip decode,invariance,accuracy --out $OUT > $OUT/ttft-1b.log 2>&1
    timeout 240 python3 -m bench.rows_bench --preset llama3.1-8b --skip decode,invariance,accuracy --out $OUT \
      > $OUT/ttft-8b.log 2>&1 ;;
-3) timeout 180 python3 -m bench.probes.rows_profile --R 1024 --prefill --preset llama3.2-1b --pos 3072 \
-     --tiling ";attn_block=64;attn_stages=4;attn_pairs=256,attn_block=64" > $OUT/attn-1b.log 2>&1
+3) timeout 210 python3 -m bench.probes.rows_profile --R 1024 --prefill --preset llama3.2-1b --pos 3072 \
+     --tiling ";attn_block=64;attn_stages=4;attn_pairs=256,attn_block=64;attn_pairs=64" > $OUT/attn-1b.log 2>&1
    timeout 260 python3 -m bench.probes.rows_profile --R 1024 --prefill --preset llama3.1-8b --pos 3072 \
      --tiling ";attn_block=64;attn_stages=2;attn_pairs=64" > $OUT/attn-8b.log 2>&1 ;;
 esac
