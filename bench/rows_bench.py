@@ -43,6 +43,18 @@ def _events_ms(fn, reps: int) -> list[float]:
     return out
 
 
+def back_to_back_us(launch, reps: int) -> list[float]:
+    """Microseconds of each of ``reps`` calls of ``launch`` issued back to back, an event between each two (the
+    device never idles between them: a launch's time, not its host's), in issue order."""
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+    ev[0].record()
+    for e in ev[1:]:
+        launch()
+        e.record()
+    torch.cuda.synchronize()
+    return [ev[i].elapsed_time(ev[i + 1]) * 1e3 for i in range(reps)]
+
+
 def graph_step_ms(launch, reps: int, k: int = 16) -> float:
     """Median ms per launch of ``launch`` replayed as a CUDA graph of ``k`` launches."""
     launch()

@@ -139,6 +139,7 @@ def accuracy_line(name: str, sel: list[int], lg: torch.Tensor, ref: torch.Tensor
 def run_variant(a, cfg, w, kv, ms, til, lm_rows, dev, name, profile, check_rows=None):
     """Time (and with ``profile`` profile) one variant; returns its output (``hn_r``'s last layer, and a decode
     step's logits) and, with ``check_rows``, those rows' logits from one more launch that computes every row's."""
+    from bench.rows_bench import back_to_back_us
     from interp import runtime
     from interp.rows import read_logits
     from opcodes.rows import LOGIT_GROUP, rows_state
@@ -155,13 +156,7 @@ def run_variant(a, cfg, w, kv, ms, til, lm_rows, dev, name, profile, check_rows=
         for _ in range(3):
             runtime.launch(h, x, 0, x)
         torch.cuda.synchronize()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(11)]   # 10 back-to-back launches, each timed
-        ev[0].record()
-        for e in ev[1:]:
-            runtime.launch(h, x, 0, x)
-            e.record()
-        torch.cuda.synchronize()
-        us = sorted(ev[i].elapsed_time(ev[i + 1]) * 1e3 for i in range(10))
+        us = sorted(back_to_back_us(lambda: runtime.launch(h, x, 0, x), 10))
         print(f"{name}: {'profiled' if prof else 'plain'}: {(us[4] + us[5]) / 2:.1f} us a step (median of 10; "
               f"{us[0]:.1f} .. {us[-1]:.1f}) ({len(h.tape)} instructions)", flush=True)
         if not prof:

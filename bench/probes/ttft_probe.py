@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10)
     a = p.parse_args(argv)
     import torch
-    from bench.rows_bench import _events_ms
+    from bench.rows_bench import _events_ms, back_to_back_us
     from interp import build_decoder, prefill, runtime
     from interp.rows import prefill_chunks, rows_handle
     from opcodes import ModelConfig
@@ -86,13 +86,7 @@ def main(argv=None) -> int:
             for _ in range(2):
                 runtime.launch(hr, h.x0, 0, h.hidden)
             torch.cuda.synchronize()
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(a.reps + 1)]
-            ev[0].record()
-            for e in ev[1:]:
-                runtime.launch(hr, h.x0, 0, h.hidden)
-                e.record()
-            torch.cuda.synchronize()
-            us = [ev[i].elapsed_time(ev[i + 1]) * 1e3 for i in range(a.reps)]
+            us = back_to_back_us(lambda: runtime.launch(hr, h.x0, 0, h.hidden), a.reps)
             print(f"chunk [{c0}, {c0 + n}) bucket {hr.lay.rows}, LM head {'one group' if lg else 'off'}: "
                   f"{statistics.median(us):.1f} us a launch back to back ({min(us):.1f} .. {max(us):.1f})", flush=True)
     from torch.profiler import ProfilerActivity, profile
